@@ -1,0 +1,209 @@
+"""Per-task FLOPs and optimizer-state sizes of the runtime's optimizer kernels (torch-free).
+
+These are exact integer counts of what ``canzona.runtime.optim`` executes for one logical matrix
+(or one AdamW tensor) in one optimizer step. The planner's cost model imports them, so this module
+must never import torch. ``tests/runtime/optim`` checks every formula against the matmuls the
+kernels perform (``torch.utils.flop_counter.FlopCounterMode``) and against the state they allocate.
+
+Conventions (REFERENCE.md §4):
+
+* Matrix optimizers count **matmul FLOPs only** (2·m·n·k for an m×k by k×n product); their
+  elementwise work is O(m·n) and is ignored, as in §4.
+* Decompositions that FLOP counters do not see are charged with §4's approximations:
+  a k×k symmetric eigendecomposition (``eigh``) ≈ 9k³, a k×k QR ≈ 8/3·k³ (Householder R plus
+  forming Q; with the 2k³ power-iteration matmul this is §4's ≈ 4.7k³ per side for SOAP).
+* ``amortised=True`` spreads the work done every ``precondition_frequency`` steps evenly over
+  the steps (integer floor); ``amortised=False`` gives the matmuls of an ordinary step, one
+  that neither recomputes roots (Shampoo) nor updates the eigenbasis (SOAP).
+* State sizes are element counts of every tensor the kernel keeps per task, including the
+  one-element ``step`` counter that Shampoo, SOAP and AdamW store (as ``torch.optim`` does).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ADAMW_FLOPS_PER_ELEMENT",
+    "SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY",
+    "adamw_flops",
+    "adamw_state_numel",
+    "block_sizes",
+    "muon_flops",
+    "muon_state_numel",
+    "shampoo_flops",
+    "shampoo_state_numel",
+    "soap_flops",
+    "soap_state_numel",
+]
+
+#: Elementwise FLOPs per element of one AdamW step as the kernel runs it (torch.optim.AdamW's
+#: single-tensor path): decay 1, first-moment lerp 3, second moment mul + addcmul 4,
+#: sqrt / bias-correction / +eps 3, addcdiv 3. REFERENCE.md §4 rounds this to "~10".
+ADAMW_FLOPS_PER_ELEMENT = 14
+
+#: Shampoo's default ``precondition_frequency`` in ``canzona.runtime.optim.ShampooConfig``.
+SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY = 10
+
+# Approximate FLOPs of k×k decompositions, in units of k³ (REFERENCE.md §4): eigh ≈ 9k³;
+# QR with explicit Q ≈ (4/3 + 4/3)k³ = 8/3·k³, kept as a fraction to stay in integers.
+_EIGH_K3 = 9
+_QR_K3_NUM, _QR_K3_DEN = 8, 3
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def block_sizes(dim: int, max_block: int) -> list[int]:
+    """Sizes of the chunks a dimension is cut into: ``max_block`` each, the remainder last.
+
+    This is how Shampoo blocks the logical matrix (``torch.split(dim_size, max_block)``).
+    """
+    _check_positive("dim", dim)
+    _check_positive("max_block", max_block)
+    full, rest = divmod(dim, max_block)
+    return [max_block] * full + ([rest] if rest else [])
+
+
+def muon_flops(m: int, n: int, *, ns_steps: int = 5) -> int:
+    """Matmul FLOPs of Muon's Newton–Schulz orthogonalisation of an m×n matrix.
+
+    With a = min(m, n), b = max(m, n) (tall matrices are transposed first), each of the
+    ``ns_steps`` iterations computes A = X Xᵀ (2a²b), B = bA + cA·A (2a³) and X = aX + B X (2a²b):
+    ``ns_steps · (4a²b + 2a³)`` — REFERENCE.md §4 "FLOPs ≈ T·(4m²n + 2m³)", here exact.
+    Momentum and the norm are elementwise and not counted.
+    """
+    _check_positive("m", m)
+    _check_positive("n", n)
+    _check_positive("ns_steps", ns_steps)
+    a, b = min(m, n), max(m, n)
+    return ns_steps * (4 * a * a * b + 2 * a * a * a)
+
+
+def muon_state_numel(m: int, n: int) -> int:
+    """Optimizer-state elements of Muon for an m×n matrix: the momentum buffer, m·n (§4)."""
+    _check_positive("m", m)
+    _check_positive("n", n)
+    return m * n
+
+
+def shampoo_flops(
+    m: int,
+    n: int,
+    *,
+    max_preconditioner_dim: int = 1024,
+    precondition_frequency: int = SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY,
+    amortised: bool = True,
+) -> int:
+    """FLOPs of one Shampoo step of an m×n matrix, summed over its blocks.
+
+    The matrix is cut into blocks of at most ``max_preconditioner_dim`` per side. A k1×k2 block
+    costs per step (REFERENCE.md §4): statistics L += G Gᵀ and R += GᵀG (2k1²k2 + 2k1k2²) and the
+    preconditioned gradient L^{-1/4} G R^{-1/4} (2k1²k2 + 2k1k2²). Every ``precondition_frequency``
+    steps each side's inverse 4th root is recomputed: eigh (≈ 9k³) and Q·diag·Qᵀ (2k³), i.e. §4's
+    "≈ 9k³ + 2k³ per side"; ``amortised=True`` adds that cost divided by the frequency.
+    """
+    _check_positive("m", m)
+    _check_positive("n", n)
+    _check_positive("max_preconditioner_dim", max_preconditioner_dim)
+    _check_positive("precondition_frequency", precondition_frequency)
+    per_step = 0
+    roots = 0
+    for k1 in block_sizes(m, max_preconditioner_dim):
+        for k2 in block_sizes(n, max_preconditioner_dim):
+            per_step += 4 * k1 * k1 * k2 + 4 * k1 * k2 * k2
+            roots += (_EIGH_K3 + 2) * (k1**3 + k2**3)
+    if not amortised:
+        return per_step
+    return per_step + roots // precondition_frequency
+
+
+def shampoo_state_numel(
+    m: int,
+    n: int,
+    *,
+    max_preconditioner_dim: int = 1024,
+    grafting: bool = True,
+    first_moment: bool = True,
+    momentum: bool = False,
+) -> int:
+    """Optimizer-state elements of Shampoo for an m×n matrix.
+
+    Per k1×k2 block: L and its inverse root (2k1²), R and its inverse root (2k2²). Per matrix:
+    the filtered gradient (m·n, when ``betas[0] > 0``: ``first_moment``), Adam grafting's second
+    moment (m·n, ``grafting``), the momentum buffer (m·n, ``momentum``), and the step counter (1).
+    The keyword defaults match ``ShampooConfig``'s defaults.
+    """
+    _check_positive("m", m)
+    _check_positive("n", n)
+    _check_positive("max_preconditioner_dim", max_preconditioner_dim)
+    total = 1
+    for k1 in block_sizes(m, max_preconditioner_dim):
+        for k2 in block_sizes(n, max_preconditioner_dim):
+            total += 2 * k1 * k1 + 2 * k2 * k2
+    total += m * n * (int(bool(grafting)) + int(bool(first_moment)) + int(bool(momentum)))
+    return total
+
+
+def soap_flops(
+    m: int,
+    n: int,
+    *,
+    max_precond_dim: int = 10000,
+    precondition_frequency: int = 10,
+    amortised: bool = True,
+) -> int:
+    """FLOPs of one SOAP step of an m×n matrix.
+
+    Each preconditioned side (size ≤ ``max_precond_dim``; larger sides use the identity) costs
+    per step four products with the k×k factor: project the gradient and the first moment into
+    the eigenbasis, project the update back, and update the statistic (G Gᵀ or GᵀG) — 8m²n for
+    the left side and 8mn² for the right, §4's "≈ 8(m²n + mn²)". Every ``precondition_frequency``
+    steps each side's basis is refreshed by one power iteration (2k³ matmul) and a QR
+    (≈ 8/3·k³): §4's "≈ 4.7k³ per side"; ``amortised=True`` adds that divided by the frequency.
+    The one-off first eigh basis is not amortised.
+    """
+    _check_positive("m", m)
+    _check_positive("n", n)
+    _check_positive("max_precond_dim", max_precond_dim)
+    _check_positive("precondition_frequency", precondition_frequency)
+    per_step = 0
+    refresh_num = 0  # in units of 1/3 FLOP
+    if m <= max_precond_dim:
+        per_step += 8 * m * m * n
+        refresh_num += (3 * 2 + _QR_K3_NUM) * m**3
+    if n <= max_precond_dim:
+        per_step += 8 * m * n * n
+        refresh_num += (3 * 2 + _QR_K3_NUM) * n**3
+    if not amortised:
+        return per_step
+    return per_step + refresh_num // (_QR_K3_DEN * precondition_frequency)
+
+
+def soap_state_numel(m: int, n: int, *, max_precond_dim: int = 10000) -> int:
+    """Optimizer-state elements of SOAP for an m×n matrix.
+
+    Adam's two moments (2·m·n), per preconditioned side its statistic and eigenbasis (2k²), and the
+    step counter (1): §4's "m² + n² + Q_L + Q_R + 2·m·n".
+    """
+    _check_positive("m", m)
+    _check_positive("n", n)
+    _check_positive("max_precond_dim", max_precond_dim)
+    total = 2 * m * n + 1
+    for k in (m, n):
+        if k <= max_precond_dim:
+            total += 2 * k * k
+    return total
+
+
+def adamw_flops(numel: int) -> int:
+    """Elementwise FLOPs of one AdamW step over ``numel`` elements (§4: O(numel))."""
+    _check_positive("numel", numel)
+    return ADAMW_FLOPS_PER_ELEMENT * numel
+
+
+def adamw_state_numel(numel: int) -> int:
+    """Optimizer-state elements of AdamW: two moments (2·numel, §4) and the step counter (1)."""
+    _check_positive("numel", numel)
+    return 2 * numel + 1
