@@ -1,0 +1,27 @@
+"""Optimizer kernels: Muon, Shampoo and SOAP for whole matrices, AdamW for everything else.
+
+Each matrix optimizer splits its step into ``direction`` (stateful, whole logical matrices,
+batched) and ``apply`` (elementwise, works on tensor-parallel shards); see ``_base``. State is a
+plain ``dict[str, Tensor]`` per task, made by ``init_state``. FLOPs and state sizes are the
+torch-free formulas of ``canzona.planner._flops``.
+"""
+
+from canzona.runtime.optim._base import MatrixOptimizer, NonFiniteGradientError
+from canzona.runtime.optim.adamw import AdamW, AdamWConfig
+from canzona.runtime.optim.muon import Muon, MuonConfig, newton_schulz
+from canzona.runtime.optim.shampoo import Shampoo, ShampooConfig
+from canzona.runtime.optim.soap import SOAP, SOAPConfig
+
+__all__ = [
+    "SOAP",
+    "AdamW",
+    "AdamWConfig",
+    "MatrixOptimizer",
+    "Muon",
+    "MuonConfig",
+    "NonFiniteGradientError",
+    "SOAPConfig",
+    "Shampoo",
+    "ShampooConfig",
+    "newton_schulz",
+]

@@ -1,0 +1,278 @@
+"""Muon: momentum followed by Newton–Schulz orthogonalisation, batched over same-shape matrices.
+
+Semantics and defaults are those of ``torch.optim.Muon`` (torch ≥ 2.9, ``torch/optim/_muon.py``),
+after Keller Jordan's post (https://kellerjordan.github.io/posts/muon/) and Moonshot's "Muon is
+Scalable for LLM Training" (arXiv 2502.16982) for ``adjust_lr_fn="match_rms_adamw"``:
+
+* momentum ``B ← lerp(B, G, 1 − μ)``; Nesterov uses ``lerp(G, B, μ)``;
+* the update is cast to ``ns_dtype`` (bfloat16 by default, as torch does), tall matrices are
+  transposed, ``X ← X / max(‖X‖_F, eps)``, then per step ``A = X Xᵀ; B = bA + cA²; X = aX + BX``;
+* ``apply``: ``θ ← θ·(1 − lr·wd) − adjusted_lr · O`` with ``adjusted_lr`` from the *logical*
+  matrix shape, so it can be applied shard by shard.
+
+With the default ``ns_dtype`` the result is bitwise equal to ``torch.optim.Muon`` on the CPU
+(``tests/runtime/optim/test_muon.py``). ``ns_coefficients="quintic"`` selects the per-step
+coefficient schedule used by Megatron-LM / NVIDIA Emerging-Optimizers (``coefficient_type=
+"quintic"``), from modded-nanogpt and Cesista's coefficient search
+(https://leloykun.github.io/ponder/muon-opt-coeffs/); it cycles every 5 steps.
+
+Batching: ``direction`` groups the matrices by shape, stacks each group and runs Newton–Schulz
+with ``bmm``/``baddbmm`` in one call per group — one kernel per product instead of one per
+matrix, which pays for small matrices (see ``benchmarks/bench_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from canzona.planner import _flops
+from canzona.runtime.optim._base import (
+    MatrixOptimizer,
+    NonFinitePolicy,
+    check_choice,
+    check_matrix_grads,
+    check_range,
+    check_state,
+    common_length,
+    matrix_shape,
+    nonfinite_mask,
+    param_names,
+)
+
+__all__ = ["QUINTIC_COEFFICIENTS", "Muon", "MuonConfig", "adjust_lr", "newton_schulz"]
+
+Coefficients = tuple[float, float, float]
+
+#: torch.optim.Muon's (and Keller Jordan's) fixed quintic coefficients (a, b, c).
+DEFAULT_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
+
+#: Per-step coefficients of the "quintic" schedule (Megatron-LM / Emerging-Optimizers); the
+#: schedule repeats, so ``ns_steps`` must be a multiple of its length.
+QUINTIC_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+AdjustLrFn = Literal["original", "match_rms_adamw"] | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MuonConfig:
+    """Hyper-parameters of Muon; defaults equal ``torch.optim.Muon``'s."""
+
+    lr: float = 1e-3
+    """Learning rate, ≥ 0 (``apply`` may override it per call)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, ≥ 0: ``θ ← θ·(1 − lr·wd)`` before the update."""
+    momentum: float = 0.95
+    """Momentum μ in [0, 1)."""
+    nesterov: bool = True
+    """Nesterov momentum (``lerp(G, B, μ)``) instead of the buffer itself."""
+    ns_coefficients: Coefficients | tuple[Coefficients, ...] | Literal["quintic"] = (
+        DEFAULT_COEFFICIENTS
+    )
+    """(a, b, c) used at every step; or a tuple of triples cycled step by step; or "quintic"."""
+    eps: float = 1e-7
+    """Floor of the Frobenius norm the update is divided by, > 0."""
+    ns_steps: int = 5
+    """Newton–Schulz steps in [1, 99] (a multiple of the schedule length for a schedule)."""
+    adjust_lr_fn: AdjustLrFn = None
+    """None/"original": lr·max(1, rows/cols)^½; "match_rms_adamw": 0.2·lr·max(rows, cols)^½."""
+    ns_dtype: torch.dtype = torch.bfloat16
+    """dtype of the Newton–Schulz iteration: bfloat16 (torch's) or float32/float64."""
+    nonfinite: NonFinitePolicy = "raise"
+    """On a NaN/Inf gradient: "raise" NonFiniteGradientError, or "skip" that parameter."""
+    _schedule: tuple[Coefficients, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        owner = "MuonConfig"
+        check_range(owner, "lr", self.lr, 0.0)
+        check_range(owner, "weight_decay", self.weight_decay, 0.0)
+        check_range(owner, "momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        check_range(owner, "eps", self.eps, 0.0, lo_open=True)
+        check_range(owner, "ns_steps", self.ns_steps, 1, 99, integer=True)
+        check_choice(owner, "nesterov", self.nesterov, (True, False))
+        check_choice(owner, "adjust_lr_fn", self.adjust_lr_fn, (None, "original", "match_rms_adamw"))
+        check_choice(
+            owner, "ns_dtype", self.ns_dtype, (torch.bfloat16, torch.float32, torch.float64)
+        )
+        check_choice(owner, "nonfinite", self.nonfinite, ("raise", "skip"))
+        object.__setattr__(self, "_schedule", _coefficient_schedule(self.ns_coefficients, self.ns_steps))
+
+    @property
+    def schedule(self) -> tuple[Coefficients, ...]:
+        """The (a, b, c) of each Newton–Schulz step, ``ns_steps`` long."""
+        return self._schedule
+
+
+def _coefficient_schedule(spec: object, ns_steps: int) -> tuple[Coefficients, ...]:
+    owner = "MuonConfig.ns_coefficients"
+
+    def triple(t: object) -> Coefficients:
+        if (
+            not isinstance(t, (tuple, list))
+            or len(t) != 3
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in t)
+        ):
+            raise ValueError(f"{owner}: {t!r} is not a triple (a, b, c) of finite numbers")
+        return (float(t[0]), float(t[1]), float(t[2]))
+
+    if spec == "quintic":
+        cycle = QUINTIC_COEFFICIENTS
+    elif isinstance(spec, (tuple, list)) and len(spec) > 0 and all(isinstance(x, (tuple, list)) for x in spec):
+        cycle = tuple(triple(t) for t in spec)
+    else:
+        return (triple(spec),) * ns_steps
+    if ns_steps % len(cycle):
+        raise ValueError(
+            f"MuonConfig.ns_steps = {ns_steps} is not allowed with a {len(cycle)}-step coefficient "
+            f"schedule; use a multiple of {len(cycle)}"
+        )
+    return cycle * (ns_steps // len(cycle))
+
+
+def adjust_lr(lr: float, adjust_lr_fn: AdjustLrFn, shape: Sequence[int]) -> float:
+    """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``_adjust_lr``)."""
+    rows, cols = int(shape[0]), int(shape[1])
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:  # pragma: no cover - rejected by MuonConfig
+        raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
+    return lr * ratio
+
+
+def newton_schulz(
+    x: Tensor,
+    schedule: Sequence[Coefficients],
+    *,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> Tensor:
+    """Orthogonalise a matrix or a stack of same-shape matrices (``[..., m, n]``).
+
+    Follows ``torch.optim.Muon``'s ``_zeropower_via_newtonschulz`` operation for operation, so a
+    single matrix gives bitwise the same result; a stack runs each product as one batched call.
+
+    Args:
+        x: The matrix ``[m, n]`` or stack ``[batch, m, n]``; not modified.
+        schedule: (a, b, c) per step.
+        eps: Floor of the Frobenius norm.
+        dtype: dtype to iterate in (a copy is made); ``None`` keeps ``x.dtype`` (still copies).
+
+    Returns:
+        The orthogonalised matrices in ``dtype``, same shape as ``x``.
+    """
+    if x.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz expects [m, n] or [batch, m, n], got {tuple(x.shape)}")
+    X = x.to(dtype=dtype, copy=True) if dtype is not None else x.clone()
+    return _newton_schulz_(X, schedule, eps)
+
+
+def _newton_schulz_(X: Tensor, schedule: Sequence[Coefficients], eps: float) -> Tensor:
+    """``newton_schulz`` on a tensor it may overwrite (normalised in place)."""
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        # Iterate on the short side: the Gram matrix is min(m, n)².
+        X = X.mT
+    batched = X.ndim == 3
+    if batched:
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    else:
+        norm = X.norm()
+    X.div_(norm.clamp(min=eps))
+    mm, addmm = (torch.bmm, torch.baddbmm) if batched else (torch.mm, torch.addmm)
+    for a, b, c in schedule:
+        gram = mm(X, X.mT)
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)
+        X = addmm(X, poly, X, beta=a)
+    return X.mT if tall else X
+
+
+class Muon(MatrixOptimizer):
+    """Muon kernels: batched ``direction`` on whole matrices, elementwise ``apply`` on shards.
+
+    State per m×n task: ``{"momentum_buffer": m×n}``.
+
+    Example::
+
+        opt = Muon(MuonConfig(lr=0.02))
+        states = [opt.init_state(p.shape, p.dtype, p.device) for p in params]
+        opt.step(params, [p.grad for p in params], states)
+    """
+
+    name = "Muon"
+
+    def __init__(self, config: MuonConfig | None = None):
+        self.config = config if config is not None else MuonConfig()
+
+    def init_state(self, shape, dtype=torch.float32, device=None) -> dict[str, Tensor]:
+        m, n = matrix_shape(self.name, shape)
+        return {"momentum_buffer": torch.zeros((m, n), dtype=dtype, device=device)}
+
+    def flops(self, shape, *, amortised: bool = True) -> int:
+        m, n = matrix_shape(self.name, shape)
+        return _flops.muon_flops(m, n, ns_steps=self.config.ns_steps)
+
+    def state_numel(self, shape) -> int:
+        m, n = matrix_shape(self.name, shape)
+        return _flops.muon_state_numel(m, n)
+
+    def direction(self, grads, states, *, names=None) -> list[Tensor | None]:
+        cfg = self.config
+        common_length(self.name, grads, states)
+        names = param_names(names, len(grads))
+        check_matrix_grads(self.name, grads, names)
+        for g, s, name in zip(grads, states, names):
+            check_state(self.name, name, s, {"momentum_buffer": tuple(g.shape)})
+        skip = nonfinite_mask(grads, names, cfg.nonfinite)
+        # --- nothing has been modified above this line ---
+
+        out: list[Tensor | None] = [None] * len(grads)
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(grads):
+            if not skip[i]:
+                groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+        for idx in groups.values():
+            gs = [grads[i] for i in idx]
+            bufs = [states[i]["momentum_buffer"] for i in idx]
+            torch._foreach_lerp_(bufs, gs, 1 - cfg.momentum)
+            if cfg.nesterov:
+                ups = torch._foreach_lerp(gs, bufs, cfg.momentum)
+            else:
+                ups = bufs
+            if len(idx) == 1:
+                ortho = newton_schulz(ups[0], cfg.schedule, eps=cfg.eps, dtype=cfg.ns_dtype)
+                out[idx[0]] = ortho
+                continue
+            # One stacked copy in the iteration dtype (the cast torch does per matrix).
+            stack = torch.empty((len(idx), *gs[0].shape), dtype=cfg.ns_dtype, device=gs[0].device)
+            for k, u in enumerate(ups):
+                stack[k].copy_(u)
+            ortho = _newton_schulz_(stack, cfg.schedule, cfg.eps)
+            for k, i in enumerate(idx):
+                out[i] = ortho[k]
+        return out
+
+    def apply(self, param, update, *, lr=None, weight_decay=None, full_shape=None) -> None:
+        cfg = self.config
+        lr = cfg.lr if lr is None else lr
+        wd = cfg.weight_decay if weight_decay is None else weight_decay
+        shape = tuple(param.shape) if full_shape is None else tuple(full_shape)
+        if update.shape != param.shape:
+            raise ValueError(
+                f"Muon.apply: update shape {tuple(update.shape)} != param shape {tuple(param.shape)}"
+            )
+        adjusted = adjust_lr(lr, cfg.adjust_lr_fn, shape)
+        param.mul_(1 - lr * wd)
+        param.add_(update, alpha=-adjusted)
