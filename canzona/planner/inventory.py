@@ -1,0 +1,285 @@
+"""Parameter inventory: every weight of a model, with the attributes the planner needs.
+
+The inventory follows Megatron-core's module structure and registration order (the order
+``model.parameters()`` yields, which the ZeRO-1 buffer reverses), with the non-Transformer-Engine
+("local") layer spec names:
+
+    embedding.word_embeddings.weight
+    decoder.layers.{i}.input_layernorm.weight
+    decoder.layers.{i}.self_attention.linear_proj.weight      (Attention.__init__ builds it first)
+    decoder.layers.{i}.self_attention.linear_qkv.weight       (SelfAttention.__init__, fused Q/K/V)
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.weight  (Qwen3 QK-norm)
+    decoder.layers.{i}.pre_mlp_layernorm.weight
+    decoder.layers.{i}.mlp.linear_fc1.weight                  (fused gate/up, TP stride 2)
+    decoder.layers.{i}.mlp.linear_fc2.weight
+      or, for MoE layers: mlp.router.weight, mlp.experts.local_experts.{e}.linear_fc{1,2}.weight
+      (e is the global expert index)
+    decoder.final_layernorm.weight
+    output_layer.weight                                       (absent when embeddings are tied)
+
+Shapes are logical (unsharded, unpadded): the physical layout module derives the TP shards.
+Each parameter also records the Hugging Face names it covers, so a live HF model can be matched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import networkx as nx
+
+from .errors import ModelError
+from .models import ModelConfig
+
+Kind = Literal["matrix", "expert", "vector", "embedding", "output", "router"]
+OptimizerRoute = Literal["matrix", "adamw"]
+TPLayout = Literal["replicated", "column", "row", "qkv", "gate_up", "vocab"]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A logical sub-matrix of a fused parameter (Q, K, V of ``linear_qkv``; gate, up of ``fc1``)."""
+
+    name: str
+    rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One parameter of the model, logical (unsharded) view.
+
+    Attributes:
+        name: Megatron-core parameter name.
+        shape: logical shape (vocabulary unpadded).
+        dtype: parameter dtype ("bf16", "fp16", "fp32").
+        kind: matrix / expert (a 2-D weight of an MoE expert) / vector / embedding / output / router.
+        layer: transformer layer index, None outside the decoder layers.
+        expert: global expert index for expert weights.
+        tp_layout: how tensor parallelism splits it (``replicated``, ``column`` [dim 0], ``row``
+            [dim 1], ``qkv`` [dim 0, per KV group], ``gate_up`` [dim 0, stride 2], ``vocab``
+            [dim 0, padded vocabulary]).
+        parts: sub-matrices of a fused weight, in logical (Hugging Face) order.
+        hf_names: the Hugging Face parameter names this weight holds (one per part when fused).
+        optimizer: "matrix" (Muon/Shampoo/SOAP) or "adamw", by Megatron's rule unless overridden.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: Kind
+    layer: int | None
+    expert: int | None
+    tp_layout: TPLayout
+    parts: tuple[Part, ...] = ()
+    hf_names: tuple[str, ...] = ()
+    optimizer: OptimizerRoute = "adamw"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def tp_dim(self) -> int | None:
+        """Megatron's ``partition_dim`` (None for replicated parameters)."""
+        if self.tp_layout == "replicated":
+            return None
+        return 1 if self.tp_layout == "row" else 0
+
+    @property
+    def tp_stride(self) -> int:
+        """Megatron's ``partition_stride`` (2 for the fused gate/up of fc1)."""
+        return 2 if self.tp_layout == "gate_up" else 1
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model's parameters in Megatron registration order, plus its config."""
+
+    config: ModelConfig
+    params: tuple[ParamSpec, ...]
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.name in self._index:
+                raise ModelError(f"duplicate parameter name '{p.name}' in the inventory.")
+            self._index[p.name] = i
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def total_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def __getitem__(self, name: str) -> ParamSpec:
+        return self.params[self._index[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def fingerprint(self) -> str:
+        """sha256 over names, shapes, dtypes and TP attributes, in registration order."""
+        rows = [[p.name, list(p.shape), p.dtype, p.tp_layout, p.tp_dim, p.tp_stride]
+                for p in self.params]
+        blob = json.dumps(rows, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+    def graph(self) -> nx.DiGraph:
+        """The parameter graph.
+
+        Nodes: every parameter (attributes: shape, kind, layer, expert, tp_layout, optimizer,
+        numel), one node per layer (``layer:i``), per expert (``layer:i/expert:e``) and per part
+        of a fused weight (``<name>#<part>``). Edges carry ``rel``: ``next`` (layer i → i+1),
+        ``member`` (layer or expert → its parameters, layer → expert), ``part`` (fused weight →
+        its parts).
+        """
+        g = nx.DiGraph(model=self.name)
+        layers = sorted({p.layer for p in self.params if p.layer is not None})
+        for i in layers:
+            g.add_node(f"layer:{i}", type="layer", layer=i)
+        for a, b in zip(layers, layers[1:]):
+            g.add_edge(f"layer:{a}", f"layer:{b}", rel="next")
+        for p in self.params:
+            g.add_node(p.name, type="param", shape=p.shape, kind=p.kind, layer=p.layer,
+                       expert=p.expert, tp_layout=p.tp_layout, optimizer=p.optimizer, numel=p.numel)
+            owner = None
+            if p.layer is not None:
+                owner = f"layer:{p.layer}"
+                if p.expert is not None:
+                    ex = f"{owner}/expert:{p.expert}"
+                    if ex not in g:
+                        g.add_node(ex, type="expert", layer=p.layer, expert=p.expert)
+                        g.add_edge(owner, ex, rel="member")
+                    owner = ex
+                g.add_edge(owner, p.name, rel="member")
+            for part in p.parts:
+                node = f"{p.name}#{part.name}"
+                g.add_node(node, type="part", rows=part.rows, cols=p.shape[1])
+                g.add_edge(p.name, node, rel="part")
+        return g
+
+
+def _hf_prefix(cfg: ModelConfig) -> str:
+    return "model"
+
+
+def build_inventory(
+    cfg: ModelConfig,
+    *,
+    matrix_globs: Sequence[str] = (),
+    adamw_globs: Sequence[str] = (),
+) -> ModelSpec:
+    """The parameters of ``cfg`` in Megatron registration order, routed to an optimizer.
+
+    Args:
+        cfg: the model config.
+        matrix_globs: name globs forced onto the matrix optimizer (must be 2-D).
+        adamw_globs: name globs forced onto AdamW (take precedence over ``matrix_globs``).
+    """
+    h, hd, dt = cfg.hidden, cfg.head_dim, cfg.dtype
+    nq, nkv = cfg.q_heads, cfg.kv_heads
+    hf = _hf_prefix(cfg)
+    out: list[ParamSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], kind: Kind, layout: TPLayout, hf_names: Iterable[str],
+            layer: int | None = None, expert: int | None = None, parts: tuple[Part, ...] = ()) -> None:
+        out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer, expert=expert,
+                             tp_layout=layout, parts=parts, hf_names=tuple(hf_names)))
+
+    add("embedding.word_embeddings.weight", (cfg.vocab, h), "embedding", "vocab",
+        [f"{hf}.embed_tokens.weight"])
+    for i in range(cfg.layers):
+        pre, hpre = f"decoder.layers.{i}", f"{hf}.layers.{i}"
+        add(f"{pre}.input_layernorm.weight", (h,), "vector", "replicated",
+            [f"{hpre}.input_layernorm.weight"], layer=i)
+        add(f"{pre}.self_attention.linear_proj.weight", (h, nq * hd), "matrix", "row",
+            [f"{hpre}.self_attn.o_proj.weight"], layer=i)
+        add(f"{pre}.self_attention.linear_qkv.weight", ((nq + 2 * nkv) * hd, h), "matrix", "qkv",
+            [f"{hpre}.self_attn.{x}_proj.weight" for x in "qkv"], layer=i,
+            parts=(Part("q", nq * hd), Part("k", nkv * hd), Part("v", nkv * hd)))
+        if cfg.qk_norm:
+            for x in "qk":
+                add(f"{pre}.self_attention.{x}_layernorm.weight", (hd,), "vector", "replicated",
+                    [f"{hpre}.self_attn.{x}_norm.weight"], layer=i)
+        add(f"{pre}.pre_mlp_layernorm.weight", (h,), "vector", "replicated",
+            [f"{hpre}.post_attention_layernorm.weight"], layer=i)
+        if cfg.is_moe:
+            add(f"{pre}.mlp.router.weight", (cfg.num_experts, h), "router", "replicated",
+                [f"{hpre}.mlp.gate.weight"], layer=i)
+            f = cfg.moe_ffn
+            for e in range(cfg.num_experts):
+                epre, hepre = f"{pre}.mlp.experts.local_experts.{e}", f"{hpre}.mlp.experts.{e}"
+                add(f"{epre}.linear_fc1.weight", (2 * f, h), "expert", "gate_up",
+                    [f"{hepre}.gate_proj.weight", f"{hepre}.up_proj.weight"], layer=i, expert=e,
+                    parts=(Part("gate", f), Part("up", f)))
+                add(f"{epre}.linear_fc2.weight", (h, f), "expert", "row",
+                    [f"{hepre}.down_proj.weight"], layer=i, expert=e)
+        else:
+            f = cfg.ffn
+            add(f"{pre}.mlp.linear_fc1.weight", (2 * f, h), "matrix", "gate_up",
+                [f"{hpre}.mlp.gate_proj.weight", f"{hpre}.mlp.up_proj.weight"], layer=i,
+                parts=(Part("gate", f), Part("up", f)))
+            add(f"{pre}.mlp.linear_fc2.weight", (h, f), "matrix", "row",
+                [f"{hpre}.mlp.down_proj.weight"], layer=i)
+    add("decoder.final_layernorm.weight", (h,), "vector", "replicated", [f"{hf}.norm.weight"])
+    if not cfg.tied_embeddings:
+        add("output_layer.weight", (cfg.vocab, h), "output", "vocab", ["lm_head.weight"])
+    return ModelSpec(config=cfg, params=tuple(route(out, matrix_globs=matrix_globs,
+                                                    adamw_globs=adamw_globs)))
+
+
+def megatron_route(p: ParamSpec) -> OptimizerRoute:
+    """Megatron's rule: 2-D non-embedding weights → matrix optimizer; embeddings, output layer,
+    norms and the MoE router → AdamW (REFERENCE.md §2)."""
+    return "matrix" if p.kind in ("matrix", "expert") and len(p.shape) == 2 else "adamw"
+
+
+def route(
+    params: Iterable[ParamSpec], *, matrix_globs: Sequence[str] = (), adamw_globs: Sequence[str] = ()
+) -> list[ParamSpec]:
+    """Assign each parameter its optimizer; name globs override Megatron's rule.
+
+    Raises:
+        ModelError: a glob that matches nothing, or a matrix glob matching a non-2-D parameter.
+    """
+    params = list(params)
+    for globs in (matrix_globs, adamw_globs):
+        for g in globs:
+            if not any(fnmatch.fnmatchcase(p.name, g) or any(fnmatch.fnmatchcase(n, g)
+                       for n in p.hf_names) for p in params):
+                raise ModelError(f"optimizer override '{g}' matches no parameter; names look like "
+                                 f"'{params[min(2, len(params) - 1)].name}'.")
+
+    def matches(p: ParamSpec, globs: Sequence[str]) -> bool:
+        names = (p.name, *p.hf_names)
+        return any(fnmatch.fnmatchcase(n, g) for g in globs for n in names)
+
+    routed = []
+    for p in params:
+        choice = megatron_route(p)
+        if matches(p, adamw_globs):
+            choice = "adamw"
+        elif matches(p, matrix_globs):
+            if len(p.shape) != 2:
+                raise ModelError(f"parameter '{p.name}' of shape {list(p.shape)} cannot use the "
+                                 "matrix optimizer: it is not 2-D.")
+            choice = "matrix"
+        routed.append(ParamSpec(**{**_asdict(p), "optimizer": choice}))
+    return routed
+
+
+def _asdict(p: ParamSpec) -> dict:
+    return {f: getattr(p, f) for f in ParamSpec.__dataclass_fields__}
