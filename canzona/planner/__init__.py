@@ -1,0 +1,38 @@
+"""The offline planner: torch-free (pydantic, OR-Tools, networkx).
+
+Data flow: model source → :class:`ModelSpec` (inventory) → :class:`PhysicalLayout` (Megatron's TP
+shards and ZeRO-1 buckets) → tasks and costs → plan (``canzona.planner.plan``).
+"""
+
+from .cost import CostModel, OptimizerSettings, Task, TaskCost, build_tasks, load_hardware, task_cost
+from .errors import CanzonaError, ModelError, PlanFileError, SizeError
+from .inventory import ModelSpec, ParamSpec, build_inventory
+from .layout import ParallelSizes, PhysicalLayout, build_layout, local_shape, validate_sizes
+from .models import PRESETS, ModelConfig, get_preset, load_hf_config, resolve_model
+
+__all__ = [
+    "PRESETS",
+    "CanzonaError",
+    "CostModel",
+    "ModelConfig",
+    "ModelError",
+    "ModelSpec",
+    "OptimizerSettings",
+    "ParallelSizes",
+    "ParamSpec",
+    "PhysicalLayout",
+    "PlanFileError",
+    "SizeError",
+    "Task",
+    "TaskCost",
+    "build_inventory",
+    "build_layout",
+    "build_tasks",
+    "get_preset",
+    "load_hardware",
+    "load_hf_config",
+    "local_shape",
+    "resolve_model",
+    "task_cost",
+    "validate_sizes",
+]

@@ -1,0 +1,241 @@
+"""Tasks and their costs: what each optimizer update costs in FLOPs, state memory and TP traffic.
+
+A *task* is one logical matrix update (or one split part of a fused matrix when the user treats
+Q/K/V or gate/up as separate matrices), or one AdamW parameter. Its :class:`TaskCost` vector holds
+the FLOPs of the chosen optimizer (``canzona.planner._flops``, the same formulas the runtime
+kernels are tested against), the optimizer-state bytes, and the bytes its host moves in the TP
+gather/scatter. A :class:`CostModel` turns a task into the scalar load the solvers balance:
+``numel`` (what the Canzona paper balances), ``flops`` (the default: Newton–Schulz work is cubic
+in the short side, so numel under-balances it) or ``calibrated`` (measured seconds per shape).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import _flops
+from .errors import CanzonaError
+from .inventory import ModelSpec, ParamSpec
+from .layout import ParallelSizes
+
+OptimizerName = Literal["muon", "shampoo", "soap"]
+CostName = Literal["flops", "numel"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+STATE_BYTES = 4  # optimizer states are fp32
+
+
+class OptimizerSettings(BaseModel):
+    """The matrix optimizer and the settings of it that change the plan (costs, task shapes).
+
+    Runtime hyper-parameters (lr, weight decay, betas) belong to the optimizer constructor.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: OptimizerName = "muon"
+    ns_steps: int = Field(default=5, ge=1, description="Muon: Newton–Schulz iterations.")
+    max_preconditioner_dim: int = Field(default=1024, ge=1,
+                                        description="Shampoo: block size of the logical matrix.")
+    shampoo_precondition_frequency: int = Field(
+        default=_flops.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY, ge=1)
+    shampoo_grafting: bool = True
+    soap_precondition_frequency: int = Field(default=10, ge=1)
+    soap_max_precond_dim: int = Field(default=10000, ge=1)
+    split_qkv: bool = Field(default=False, description="Q, K, V as separate matrices.")
+    split_gate_up: bool = Field(default=False, description="gate and up as separate matrices.")
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One unit of optimizer work.
+
+    Attributes:
+        id: position in the task list (deterministic: parameter order, then part order).
+        param: the parameter it updates.
+        part: the part of a fused parameter (``q``, ``k``, ``v``, ``gate``, ``up``) or None.
+        shape: logical shape of the matrix (or of the AdamW tensor).
+        optimizer: "matrix" or "adamw".
+        tp_split: whether TP splits the parameter, so the host must gather the whole matrix.
+    """
+
+    id: int
+    param: str
+    part: str | None
+    shape: tuple[int, ...]
+    optimizer: str
+    tp_split: bool
+    expert: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.param if self.part is None else f"{self.param}#{self.part}"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class TaskCost:
+    """Cost vector of one task (whole TP group's view: the full logical matrix)."""
+
+    flops: int
+    state_bytes: int
+    tp_comm_bytes: int  # bytes the host receives + sends in the TP gather/scatter
+
+
+def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSizes) -> list[Task]:
+    """One task per matrix-optimizer parameter (or per part, when split), one per AdamW parameter."""
+    tasks: list[Task] = []
+    for p in spec.params:
+        t = sizes.expert_tp if p.is_expert else sizes.tp
+        tp_split = p.tp_layout != "replicated" and t > 1
+        split = p.optimizer == "matrix" and p.parts and (
+            (p.tp_layout == "qkv" and settings.split_qkv)
+            or (p.tp_layout == "gate_up" and settings.split_gate_up))
+        if split:
+            for part in p.parts:
+                tasks.append(Task(len(tasks), p.name, part.name, (part.rows, p.shape[1]),
+                                  p.optimizer, tp_split, p.expert))
+        else:
+            tasks.append(Task(len(tasks), p.name, None, p.shape, p.optimizer, tp_split, p.expert))
+    return tasks
+
+
+def task_cost(task: Task, settings: OptimizerSettings, sizes: ParallelSizes,
+              comm_dtype: str = "bf16") -> TaskCost:
+    """FLOPs, fp32 state bytes and TP gather/scatter bytes of ``task``."""
+    if task.optimizer == "adamw" or len(task.shape) != 2:
+        return TaskCost(_flops.adamw_flops(task.numel),
+                        _flops.adamw_state_numel(task.numel) * STATE_BYTES, 0)
+    m, n = task.shape
+    if settings.name == "muon":
+        flops = _flops.muon_flops(m, n, ns_steps=settings.ns_steps)
+        state = _flops.muon_state_numel(m, n)
+    elif settings.name == "shampoo":
+        flops = _flops.shampoo_flops(m, n, max_preconditioner_dim=settings.max_preconditioner_dim,
+                                     precondition_frequency=settings.shampoo_precondition_frequency)
+        state = _flops.shampoo_state_numel(m, n,
+                                           max_preconditioner_dim=settings.max_preconditioner_dim,
+                                           grafting=settings.shampoo_grafting)
+    else:
+        flops = _flops.soap_flops(m, n, max_precond_dim=settings.soap_max_precond_dim,
+                                  precondition_frequency=settings.soap_precondition_frequency)
+        state = _flops.soap_state_numel(m, n, max_precond_dim=settings.soap_max_precond_dim)
+    t = sizes.expert_tp if task.expert is not None else sizes.tp
+    comm = 0
+    if task.tp_split:
+        # The host receives (t-1)/t of the matrix and sends (t-1)/t of the update back.
+        comm = 2 * (task.numel - task.numel // t) * DTYPE_BYTES[comm_dtype]
+    return TaskCost(flops, state * STATE_BYTES, comm)
+
+
+class CostModel(Protocol):
+    """Turns a task into the scalar load the solvers balance (an int, for exact CP-SAT models)."""
+
+    name: str
+
+    def cost(self, task: Task) -> int: ...
+
+
+@dataclass(frozen=True)
+class NumelCost:
+    """Load = number of elements (the Canzona paper's proxy)."""
+
+    name: str = "numel"
+
+    def cost(self, task: Task) -> int:
+        return task.numel
+
+
+@dataclass(frozen=True)
+class FlopsCost:
+    """Load = FLOPs of the chosen optimizer's update of the whole task."""
+
+    settings: OptimizerSettings
+    sizes: ParallelSizes
+    name: str = "flops"
+
+    def cost(self, task: Task) -> int:
+        return task_cost(task, self.settings, self.sizes).flops
+
+
+@dataclass(frozen=True)
+class CalibratedCost:
+    """Load = measured nanoseconds per task shape, falling back to FLOPs at a measured rate.
+
+    Args:
+        seconds_by_shape: measured step time of one task of each (rows, cols) shape.
+        flops_per_second: achieved rate for shapes that were not measured.
+    """
+
+    settings: OptimizerSettings
+    sizes: ParallelSizes
+    seconds_by_shape: dict[tuple[int, ...], float]
+    flops_per_second: float
+    name: str = "calibrated"
+
+    def cost(self, task: Task) -> int:
+        sec = self.seconds_by_shape.get(task.shape)
+        if sec is None:
+            sec = task_cost(task, self.settings, self.sizes).flops / self.flops_per_second
+        return max(1, round(sec * 1e9))
+
+
+def make_cost_model(name: str, settings: OptimizerSettings, sizes: ParallelSizes) -> CostModel:
+    """``flops`` or ``numel`` by name."""
+    if name == "flops":
+        return FlopsCost(settings, sizes)
+    if name == "numel":
+        return NumelCost()
+    raise CanzonaError(f"unknown cost model '{name}'; choose one of: flops, numel.")
+
+
+# --- hardware profiles -----------------------------------------------------------------------
+
+
+class LinkProfile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    busbw: float = Field(gt=0, description="achieved NCCL bus bandwidth, bytes/s")
+    latency_s: float = Field(ge=0, description="per-collective latency α, seconds")
+
+
+class HardwareProfile(BaseModel):
+    """A GPU (or this CPU) and its links, as data (``canzona/planner/hardware/*.json``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    description: str
+    gpus_per_node: int = Field(gt=0)
+    peak_flops: dict[str, float]
+    compute_efficiency: float = Field(gt=0, le=1)
+    memory_bytes: float = Field(gt=0)
+    memory_bandwidth: float = Field(gt=0)
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+
+    def seconds(self, flops: float, dtype: str = "bf16") -> float:
+        return flops / (self.peak_flops[dtype] * self.compute_efficiency)
+
+
+def hardware_names() -> list[str]:
+    files = resources.files("canzona.planner").joinpath("hardware")
+    return sorted(f.name.removesuffix(".json") for f in files.iterdir() if f.name.endswith(".json"))
+
+
+def load_hardware(name: str) -> HardwareProfile:
+    """A built-in hardware profile by name (h100, h800, cpu)."""
+    names = hardware_names()
+    if name.lower() not in names:
+        raise CanzonaError(f"unknown hardware profile '{name}'; choose one of: {', '.join(names)}.")
+    text = resources.files("canzona.planner").joinpath("hardware").joinpath(f"{name.lower()}.json").read_text()
+    return HardwareProfile.model_validate(json.loads(text))

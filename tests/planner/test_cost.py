@@ -1,0 +1,88 @@
+"""Tasks and costs: REFERENCE.md §8's figures, cost models, hardware profiles."""
+
+import pytest
+
+from canzona.planner import (OptimizerSettings, ParallelSizes, build_inventory, build_tasks,
+                             get_preset, load_hardware, task_cost)
+from canzona.planner.cost import FlopsCost, NumelCost, CalibratedCost, make_cost_model
+from canzona.planner.errors import CanzonaError
+
+
+@pytest.fixture(scope="module")
+def q32():
+    return build_inventory(get_preset("qwen3-32b"))
+
+
+def test_qwen3_32b_muon_bound(q32):
+    """§8: total ≈ 3.5 PFLOP, mean per GPU (256) ≈ 13.8 TFLOP, fc1 ≈ 28 TFLOP, max/mean ≥ 2.04."""
+    sizes = ParallelSizes(dp=32, tp=8)
+    s = OptimizerSettings()
+    tasks = build_tasks(q32, s, sizes)
+    fc = FlopsCost(s, sizes)
+    matrix = [fc.cost(t) for t in tasks if t.optimizer == "matrix"]
+    total = sum(matrix)
+    assert 3.5e15 < total < 3.6e15
+    assert 13.7e12 < total / 256 < 13.9e12
+    fc1 = max(matrix)
+    assert fc1 == 5 * (4 * 5120**2 * 51200 + 2 * 5120**3)
+    assert 2.03 < fc1 / (total / 256) < 2.05
+
+
+def test_split_parts_become_tasks(q32):
+    sizes = ParallelSizes(dp=32, tp=8)
+    fused = build_tasks(q32, OptimizerSettings(), sizes)
+    split = build_tasks(q32, OptimizerSettings(split_qkv=True, split_gate_up=True), sizes)
+    assert len(split) == len(fused) + 64 * (2 + 1)
+    parts = [t for t in split if t.param == "decoder.layers.0.mlp.linear_fc1.weight"]
+    assert [(t.part, t.shape) for t in parts] == [("gate", (25600, 5120)), ("up", (25600, 5120))]
+    assert [t.id for t in split] == list(range(len(split)))
+    # Splitting preserves elements but lowers the largest task's FLOPs.
+    assert sum(t.numel for t in split) == sum(t.numel for t in fused) == q32.total_params
+    fc = FlopsCost(OptimizerSettings(), sizes)
+    assert max(fc.cost(t) for t in split) < max(fc.cost(t) for t in fused) / 1.9
+
+
+def test_cost_vector(q32):
+    sizes = ParallelSizes(dp=4, tp=4)
+    s = OptimizerSettings()
+    t = next(t for t in build_tasks(q32, s, sizes) if t.param.endswith("layers.0.mlp.linear_fc2.weight"))
+    c = task_cost(t, s, sizes)
+    assert c.state_bytes == 5120 * 25600 * 4  # Muon momentum, fp32
+    assert c.tp_comm_bytes == 2 * (5120 * 25600 * 3 // 4) * 2  # gather + scatter of 3/4, bf16
+    emb = build_tasks(q32, s, sizes)[0]
+    ce = task_cost(emb, s, sizes)
+    assert emb.optimizer == "adamw" and ce.tp_comm_bytes == 0 and ce.state_bytes == 2 * emb.numel * 4 + 4
+    assert task_cost(t, s, ParallelSizes(dp=4, tp=1)).tp_comm_bytes == 0
+
+
+@pytest.mark.parametrize("opt", ["muon", "shampoo", "soap"])
+def test_every_optimizer_has_positive_costs(q32, opt):
+    sizes = ParallelSizes(dp=8, tp=1)
+    s = OptimizerSettings(name=opt)
+    for t in build_tasks(q32, s, sizes)[:12]:
+        c = task_cost(t, s, sizes)
+        assert c.flops > 0 and c.state_bytes > 0
+
+
+def test_cost_models():
+    spec = build_inventory(get_preset("qwen3-0.6b"))
+    sizes = ParallelSizes(dp=2, tp=1)
+    s = OptimizerSettings()
+    tasks = build_tasks(spec, s, sizes)
+    t = tasks[2]
+    assert NumelCost().cost(t) == t.numel
+    assert make_cost_model("flops", s, sizes).cost(t) == task_cost(t, s, sizes).flops
+    cal = CalibratedCost(s, sizes, {t.shape: 0.5}, flops_per_second=1e9)
+    assert cal.cost(t) == 500_000_000
+    other = tasks[3]
+    assert cal.cost(other) == round(task_cost(other, s, sizes).flops / 1e9 * 1e9)
+    with pytest.raises(CanzonaError, match="flops, numel"):
+        make_cost_model("time", s, sizes)
+
+
+def test_hardware_profiles():
+    h100, h800 = load_hardware("h100"), load_hardware("H800")
+    assert h100.peak_flops["bf16"] == 989e12 and h800.intra_node.busbw < h100.intra_node.busbw
+    assert load_hardware("cpu").gpus_per_node >= 1
+    with pytest.raises(CanzonaError, match="h100"):
+        load_hardware("a100")
