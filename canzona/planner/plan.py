@@ -1,0 +1,237 @@
+"""The plan file: a versioned, frozen, deterministic pydantic v2 schema, written atomically.
+
+A plan holds the inputs that shaped it, the rank layout, the inventory fingerprint, Megatron's
+buffers → buckets with the DP cut points, every task with its owner DP index (and, under TP, host
+rank and micro-group), and the load metrics. It holds no wall-clock time, so the same inputs give a
+byte-identical file in any process. The runtime imports only this module of the planner.
+
+Versioning: ``schema_version`` is checked before anything else; a newer file asks the user to
+upgrade canzona, an older one to regenerate the plan (converters arrive with the first change).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .cost import OptimizerSettings
+from .errors import PlanFileError
+
+SCHEMA_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SolverOptions(_Frozen):
+    """How the DP partition (and TP schedule) were solved; recorded so a plan can be reproduced."""
+
+    strategy: str = Field(description="zero1 | asc | canzona-greedy | canzona (see README).")
+    solver: str = Field(default="none", description="greedy | cpsat | none.")
+    alpha: float = Field(default=1.0, ge=0.0, le=1.0)
+    time_limit_s: float | None = Field(default=None, gt=0)
+    seed: int = 0
+    workers: int = Field(default=1, ge=1)
+    reorder: bool = Field(default=False, description="parameters reordered inside buckets.")
+
+
+class PlanInputs(_Frozen):
+    """Everything that determines the plan."""
+
+    model: str
+    model_source: Literal["preset", "hf_config", "module"]
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    ep: int = Field(default=1, ge=1)
+    etp: int = Field(default=1, ge=1, description="expert tensor parallel size.")
+    optimizer: OptimizerSettings
+    cost_model: str = "flops"
+    bucket_size: int | None = Field(description="elements per bucket; null = one bucket.")
+    grad_dtype: str = "fp32"
+    comm_dtype: str = "bf16"
+    solver: SolverOptions
+
+
+class RankLayout(_Frozen):
+    """Global rank ↔ (DP index d, TP rank t). Megatron's order: t fastest, rank = d·tp + t."""
+
+    order: Literal["tp-fastest"] = "tp-fastest"
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+
+    def global_rank(self, d: int, t: int) -> int:
+        return d * self.tp + t
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.tp)
+
+
+class SlotPlan(_Frozen):
+    """A parameter's element range [start, end) in its buffer (TP-local shard)."""
+
+    name: str
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
+class BucketPlan(_Frozen):
+    """A bucket and its DP cut points.
+
+    ``cuts`` has dp_size + 1 monotone offsets from ``start`` to ``end``; DP rank r owns
+    [cuts[r], cuts[r+1]). Equal cuts are Megatron's ZeRO-1; Canzona moves cuts to parameter
+    boundaries so every matrix is whole on one rank.
+    """
+
+    index: int = Field(ge=0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    numel_unpadded: int = Field(ge=0)
+    cuts: tuple[int, ...]
+    slots: tuple[SlotPlan, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> BucketPlan:
+        c = self.cuts
+        if len(c) < 2 or c[0] != self.start or c[-1] != self.end or any(
+                a > b for a, b in zip(c, c[1:])):
+            raise ValueError(f"bucket {self.index}: cuts must run monotonically from start "
+                             f"{self.start} to end {self.end}")
+        return self
+
+
+class BufferPlan(_Frozen):
+    key: str
+    dtype: str
+    grad_dtype: str
+    expert: bool
+    ep_rank: int | None
+    dp_size: int = Field(ge=1)
+    buckets: tuple[BucketPlan, ...]
+
+
+class TaskPlan(_Frozen):
+    """One optimizer task: what it updates, who computes it, what it costs."""
+
+    id: int = Field(ge=0)
+    param: str
+    part: str | None = None
+    shape: tuple[int, ...]
+    optimizer: Literal["matrix", "adamw"]
+    owner: int | None = Field(description="DP index that computes the update (matrix tasks).")
+    host: int | None = Field(default=None, description="TP rank hosting the whole matrix.")
+    micro_group: int | None = None
+    cost: int = Field(ge=0, description="scalar load under the plan's cost model.")
+    flops: int = Field(ge=0)
+    state_bytes: int = Field(ge=0)
+    tp_comm_bytes: int = Field(ge=0)
+
+
+class Metrics(_Frozen):
+    """Per-DP-index loads and how far the busiest index is from the lower bound."""
+
+    dp_load: tuple[int, ...] = Field(description="cost-model load per DP index.")
+    dp_flops: tuple[int, ...]
+    dp_state_bytes: tuple[int, ...]
+    dp_reduce_scatter_bytes: tuple[int, ...] = Field(
+        description="grad bytes each DP index receives from the reduce-scatters.")
+    max_over_mean: float
+    lower_bound: int = Field(description="max(total/dp, largest task) in cost units.")
+    certified_bound: int = Field(description="best proven lower bound on the max load.")
+    gap_to_bound: float = Field(description="max load / certified bound - 1.")
+    split_matrices: int = Field(description="matrices cut across DP ranks (0 for Canzona).")
+    solver_status: str
+
+
+class Plan(_Frozen):
+    """A canzona plan (schema version 1)."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    inputs: PlanInputs
+    rank_layout: RankLayout
+    fingerprint: str = Field(description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
+    total_params: int
+    buffers: tuple[BufferPlan, ...]
+    tasks: tuple[TaskPlan, ...]
+    metrics: Metrics
+
+    def to_json(self) -> str:
+        """Canonical text: fields in schema order, two-space indent, trailing newline."""
+        return self.model_dump_json(indent=2) + "\n"
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    """Write ``plan`` atomically (temporary file in the same folder, fsync, rename).
+
+    Raises:
+        PlanFileError: the folder does not exist or is not writable.
+    """
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    text = plan.to_json()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise PlanFileError(f"cannot write plan to '{path}': {exc.strerror or exc} "
+                            f"(folder '{folder}').") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise PlanFileError(f"cannot write plan to '{path}': {exc.strerror or exc}.") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def parse_plan(text: str, source: str = "<plan>") -> Plan:
+    """Parse plan JSON text; every failure is one line naming the problem (and versions)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
+                            f"({exc.msg}).") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
+    found = data["schema_version"]
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise PlanFileError(f"{source}: schema_version must be an integer, found {found!r}.")
+    if found > SCHEMA_VERSION:
+        raise PlanFileError(f"{source}: plan schema version {found} is newer than this canzona "
+                            f"reads (version {SCHEMA_VERSION}); upgrade canzona.")
+    if found < SCHEMA_VERSION:
+        raise PlanFileError(f"{source}: plan schema version {found} is older than this canzona "
+                            f"reads (version {SCHEMA_VERSION}); regenerate it with 'canzona plan'.")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        raise PlanFileError(f"{source}: malformed plan (schema version {SCHEMA_VERSION}): "
+                            f"field '{loc}': {err['msg']}{more}.") from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file.
+
+    Raises:
+        PlanFileError: unreadable, not JSON, another schema version, or fields that do not validate.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PlanFileError(f"cannot read plan '{path}': {reason}.") from None
+    return parse_plan(text, str(path))

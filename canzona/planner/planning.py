@@ -1,0 +1,278 @@
+"""From a model and sizes to a :class:`~canzona.planner.plan.Plan`.
+
+:func:`make_problem` joins the physical layout with the tasks and the cost model into a
+:class:`DPProblem`: per bucket, the items (parameters) in buffer order with their element ranges and
+loads, matrix-optimizer items *atomic* (they must not be cut) and AdamW items divisible.
+A strategy chooses cut points per bucket; :func:`evaluate` and :func:`build_plan` turn cuts into
+owners, loads and the plan file.
+
+DP indices: dense buffers are sharded over the DP group (index d); expert buffers of EP rank k over
+the expert-data-parallel group (index j). With expert TP = TP, Megatron's rank order makes that
+expert group the TP group of DP index d = j·ep + k, so every load is reported per DP index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
+                   task_cost)
+from .errors import SizeError
+from .inventory import ModelSpec
+from .layout import ParallelSizes, PhysicalLayout, build_layout
+from .plan import (BucketPlan, BufferPlan, Metrics, Plan, PlanInputs, RankLayout, SlotPlan,
+                   SolverOptions, TaskPlan)
+
+GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A parameter in a bucket: element range, load, and whether it must stay whole."""
+
+    slot: int  # index in the bucket's slots
+    start: int
+    end: int
+    load: int
+    flops: int
+    state_bytes: int
+    atomic: bool
+    tasks: tuple[int, ...]  # task ids
+
+
+@dataclass(frozen=True, slots=True)
+class BucketProblem:
+    buffer: int
+    bucket: int
+    start: int
+    end: int
+    ranks: int  # size of the group the bucket is sharded over
+    items: tuple[Item, ...]
+
+    @property
+    def load(self) -> int:
+        return sum(i.load for i in self.items)
+
+
+@dataclass(frozen=True, slots=True)
+class DPProblem:
+    """The α-balanced partitioning problem of one model at one set of sizes."""
+
+    spec: ModelSpec
+    sizes: ParallelSizes
+    settings: OptimizerSettings
+    layout: PhysicalLayout
+    tasks: tuple[Task, ...]
+    costs: tuple[TaskCost, ...]
+    loads: tuple[int, ...]  # per task, under the cost model
+    cost_model: str
+    buckets: tuple[BucketProblem, ...]
+
+    @property
+    def dp(self) -> int:
+        return self.sizes.dp
+
+    def dp_index(self, bucket: BucketProblem, r: int) -> int:
+        """DP index of rank ``r`` of ``bucket``'s sharding group."""
+        buf = self.layout.buffers[bucket.buffer]
+        if not buf.expert:
+            return r
+        return r * self.sizes.ep + buf.ep_rank  # type: ignore[operator]
+
+    def total_load(self) -> int:
+        return sum(self.loads)
+
+    def largest_atomic(self) -> int:
+        return max((it.load for b in self.buckets for it in b.items if it.atomic), default=0)
+
+    def lower_bound(self) -> int:
+        """LB = max(⌈total / dp⌉, largest atomic item)."""
+        return max(-(-self.total_load() // self.dp), self.largest_atomic())
+
+
+def make_problem(
+    spec: ModelSpec,
+    sizes: ParallelSizes,
+    settings: OptimizerSettings | None = None,
+    *,
+    cost: str | CostModel = "flops",
+    bucket_size: int | None = None,
+    overlap_grad_reduce: bool = True,
+    comm_dtype: str = "bf16",
+) -> DPProblem:
+    """Build the layout, the tasks and their costs, and group them per bucket."""
+    settings = settings or OptimizerSettings()
+    if sizes.etp is not None and sizes.etp != sizes.tp:
+        raise SizeError(f"expert tensor parallel size {sizes.etp} differs from tp={sizes.tp}; "
+                        "only etp = tp (Megatron's default) is supported yet.")
+    layout = build_layout(spec, sizes, bucket_size=bucket_size,
+                          overlap_grad_reduce=overlap_grad_reduce)
+    model = make_cost_model(cost, settings, sizes) if isinstance(cost, str) else cost
+    tasks = build_tasks(spec, settings, sizes)
+    costs = tuple(task_cost(t, settings, sizes, comm_dtype) for t in tasks)
+    loads = tuple(model.cost(t) for t in tasks)
+    by_param: dict[str, list[int]] = {}
+    for t in tasks:
+        by_param.setdefault(t.param, []).append(t.id)
+    buckets = []
+    for bi, buf in enumerate(layout.buffers):
+        for b in buf.buckets:
+            items = []
+            for si, s in enumerate(b.slots):
+                ids = tuple(by_param[s.name])
+                items.append(Item(si, s.start, s.end, sum(loads[i] for i in ids),
+                                  sum(costs[i].flops for i in ids),
+                                  sum(costs[i].state_bytes for i in ids),
+                                  s.optimizer == "matrix", ids))
+            buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
+    return DPProblem(spec, sizes, settings, layout, tuple(tasks), costs, loads,
+                     getattr(model, "name", "custom"), tuple(buckets))
+
+
+def equal_cuts(b: BucketProblem) -> tuple[int, ...]:
+    """ZeRO-1's equal chunks."""
+    size = (b.end - b.start) // b.ranks
+    return tuple(b.start + r * size for r in range(b.ranks)) + (b.end,)
+
+
+def owner_of(cuts: tuple[int, ...], pos: int) -> int:
+    """Rank whose range [cuts[r], cuts[r+1]) contains ``pos`` (the last rank for pos == end)."""
+    lo, hi = 0, len(cuts) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cuts[mid] <= pos:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Loads per DP index for given cuts. ``owners`` maps task id → DP index (atomic tasks)."""
+
+    load: tuple[int, ...]
+    flops: tuple[int, ...]
+    state_bytes: tuple[int, ...]
+    rs_bytes: tuple[int, ...]
+    owners: dict[int, int]
+    split_matrices: int
+
+
+def evaluate(problem: DPProblem, cuts: dict[tuple[int, int], tuple[int, ...]],
+             *, split_mode: str = "owner") -> Evaluation:
+    """Loads per DP index.
+
+    Args:
+        cuts: per (buffer, bucket) the cut points.
+        split_mode: how an atomic item that the cuts split is charged: ``owner`` — wholly to the
+            rank holding its start (the ``asc`` baseline); ``fragments`` — by element share to every
+            rank holding a piece (ZeRO-1 applying the optimizer to fragments).
+    """
+    dp = problem.dp
+    load = [0] * dp
+    flops = [0] * dp
+    state = [0] * dp
+    rs = [0] * dp
+    owners: dict[int, int] = {}
+    split = 0
+    grad_bytes = GRAD_BYTES[problem.layout.buffers[0].grad_dtype] if problem.layout.buffers else 4
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for r in range(b.ranks):
+            rs[problem.dp_index(b, r)] += (c[r + 1] - c[r]) * grad_bytes
+        for it in b.items:
+            first = owner_of(c, it.start)
+            last = owner_of(c, it.end - 1)
+            if it.atomic and first != last:
+                split += 1
+            if it.atomic and (first == last or split_mode == "owner"):
+                d = problem.dp_index(b, first)
+                load[d] += it.load
+                flops[d] += it.flops
+                state[d] += it.state_bytes
+                for t in it.tasks:
+                    owners[t] = d
+                continue
+            # Divisible (AdamW) item, or a split matrix charged by fragments: share by elements.
+            n = it.end - it.start
+            for r in range(first, last + 1):
+                lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
+                if hi <= lo:
+                    continue
+                d = problem.dp_index(b, r)
+                load[d] += it.load * (hi - lo) // n
+                flops[d] += it.flops * (hi - lo) // n
+                state[d] += it.state_bytes * (hi - lo) // n
+            if it.atomic:
+                for t in it.tasks:
+                    owners[t] = problem.dp_index(b, first)
+    return Evaluation(tuple(load), tuple(flops), tuple(state), tuple(rs), owners, split)
+
+
+def build_plan(
+    problem: DPProblem,
+    cuts: dict[tuple[int, int], tuple[int, ...]],
+    *,
+    solver: SolverOptions,
+    model_source: str = "preset",
+    certified_bound: int | None = None,
+    status: str = "n/a",
+    split_mode: str = "owner",
+    comm_dtype: str = "bf16",
+) -> Plan:
+    """Assemble the plan file from a problem and its cut points."""
+    ev = evaluate(problem, cuts, split_mode=split_mode)
+    sizes = problem.sizes
+    buffers = []
+    for bi, buf in enumerate(problem.layout.buffers):
+        buckets = tuple(
+            BucketPlan(index=b.index, start=b.start, end=b.end, numel_unpadded=b.numel_unpadded,
+                       cuts=cuts[(bi, b.index)],
+                       slots=tuple(SlotPlan(name=s.name, start=s.start, end=s.end) for s in b.slots))
+            for b in buf.buckets)
+        buffers.append(BufferPlan(key=buf.key, dtype=buf.dtype, grad_dtype=buf.grad_dtype,
+                                  expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
+                                  buckets=buckets))
+    tasks = tuple(
+        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape, optimizer=t.optimizer,  # type: ignore[arg-type]
+                 owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
+                 cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
+                 tp_comm_bytes=c.tp_comm_bytes)
+        for t, c in zip(problem.tasks, problem.costs))
+    lb = problem.lower_bound()
+    bound = max(lb, certified_bound or 0)
+    mean = sum(ev.load) / len(ev.load)
+    metrics = Metrics(
+        dp_load=ev.load, dp_flops=ev.flops, dp_state_bytes=ev.state_bytes,
+        dp_reduce_scatter_bytes=ev.rs_bytes,
+        max_over_mean=round(max(ev.load) / mean, 6) if mean else 1.0,
+        lower_bound=lb, certified_bound=bound,
+        gap_to_bound=round(max(ev.load) / bound - 1, 6) if bound else 0.0,
+        split_matrices=ev.split_matrices, solver_status=status)
+    inputs = PlanInputs(
+        model=problem.spec.name, model_source=model_source,  # type: ignore[arg-type]
+        dp=sizes.dp, tp=sizes.tp, ep=sizes.ep, etp=sizes.expert_tp, optimizer=problem.settings,
+        cost_model=problem.cost_model, bucket_size=problem.layout.bucket_size,
+        grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
+        comm_dtype=comm_dtype, solver=solver)
+    return Plan(inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
+                fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
+                buffers=tuple(buffers), tasks=tasks, metrics=metrics)
+
+
+def baseline_plan(problem: DPProblem, strategy: str = "asc", model_source: str = "preset") -> Plan:
+    """ZeRO-1's equal cuts, charged as ``asc`` (owner = start rank) or ``zero1`` (fragments)."""
+    if strategy not in ("asc", "zero1"):
+        raise ValueError(f"strategy must be 'asc' or 'zero1', got {strategy!r}")
+    cuts = {(b.buffer, b.bucket): equal_cuts(b) for b in problem.buckets}
+    return build_plan(problem, cuts, solver=SolverOptions(strategy=strategy), status="baseline",
+                      model_source=model_source,
+                      split_mode="owner" if strategy == "asc" else "fragments")
+
+
+def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str) -> str:
+    ep = f"-ep{sizes.ep}" if sizes.ep > 1 else ""
+    return f"{model}-dp{sizes.dp}-tp{sizes.tp}{ep}-{optimizer}.plan.json"
+
+

@@ -1,0 +1,128 @@
+"""Plan schema: deterministic bytes, atomic writes, one-line errors for bad files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
+from canzona.planner.plan import SCHEMA_VERSION, Plan, load_plan, parse_plan, save_plan
+from canzona.planner.planning import baseline_plan, make_problem
+
+
+def _plan(model="qwen3-1.7b", dp=8, tp=2) -> Plan:
+    return baseline_plan(make_problem(build_inventory(get_preset(model)), ParallelSizes(dp, tp)))
+
+
+def test_round_trip_and_identical_bytes(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    save_plan(_plan(), a)
+    save_plan(_plan(), b)
+    assert a.read_bytes() == b.read_bytes()
+    assert load_plan(a) == _plan()
+    assert a.read_text().endswith("\n")
+
+
+_SNIPPET = ("from canzona.planner import *; from canzona.planner.planning import *; "
+            "import sys; sys.stdout.write(baseline_plan(make_problem(build_inventory("
+            "get_preset('qwen3-30b-a3b')), ParallelSizes(8, 2, ep=4))).to_json())")
+
+
+def test_identical_across_processes_and_hash_seeds():
+    outs = []
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        r = subprocess.run([sys.executable, "-c", _SNIPPET], capture_output=True, env=env,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr.decode()
+        outs.append(r.stdout)
+    assert outs[0] == outs[1] and len(outs[0]) > 1000
+
+
+def test_plan_contents():
+    p = _plan()
+    assert p.schema_version == SCHEMA_VERSION
+    assert p.rank_layout.global_rank(3, 1) == 7 and p.rank_layout.coords(7) == (3, 1)
+    assert p.fingerprint == build_inventory(get_preset("qwen3-1.7b")).fingerprint()
+    names = {s.name for buf in p.buffers for b in buf.buckets for s in b.slots}
+    assert names == {t.param for t in p.tasks}
+    # The equal-chunk baseline's loads add up to the total.
+    assert sum(p.metrics.dp_load) <= sum(t.cost for t in p.tasks)
+    assert sum(p.metrics.dp_load) >= sum(t.cost for t in p.tasks) - len(p.tasks) * 8
+    text = p.to_json().lower()
+    assert "elapsed" not in text and "wall" not in text and "date" not in text
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    target = tmp_path / "p.json"
+    save_plan(_plan(), target)
+    before = target.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(PlanFileError, match="No space left"):
+        save_plan(_plan(dp=4), target)
+    assert target.read_bytes() == before
+    assert [f.name for f in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_unwritable_destination(tmp_path):
+    with pytest.raises(PlanFileError, match="cannot write plan"):
+        save_plan(_plan(), tmp_path / "missing" / "p.json")
+
+
+@pytest.fixture()
+def good(tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(_plan(), path)
+    return json.loads(path.read_text())
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "bad.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _one_line_error(path) -> str:
+    with pytest.raises(PlanFileError) as e:
+        load_plan(path)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_newer_version_asks_to_upgrade(tmp_path, good):
+    msg = _one_line_error(_write(tmp_path, {**good, "schema_version": SCHEMA_VERSION + 1}))
+    assert f"version {SCHEMA_VERSION + 1}" in msg and f"version {SCHEMA_VERSION}" in msg
+    assert "upgrade canzona" in msg
+
+
+def test_older_version_asks_to_regenerate(tmp_path, good):
+    msg = _one_line_error(_write(tmp_path, {**good, "schema_version": 0}))
+    assert "version 0" in msg and "regenerate" in msg
+
+
+def test_malformed_files(tmp_path, good):
+    assert "invalid JSON" in _one_line_error(_write(tmp_path, "{oops"))
+    assert "no schema_version" in _one_line_error(_write(tmp_path, {"hello": 1}))
+    assert "no schema_version" in _one_line_error(_write(tmp_path, [1, 2]))
+    assert "must be an integer" in _one_line_error(_write(tmp_path, {**good, "schema_version": "1"}))
+    missing = {k: v for k, v in good.items() if k != "tasks"}
+    assert "field 'tasks'" in _one_line_error(_write(tmp_path, missing))
+    extra = {**good, "surprise": True}
+    assert "field 'surprise'" in _one_line_error(_write(tmp_path, extra))
+    bad_cut = json.loads(json.dumps(good))
+    bad_cut["buffers"][0]["buckets"][0]["cuts"][1] = -5
+    assert "cuts must run monotonically" in _one_line_error(_write(tmp_path, bad_cut))
+    assert "cannot read plan" in _one_line_error(str(tmp_path / "absent.json"))
+
+
+def test_plan_is_frozen():
+    p = _plan()
+    with pytest.raises(Exception):
+        p.metrics = None  # type: ignore[misc]
+    assert parse_plan(p.to_json()) == p
