@@ -37,7 +37,8 @@ __all__ = [
 
 #: Elementwise FLOPs per element of one AdamW step as the kernel runs it (torch.optim.AdamW's
 #: single-tensor path): decay 1, first-moment lerp 3, second moment mul + addcmul 4,
-#: sqrt / bias-correction / +eps 3, addcdiv 3. REFERENCE.md §4 rounds this to "~10".
+#: sqrt / bias-correction / +eps 3, addcdiv 3. REFERENCE.md §4 rounds this to "~10". The
+#: kernels' non-finite guard (``isfinite``: about 3 comparisons per element) is not counted.
 ADAMW_FLOPS_PER_ELEMENT = 14
 
 #: Shampoo's default ``precondition_frequency`` in ``canzona.runtime.optim.ShampooConfig``.

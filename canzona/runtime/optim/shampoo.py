@@ -213,8 +213,9 @@ class Shampoo(MatrixOptimizer):
         for i, j, rows, cols in blocks:
             g = grad[rows, cols]
             L, R = state[f"L.{i}.{j}"], state[f"R.{i}.{j}"]
-            L.addmm_(g, g.T, beta=beta2, alpha=alpha)
-            R.addmm_(g.T, g, beta=beta2, alpha=alpha)
+            # In place through out= (same kernel as addmm_, but visible to FLOP counters).
+            torch.addmm(L, g, g.T, beta=beta2, alpha=alpha, out=L)
+            torch.addmm(R, g.T, g, beta=beta2, alpha=alpha, out=R)
 
         if (t - 1) % cfg.precondition_frequency == 0:
             bias2 = 1.0 - beta2**t if beta2 != 1.0 else 1.0
