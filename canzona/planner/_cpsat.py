@@ -1,0 +1,117 @@
+"""CP-SAT model of the DP partition (read like ``ortools/sat/samples/bin_packing_sat.py``).
+
+data:      per bucket b, units u (atomic matrices whole, AdamW items in pieces) in buffer order,
+           with integer loads w_u (scaled) and element counts n_u; R_b ranks per bucket.
+variables: x[b, u, r] = 1 if unit u of bucket b lies in rank r's slice.
+           M = the maximum load over DP indices.
+constraints:
+  * every unit lies in exactly one slice;
+  * slices are contiguous and in rank order: owner(u) ≤ owner(u+1);
+  * (optional) every slice holds at most comm_limit · S_b / R_b elements;
+  * M ≥ Σ w_u x[b, u, r] over every (b, u, r) that belongs to DP index d, for every d.
+objective: minimise M.
+The search is warm-started with a hint, limited in deterministic time with a fixed worker count
+(so the same inputs give the same plan) and every status is checked.
+"""
+
+from __future__ import annotations
+
+from ortools.sat.python import cp_model
+
+from .errors import CanzonaError
+from .planning import DPProblem
+
+#: Loads are scaled so that the mean rank load is this many integer units (1e-6 resolution).
+SCALE_UNITS = 1_000_000
+
+
+def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: int,
+                workers: int = 1, comm_limit: float | None = None):
+    """Minimise the maximum DP load. Returns (cuts, status, certified lower bound)."""
+    from .partition import _grain, _units, evaluate  # circular at import time only
+
+    mean = problem.total_load() / problem.dp
+    unit_load = mean / SCALE_UNITS if mean > 0 else 1.0
+    model = cp_model.CpModel()
+    loads: list[list] = [[] for _ in range(problem.dp)]
+    owner_vars: dict = {}
+    units_by_key = {}
+    max_piece = 0.0
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        u = _units(b, 4 * b.ranks, _grain(problem))
+        units_by_key[key] = u
+        max_piece = max(max_piece, u.piece_load)
+        m = len(u.bounds) - 1
+        R = b.ranks
+        owners = []
+        x = {}
+        for k in range(m):
+            w = int((u.prefix[k + 1] - u.prefix[k]) / unit_load)  # floor: keeps the bound valid
+            # x[b, k, r] = 1 if unit k is in rank r's slice
+            lits = [model.new_bool_var(f"x_{b.buffer}_{b.bucket}_{k}_{r}") for r in range(R)]
+            # Each unit lies in exactly one slice.
+            model.add_exactly_one(lits)
+            own = model.new_int_var(0, R - 1, f"o_{b.buffer}_{b.bucket}_{k}")
+            model.add(own == sum(r * lit for r, lit in enumerate(lits)))
+            owners.append(own)
+            for r, lit in enumerate(lits):
+                x[k, r] = lit
+                if w:
+                    loads[problem.dp_index(b, r)].append(w * lit)
+        # Slices are contiguous and in rank order.
+        for a, c in zip(owners, owners[1:]):
+            model.add(a <= c)
+        if comm_limit is not None:
+            cap = int(comm_limit * (u.bounds[-1] - u.bounds[0]) / R)
+            for r in range(R):
+                # A slice holds at most comm_limit × the even slice of elements.
+                model.add(sum(int(u.bounds[k + 1] - u.bounds[k]) * x[k, r] for k in range(m))
+                          <= cap)
+        owner_vars[key] = owners
+        # Hint: the warm start's owners.
+        idx = [int(i) for i in _indices(u, hint[key])]
+        for r in range(R):
+            for k in range(idx[r], idx[r + 1]):
+                model.add_hint(owners[k], r)
+    top = sum(int(x) for x in [SCALE_UNITS * problem.dp])  # total scaled load bound
+    M = model.new_int_var(0, top, "max_load")
+    for d in range(problem.dp):
+        # M is at least every DP index's load.
+        model.add(M >= sum(loads[d]))
+    model.minimize(M)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = float(time_limit_s)
+    solver.parameters.num_workers = int(workers)
+    solver.parameters.random_seed = int(seed)
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.INFEASIBLE:
+            raise CanzonaError("comm_limit is too tight: no cut points satisfy it; raise --comm-limit.")
+        # UNKNOWN: no solution in time; keep the warm start.
+        return hint, "cpsat-unknown", 0
+    cuts = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        u = units_by_key[key]
+        owners = [solver.value(o) for o in owner_vars[key]]
+        c = [int(u.bounds[0])]
+        for r in range(b.ranks - 1):
+            # cut r+1 sits after the last unit owned by a rank ≤ r
+            k = sum(1 for o in owners if o <= r)
+            c.append(int(u.bounds[k]))
+        c.append(int(u.bounds[-1]))
+        cuts[key] = tuple(c)
+    # Keep the better of the warm start and CP-SAT's answer, judged on the exact loads.
+    if max(evaluate(problem, cuts).load) > max(evaluate(problem, hint).load):
+        cuts = hint
+    bound = int(solver.best_objective_bound * unit_load - 2 * max_piece)
+    name = "optimal" if status == cp_model.OPTIMAL else "feasible"
+    return cuts, f"cpsat-{name}", max(0, bound)
+
+
+def _indices(u, cuts):
+    import numpy as np
+
+    return [int(np.searchsorted(u.bounds, c)) for c in cuts]

@@ -1,0 +1,327 @@
+"""α-balanced static partitioning for data parallelism (Canzona, arXiv 2602.06079, §DP).
+
+Inside every ZeRO-1 bucket, DP rank r still owns the r-th slice [s_r, s_{r+1}) — so one
+(variable-size) reduce-scatter and all-gather per bucket remain — but the cut points s_1..s_{R-1}
+move to boundaries of matrix-optimizer parameters, so every matrix is whole on one rank. AdamW
+parameters are elementwise and may be cut anywhere, as plain ZeRO-1 does.
+
+Solvers (one signature, :func:`solve`):
+
+* ``greedy`` — the paper's α-balanced LPT: buckets visited by load, largest first; each bucket's
+  target split blends the even element split (α = 0, ZeRO-1's geometry) with filling every rank's
+  deficit to the mean load (α = 1), then snaps each cut to the nearest allowed boundary.
+* ``auto`` (default) — greedy, then exact per-bucket re-optimisation by dynamic programming
+  (block coordinate descent: each bucket's cuts are re-chosen optimally given the other buckets,
+  first for the sum of squared loads, then for the maximum), until no bucket improves.
+* ``cpsat`` — an OR-Tools CP-SAT model minimising the maximum load, warm-started from ``auto``,
+  limited in deterministic time with a fixed worker count (reproducible), returning its proven
+  bound.
+
+An optional ``comm_limit`` bounds every slice to ``comm_limit × S/R`` elements: with the padded
+collectives, a bucket moves R·max-slice bytes, so this caps the communication overhead α trades
+against. ``reorder`` lets parameters move inside a bucket (a bucket is reduced as a unit, so the
+order inside it does not change overlap); the plan records the new order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CanzonaError
+from .plan import Plan, SolverOptions
+from .planning import BucketProblem, DPProblem, build_plan, equal_cuts, evaluate
+
+SOLVERS = ("auto", "greedy", "cpsat")
+Cuts = dict[tuple[int, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Units:
+    """A bucket cut into units: atomic items whole, divisible items in pieces.
+
+    ``bounds[k]`` is the element offset of the k-th allowed cut position (``bounds[0]`` = bucket
+    start, ``bounds[-1]`` = bucket end) and ``prefix[k]`` the load before it.
+    """
+
+    bounds: np.ndarray  # int64, len m+1
+    prefix: np.ndarray  # float64, len m+1 (load)
+    piece_load: float   # largest load of a divisible piece (0 if none)
+
+
+def _units(b: BucketProblem, pieces: int, grain: float) -> Units:
+    """``pieces``: most pieces per divisible item; ``grain``: target load of one piece (items
+    lighter than that, such as norms under the FLOPs cost, stay one unit)."""
+    bounds = [b.start]
+    loads: list[float] = []
+    max_piece = 0.0
+    items = b.items
+    for k, it in enumerate(items):
+        end = items[k + 1].start if k + 1 < len(items) else b.end
+        if it.atomic or it.end - it.start <= 1:
+            bounds.append(end)
+            loads.append(float(it.load))
+            continue
+        n = it.end - it.start
+        k = max(1, min(pieces, math.ceil(it.load / grain) if grain > 0 else pieces))
+        step = max(1, -(-n // k))
+        pos = it.start
+        while pos < it.end:
+            nxt = min(it.end, pos + step)
+            load = it.load * (nxt - pos) / n
+            max_piece = max(max_piece, load)
+            pos = nxt
+            bounds.append(end if pos >= it.end else pos)
+            loads.append(load)
+    prefix = np.concatenate([[0.0], np.cumsum(loads)]) if loads else np.zeros(1)
+    return Units(np.asarray(bounds, dtype=np.int64), prefix, max_piece)
+
+
+def _grain(problem: DPProblem) -> float:
+    """Target load of a divisible piece: 1/64 of the mean rank load."""
+    return problem.total_load() / problem.dp / 64
+
+
+def _cuts_from_indices(u: Units, idx: list[int]) -> tuple[int, ...]:
+    return tuple(int(u.bounds[i]) for i in idx)
+
+
+# --- the paper's greedy ----------------------------------------------------------------------
+
+
+def _snap(u: Units, target_pos: float, lo: int) -> int:
+    """Index of the allowed boundary nearest ``target_pos``, not before index ``lo``."""
+    k = int(np.searchsorted(u.bounds, target_pos))
+    cands = [c for c in (k - 1, k) if lo <= c < len(u.bounds)]
+    if not cands:
+        return max(lo, min(k, len(u.bounds) - 1))
+    return min(cands, key=lambda c: (abs(float(u.bounds[c]) - target_pos), c))
+
+
+def _pos_at_load(u: Units, load: float) -> float:
+    """Element position where the bucket's cumulative load reaches ``load`` (interpolated)."""
+    p = u.prefix
+    k = int(np.searchsorted(p, load, side="left"))
+    if k <= 0:
+        return float(u.bounds[0])
+    if k >= len(p):
+        return float(u.bounds[-1])
+    span = p[k] - p[k - 1]
+    frac = 0.0 if span <= 0 else (load - p[k - 1]) / span
+    return float(u.bounds[k - 1] + frac * (u.bounds[k] - u.bounds[k - 1]))
+
+
+def greedy(problem: DPProblem, *, alpha: float = 1.0, pieces: int | None = None) -> Cuts:
+    """The paper's α-balanced LPT over buckets (largest bucket first)."""
+    dp = problem.dp
+    mean = problem.total_load() / dp
+    load = [0.0] * dp
+    cuts: Cuts = {}
+    order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
+    for b in order:
+        u = _units(b, pieces or 4 * b.ranks, _grain(problem))
+        R = b.ranks
+        ds = [problem.dp_index(b, r) for r in range(R)]
+        total = float(u.prefix[-1])
+        deficit = [max(0.0, mean - load[d]) for d in ds]
+        dsum = sum(deficit)
+        share = [total * x / dsum for x in deficit] if dsum > 0 else [total / R] * R
+        S = float(u.bounds[-1] - u.bounds[0])
+        idx = [0]
+        cum_share = 0.0
+        for r in range(1, R):
+            cum_share += share[r - 1]
+            even_pos = float(u.bounds[0]) + S * r / R
+            fill_pos = _pos_at_load(u, cum_share)
+            idx.append(_snap(u, (1 - alpha) * even_pos + alpha * fill_pos, idx[-1]))
+        idx.append(len(u.bounds) - 1)
+        for r in range(R):
+            load[ds[r]] += float(u.prefix[idx[r + 1]] - u.prefix[idx[r]])
+        cuts[(b.buffer, b.bucket)] = _cuts_from_indices(u, idx)
+    return cuts
+
+
+# --- exact per-bucket re-optimisation (linear-partition DP) -----------------------------------
+
+
+def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
+    """Optimal cut indices for one bucket given the other buckets' loads ``base`` per rank.
+
+    Rank r receives units [c_r, c_{r+1}); minimise Σ (base_r + x_r)² or max (base_r + x_r).
+    ``cap`` bounds each slice's elements (communication limit).
+    """
+    R = len(base)
+    m = len(u.bounds) - 1
+    P = u.prefix
+    blk = P[None, :] - P[:, None]  # blk[j, i] = load of units j..i-1
+    valid = np.triu(np.ones((m + 1, m + 1), dtype=bool))
+    if cap is not None:
+        span = u.bounds[None, :] - u.bounds[:, None]
+        valid &= span <= cap
+    inf = np.inf
+    choice = np.zeros((R, m + 1), dtype=np.int64)
+    g = np.full(m + 1, inf)
+    g[0] = 0.0
+    for r in range(R):
+        rank_cost = base[r] + blk
+        cost = rank_cost * rank_cost if objective == "ssq" else rank_cost
+        if objective == "ssq":
+            tot = g[:, None] + cost
+        else:
+            tot = np.maximum(g[:, None], cost)
+        tot = np.where(valid, tot, inf)
+        choice[r] = np.argmin(tot, axis=0)  # first (smallest j) on ties: deterministic
+        g = tot[choice[r], np.arange(m + 1)]
+    if not np.isfinite(g[m]):
+        raise CanzonaError("comm_limit is too tight: some bucket cannot be cut into slices that "
+                           "small at parameter boundaries; raise --comm-limit.")
+    idx = [m]
+    for r in range(R - 1, -1, -1):
+        idx.append(int(choice[r][idx[-1]]))
+    return idx[::-1]
+
+
+def _loads_by_bucket(problem: DPProblem, units: dict, cuts_idx: dict) -> np.ndarray:
+    load = np.zeros(problem.dp)
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        u, idx = units[key], cuts_idx[key]
+        for r in range(b.ranks):
+            load[problem.dp_index(b, r)] += u.prefix[idx[r + 1]] - u.prefix[idx[r]]
+    return load
+
+
+def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
+           max_rounds: int = 30, pieces: int | None = None) -> Cuts:
+    """Block coordinate descent: re-cut one bucket at a time, optimally given the others."""
+    units = {(b.buffer, b.bucket): _units(b, pieces or 4 * b.ranks, _grain(problem))
+             for b in problem.buckets}
+    idx: dict[tuple[int, int], list[int]] = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        u = units[key]
+        idx[key] = [int(np.searchsorted(u.bounds, c)) if c in set(u.bounds.tolist()) else
+                    int(np.searchsorted(u.bounds, c)) for c in cuts[key]]
+    load = _loads_by_bucket(problem, units, idx)
+    scale = max(1.0, float(load.max()))
+    order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
+    for objective in ("ssq", "max"):
+        for _ in range(max_rounds):
+            before = (float(load.max()), float((load / scale) @ (load / scale)))
+            for b in order:
+                key = (b.buffer, b.bucket)
+                u = units[key]
+                ds = [problem.dp_index(b, r) for r in range(b.ranks)]
+                mine = np.array([u.prefix[idx[key][r + 1]] - u.prefix[idx[key][r]]
+                                 for r in range(b.ranks)])
+                base = load[ds] - mine
+                cap = None
+                if comm_limit is not None:
+                    cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
+                new = _bucket_dp(_scaled(u, scale), base / scale, cap, objective)
+                new_mine = np.array([u.prefix[new[r + 1]] - u.prefix[new[r]]
+                                     for r in range(b.ranks)])
+                if objective == "max" and (base + new_mine).max() > (base + mine).max():
+                    continue  # keep the old cut on ties broken the wrong way
+                idx[key] = new
+                load[ds] = base + new_mine
+            after = (float(load.max()), float((load / scale) @ (load / scale)))
+            if after >= before if objective == "max" else after[1] >= before[1] * (1 - 1e-12):
+                break
+    return {k: _cuts_from_indices(units[k], v) for k, v in idx.items()}
+
+
+def _scaled(u: Units, scale: float) -> Units:
+    return Units(u.bounds, u.prefix / scale, u.piece_load / scale)
+
+
+# --- bounds -------------------------------------------------------------------------------------
+
+
+def pigeonhole_bound(problem: DPProblem) -> int:
+    """A certified lower bound on the max load from the atomic items alone.
+
+    With R ranks, some rank gets at least k+1 of the kR+1 largest atomic items, so its load is at
+    least the sum of the k+1 smallest of them. The mean and the largest item are the other bounds.
+    """
+    a = sorted((it.load for b in problem.buckets for it in b.items if it.atomic), reverse=True)
+    R = problem.dp
+    best = problem.lower_bound()
+    k = 1
+    while k * R + 1 <= len(a):
+        top = a[: k * R + 1]
+        best = max(best, sum(top[-(k + 1):]))
+        k += 1
+    return best
+
+
+# --- entry point --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    cuts: Cuts
+    status: str
+    bound: int  # certified lower bound on the max load
+
+
+def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
+          time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
+          workers: int = 1, progress: Callable[[str], None] | None = None) -> Solution:
+    """Choose every bucket's cut points.
+
+    Args:
+        solver: ``auto`` (greedy + exact per-bucket polish), ``greedy`` (the paper) or ``cpsat``.
+        alpha: the paper's α ∈ [0, 1] for the greedy start (0: even split, 1: fill deficits).
+        time_limit_s: CP-SAT's deterministic time limit.
+        seed: CP-SAT's random seed (recorded in the plan).
+        comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
+        workers: CP-SAT worker count (fixed, so plans are reproducible).
+    """
+    if solver not in SOLVERS:
+        raise CanzonaError(f"unknown solver '{solver}'; choose one of: {', '.join(SOLVERS)}.")
+    if not 0.0 <= alpha <= 1.0:
+        raise CanzonaError(f"--alpha must be in [0, 1], got {alpha}.")
+    if time_limit_s <= 0:
+        raise CanzonaError(f"--time-limit must be positive seconds, got {time_limit_s}.")
+    if comm_limit is not None and comm_limit < 1.0:
+        raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
+    bound = pigeonhole_bound(problem)
+    say = progress or (lambda _msg: None)
+    say("greedy")
+    cuts = greedy(problem, alpha=alpha)
+    if comm_limit is not None or solver != "greedy":
+        say("polishing")
+        cuts = polish(problem, cuts, comm_limit=comm_limit)
+    status = "heuristic"
+    if solver == "cpsat":
+        from ._cpsat import solve_cpsat
+
+        say("cp-sat")
+        cuts, status, cp_bound = solve_cpsat(problem, cuts, time_limit_s=time_limit_s, seed=seed,
+                                             workers=workers, comm_limit=comm_limit)
+        bound = max(bound, cp_bound)
+    ev = evaluate(problem, cuts)
+    if max(ev.load) <= bound:
+        status = "optimal"
+    return Solution(cuts, status, bound)
+
+
+def plan_dp(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
+            time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
+            workers: int = 1, model_source: str = "preset",
+            progress: Callable[[str], None] | None = None) -> Plan:
+    """Solve the DP partition and return the plan (strategy ``canzona``, or ``canzona-greedy``)."""
+    sol = solve(problem, solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
+                comm_limit=comm_limit, workers=workers, progress=progress)
+    opts = SolverOptions(strategy="canzona-greedy" if solver == "greedy" else "canzona",
+                         solver=solver, alpha=alpha,
+                         time_limit_s=time_limit_s if solver == "cpsat" else None,
+                         seed=seed, workers=workers)
+    return build_plan(problem, sol.cuts, solver=opts, model_source=model_source,
+                      certified_bound=sol.bound, status=sol.status)
+
+
