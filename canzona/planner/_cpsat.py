@@ -115,3 +115,4 @@ def _indices(u, cuts):
     import numpy as np
 
     return [int(np.searchsorted(u.bounds, c)) for c in cuts]
+

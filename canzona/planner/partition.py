@@ -114,8 +114,25 @@ def _pos_at_load(u: Units, load: float) -> float:
     return float(u.bounds[k - 1] + frac * (u.bounds[k] - u.bounds[k - 1]))
 
 
+def _load_at(u: Units, pos: float) -> float:
+    """Cumulative load of the bucket up to element ``pos`` (linear inside a unit)."""
+    k = int(np.searchsorted(u.bounds, pos, side="right"))
+    if k <= 0:
+        return 0.0
+    if k >= len(u.bounds):
+        return float(u.prefix[-1])
+    lo, hi = u.bounds[k - 1], u.bounds[k]
+    frac = (pos - lo) / (hi - lo) if hi > lo else 0.0
+    return float(u.prefix[k - 1] + frac * (u.prefix[k] - u.prefix[k - 1]))
+
+
 def greedy(problem: DPProblem, *, alpha: float = 1.0, pieces: int | None = None) -> Cuts:
-    """The paper's α-balanced LPT over buckets (largest bucket first)."""
+    """The paper's α-balanced LPT over buckets (largest bucket first).
+
+    Each cut goes to (1-α)·(even cut) + α·(position where the deficit shares are filled), then
+    to the nearest allowed position: anywhere inside an AdamW item, else the nearest boundary of
+    a matrix-optimizer parameter.
+    """
     dp = problem.dp
     mean = problem.total_load() / dp
     load = [0.0] * dp
@@ -123,6 +140,7 @@ def greedy(problem: DPProblem, *, alpha: float = 1.0, pieces: int | None = None)
     order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
     for b in order:
         u = _units(b, pieces or 4 * b.ranks, _grain(problem))
+        divisible = [(it.start, it.end) for it in b.items if not it.atomic]
         R = b.ranks
         ds = [problem.dp_index(b, r) for r in range(R)]
         total = float(u.prefix[-1])
@@ -130,21 +148,30 @@ def greedy(problem: DPProblem, *, alpha: float = 1.0, pieces: int | None = None)
         dsum = sum(deficit)
         share = [total * x / dsum for x in deficit] if dsum > 0 else [total / R] * R
         S = float(u.bounds[-1] - u.bounds[0])
-        idx = [0]
+        pos = [int(u.bounds[0])]
         cum_share = 0.0
         for r in range(1, R):
             cum_share += share[r - 1]
             even_pos = float(u.bounds[0]) + S * r / R
-            fill_pos = _pos_at_load(u, cum_share)
-            idx.append(_snap(u, (1 - alpha) * even_pos + alpha * fill_pos, idx[-1]))
-        idx.append(len(u.bounds) - 1)
+            target = (1 - alpha) * even_pos + alpha * _pos_at_load(u, cum_share)
+            exact = int(round(target))
+            if any(lo < exact < hi for lo, hi in divisible):
+                cut = exact  # AdamW items may be cut anywhere, as plain ZeRO-1 does
+            else:
+                cut = int(u.bounds[_snap(u, target, 0)])
+            pos.append(max(cut, pos[-1]))
+        pos.append(int(u.bounds[-1]))
         for r in range(R):
-            load[ds[r]] += float(u.prefix[idx[r + 1]] - u.prefix[idx[r]])
-        cuts[(b.buffer, b.bucket)] = _cuts_from_indices(u, idx)
+            load[ds[r]] += _load_at(u, pos[r + 1]) - _load_at(u, pos[r])
+        cuts[(b.buffer, b.bucket)] = tuple(pos)
     return cuts
 
 
 # --- exact per-bucket re-optimisation (linear-partition DP) -----------------------------------
+
+
+#: Smooth objectives of the coordinate descent, ever closer to the maximum.
+_POWERS = {"ssq": 2, "p4": 4, "p8": 8, "p16": 16}
 
 
 def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
@@ -167,11 +194,10 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) ->
     g[0] = 0.0
     for r in range(R):
         rank_cost = base[r] + blk
-        cost = rank_cost * rank_cost if objective == "ssq" else rank_cost
-        if objective == "ssq":
-            tot = g[:, None] + cost
+        if objective == "max":
+            tot = np.maximum(g[:, None], rank_cost)
         else:
-            tot = np.maximum(g[:, None], cost)
+            tot = g[:, None] + rank_cost ** _POWERS[objective]
         tot = np.where(valid, tot, inf)
         choice[r] = np.argmin(tot, axis=0)  # first (smallest j) on ties: deterministic
         g = tot[choice[r], np.arange(m + 1)]
@@ -203,14 +229,14 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         u = units[key]
-        idx[key] = [int(np.searchsorted(u.bounds, c)) if c in set(u.bounds.tolist()) else
-                    int(np.searchsorted(u.bounds, c)) for c in cuts[key]]
+        idx[key] = [int(np.searchsorted(u.bounds, c)) for c in cuts[key]]  # start: next boundary
     load = _loads_by_bucket(problem, units, idx)
     scale = max(1.0, float(load.max()))
     order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
-    for objective in ("ssq", "max"):
+    for objective in (*_POWERS, "max"):
+        power = _POWERS.get(objective, 2)
         for _ in range(max_rounds):
-            before = (float(load.max()), float((load / scale) @ (load / scale)))
+            before = (float(load.max()), float(((load / scale) ** power).sum()))
             for b in order:
                 key = (b.buffer, b.bucket)
                 u = units[key]
@@ -228,7 +254,7 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                     continue  # keep the old cut on ties broken the wrong way
                 idx[key] = new
                 load[ds] = base + new_mine
-            after = (float(load.max()), float((load / scale) @ (load / scale)))
+            after = (float(load.max()), float(((load / scale) ** power).sum()))
             if after >= before if objective == "max" else after[1] >= before[1] * (1 - 1e-12):
                 break
     return {k: _cuts_from_indices(units[k], v) for k, v in idx.items()}
@@ -295,7 +321,12 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     cuts = greedy(problem, alpha=alpha)
     if comm_limit is not None or solver != "greedy":
         say("polishing")
-        cuts = polish(problem, cuts, comm_limit=comm_limit)
+        polished = polish(problem, cuts, comm_limit=comm_limit)
+        # Polishing works on a discretisation of the AdamW items: keep the greedy cuts if they are
+        # better (unless they break the comm limit, which greedy does not know).
+        if comm_limit is not None or max(evaluate(problem, polished).load) <= max(
+                evaluate(problem, cuts).load):
+            cuts = polished
     status = "heuristic"
     if solver == "cpsat":
         from ._cpsat import solve_cpsat
