@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rich.bar import Bar
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
+
+if TYPE_CHECKING:
+    from canzona.planner.baselines import BaselineRow
+    from canzona.planner.plan import Plan
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -102,6 +114,250 @@ def layout_report(spec: ModelSpec, lay: PhysicalLayout, *, show_buckets: bool = 
         f"parameters across DP ranks" + (f" (up to {worst} ranks each)" if split else "")
         + ": Muon, Shampoo and SOAP need each whole; canzona moves the cuts to parameter "
         "boundaries.", highlight=False)
+
+
+# --- canzona plan ------------------------------------------------------------------------------
+
+
+class _Elapsed:
+    """Status text re-rendered at every refresh, so the elapsed seconds tick."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.phase = "starting"
+        self.t0 = time.perf_counter()
+
+    def __rich__(self) -> Text:
+        return Text(f"{self.title}: {self.phase}… {time.perf_counter() - self.t0:.0f} s")
+
+
+@contextmanager
+def progress(title: str, delay_s: float = 1.0) -> Iterator[Callable[[str], None]]:
+    """A transient spinner on stderr, shown only if the block runs longer than ``delay_s``.
+
+    Yields the ``progress`` callback the solvers call with phase names. Nothing is printed when
+    stderr is not a terminal (logs and pipes stay clean).
+    """
+    if not err_console.is_terminal:
+        yield lambda _phase: None
+        return
+    text = _Elapsed(title)
+    lock = threading.Lock()
+    state: dict = {"status": None, "done": False}
+
+    def start() -> None:
+        with lock:
+            if not state["done"]:
+                state["status"] = err_console.status(text, spinner="dots")
+                state["status"].start()
+
+    def say(phase: str) -> None:
+        text.phase = phase  # read by the status's refresh thread
+
+    timer = threading.Timer(delay_s, start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield say
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["status"] is not None:
+                state["status"].stop()
+
+
+def _max_mean(values: tuple[int, ...] | list[int]) -> tuple[int, float]:
+    return max(values), sum(values) / len(values)
+
+
+def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
+    """The short summary ``canzona plan`` prints after writing ``path``."""
+    inp, m = plan.inputs, plan.metrics
+    ep = f" ep={inp.ep}" if inp.ep > 1 else ""
+    console.print(
+        f"[bold]{inp.model}[/]  dp={inp.dp} tp={inp.tp}{ep} ({inp.dp * inp.tp} GPUs)  "
+        f"{inp.optimizer.name}, cost {inp.cost_model}, solver {inp.solver.solver}, "
+        f"α={inp.solver.alpha:g}", highlight=False)
+    t = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
+    for col in ("per DP index", "max", "mean", "max/mean"):
+        t.add_column(col, justify="left" if col == "per DP index" else "right")
+    rows = [("optimizer FLOPs / step", m.dp_flops, "FLOP"),
+            ("optimizer state", m.dp_state_bytes, "B")]
+    if inp.cost_model != "flops":
+        rows.insert(0, (f"load ({inp.cost_model})", m.dp_load, ""))
+    for label, vals, unit in rows:
+        mx, mean = _max_mean(vals)
+        t.add_row(label, human(mx, unit), human(mean, unit), f"{mx / mean:.4f}" if mean else "-")
+    console.print(t)
+    console.print(
+        f"gap to the certified bound: [bold]{m.gap_to_bound:.2%}[/] "
+        f"(bound {human(m.certified_bound)}, LB = max(mean, largest task) {human(m.lower_bound)}; "
+        f"{inp.cost_model} units)", highlight=False)
+    console.print(
+        f"matrices split across DP ranks: {m.split_matrices}   solver status: {m.solver_status}   "
+        f"wall time: {wall_s:.2f} s", highlight=False)
+    console.print(f"wrote [bold]{path}[/]", highlight=False)
+
+
+# --- canzona inspect ---------------------------------------------------------------------------
+
+
+def _task_name(param: str, part: str | None) -> str:
+    return f"{param}#{part}" if part else param
+
+
+def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -> dict:
+    """Everything ``canzona inspect`` shows, as plain data (``--json``)."""
+    inp, m = plan.inputs, plan.metrics
+    owned = [0] * inp.dp
+    for t in plan.tasks:
+        if t.owner is not None:
+            owned[t.owner] += 1
+    mx, mean = _max_mean(m.dp_load)
+    heavy = sorted(plan.tasks, key=lambda t: (-t.cost, t.id))[:top]
+    return {
+        "model": inp.model, "model_source": inp.model_source,
+        "dp": inp.dp, "tp": inp.tp, "ep": inp.ep,
+        "optimizer": inp.optimizer.name, "cost_model": inp.cost_model,
+        "strategy": inp.solver.strategy, "solver": inp.solver.solver, "alpha": inp.solver.alpha,
+        "bucket_size": inp.bucket_size, "fingerprint": plan.fingerprint,
+        "metrics": {
+            "max_load": mx, "mean_load": mean, "max_over_mean": m.max_over_mean,
+            "lower_bound": m.lower_bound, "certified_bound": m.certified_bound,
+            "gap_to_lower_bound": round(mx / m.lower_bound - 1, 6) if m.lower_bound else 0.0,
+            "gap_to_bound": m.gap_to_bound, "split_matrices": m.split_matrices,
+            "solver_status": m.solver_status,
+        },
+        "ranks": [
+            {"dp_index": d, "load": m.dp_load[d], "flops": m.dp_flops[d],
+             "state_bytes": m.dp_state_bytes[d],
+             "reduce_scatter_bytes": m.dp_reduce_scatter_bytes[d], "matrices": owned[d]}
+            for d in range(inp.dp)
+        ],
+        "heaviest_tasks": [
+            {"id": t.id, "name": _task_name(t.param, t.part), "shape": list(t.shape),
+             "optimizer": t.optimizer, "owner": t.owner, "cost": t.cost, "flops": t.flops,
+             "state_bytes": t.state_bytes}
+            for t in heavy
+        ],
+        "baselines": None if rows is None else [
+            {"name": r.name, "max_load": r.max_load, "mean_load": r.mean_load,
+             "max_over_mean": round(r.max_over_mean, 6), "gap_to_bound": round(r.gap_to_bound, 6),
+             "split_matrices": r.split_matrices, "grad_sync": r.grad_sync}
+            for r in rows
+        ],
+    }
+
+
+def _bar(value: int, top: int, width: int = 16) -> Bar:
+    return Bar(size=float(top or 1), begin=0.0, end=float(value), width=width)
+
+
+def inspect_report(plan: Plan, report: dict, *, plot: Path | None = None) -> None:
+    """The rich report of ``canzona inspect``."""
+    inp, m = plan.inputs, plan.metrics
+    r = report["metrics"]
+    ep = f" ep={inp.ep}" if inp.ep > 1 else ""
+    console.print(
+        f"[bold]{inp.model}[/] ({inp.model_source})  dp={inp.dp} tp={inp.tp}{ep}  "
+        f"{inp.optimizer.name}, cost {inp.cost_model}  strategy {inp.solver.strategy} "
+        f"(solver {inp.solver.solver}, α={inp.solver.alpha:g}, status {m.solver_status})",
+        highlight=False)
+    console.print(
+        f"max load {human(r['max_load'])}, mean {human(r['mean_load'])} ({inp.cost_model}); "
+        f"max/mean {r['max_over_mean']:.4f}; matrices split across DP ranks: {m.split_matrices}",
+        highlight=False)
+    console.print(
+        f"gap to LB = max(mean, largest task) {human(m.lower_bound)}: "
+        f"{r['gap_to_lower_bound']:.2%};  gap to the certified bound {human(m.certified_bound)}: "
+        f"[bold]{m.gap_to_bound:.2%}[/]", highlight=False)
+
+    ranks = report["ranks"]
+    tops = {k: max(x[k] for x in ranks) for k in ("flops", "state_bytes", "reduce_scatter_bytes")}
+    t = Table(title="Per DP index (bars relative to the busiest)")
+    t.add_column("d", justify="right")
+    t.add_column("matrices", justify="right")
+    for label in ("optimizer FLOPs", "optimizer state", "reduce-scatter"):
+        t.add_column(label, justify="left")
+        t.add_column("", justify="right")
+    for x in ranks:
+        busiest = x["load"] == r["max_load"]
+        t.add_row(
+            f"[bold]{x['dp_index']}[/]" if busiest else str(x["dp_index"]), str(x["matrices"]),
+            _bar(x["flops"], tops["flops"]), human(x["flops"], "FLOP"),
+            _bar(x["state_bytes"], tops["state_bytes"]), human(x["state_bytes"], "B"),
+            _bar(x["reduce_scatter_bytes"], tops["reduce_scatter_bytes"]),
+            human(x["reduce_scatter_bytes"], "B"))
+    console.print(t)
+
+    if report["heaviest_tasks"]:
+        h = Table(title=f"Heaviest {len(report['heaviest_tasks'])} tasks")
+        for col in ("task", "shape", "optimizer", "owner d", f"cost ({inp.cost_model})",
+                    "FLOPs", "state"):
+            h.add_column(col, justify="left" if col in ("task", "optimizer") else "right")
+        for x in report["heaviest_tasks"]:
+            h.add_row(x["name"], "×".join(map(str, x["shape"])), x["optimizer"],
+                      "-" if x["owner"] is None else str(x["owner"]), human(x["cost"]),
+                      human(x["flops"], "FLOP"), human(x["state_bytes"], "B"))
+        console.print(h)
+
+    if report["baselines"] is None:
+        console.print("baselines: not available for this plan (made from a live module or a "
+                      "custom cost model).", highlight=False)
+    else:
+        b = Table(title=f"Against the baselines (same model and sizes; bound "
+                        f"{human(m.certified_bound)} {inp.cost_model})")
+        for col in ("strategy", "max load", "max/mean", "gap to bound", "split matrices",
+                    "grad sync"):
+            b.add_column(col, justify="left" if col in ("strategy", "grad sync") else "right")
+        for x in report["baselines"]:
+            style = "bold" if x["name"] == "canzona" else None
+            b.add_row(x["name"], human(x["max_load"]), f"{x['max_over_mean']:.4f}",
+                      f"{x['gap_to_bound']:.2%}", str(x["split_matrices"]), x["grad_sync"],
+                      style=style)
+        console.print(b)
+        console.print("zero1 charges split matrices by fragments (not the exact optimizer); asc "
+                      "computes each whole on the rank holding its start; layerwise all-reduces "
+                      "gradients.", highlight=False, style="dim")
+    if plot is not None:
+        console.print(f"wrote chart [bold]{plot}[/]", highlight=False)
+
+
+def plot_plan(plan: Plan, path: Path) -> None:
+    """A per-DP-index chart (FLOPs, optimizer state, reduce-scatter bytes) as a PNG."""
+    from canzona.planner import CanzonaError
+
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CanzonaError("--plot needs matplotlib: pip install 'canzona[plot]'.") from None
+    inp, m = plan.inputs, plan.metrics
+    d = list(range(inp.dp))
+    fig = Figure(figsize=(max(6.0, 0.18 * inp.dp + 3), 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 1, sharex=True)
+    series = ((m.dp_flops, "optimizer FLOPs / step", 1.0, "FLOP"),
+              (m.dp_state_bytes, "optimizer state", 2.0 ** 30, "GiB"),
+              (m.dp_reduce_scatter_bytes, "reduce-scatter grads", 2.0 ** 30, "GiB"))
+    for ax, (vals, label, scale, unit) in zip(axes, series):
+        ys = [v / scale for v in vals]
+        ax.bar(d, ys, color="#4878a8")
+        mean = sum(ys) / len(ys)
+        ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.3g}")
+        if label.startswith("optimizer FLOPs") and inp.cost_model == "flops":
+            ax.axhline(m.certified_bound, color="#c44e52", linewidth=1,
+                       label=f"certified bound {m.certified_bound:.3g}")
+        ax.set_ylabel(f"{label}\n({unit})")
+        ax.legend(loc="lower right", fontsize="small")
+    axes[-1].set_xlabel("DP index")
+    fig.suptitle(f"{inp.model} dp={inp.dp} tp={inp.tp} {inp.optimizer.name}: "
+                 f"{inp.solver.strategy}, gap to bound {m.gap_to_bound:.2%}")
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise CanzonaError(f"cannot write chart to '{path}': {exc.strerror or exc}.") from None
 
 
 def flush() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
@@ -108,6 +110,158 @@ def layout(
         typer.echo(json.dumps(_render.layout_dict(spec, lay), indent=2))
     else:
         _render.layout_report(spec, lay, show_buckets=buckets)
+
+
+OPTIMIZERS = ("muon", "shampoo", "soap")
+COSTS = ("flops", "numel")
+
+
+def _choice(value: str, allowed: tuple[str, ...], option: str) -> str:
+    """Lower-case ``value`` if it is one of ``allowed``; a one-line error otherwise."""
+    v = value.strip().lower()
+    if v not in allowed:
+        raise CanzonaError(f"{option} must be one of: {', '.join(allowed)}; got '{value}'.")
+    return v
+
+
+def _check_output(path: Path) -> None:
+    """Fail before solving if the plan could not be written there."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise CanzonaError(f"cannot write plan to '{path}': it is a folder; give a file name.")
+    if not folder.is_dir():
+        raise CanzonaError(f"cannot write plan to '{path}': folder '{folder}' does not exist.")
+    if not os.access(folder, os.W_OK):
+        raise CanzonaError(f"cannot write plan to '{path}': folder '{folder}' is not writable.")
+
+
+@command
+def plan(
+    model: ModelOpt = None,
+    config: ConfigOpt = None,
+    dp: DpOpt = 1,
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    optimizer: Annotated[str, typer.Option(
+        "--optimizer", help="Matrix optimizer: muon, shampoo or soap.")] = "muon",
+    alpha: Annotated[float, typer.Option(
+        "--alpha", help="The paper's α in [0, 1] for the greedy: 0 even split, 1 fill deficits.")] = 1.0,
+    cost: Annotated[str, typer.Option(
+        "--cost", help="Load per matrix: flops (optimizer FLOPs) or numel (the paper's).")] = "flops",
+    solver: Annotated[str, typer.Option(
+        "--solver", help="auto (greedy + exact per-bucket polish), greedy (the paper) or "
+                         "cpsat (OR-Tools, proves a bound).")] = "auto",
+    time_limit: Annotated[float, typer.Option(
+        "--time-limit", help="CP-SAT time limit in seconds (cpsat only).")] = 10.0,
+    comm_limit: Annotated[Optional[float], typer.Option(
+        "--comm-limit", show_default="no cap",
+        help="Cap every DP slice at this multiple (≥ 1) of the even slice S/R (bounds the padded "
+             "collectives' cost).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="CP-SAT random seed (recorded).")] = 0,
+    split_qkv: Annotated[bool, typer.Option(
+        "--split-qkv", help="Q, K and V as separate matrices.")] = False,
+    split_gate_up: Annotated[bool, typer.Option(
+        "--split-gate-up", help="gate and up projections as separate matrices.")] = False,
+    bucket_size: Annotated[Optional[int], typer.Option(
+        "--bucket-size", show_default="Megatron's max(40M, 1M·dp)",
+        help="Elements per bucket.")] = None,
+    no_overlap: Annotated[bool, typer.Option(
+        "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")] = False,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
+        help="Plan file (written atomically).")] = None,
+) -> None:
+    """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the plan."""
+    from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, resolve_model
+    from canzona.planner.partition import SOLVERS, plan_dp
+    from canzona.planner.plan import save_plan
+    from canzona.planner.planning import default_plan_name, make_problem
+
+    optimizer = _choice(optimizer, OPTIMIZERS, "--optimizer")
+    cost = _choice(cost, COSTS, "--cost")
+    solver = _choice(solver, SOLVERS, "--solver")
+    if not 0.0 <= alpha <= 1.0:
+        raise CanzonaError(f"--alpha must be in [0, 1], got {alpha}.")
+    if not time_limit > 0:
+        raise CanzonaError(f"--time-limit must be positive seconds, got {time_limit}.")
+    if comm_limit is not None and not comm_limit >= 1.0:
+        raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
+    cfg = resolve_model(model, config)
+    sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
+    settings = OptimizerSettings(name=optimizer, split_qkv=split_qkv, split_gate_up=split_gate_up)  # type: ignore[arg-type]
+    out = output if output is not None else Path(default_plan_name(cfg.name, sizes, optimizer))
+    _check_output(out)
+    t0 = time.perf_counter()
+    problem = make_problem(build_inventory(cfg), sizes, settings, cost=cost,
+                           bucket_size=bucket_size, overlap_grad_reduce=not no_overlap)
+    with _render.progress(f"planning {cfg.name} dp={dp} tp={tp}") as say:
+        result = plan_dp(problem, solver=solver, alpha=alpha, time_limit_s=time_limit, seed=seed,
+                         comm_limit=comm_limit,
+                         model_source="preset" if model is not None else "hf_config",
+                         progress=say)
+    wall = time.perf_counter() - t0
+    save_plan(result, out)
+    _render.plan_summary(result, out, wall)
+
+
+def _rebuild_problem(p: object, config: Optional[Path]):  # -> DPProblem | None
+    """The plan's :class:`DPProblem` rebuilt from its inputs, checked against its fingerprint.
+
+    Returns None when the inputs cannot be rebuilt (a live module, a custom cost model).
+    """
+    from canzona.planner import ParallelSizes, build_inventory, get_preset, load_hf_config
+    from canzona.planner.planning import make_problem
+
+    inp = p.inputs  # type: ignore[attr-defined]
+    if inp.model_source == "module" or inp.cost_model not in COSTS:
+        return None
+    if inp.model_source == "hf_config":
+        if config is None:
+            raise CanzonaError(f"this plan was made from a Hugging Face config (model "
+                               f"'{inp.model}'); pass it again with --config PATH.")
+        cfg = load_hf_config(config)
+    else:
+        cfg = get_preset(inp.model)
+    spec = build_inventory(cfg)
+    if spec.fingerprint() != p.fingerprint:  # type: ignore[attr-defined]
+        src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"
+        raise CanzonaError(f"plan fingerprint {p.fingerprint[:19]}… does not match {src} "  # type: ignore[attr-defined]
+                           f"({spec.fingerprint()[:19]}…): the plan was made for other parameters.")
+    sizes = ParallelSizes(dp=inp.dp, tp=inp.tp, ep=inp.ep,
+                          etp=None if inp.etp == inp.tp else inp.etp)
+    return make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
+                        bucket_size=inp.bucket_size,
+                        overlap_grad_reduce=inp.bucket_size is not None,
+                        comm_dtype=inp.comm_dtype)
+
+
+@command
+def inspect(
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by 'canzona plan'.",
+                                              show_default=False)],
+    config: Annotated[Optional[Path], typer.Option(
+        "--config", "-c", help="The Hugging Face config.json the plan was made from "
+                               "(plans made with --config only).")] = None,
+    top: Annotated[int, typer.Option("--top", help="How many of the heaviest tasks to list.",
+                                     min=0)] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Write a per-DP-index chart to this PNG (needs matplotlib).")] = None,
+) -> None:
+    """Report a plan: per-DP-index loads, gap to the bound, heaviest tasks, every baseline."""
+    from canzona.planner.baselines import baselines
+    from canzona.planner.plan import load_plan
+
+    p = load_plan(plan_file)
+    problem = _rebuild_problem(p, config)
+    rows = baselines(problem, p) if problem is not None else None
+    report = _render.inspect_dict(p, rows, top=top)
+    if plot is not None:
+        _render.plot_plan(p, plot)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        _render.inspect_report(p, report, plot=plot)
 
 
 def main() -> None:
