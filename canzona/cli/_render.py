@@ -350,7 +350,8 @@ def plot_plan(plan: Plan, path: Path) -> None:
             ax.axhline(m.certified_bound, color="#c44e52", linewidth=1,
                        label=f"certified bound {m.certified_bound:.3g}")
         ax.set_ylabel(f"{label}\n({unit})")
-        ax.legend(loc="lower right", fontsize="small")
+        ax.set_ylim(0, max(ys + [mean]) * 1.3 or 1.0)  # headroom for the legend
+        ax.legend(loc="upper left", ncol=2, fontsize="small")
     axes[-1].set_xlabel("DP index")
     fig.suptitle(f"{inp.model} dp={inp.dp} tp={inp.tp} {inp.optimizer.name}: "
                  f"{inp.solver.strategy}, gap to bound {m.gap_to_bound:.2%}")
