@@ -1,0 +1,87 @@
+"""Regenerate the example plans in this folder (and its README index), byte for byte.
+
+    python plans/regenerate.py            # rewrite every plan and plans/README.md
+    python plans/regenerate.py --check    # exit 1 if a committed file differs
+
+Each plan is what ``canzona plan --model M --dp D --tp T`` writes with the defaults (Muon, α = 1,
+FLOPs cost, solver auto). Plans hold no wall-clock time, so identical code gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, get_preset
+from canzona.planner.partition import plan_dp
+from canzona.planner.plan import Plan, save_plan
+from canzona.planner.planning import default_plan_name, make_problem
+
+HERE = Path(__file__).resolve().parent
+MODELS = ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
+SIZES = ((32, 8), (16, 8), (32, 4))  # the paper's (dp, tp)
+CASES = tuple((m, dp, tp) for m in MODELS for dp, tp in SIZES)
+
+
+def plan_name(model: str, dp: int, tp: int) -> str:
+    return default_plan_name(model, ParallelSizes(dp=dp, tp=tp), "muon")
+
+
+def build(model: str, dp: int, tp: int) -> Plan:
+    """The plan ``canzona plan --model model --dp dp --tp tp`` makes with default options."""
+    sizes = ParallelSizes(dp=dp, tp=tp)
+    problem = make_problem(build_inventory(get_preset(model)), sizes, OptimizerSettings(name="muon"))
+    return plan_dp(problem)
+
+
+def index(plans: dict[str, Plan]) -> str:
+    """plans/README.md: what each file is and how balanced it is."""
+    lines = [
+        "# Example plans",
+        "",
+        "Written by `python plans/regenerate.py` (do not edit; re-run it after a planner change).",
+        "Each is `canzona plan --model M --dp D --tp T` with the defaults: Muon, α = 1, FLOPs cost,",
+        "solver `auto`. Read one with `canzona inspect plans/FILE`.",
+        "",
+        "| plan | GPUs | max/mean FLOPs | gap to certified bound | max/mean state | status |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, p in plans.items():
+        m = p.metrics
+        st = m.dp_state_bytes
+        lines.append(f"| `{name}` | {p.inputs.dp * p.inputs.tp} | {m.max_over_mean:.4f} | "
+                     f"{m.gap_to_bound:.2%} | {max(st) / (sum(st) / len(st)):.3f} | "
+                     f"{m.solver_status} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare with the files; write nothing")
+    args = ap.parse_args(argv)
+    plans = {plan_name(*c): build(*c) for c in CASES}
+    files = {name: p.to_json() for name, p in plans.items()}
+    files["README.md"] = index(plans)
+    stale = []
+    for name, text in files.items():
+        path = HERE / name
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(name)
+        elif name.endswith(".json"):
+            save_plan(plans[name], path)
+        else:
+            path.write_text(text, encoding="utf-8")
+    if args.check:
+        for name in stale:
+            print(f"stale: plans/{name}", file=sys.stderr)
+        if stale:
+            print("run: python plans/regenerate.py", file=sys.stderr)
+        return 1 if stale else 0
+    print(f"wrote {len(files)} files to {HERE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
