@@ -82,7 +82,9 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
     model.minimize(M)
 
     solver = cp_model.CpSolver()
+    # Deterministic time keeps plans reproducible; the wall-clock cap (2x) only guards slow hosts.
     solver.parameters.max_deterministic_time = float(time_limit_s)
+    solver.parameters.max_time_in_seconds = 2.0 * float(time_limit_s)
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = int(seed)
     status = solver.solve(model)

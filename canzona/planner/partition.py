@@ -264,6 +264,48 @@ def _scaled(u: Units, scale: float) -> Units:
     return Units(u.bounds, u.prefix / scale, u.piece_load / scale)
 
 
+def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
+                        tolerance: float = 1e-3, ceiling: float | None = None) -> Cuts:
+    """Move every cut that sits between matrices as close to ZeRO-1's even cut as it may go.
+
+    Between two matrix-optimizer parameters a cut can slide over AdamW parameters without
+    changing who owns any matrix. Placing it at the even cut where possible keeps optimizer
+    state and reduce-scatter slices balanced around huge AdamW tensors (embeddings, output
+    layer), which cost almost nothing in FLOPs. Kept only if the max load grows by at most
+    ``tolerance`` (relative) and stays within ``ceiling`` (the greedy plan's max, so the result
+    is never worse than the paper's algorithm).
+    """
+    out: Cuts = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        c = list(cuts[key])
+        eq = equal_cuts(b)
+        atomic = [(it.start, it.end) for it in b.items if it.atomic]
+        starts = [a for a, _ in atomic]
+        new = [c[0]]
+        for r in range(1, b.ranks):
+            x = c[r]
+            k = int(np.searchsorted(starts, x, side="left"))  # first matrix starting at/after x
+            lo = atomic[k - 1][1] if k > 0 else b.start
+            hi = atomic[k][0] if k < len(atomic) else b.end
+            if lo > x:  # x inside a matrix cannot happen for valid cuts; leave it alone
+                new.append(max(x, new[-1]))
+                continue
+            y = min(max(eq[r], lo), hi)
+            new.append(max(y, new[-1]))
+        new.append(c[-1])
+        if comm_limit is not None:
+            cap = comm_limit * (b.end - b.start) / b.ranks
+            if max(v - u for u, v in zip(new, new[1:])) > cap:
+                new = c
+        out[key] = tuple(new)
+    before = max(evaluate(problem, cuts).load)
+    after = max(evaluate(problem, out).load)
+    limit = before * (1 + tolerance) if ceiling is None else min(before * (1 + tolerance),
+                                                                 max(before, ceiling))
+    return out if after <= limit else cuts
+
+
 # --- bounds -------------------------------------------------------------------------------------
 
 
@@ -319,6 +361,7 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     say = progress or (lambda _msg: None)
     say("greedy")
     cuts = greedy(problem, alpha=alpha)
+    greedy_max = max(evaluate(problem, cuts).load)
     if comm_limit is not None or solver != "greedy":
         say("polishing")
         polished = polish(problem, cuts, comm_limit=comm_limit)
@@ -327,6 +370,7 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
         if comm_limit is not None or max(evaluate(problem, polished).load) <= max(
                 evaluate(problem, cuts).load):
             cuts = polished
+    cuts = rebalance_divisible(problem, cuts, comm_limit=comm_limit, ceiling=greedy_max)
     status = "heuristic"
     if solver == "cpsat":
         from ._cpsat import solve_cpsat
