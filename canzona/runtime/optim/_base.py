@@ -117,8 +117,12 @@ def check_state(
     name: str,
     state: Mapping[str, Tensor],
     expected: Mapping[str, tuple[int, ...]],
+    device: torch.device | None = None,
 ) -> None:
-    """Check that ``state`` holds tensors of the expected shapes (raises ``ValueError``)."""
+    """Check that ``state`` holds tensors of the expected shapes (raises ``ValueError``).
+
+    With ``device``, every tensor but the CPU ``step`` counter must live there.
+    """
     for key, shape in expected.items():
         t = state.get(key)
         if t is None:
@@ -130,6 +134,10 @@ def check_state(
             raise ValueError(
                 f"{owner}: state {key!r} of parameter {name} has shape {tuple(t.shape)}, "
                 f"expected {tuple(shape)}"
+            )
+        if device is not None and key != "step" and t.device != device:
+            raise ValueError(
+                f"{owner}: state {key!r} of parameter {name} is on {t.device}, its gradient on {device}"
             )
 
 

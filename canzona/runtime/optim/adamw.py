@@ -118,7 +118,11 @@ class AdamW:
                     f"AdamW: gradient of {name} has shape {tuple(g.shape)}, param {tuple(p.shape)}"
                 )
             check_state(
-                self.name, name, s, {"exp_avg": tuple(g.shape), "exp_avg_sq": tuple(g.shape), "step": ()}
+                self.name,
+                name,
+                s,
+                {"exp_avg": tuple(g.shape), "exp_avg_sq": tuple(g.shape), "step": ()},
+                g.device,
             )
         skip = nonfinite_mask(grads, names, cfg.nonfinite)
         # --- nothing has been modified above this line ---
@@ -129,6 +133,7 @@ class AdamW:
                 untouched.append(i)
                 continue
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            grad = grad.to(exp_avg.dtype)  # moments in the state's dtype (no-op when equal)
             state["step"] += 1
             t = read_step(state)
             if wd != 0:

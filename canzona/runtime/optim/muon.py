@@ -192,10 +192,18 @@ def _newton_schulz_(X: Tensor, schedule: Sequence[Coefficients], eps: float) -> 
         norm = X.norm()
     X.div_(norm.clamp(min=eps))
     mm, addmm = (torch.bmm, torch.baddbmm) if batched else (torch.mm, torch.addmm)
+    # Preallocated Gram, polynomial and two ping-pong iterates: no allocation per step (on the
+    # CPU, tensors above glibc's mmap threshold are fresh, page-faulting memory every time).
+    short = (*X.shape[:-1], X.size(-2))
+    gram = torch.empty(short, dtype=X.dtype, device=X.device)
+    poly = torch.empty_like(gram)
+    spare = torch.empty(X.shape, dtype=X.dtype, device=X.device)
     for a, b, c in schedule:
-        gram = mm(X, X.mT)
-        poly = addmm(gram, gram, gram, beta=b, alpha=c)
-        X = addmm(X, poly, X, beta=a)
+        mm(X, X.mT, out=gram)
+        addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        # X ← aX + poly·X into the buffer X does not occupy (out= must not alias an input).
+        addmm(X, poly, X, beta=a, out=spare)
+        X, spare = spare, X if X.is_contiguous() else torch.empty_like(spare)
     return X.mT if tall else X
 
 
@@ -234,7 +242,7 @@ class Muon(MatrixOptimizer):
         names = param_names(names, len(grads))
         check_matrix_grads(self.name, grads, names)
         for g, s, name in zip(grads, states, names):
-            check_state(self.name, name, s, {"momentum_buffer": tuple(g.shape)})
+            check_state(self.name, name, s, {"momentum_buffer": tuple(g.shape)}, g.device)
         skip = nonfinite_mask(grads, names, cfg.nonfinite)
         # --- nothing has been modified above this line ---
 
@@ -242,10 +250,12 @@ class Muon(MatrixOptimizer):
         groups: dict[tuple, list[int]] = {}
         for i, g in enumerate(grads):
             if not skip[i]:
-                groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+                buf = states[i]["momentum_buffer"]
+                groups.setdefault((tuple(g.shape), buf.dtype, g.device), []).append(i)
         for idx in groups.values():
-            gs = [grads[i] for i in idx]
             bufs = [states[i]["momentum_buffer"] for i in idx]
+            # Momentum is kept in the state's dtype (e.g. fp32 state for bf16 gradients).
+            gs = [grads[i].to(bufs[0].dtype) for i in idx]
             torch._foreach_lerp_(bufs, gs, 1 - cfg.momentum)
             if cfg.nesterov:
                 ups = torch._foreach_lerp(gs, bufs, cfg.momentum)

@@ -139,10 +139,13 @@ class SOAP(MatrixOptimizer):
         names = param_names(names, len(grads))
         check_matrix_grads(self.name, grads, names)
         for g, s, name in zip(grads, states, names):
-            check_state(self.name, name, s, self._expected(*g.shape))
+            check_state(self.name, name, s, self._expected(*g.shape), g.device)
         skip = nonfinite_mask(grads, names, self.config.nonfinite)
         # --- nothing has been modified above this line ---
-        return [None if skip[i] else self._one(g, s) for i, (g, s) in enumerate(zip(grads, states))]
+        return [
+            None if skip[i] else self._one(g.to(s["exp_avg"].dtype), s)
+            for i, (g, s) in enumerate(zip(grads, states))
+        ]
 
     def _one(self, grad: Tensor, state: dict[str, Tensor]) -> Tensor | None:
         cfg = self.config

@@ -1,4 +1,8 @@
-"""SOAP kernel against pytorch_optimizer.SOAP (a port of the authors' code)."""
+"""SOAP kernel against pytorch_optimizer.SOAP (a port of the authors' code).
+
+pytorch-optimizer ≥ 4 is needed: 3.x computes the bias correction and the basis-refresh schedule
+from a step count one ahead of the authors' code (github.com/nikhilvyas/SOAP).
+"""
 
 from __future__ import annotations
 
