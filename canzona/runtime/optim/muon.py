@@ -159,7 +159,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = torch.bfloat16,
 ) -> Tensor:
-    """Orthogonalise a matrix or a stack of same-shape matrices (``[..., m, n]``).
+    """Orthogonalise a matrix ``[m, n]`` or a stack of same-shape matrices ``[batch, m, n]``.
 
     Follows ``torch.optim.Muon``'s ``_zeropower_via_newtonschulz`` operation for operation, so a
     single matrix gives bitwise the same result; a stack runs each product as one batched call.
@@ -267,11 +267,10 @@ class Muon(MatrixOptimizer):
                 continue
             # One stacked copy in the iteration dtype (the cast torch does per matrix).
             stack = torch.empty((len(idx), *gs[0].shape), dtype=cfg.ns_dtype, device=gs[0].device)
-            for k, u in enumerate(ups):
-                stack[k].copy_(u)
+            torch._foreach_copy_(list(stack.unbind(0)), ups)
             ortho = _newton_schulz_(stack, cfg.schedule, cfg.eps)
             for k, i in enumerate(idx):
-                out[i] = ortho[k]
+                out[i] = ortho[k]  # views into one batched tensor (transposed for tall shapes)
         return out
 
     def apply(self, param, update, *, lr=None, weight_decay=None, full_shape=None) -> None:

@@ -78,7 +78,7 @@ class ShampooConfig:
     grafting_eps: float = 1e-8
     """Adam grafting's ε, > 0."""
     root_dtype: torch.dtype | None = None
-    """dtype of the eigendecomposition; None: the statistics' dtype."""
+    """dtype of the eigendecomposition; None: the statistics' dtype (at least float32)."""
     nonfinite: NonFinitePolicy = "raise"
     """On a NaN/Inf gradient: "raise" NonFiniteGradientError, or "skip" that parameter."""
 
@@ -106,9 +106,12 @@ def inverse_root(stat: Tensor, *, root: int = 4, eps: float = 0.0, dtype: torch.
     """``(stat + eps·I)^{-1/root}`` of a symmetric PSD matrix by eigendecomposition.
 
     Eigenvalues are clamped at 0 first (round-off can make them slightly negative).
-    Returns the result in ``stat.dtype``; computes in ``dtype`` (default ``stat.dtype``).
+    Returns the result in ``stat.dtype``; computes in ``dtype`` (default: ``stat.dtype``, at least
+    float32, as ``eigh`` has no half-precision kernels).
     """
-    work = stat if dtype is None else stat.to(dtype)
+    if dtype is None:
+        dtype = torch.promote_types(stat.dtype, torch.float32)
+    work = stat.to(dtype)
     vals, vecs = torch.linalg.eigh(work)
     scale = vals.clamp(min=0.0).add_(eps).pow_(-1.0 / root)
     return ((vecs * scale) @ vecs.T).to(stat.dtype)

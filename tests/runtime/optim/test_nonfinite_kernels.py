@@ -93,3 +93,15 @@ def test_error_without_names_uses_positions():
     g = torch.full(SHAPE, float("nan"))
     with pytest.raises(NonFiniteGradientError, match="#0"):
         opt.direction([g], [opt.init_state(SHAPE)])
+
+
+def test_huge_but_finite_gradients_are_not_flagged():
+    from canzona.runtime.optim._base import check_finite
+
+    huge = torch.full((4, 4), 3e38)  # its norm overflows to inf; the elements are finite
+    nan = huge.clone()
+    nan[2, 3] = float("nan")
+    assert check_finite([huge, nan, huge.bfloat16(), torch.zeros(3)]) == [True, False, True, True]
+    opt = Muon(MuonConfig(nonfinite="raise"))
+    (update,) = opt.direction([huge], [opt.init_state((4, 4))])
+    assert bool(torch.isfinite(update).all())
