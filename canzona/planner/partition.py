@@ -33,9 +33,12 @@ import numpy as np
 
 from .errors import CanzonaError
 from .plan import Plan, SolverOptions
-from .planning import BucketProblem, DPProblem, build_plan, equal_cuts, evaluate
+from .planning import BucketProblem, DPProblem, build_plan, equal_cuts, evaluate, owner_of
 
 SOLVERS = ("auto", "greedy", "cpsat")
+#: The bin-packing bound (a CP-SAT covering model) is computed when the plan is more than this
+#: far above the simple bounds: below it the simple bound already certifies the plan.
+PACKING_BOUND_ABOVE = 0.02
 Cuts = dict[tuple[int, int], tuple[int, ...]]
 
 
@@ -171,7 +174,7 @@ def greedy(problem: DPProblem, *, alpha: float = 1.0, pieces: int | None = None)
 
 
 #: Smooth objectives of the coordinate descent, ever closer to the maximum.
-_POWERS = {"ssq": 2, "p4": 4, "p8": 8, "p16": 16}
+_POWERS = {"ssq": 2, "p8": 8}
 
 
 def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
@@ -182,6 +185,8 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) ->
     """
     R = len(base)
     m = len(u.bounds) - 1
+    if m <= 3:
+        return _bucket_dp_small(u, base, cap, objective)
     P = u.prefix
     blk = P[None, :] - P[:, None]  # blk[j, i] = load of units j..i-1
     valid = np.triu(np.ones((m + 1, m + 1), dtype=bool))
@@ -207,6 +212,37 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) ->
     idx = [m]
     for r in range(R - 1, -1, -1):
         idx.append(int(choice[r][idx[-1]]))
+    return idx[::-1]
+
+
+def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
+    """The same DP in plain Python, faster than numpy for buckets of at most three units."""
+    R, m = len(base), len(u.bounds) - 1
+    P = [float(x) for x in u.prefix]
+    B = [int(x) for x in u.bounds]
+    power = _POWERS.get(objective)
+    inf = float("inf")
+    g = [0.0] + [inf] * m
+    choice = []
+    for r in range(R):
+        br = float(base[r])
+        ng, ch = [inf] * (m + 1), [0] * (m + 1)
+        for i in range(m + 1):
+            for j in range(i + 1):
+                if g[j] == inf or (cap is not None and B[i] - B[j] > cap):
+                    continue
+                x = br + P[i] - P[j]
+                v = max(g[j], x) if power is None else g[j] + x ** power
+                if v < ng[i]:
+                    ng[i], ch[i] = v, j
+        g = ng
+        choice.append(ch)
+    if g[m] == inf:
+        raise CanzonaError("comm_limit is too tight: some bucket cannot be cut into slices that "
+                           "small at parameter boundaries; raise --comm-limit.")
+    idx = [m]
+    for r in range(R - 1, -1, -1):
+        idx.append(choice[r][idx[-1]])
     return idx[::-1]
 
 
@@ -306,6 +342,116 @@ def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | N
     return out if after <= limit else cuts
 
 
+def _rank_in(problem: DPProblem, b: BucketProblem, d: int) -> int | None:
+    """Rank of DP index ``d`` in ``b``'s sharding group (None if d does not hold this bucket)."""
+    buf = problem.layout.buffers[b.buffer]
+    if not buf.expert:
+        return d
+    ep = problem.sizes.ep
+    return (d - buf.ep_rank) // ep if d % ep == buf.ep_rank else None
+
+
+def owners_to_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]]) -> Cuts:
+    """Cut points from the owners (ranks) of every bucket's matrices; the cuts between two
+    matrices sit as close to the even cut as the neighbouring matrices allow."""
+    out: Cuts = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        atomic = [it for it in b.items if it.atomic]
+        own = owners[key]
+        eq = equal_cuts(b)
+        c = [b.start]
+        k = 0
+        for r in range(1, b.ranks):
+            while k < len(atomic) and own[k] < r:
+                k += 1
+            lo = atomic[k - 1].end if k > 0 else b.start
+            hi = atomic[k].start if k < len(atomic) else b.end
+            c.append(max(c[-1], min(max(eq[r], lo), hi)))
+        c.append(b.end)
+        out[key] = tuple(c)
+    return out
+
+
+def swap_search(problem: DPProblem, cuts: Cuts, *, max_moves: int = 5000) -> tuple[Cuts, int]:
+    """Local search on whole matrices: move one matrix off the busiest DP index, or swap it
+    with a lighter matrix of another index, wherever both buckets' rank order allows.
+
+    This is what the per-bucket DP cannot do (it changes two buckets at once); it matters most
+    where buckets hold one or two matrices, i.e. where the problem is plain bin packing.
+    Returns the new cuts and the number of moves made.
+    """
+    owners: dict[tuple[int, int], list[int]] = {}
+    atomic: dict[tuple[int, int], list] = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        c = cuts[key]
+        atomic[key] = [it for it in b.items if it.atomic]
+        owners[key] = [owner_of(c, it.start) for it in atomic[key]]
+    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
+    load = list(evaluate(problem, cuts).load)
+    held: dict[int, set] = {d: set() for d in range(problem.dp)}
+    for key, own in owners.items():
+        for k, r in enumerate(own):
+            held[problem.dp_index(by_key[key], r)].add((key, k))
+
+    def window(key, k):
+        own = owners[key]
+        lo = own[k - 1] if k > 0 else 0
+        hi = own[k + 1] if k + 1 < len(own) else by_key[key].ranks - 1
+        return lo, hi
+
+    moves = 0
+    for _ in range(max_moves):
+        top = max(range(problem.dp), key=lambda d: (load[d], -d))
+        L = load[top]
+        best = None  # (new pair max, kind, ...)
+        for key, k in sorted(held[top]):
+            b = by_key[key]
+            w = atomic[key][k].load
+            lo, hi = window(key, k)
+            for r in range(lo, hi + 1):
+                d2 = problem.dp_index(b, r)
+                if d2 == top:
+                    continue
+                if load[d2] + w < L and (best is None or load[d2] + w < best[0]):
+                    best = (load[d2] + w, "move", key, k, r, d2)
+                for key2, k2 in held[d2]:
+                    if key2 == key:
+                        continue
+                    w2 = atomic[key2][k2].load
+                    if w2 >= w:
+                        continue
+                    r_top = _rank_in(problem, by_key[key2], top)
+                    if r_top is None:
+                        continue
+                    lo2, hi2 = window(key2, k2)
+                    if not lo2 <= r_top <= hi2:
+                        continue
+                    worst = max(L - w + w2, load[d2] - w2 + w)
+                    if worst < L and (best is None or worst < best[0]):
+                        best = (worst, "swap", key, k, r, d2, key2, k2, r_top)
+        if best is None:
+            break
+        moves += 1
+        _, kind, key, k, r, d2, *rest = best
+        w = atomic[key][k].load
+        owners[key][k] = r
+        held[top].discard((key, k))
+        held[d2].add((key, k))
+        load[top] -= w
+        load[d2] += w
+        if kind == "swap":
+            key2, k2, r_top = rest
+            w2 = atomic[key2][k2].load
+            owners[key2][k2] = r_top
+            held[d2].discard((key2, k2))
+            held[top].add((key2, k2))
+            load[d2] -= w2
+            load[top] += w2
+    return owners_to_cuts(problem, owners), moves
+
+
 # --- bounds -------------------------------------------------------------------------------------
 
 
@@ -364,12 +510,22 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     greedy_max = max(evaluate(problem, cuts).load)
     if comm_limit is not None or solver != "greedy":
         say("polishing")
-        polished = polish(problem, cuts, comm_limit=comm_limit)
+        best = polish(problem, cuts, comm_limit=comm_limit)
+        best_max = max(evaluate(problem, best).load)
+        # Alternate whole-matrix moves/swaps across buckets with the exact per-bucket re-cut.
+        for _ in range(4):
+            cand, moves = swap_search(problem, best)
+            if not moves:
+                break
+            cand = polish(problem, cand, comm_limit=comm_limit)
+            cand_max = max(evaluate(problem, cand).load)
+            if cand_max >= best_max:
+                break
+            best, best_max = cand, cand_max
         # Polishing works on a discretisation of the AdamW items: keep the greedy cuts if they are
         # better (unless they break the comm limit, which greedy does not know).
-        if comm_limit is not None or max(evaluate(problem, polished).load) <= max(
-                evaluate(problem, cuts).load):
-            cuts = polished
+        if comm_limit is not None or best_max <= greedy_max:
+            cuts = best
     cuts = rebalance_divisible(problem, cuts, comm_limit=comm_limit, ceiling=greedy_max)
     status = "heuristic"
     if solver == "cpsat":
@@ -380,6 +536,11 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
                                              workers=workers, comm_limit=comm_limit)
         bound = max(bound, cp_bound)
     ev = evaluate(problem, cuts)
+    if max(ev.load) > bound * (1 + PACKING_BOUND_ABOVE):
+        from ._cpsat import packing_bound  # OR-Tools costs ~0.6 s to import: only when needed
+
+        say("bounding")
+        bound = max(bound, packing_bound(problem, max(ev.load)))
     if max(ev.load) <= bound:
         status = "optimal"
     return Solution(cuts, status, bound)

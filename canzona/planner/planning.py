@@ -201,9 +201,11 @@ def evaluate(problem: DPProblem, cuts: dict[tuple[int, int], tuple[int, ...]],
                 if hi <= lo:
                     continue
                 d = problem.dp_index(b, r)
-                load[d] += it.load * (hi - lo) // n
-                flops[d] += it.flops * (hi - lo) // n
-                state[d] += it.state_bytes * (hi - lo) // n
+                # Cumulative rounding: the shares of an item add up to the item exactly.
+                a, z = lo - it.start, hi - it.start
+                load[d] += it.load * z // n - it.load * a // n
+                flops[d] += it.flops * z // n - it.flops * a // n
+                state[d] += it.state_bytes * z // n - it.state_bytes * a // n
             if it.atomic:
                 for t in it.tasks:
                     owners[t] = problem.dp_index(b, first)
