@@ -158,6 +158,10 @@ def plan(
         help="Cap every DP slice at this multiple (≥ 1) of the even slice S/R (bounds the padded "
              "collectives' cost).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="CP-SAT random seed (recorded).")] = 0,
+    reorder: Annotated[bool, typer.Option(
+        "--reorder", help="Let parameters change places inside their bucket (much better balance; "
+                          "the plan records the order, so gradient buffers must follow the plan, "
+                          "as canzona's runtime does).")] = False,
     split_qkv: Annotated[bool, typer.Option(
         "--split-qkv", help="Q, K and V as separate matrices.")] = False,
     split_gate_up: Annotated[bool, typer.Option(
@@ -196,7 +200,7 @@ def plan(
                            bucket_size=bucket_size, overlap_grad_reduce=not no_overlap)
     with _render.progress(f"planning {cfg.name} dp={dp} tp={tp}") as say:
         result = plan_dp(problem, solver=solver, alpha=alpha, time_limit_s=time_limit, seed=seed,
-                         comm_limit=comm_limit,
+                         comm_limit=comm_limit, reorder=reorder,
                          model_source="preset" if model is not None else "hf_config",
                          progress=say)
     wall = time.perf_counter() - t0

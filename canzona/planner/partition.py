@@ -302,39 +302,26 @@ def _scaled(u: Units, scale: float) -> Units:
 
 def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                         tolerance: float = 1e-3, ceiling: float | None = None) -> Cuts:
-    """Move every cut that sits between matrices as close to ZeRO-1's even cut as it may go.
+    """Re-place every cut that sits between matrices so the AdamW elements between two matrices
+    are shared evenly by the ranks that may take them (:func:`spread_cuts`).
 
-    Between two matrix-optimizer parameters a cut can slide over AdamW parameters without
-    changing who owns any matrix. Placing it at the even cut where possible keeps optimizer
-    state and reduce-scatter slices balanced around huge AdamW tensors (embeddings, output
-    layer), which cost almost nothing in FLOPs. Kept only if the max load grows by at most
+    Such a cut can slide without changing who owns any matrix; spreading keeps optimizer state
+    and reduce-scatter slices balanced around huge AdamW tensors (embeddings, output layer),
+    which cost almost nothing in FLOPs. Kept only if the max load grows by at most
     ``tolerance`` (relative) and stays within ``ceiling`` (the greedy plan's max, so the result
     is never worse than the paper's algorithm).
     """
     out: Cuts = {}
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
-        c = list(cuts[key])
-        eq = equal_cuts(b)
-        atomic = [(it.start, it.end) for it in b.items if it.atomic]
-        starts = [a for a, _ in atomic]
-        new = [c[0]]
-        for r in range(1, b.ranks):
-            x = c[r]
-            k = int(np.searchsorted(starts, x, side="left"))  # first matrix starting at/after x
-            lo = atomic[k - 1][1] if k > 0 else b.start
-            hi = atomic[k][0] if k < len(atomic) else b.end
-            if lo > x:  # x inside a matrix cannot happen for valid cuts; leave it alone
-                new.append(max(x, new[-1]))
-                continue
-            y = min(max(eq[r], lo), hi)
-            new.append(max(y, new[-1]))
-        new.append(c[-1])
+        c = cuts[key]
+        owners = [owner_of(c, it.start) for it in b.items if it.atomic]
+        new = spread_cuts(b, owners)
         if comm_limit is not None:
             cap = comm_limit * (b.end - b.start) / b.ranks
             if max(v - u for u, v in zip(new, new[1:])) > cap:
                 new = c
-        out[key] = tuple(new)
+        out[key] = new
     before = max(evaluate(problem, cuts).load)
     after = max(evaluate(problem, out).load)
     limit = before * (1 + tolerance) if ceiling is None else min(before * (1 + tolerance),
@@ -351,26 +338,34 @@ def _rank_in(problem: DPProblem, b: BucketProblem, d: int) -> int | None:
     return (d - buf.ep_rank) // ep if d % ep == buf.ep_rank else None
 
 
+def spread_cuts(b: BucketProblem, owners: list[int]) -> tuple[int, ...]:
+    """Cut points of bucket ``b`` given the ranks of its matrices (in bucket order).
+
+    Between two consecutive matrices owned by ranks a ≤ c (or the bucket's ends), the AdamW
+    elements there are shared evenly by ranks a … c, as ZeRO-1 would share them, so huge AdamW
+    tensors (embeddings, output layer) and their optimizer state spread over every rank that
+    can take a piece.
+    """
+    atomic = [it for it in b.items if it.atomic]
+    cuts = [b.start] + [0] * (b.ranks - 1) + [b.end]
+    prev_end, prev_owner = b.start, 0
+    for k in range(len(atomic) + 1):
+        lo = prev_end
+        hi = atomic[k].start if k < len(atomic) else b.end
+        nxt = owners[k] if k < len(atomic) else b.ranks - 1
+        # ranks prev_owner … nxt share [lo, hi); cut r (start of rank r) for r in prev_owner+1 … nxt
+        share = nxt - prev_owner + 1
+        for r in range(prev_owner + 1, nxt + 1):
+            cuts[r] = lo + (hi - lo) * (r - prev_owner) // share
+        if k < len(atomic):
+            prev_end, prev_owner = atomic[k].end, nxt
+    return tuple(cuts)
+
+
 def owners_to_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]]) -> Cuts:
-    """Cut points from the owners (ranks) of every bucket's matrices; the cuts between two
-    matrices sit as close to the even cut as the neighbouring matrices allow."""
-    out: Cuts = {}
-    for b in problem.buckets:
-        key = (b.buffer, b.bucket)
-        atomic = [it for it in b.items if it.atomic]
-        own = owners[key]
-        eq = equal_cuts(b)
-        c = [b.start]
-        k = 0
-        for r in range(1, b.ranks):
-            while k < len(atomic) and own[k] < r:
-                k += 1
-            lo = atomic[k - 1].end if k > 0 else b.start
-            hi = atomic[k].start if k < len(atomic) else b.end
-            c.append(max(c[-1], min(max(eq[r], lo), hi)))
-        c.append(b.end)
-        out[key] = tuple(c)
-    return out
+    """Cut points from the owners (ranks) of every bucket's matrices (see :func:`spread_cuts`)."""
+    return {(b.buffer, b.bucket): spread_cuts(b, owners[(b.buffer, b.bucket)])
+            for b in problem.buckets}
 
 
 def swap_search(problem: DPProblem, cuts: Cuts, *, max_moves: int = 5000) -> tuple[Cuts, int]:
@@ -480,11 +475,13 @@ class Solution:
     cuts: Cuts
     status: str
     bound: int  # certified lower bound on the max load
+    problem: DPProblem | None = None  # the reordered problem, when reordering was used
 
 
 def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
           time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
-          workers: int = 1, progress: Callable[[str], None] | None = None) -> Solution:
+          workers: int = 1, reorder: bool = False,
+          progress: Callable[[str], None] | None = None) -> Solution:
     """Choose every bucket's cut points.
 
     Args:
@@ -494,6 +491,8 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
         seed: CP-SAT's random seed (recorded in the plan).
         comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
         workers: CP-SAT worker count (fixed, so plans are reproducible).
+        reorder: allow parameters to change places inside their bucket (see ``_reorder``); the
+            result keeps Megatron's order when reordering does not lower the max load.
     """
     if solver not in SOLVERS:
         raise CanzonaError(f"unknown solver '{solver}'; choose one of: {', '.join(SOLVERS)}.")
@@ -504,6 +503,7 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     if comm_limit is not None and comm_limit < 1.0:
         raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
     bound = pigeonhole_bound(problem)
+    original = problem
     say = progress or (lambda _msg: None)
     say("greedy")
     cuts = greedy(problem, alpha=alpha)
@@ -527,6 +527,25 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
         if comm_limit is not None or best_max <= greedy_max:
             cuts = best
     cuts = rebalance_divisible(problem, cuts, comm_limit=comm_limit, ceiling=greedy_max)
+    used = problem
+    if reorder and solver != "greedy":
+        from ._reorder import assign_free, reorder_problem
+
+        say("reordering")
+        rp, owners = reorder_problem(problem, assign_free(problem))
+        rcuts = polish(rp, owners_to_cuts(rp, owners), comm_limit=comm_limit)
+        for _ in range(4):
+            cand, moves = swap_search(rp, rcuts)
+            if not moves:
+                break
+            cand = polish(rp, cand, comm_limit=comm_limit)
+            if max(evaluate(rp, cand).load) >= max(evaluate(rp, rcuts).load):
+                break
+            rcuts = cand
+        rcuts = rebalance_divisible(rp, rcuts, comm_limit=comm_limit)
+        if max(evaluate(rp, rcuts).load) < max(evaluate(problem, cuts).load):
+            used, cuts = rp, rcuts
+    problem = used
     status = "heuristic"
     if solver == "cpsat":
         from ._cpsat import solve_cpsat
@@ -543,21 +562,21 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
         bound = max(bound, packing_bound(problem, max(ev.load)))
     if max(ev.load) <= bound:
         status = "optimal"
-    return Solution(cuts, status, bound)
+    return Solution(cuts, status, bound, used if used is not original else None)
 
 
 def plan_dp(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
             time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
-            workers: int = 1, model_source: str = "preset",
+            workers: int = 1, model_source: str = "preset", reorder: bool = False,
             progress: Callable[[str], None] | None = None) -> Plan:
     """Solve the DP partition and return the plan (strategy ``canzona``, or ``canzona-greedy``)."""
     sol = solve(problem, solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
-                comm_limit=comm_limit, workers=workers, progress=progress)
+                comm_limit=comm_limit, workers=workers, reorder=reorder, progress=progress)
     opts = SolverOptions(strategy="canzona-greedy" if solver == "greedy" else "canzona",
                          solver=solver, alpha=alpha,
                          time_limit_s=time_limit_s if solver == "cpsat" else None,
-                         seed=seed, workers=workers)
-    return build_plan(problem, sol.cuts, solver=opts, model_source=model_source,
+                         seed=seed, workers=workers, reorder=sol.problem is not None)
+    return build_plan(sol.problem or problem, sol.cuts, solver=opts, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status)
 
 

@@ -1,5 +1,7 @@
 """DP partition: solver contracts and properties (hypothesis), bounds, baselines."""
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -156,3 +158,46 @@ def test_moe_expert_buckets_map_to_dp_indices():
     sol = solve(pr, solver="greedy")
     ev = _check_partition(pr, sol.cuts)
     assert len(ev.load) == 8 and min(ev.load) > 0
+
+
+@settings(max_examples=12, deadline=None)
+@given(dp=st.sampled_from([2, 3, 4, 8]), bucket=st.integers(60_000, 1_500_000),
+       cost=st.sampled_from(["flops", "numel"]))
+def test_reorder_is_a_valid_permuted_layout_and_never_worse(dp, bucket, cost):
+    pr = _problem(dp=dp, bucket=bucket, cost=cost)
+    plain = solve(pr)
+    sol = solve(pr, reorder=True)
+    rp = sol.problem or pr
+    _check_partition(rp, sol.cuts)
+    assert max(evaluate(rp, sol.cuts).load) <= max(evaluate(pr, plain.cuts).load)
+    assert rp.total_load() == pr.total_load()
+    # Same buckets, same members; offsets follow Megatron's alignment rules.
+    for old, new in zip(pr.layout.buffers, rp.layout.buffers):
+        prev_end = 0
+        for ob, nb in zip(old.buckets, new.buckets):
+            assert sorted(s.name for s in ob.slots) == sorted(s.name for s in nb.slots)
+            assert nb.start == prev_end and nb.end % math.lcm(new.dp_size, 128) == 0
+            assert all(s.start % 64 == 0 and s.end - s.start == dict(
+                (x.name, x.end - x.start) for x in ob.slots)[s.name] for s in nb.slots)
+            assert all(a.end <= b.start for a, b in zip(nb.slots, nb.slots[1:]))
+            prev_end = nb.end
+
+
+def test_reorder_plan_records_the_order():
+    pr = make_problem(build_inventory(get_preset("qwen3-0.6b")), ParallelSizes(64, 4))
+    plan = plan_dp(pr, reorder=True)
+    assert plan.inputs.solver.reorder
+    assert plan.metrics.gap_to_bound < plan_dp(pr).metrics.gap_to_bound
+    order = [s.name for b in plan.buffers[0].buckets for s in b.slots]
+    assert sorted(order) == sorted(p.name for p in build_inventory(get_preset("qwen3-0.6b")).params)
+    assert order != [s.name for b in pr.layout.buffers[0].buckets for s in b.slots]
+
+
+def test_adamw_tensors_spread_over_ranks():
+    # The output layer (AdamW) is a bucket of its own: it is shared evenly by all ranks, not put
+    # on the rank with the least FLOPs.
+    pr = make_problem(build_inventory(get_preset("qwen3-8b")), ParallelSizes(8, 1))
+    plan = plan_dp(pr)
+    (first,) = [b for b in plan.buffers[0].buckets if [s.name for s in b.slots] == ["output_layer.weight"]]
+    sizes = [y - x for x, y in zip(first.cuts, first.cuts[1:])]
+    assert max(sizes) - min(sizes) <= 1
