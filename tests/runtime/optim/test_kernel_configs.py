@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from canzona.runtime.optim import AdamWConfig, Muon, MuonConfig, Shampoo, ShampooConfig, SOAPConfig
 

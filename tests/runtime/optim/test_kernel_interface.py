@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from canzona.runtime.optim import SOAP, AdamW, Muon, Shampoo, ShampooConfig, SOAPConfig
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from canzona.runtime.optim import Muon, MuonConfig, newton_schulz
 from canzona.runtime.optim.muon import QUINTIC_COEFFICIENTS

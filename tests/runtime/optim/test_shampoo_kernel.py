@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from canzona.runtime.optim import Shampoo, ShampooConfig
 from canzona.runtime.optim.shampoo import inverse_root

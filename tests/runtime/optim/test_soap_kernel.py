@@ -7,7 +7,8 @@ from a step count one ahead of the authors' code (github.com/nikhilvyas/SOAP).
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
 
 from canzona.runtime.optim import SOAP, SOAPConfig
 from optim_helpers import rel_err
