@@ -159,9 +159,9 @@ def plan(
              "collectives' cost).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="CP-SAT random seed (recorded).")] = 0,
     reorder: Annotated[bool, typer.Option(
-        "--reorder", help="Let parameters change places inside their bucket (much better balance; "
-                          "the plan records the order, so gradient buffers must follow the plan, "
-                          "as canzona's runtime does).")] = False,
+        "--reorder/--no-reorder", help="Let parameters change places inside their bucket (same "
+        "buckets, much better balance; the plan records the order and canzona's runtime lays "
+        "its buffers out from it). --no-reorder keeps Megatron's order.")] = True,
     split_qkv: Annotated[bool, typer.Option(
         "--split-qkv", help="Q, K and V as separate matrices.")] = False,
     split_gate_up: Annotated[bool, typer.Option(

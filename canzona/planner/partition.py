@@ -19,8 +19,10 @@ Solvers (one signature, :func:`solve`):
 
 An optional ``comm_limit`` bounds every slice to ``comm_limit × S/R`` elements: with the padded
 collectives, a bucket moves R·max-slice bytes, so this caps the communication overhead α trades
-against. ``reorder`` lets parameters move inside a bucket (a bucket is reduced as a unit, so the
-order inside it does not change overlap); the plan records the new order.
+against. ``reorder`` (on by default) lets parameters move inside a bucket: a bucket is reduced
+as a unit, so the order inside it changes neither when its reduce-scatter can start nor what it
+moves, only which parameters can share a rank; the plan records the new order, and canzona's
+runtime lays its buffers out from the plan. ``reorder=False`` keeps Megatron's order.
 """
 
 from __future__ import annotations
@@ -475,12 +477,28 @@ class Solution:
     cuts: Cuts
     status: str
     bound: int  # certified lower bound on the max load
-    problem: DPProblem | None = None  # the reordered problem, when reordering was used
+    problem: DPProblem  # the problem the cuts refer to (reordered, when reordering was used)
+
+
+def _improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None) -> Cuts:
+    """Per-bucket DP polish alternating with whole-matrix moves/swaps across buckets."""
+    best = polish(problem, cuts, comm_limit=comm_limit)
+    best_max = max(evaluate(problem, best).load)
+    for _ in range(4):
+        cand, moves = swap_search(problem, best)
+        if not moves:
+            break
+        cand = polish(problem, cand, comm_limit=comm_limit)
+        cand_max = max(evaluate(problem, cand).load)
+        if cand_max >= best_max:
+            break
+        best, best_max = cand, cand_max
+    return best
 
 
 def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
           time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
-          workers: int = 1, reorder: bool = False,
+          workers: int = 1, reorder: bool = True,
           progress: Callable[[str], None] | None = None) -> Solution:
     """Choose every bucket's cut points.
 
@@ -492,7 +510,9 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
         comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
         workers: CP-SAT worker count (fixed, so plans are reproducible).
         reorder: allow parameters to change places inside their bucket (see ``_reorder``); the
-            result keeps Megatron's order when reordering does not lower the max load.
+            result keeps Megatron's order when that is at least as good. Never worse than the
+            paper's greedy; within PACKING_BOUND_ABOVE of the bound, the Megatron-order search
+            is skipped.
     """
     if solver not in SOLVERS:
         raise CanzonaError(f"unknown solver '{solver}'; choose one of: {', '.join(SOLVERS)}.")
@@ -503,48 +523,39 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     if comm_limit is not None and comm_limit < 1.0:
         raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
     bound = pigeonhole_bound(problem)
-    original = problem
     say = progress or (lambda _msg: None)
     say("greedy")
     cuts = greedy(problem, alpha=alpha)
     greedy_max = max(evaluate(problem, cuts).load)
-    if comm_limit is not None or solver != "greedy":
-        say("polishing")
-        best = polish(problem, cuts, comm_limit=comm_limit)
-        best_max = max(evaluate(problem, best).load)
-        # Alternate whole-matrix moves/swaps across buckets with the exact per-bucket re-cut.
-        for _ in range(4):
-            cand, moves = swap_search(problem, best)
-            if not moves:
-                break
-            cand = polish(problem, cand, comm_limit=comm_limit)
-            cand_max = max(evaluate(problem, cand).load)
-            if cand_max >= best_max:
-                break
-            best, best_max = cand, cand_max
-        # Polishing works on a discretisation of the AdamW items: keep the greedy cuts if they are
-        # better (unless they break the comm limit, which greedy does not know).
-        if comm_limit is not None or best_max <= greedy_max:
-            cuts = best
-    cuts = rebalance_divisible(problem, cuts, comm_limit=comm_limit, ceiling=greedy_max)
     used = problem
-    if reorder and solver != "greedy":
+    done = solver == "greedy" and comm_limit is None
+    if reorder and not done:
         from ._reorder import assign_free, reorder_problem
 
         say("reordering")
         rp, owners = reorder_problem(problem, assign_free(problem))
-        rcuts = polish(rp, owners_to_cuts(rp, owners), comm_limit=comm_limit)
-        for _ in range(4):
-            cand, moves = swap_search(rp, rcuts)
-            if not moves:
-                break
-            cand = polish(rp, cand, comm_limit=comm_limit)
-            if max(evaluate(rp, cand).load) >= max(evaluate(rp, rcuts).load):
-                break
-            rcuts = cand
-        rcuts = rebalance_divisible(rp, rcuts, comm_limit=comm_limit)
-        if max(evaluate(rp, rcuts).load) < max(evaluate(problem, cuts).load):
+        rcuts = _improve(rp, owners_to_cuts(rp, owners), comm_limit)
+        rcuts = rebalance_divisible(rp, rcuts, comm_limit=comm_limit, ceiling=greedy_max)
+        rmax = max(evaluate(rp, rcuts).load)
+        if rmax <= greedy_max:
             used, cuts = rp, rcuts
+            # Near the bound already: skip the Megatron-order search (it can only tie or lose
+            # by < PACKING_BOUND_ABOVE).
+            done = rmax <= bound * (1 + PACKING_BOUND_ABOVE)
+    if not done:
+        say("polishing")
+        best = _improve(problem, greedy(problem, alpha=alpha), comm_limit)
+        best = rebalance_divisible(problem, best, comm_limit=comm_limit, ceiling=greedy_max)
+        best_max = max(evaluate(problem, best).load)
+        # Polishing works on a discretisation of the AdamW items: keep the greedy cuts if they are
+        # better (unless they break the comm limit, which greedy does not know).
+        if used is problem:
+            if comm_limit is not None or best_max <= greedy_max:
+                cuts = best
+        elif best_max <= max(evaluate(used, cuts).load):
+            used, cuts = problem, best  # reordering did not help: keep Megatron's order
+    elif used is problem:
+        cuts = rebalance_divisible(problem, cuts, comm_limit=comm_limit, ceiling=greedy_max)
     problem = used
     status = "heuristic"
     if solver == "cpsat":
@@ -562,12 +573,12 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
         bound = max(bound, packing_bound(problem, max(ev.load)))
     if max(ev.load) <= bound:
         status = "optimal"
-    return Solution(cuts, status, bound, used if used is not original else None)
+    return Solution(cuts, status, bound, used)
 
 
 def plan_dp(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
             time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
-            workers: int = 1, model_source: str = "preset", reorder: bool = False,
+            workers: int = 1, model_source: str = "preset", reorder: bool = True,
             progress: Callable[[str], None] | None = None) -> Plan:
     """Solve the DP partition and return the plan (strategy ``canzona``, or ``canzona-greedy``)."""
     sol = solve(problem, solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
@@ -575,8 +586,8 @@ def plan_dp(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     opts = SolverOptions(strategy="canzona-greedy" if solver == "greedy" else "canzona",
                          solver=solver, alpha=alpha,
                          time_limit_s=time_limit_s if solver == "cpsat" else None,
-                         seed=seed, workers=workers, reorder=sol.problem is not None)
-    return build_plan(sol.problem or problem, sol.cuts, solver=opts, model_source=model_source,
+                         seed=seed, workers=workers, reorder=sol.problem is not problem)
+    return build_plan(sol.problem, sol.cuts, solver=opts, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status)
 
 
