@@ -17,6 +17,7 @@ from rich.text import Text
 
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
+from canzona.planner.planning import collective_elements
 
 if TYPE_CHECKING:
     from canzona.planner.baselines import BaselineRow
@@ -183,7 +184,8 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     for col in ("per DP index", "max", "mean", "max/mean"):
         t.add_column(col, justify="left" if col == "per DP index" else "right")
     rows = [("optimizer FLOPs / step", m.dp_flops, "FLOP"),
-            ("optimizer state", m.dp_state_bytes, "B")]
+            ("optimizer state", m.dp_state_bytes, "B"),
+            ("reduce-scatter slice", m.dp_reduce_scatter_bytes, "B")]
     if inp.cost_model != "flops":
         rows.insert(0, (f"load ({inp.cost_model})", m.dp_load, ""))
     for label, vals, unit in rows:
@@ -194,6 +196,10 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
         f"gap to the certified bound: [bold]{m.gap_to_bound:.2%}[/] "
         f"(bound {human(m.certified_bound)}, LB = max(mean, largest task) {human(m.lower_bound)}; "
         f"{inp.cost_model} units)", highlight=False)
+    even, padded = collective_elements(plan)
+    console.print(
+        f"uneven slices: padded reduce-scatter/all-gather move {padded / even:.2f}× ZeRO-1's bytes "
+        "(per-rank reduce/broadcast: 1.00×, in dp calls per bucket)", highlight=False)
     console.print(
         f"matrices split across DP ranks: {m.split_matrices}   solver status: {m.solver_status}   "
         f"wall time: {wall_s:.2f} s", highlight=False)
