@@ -148,6 +148,95 @@ class Metrics(_Frozen):
     solver_status: str
 
 
+class ShardLayoutPlan(_Frozen):
+    """How TP shards concatenate into a task's logical matrix (``canzona.planner.shards``).
+
+    ``segments`` are (rank, local_start, full_start, length) along ``dim``, sorted by full_start:
+    ``local[local_start:local_start+length]`` of TP rank ``rank`` is ``full[full_start:…]``. On the
+    wire, each rank sends a task's segments in this order; the host places them back the same way.
+    """
+
+    dim: int | None = Field(description="partition dim (0 rows, 1 columns); null: replicated.")
+    local_shape: tuple[int, ...] = Field(description="one rank's shard of the whole parameter.")
+    full_shape: tuple[int, ...] = Field(description="logical shape of the task's matrix.")
+    segments: tuple[tuple[int, int, int, int], ...]
+
+
+class GroupTaskPlan(_Frozen):
+    """A TP-split matrix task inside a micro-group."""
+
+    id: int = Field(ge=0, description="task id (plan.tasks).")
+    host: int = Field(ge=0, description="TP rank that gathers, computes and scatters it.")
+    layout: int = Field(ge=0, description="index into tp.layouts.")
+    load: int = Field(ge=0)
+    gathered_bytes: int = Field(ge=0, description="full matrix in the comm dtype.")
+
+
+class MicroGroupPlan(_Frozen):
+    """One micro-group of a TP group, in execution order.
+
+    ``tasks`` are in wire order (by host, then id): in the gather all-to-all, rank t's send buffer
+    holds, for each task in this order, its segments; ``gather_send[t][h]`` is the number of
+    elements rank t sends to rank h (the self entry is the local copy), ``gather_recv[h][t]`` what
+    h receives from t. The scatter is the reverse: ``scatter_send = gather_recv``,
+    ``scatter_recv = gather_send``.
+    """
+
+    index: int = Field(ge=0)
+    tasks: tuple[GroupTaskPlan, ...]
+    peak_gathered_bytes: int = Field(ge=0, description="max over ranks of hosted full bytes.")
+    rank_load: tuple[int, ...] = Field(description="compute load hosted per TP rank.")
+    gather_send: tuple[tuple[int, ...], ...]
+    gather_recv: tuple[tuple[int, ...], ...]
+    scatter_send: tuple[tuple[int, ...], ...]
+    scatter_recv: tuple[tuple[int, ...], ...]
+    oversized: bool = Field(default=False, description="a single task larger than C_max.")
+    timeline_s: tuple[float, ...] = Field(
+        default=(), description="modelled gather start/end, compute start/end, scatter "
+                                "start/end (seconds, hardware profile; not measured).")
+
+
+class TPIndexPlan(_Frozen):
+    """The TP schedule of one DP index (its TP group)."""
+
+    dp_index: int = Field(ge=0)
+    local_load: tuple[int, ...] = Field(
+        description="per TP rank: AdamW on its shards plus replicated matrices.")
+    groups: tuple[MicroGroupPlan, ...]
+    modelled_s: float = Field(default=0.0, description="modelled pipelined makespan, seconds.")
+
+
+class TPMetrics(_Frozen):
+    """Per-GPU (DP index × TP rank) loads and the bound LB_gpu."""
+
+    gpu_load: tuple[tuple[int, ...], ...] = Field(description="dp × tp, cost-model units.")
+    max_gpu_load: int
+    mean_gpu_load: float
+    max_over_mean: float
+    lb_gpu: int = Field(description="max(total / (dp·tp), largest task).")
+    gap_to_lb_gpu: float
+    micro_groups: int
+    peak_gathered_bytes: int = Field(description="largest group peak, oversized tasks aside.")
+    oversized_tasks: tuple[str, ...] = ()
+    all_to_all_bytes: tuple[tuple[int, ...], ...] = Field(
+        description="dp × tp: bytes each GPU sends + receives off-rank (gather and scatter).")
+    modelled_step_s: float = 0.0
+
+
+class TPPlan(_Frozen):
+    """Micro-group schedule of every TP group (Canzona §TP)."""
+
+    cmax_bytes: int = Field(ge=1, description="C_max: gathered full-matrix bytes per host rank "
+                                              "and micro-group.")
+    comm_dtype: str
+    solver: str = Field(description="greedy | cpsat.")
+    status: str
+    hardware: str = Field(description="profile of the modelled timeline.")
+    layouts: tuple[ShardLayoutPlan, ...]
+    indices: tuple[TPIndexPlan, ...]
+    metrics: TPMetrics
+
+
 class Plan(_Frozen):
     """A canzona plan (schema version 1)."""
 
@@ -159,6 +248,7 @@ class Plan(_Frozen):
     buffers: tuple[BufferPlan, ...]
     tasks: tuple[TaskPlan, ...]
     metrics: Metrics
+    tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
 
     def to_json(self) -> str:
         """Canonical text: fields in schema order, two-space indent, trailing newline."""

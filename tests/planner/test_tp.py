@@ -1,0 +1,144 @@
+"""TP micro-group schedule: hosting, caps, split sizes, joint objective, plan section (no torch)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, get_preset
+from canzona.planner.partition import greedy, solve
+from canzona.planner.plan import SolverOptions, parse_plan
+from canzona.planner.planning import build_plan, make_problem
+from canzona.planner.tp import (MIB, TPContext, TPSettings, attach_tp, gpu_loads, index_gpu_max,
+                                joint_refine, lb_gpu, schedule_tp, tp_baselines)
+
+_CACHE: dict = {}
+
+
+def _problem(model="qwen3-0.6b", dp=4, tp=4, split=False):
+    key = (model, dp, tp, split)
+    if key not in _CACHE:
+        s = OptimizerSettings(name="muon", split_qkv=split, split_gate_up=split)
+        pr = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp), s)
+        _CACHE[key] = (pr, greedy(pr), TPContext.build(pr))
+    return _CACHE[key]
+
+
+def _check(pr, ctx, sch, cap):
+    hosted = {}
+    for s in sch.indices:
+        for g in s.groups:
+            tp = len(g.gather_send)
+            # Hosts are TP ranks; each rank's hosted full matrices fit the cap unless oversized.
+            assert all(0 <= h < tp for h in g.hosts)
+            if g.oversized:
+                assert len(g.tasks) == 1 and ctx.gathered[g.tasks[0]] > cap
+            else:
+                assert g.peak_bytes <= cap
+            for i, h in zip(g.tasks, g.hosts):
+                assert i not in hosted, "a task is hosted twice"
+                hosted[i] = (s.dp_index, h)
+            # Both sides of the all-to-all agree and sum to the hosted matrices.
+            recv = g.gather_recv
+            for t in range(tp):
+                for h in range(tp):
+                    assert g.gather_send[t][h] == recv[h][t]
+            for h in range(tp):
+                want = sum(ctx.maps[ctx.layout[i]].full_numel
+                           for i, hh in zip(g.tasks, g.hosts) if hh == h)
+                assert sum(recv[h]) == want
+            for t in range(tp):
+                assert sum(g.gather_send[t]) == sum(ctx.maps[ctx.layout[i]].sent_numel(t)
+                                                   for i in g.tasks)
+    split = [t.id for t in pr.tasks if ctx.split[t.id]]
+    assert sorted(hosted) == split, "every TP-split task is hosted exactly once"
+    return hosted
+
+
+@settings(max_examples=12, deadline=None)
+@given(dp=st.sampled_from([2, 4]), tp=st.sampled_from([2, 4, 8]),
+       cmax=st.sampled_from([1.0, 8.0, 40.0, 512.0]), split=st.booleans(),
+       solver=st.sampled_from(["greedy", "cpsat"]))
+def test_schedule_properties(dp, tp, cmax, split, solver):
+    pr, cuts, ctx = _problem(dp=dp, tp=tp, split=split)
+    ts = TPSettings(cmax_mib=cmax, solver=solver, group_time_limit_s=0.05, total_time_limit_s=0.5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        sch = schedule_tp(pr, cuts, ts, ctx=ctx)
+    hosted = _check(pr, ctx, sch, ts.cmax_bytes)
+    owners = {t: d for t, (d, _) in hosted.items()}
+    from canzona.planner.planning import evaluate
+
+    ev = evaluate(pr, cuts)
+    assert all(ev.owners[t] == d for t, d in owners.items()), "hosts live in the owner's TP group"
+    over = [g for s in sch.indices for g in s.groups if g.oversized]
+    assert bool(over) == any("exceed C_max" in str(x.message) for x in w)
+    for g in over:
+        assert pr.tasks[g.tasks[0]].name in sch.oversized
+    # The grid adds up to the work every schedule must do, and LB_gpu bounds its maximum.
+    grid = sch.grid()
+    assert max(max(r) for r in grid) >= lb_gpu(pr, grid) - 1
+    assert abs(sum(map(sum, grid)) - sum(map(sum, gpu_loads(pr, cuts, ctx=ctx)))) <= dp * tp
+
+
+def test_oversized_task_warns_and_is_alone():
+    pr, cuts, ctx = _problem()
+    with pytest.warns(UserWarning, match="exceed C_max"):
+        sch = schedule_tp(pr, cuts, TPSettings(cmax_mib=0.5), ctx=ctx)
+    assert sch.oversized
+    _check(pr, ctx, sch, int(0.5 * MIB))
+
+
+def test_greedy_hosting_is_lpt_and_matches_index_gpu_max():
+    pr, cuts, ctx = _problem(dp=2, tp=4)
+    sch = schedule_tp(pr, cuts, TPSettings(cmax_mib=4.0), ctx=ctx)
+    # The rollback only closes groups; hosts are LPT's, so the DP side's fast view is exact.
+    grid = sch.grid()
+    fast = index_gpu_max(pr, cuts, ctx)
+    assert [max(r) for r in grid] == pytest.approx(fast, abs=4)
+
+
+def test_joint_refine_never_worse_and_keeps_matrices_whole():
+    pr, cuts, ctx = _problem(dp=4, tp=4, split=True)
+    new = joint_refine(pr, cuts, ctx=ctx)
+    assert max(index_gpu_max(pr, new, ctx)) <= max(index_gpu_max(pr, cuts, ctx))
+    from canzona.planner.planning import evaluate
+
+    assert evaluate(pr, new).split_matrices == 0
+    for b in pr.buckets:
+        c = new[(b.buffer, b.bucket)]
+        assert c[0] == b.start and c[-1] == b.end and list(c) == sorted(c)
+
+
+def test_plan_section_round_trips_and_is_deterministic():
+    pr, cuts, ctx = _problem(dp=2, tp=4)
+    sol = solve(pr)
+    sch = schedule_tp(pr, sol.cuts, TPSettings(cmax_mib=16.0, solver="cpsat",
+                                               group_time_limit_s=0.05), ctx=ctx)
+    plan = build_plan(pr, sol.cuts, solver=SolverOptions(strategy="canzona"))
+    a = attach_tp(plan, pr, sch, ctx).to_json()
+    sch2 = schedule_tp(pr, sol.cuts, TPSettings(cmax_mib=16.0, solver="cpsat",
+                                                group_time_limit_s=0.05))
+    assert attach_tp(plan, pr, sch2).to_json() == a
+    p = parse_plan(a)
+    assert p.tp is not None and p.tp.metrics.lb_gpu > 0
+    hosted = {t.id: (t.host, t.micro_group) for t in p.tasks if t.host is not None}
+    for ix in p.tp.indices:
+        for g in ix.groups:
+            for gt in g.tasks:
+                assert hosted[gt.id] == (gt.host, g.index)
+            assert g.scatter_send == g.gather_recv and g.scatter_recv == g.gather_send
+    rows = {r.name: r for r in tp_baselines(pr, sol.cuts, sch, ctx)}
+    assert rows["sc"].max_gpu_load >= rows["canzona"].max_gpu_load
+
+
+def test_settings_validation():
+    from canzona.planner import CanzonaError
+
+    with pytest.raises(CanzonaError, match="--cmax"):
+        TPSettings(cmax_mib=0)
+    with pytest.raises(CanzonaError, match="TP solver"):
+        TPSettings(solver="magic")
