@@ -203,6 +203,7 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     console.print(
         f"matrices split across DP ranks: {m.split_matrices}   solver status: {m.solver_status}   "
         f"wall time: {wall_s:.2f} s", highlight=False)
+    tp_summary(plan)
     console.print(f"wrote [bold]{path}[/]", highlight=False)
 
 
@@ -369,3 +370,152 @@ def plot_plan(plan: Plan, path: Path) -> None:
 
 def flush() -> None:
     sys.stdout.flush()
+
+
+# --- TP view (micro-groups) --------------------------------------------------------------------
+
+
+def tp_summary(plan: Plan) -> None:
+    """One line per GPU-level figure after ``canzona plan`` (tp > 1)."""
+    if plan.tp is None:
+        return
+    m = plan.tp.metrics
+    console.print(
+        f"per GPU (dp × tp): max {human(m.max_gpu_load)}, mean {human(m.mean_gpu_load)} "
+        f"(max/mean {m.max_over_mean:.3f}); LB_gpu = max(mean, largest task) {human(m.lb_gpu)}, "
+        f"gap [bold]{m.gap_to_lb_gpu:.2%}[/]; {m.micro_groups} micro-groups, peak gathered "
+        f"{m.peak_gathered_bytes / 2**20:.0f} MiB ≤ C_max {plan.tp.cmax_bytes / 2**20:.0f} MiB"
+        + (f"; {len(m.oversized_tasks)} oversized" if m.oversized_tasks else ""), highlight=False)
+
+
+def tp_dict(plan: Plan, rows: list | None) -> dict | None:
+    """The TP part of ``canzona inspect --json``."""
+    if plan.tp is None:
+        return None
+    tp, m = plan.tp, plan.tp.metrics
+    return {
+        "cmax_bytes": tp.cmax_bytes, "comm_dtype": tp.comm_dtype, "solver": tp.solver,
+        "status": tp.status,
+        "metrics": {"max_gpu_load": m.max_gpu_load, "mean_gpu_load": m.mean_gpu_load,
+                    "max_over_mean": m.max_over_mean, "lb_gpu": m.lb_gpu,
+                    "gap_to_lb_gpu": m.gap_to_lb_gpu, "micro_groups": m.micro_groups,
+                    "peak_gathered_bytes": m.peak_gathered_bytes,
+                    "oversized_tasks": list(m.oversized_tasks),
+                    "modelled_step_s": m.modelled_step_s},
+        "gpu_load": [list(r) for r in m.gpu_load],
+        "all_to_all_bytes": [list(r) for r in m.all_to_all_bytes],
+        "groups": [
+            {"dp_index": ix.dp_index, "group": g.index, "tasks": len(g.tasks),
+             "peak_gathered_bytes": g.peak_gathered_bytes, "rank_load": list(g.rank_load),
+             "oversized": g.oversized, "timeline_s": list(g.timeline_s)}
+            for ix in tp.indices for g in ix.groups],
+        "baselines": None if rows is None else [
+            {"name": r.name, "max_gpu_load": r.max_gpu_load, "mean_gpu_load": r.mean_gpu_load,
+             "max_over_mean": round(r.max_over_mean, 6), "gap_to_lb_gpu": round(r.gap_to_lb_gpu, 6)}
+            for r in rows],
+    }
+
+
+def _gantt(ix, width: int = 60) -> list[str]:
+    """Terminal Gantt of one TP group: a comm row (g = gather, s = scatter) and a compute row."""
+    end = max((g.timeline_s[5] for g in ix.groups if g.timeline_s), default=0.0) or 1.0
+    comm = [" "] * width
+    comp = [" "] * width
+
+    def paint(row, a, b, ch):
+        lo, hi = int(a / end * width), max(int(a / end * width) + 1, int(b / end * width))
+        for k in range(lo, min(hi, width)):
+            row[k] = ch
+
+    for g in ix.groups:
+        if not g.timeline_s:
+            continue
+        gs, ge, cs, ce, ss, se = g.timeline_s
+        label = str(g.index % 10)
+        paint(comm, gs, ge, "g")
+        paint(comm, ss, se, "s")
+        paint(comp, cs, ce, label)
+    return ["comm    |" + "".join(comm) + "|", "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
+
+
+def tp_report(plan: Plan, tp_rep: dict) -> None:
+    """The TP section of ``canzona inspect``."""
+    tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
+    console.rule("TP micro-groups")
+    tp_summary(plan)
+    grid = m.gpu_load
+    top = max(max(r) for r in grid) or 1
+    t = Table(title="Per-GPU load (rows: DP index d, columns: TP rank t; % of the busiest GPU)")
+    t.add_column("d", justify="right")
+    for k in range(len(grid[0])):
+        t.add_column(f"t{k}", justify="right")
+    t.add_column("all-to-all", justify="right")
+    busiest_d = max(range(len(grid)), key=lambda d: (max(grid[d]), -d))
+    for d, r in enumerate(grid):
+        cells = [(f"[bold]{x / top:.0%}[/]" if x == top else f"{x / top:.0%}") for x in r]
+        t.add_row(str(d), *cells, human(max(m.all_to_all_bytes[d]), "B"))
+    console.print(t)
+    ix = tp.indices[busiest_d]
+    g = Table(title=f"Micro-groups of the busiest TP group (d = {busiest_d}), in execution order")
+    for col in ("group", "tasks", "peak gathered", "max rank load", "min rank load", "gather out"):
+        g.add_column(col, justify="right")
+    for grp in ix.groups:
+        out = max(sum(v for h, v in enumerate(row) if h != t) for t, row in enumerate(grp.gather_send))
+        g.add_row(str(grp.index) + (" (oversized)" if grp.oversized else ""), str(len(grp.tasks)),
+                  human(grp.peak_gathered_bytes, "B"), human(max(grp.rank_load)),
+                  human(min(grp.rank_load)), f"{out:,} el")
+    console.print(g)
+    console.print("modelled timeline (hardware profile "
+                  f"{tp.hardware}; gather of group i+1 overlaps compute of group i):",
+                  highlight=False)
+    for line in _gantt(ix):
+        console.print(line, highlight=False, markup=False)
+    if tp_rep.get("baselines"):
+        b = Table(title=f"TP baselines (per GPU; LB_gpu {human(m.lb_gpu)})")
+        for col in ("strategy", "max GPU load", "max/mean", "gap to LB_gpu"):
+            b.add_column(col, justify="left" if col == "strategy" else "right")
+        for x in tp_rep["baselines"]:
+            b.add_row(x["name"], human(x["max_gpu_load"]), f"{x['max_over_mean']:.3f}",
+                      f"{x['gap_to_lb_gpu']:.2%}", style="bold" if x["name"] == "canzona" else None)
+        console.print(b)
+        console.print("sc: every TP rank all-gathers and computes every matrix of its DP index "
+                      "(Megatron's duplicated); canzona-greedy: the paper's DP greedy + TP greedy.",
+                      style="dim", highlight=False)
+
+
+def plot_tp(plan: Plan, path: Path) -> None:
+    """Per-GPU load heat map and the busiest TP group's micro-group timeline, as a PNG."""
+    from canzona.planner import CanzonaError
+
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CanzonaError("--plot needs matplotlib: pip install 'canzona[plot]'.") from None
+    tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
+    grid = m.gpu_load
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(2, 1, height_ratios=[2, 1])
+    im = ax1.imshow([[x / m.lb_gpu for x in r] for r in grid], aspect="auto", cmap="viridis")
+    fig.colorbar(im, ax=ax1, label="load / LB_gpu")
+    ax1.set_xlabel("TP rank t")
+    ax1.set_ylabel("DP index d")
+    ax1.set_title(f"per-GPU load: max/LB_gpu {1 + m.gap_to_lb_gpu:.3f}, max/mean "
+                  f"{m.max_over_mean:.3f}")
+    d = max(range(len(grid)), key=lambda k: (max(grid[k]), -k))
+    for g in tp.indices[d].groups:
+        if not g.timeline_s:
+            continue
+        gs, ge, cs, ce, ss, se = (x * 1e3 for x in g.timeline_s)
+        ax2.barh(1, ge - gs, left=gs, color="#4878a8")
+        ax2.barh(1, se - ss, left=ss, color="#c44e52")
+        ax2.barh(0, ce - cs, left=cs, color="#55a868", edgecolor="black")
+        ax2.text((cs + ce) / 2, 0, str(g.index), ha="center", va="center", fontsize="small")
+    ax2.set_yticks([0, 1], ["compute", "gather / scatter"])
+    ax2.set_xlabel("modelled ms")
+    ax2.set_title(f"micro-groups of d = {d} (C_max {tp.cmax_bytes / 2**20:.0f} MiB)")
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise CanzonaError(f"cannot write chart to '{path}': {exc.strerror or exc}.") from None

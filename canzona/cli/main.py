@@ -171,6 +171,12 @@ def plan(
         help="Elements per bucket.")] = None,
     no_overlap: Annotated[bool, typer.Option(
         "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")] = False,
+    cmax: Annotated[float, typer.Option(
+        "--cmax", help="TP micro-group cap C_max: MiB of gathered full matrices per host rank "
+                       "and group (tp > 1).")] = 512.0,
+    tp_solver: Annotated[str, typer.Option(
+        "--tp-solver", help="TP hosting: greedy (the paper's LPT with rollback) or cpsat "
+                            "(greedy, then CP-SAT per micro-group).")] = "greedy",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically).")] = None,
@@ -190,6 +196,9 @@ def plan(
         raise CanzonaError(f"--time-limit must be positive seconds, got {time_limit}.")
     if comm_limit is not None and not comm_limit >= 1.0:
         raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
+    tp_solver = _choice(tp_solver, ("greedy", "cpsat"), "--tp-solver")
+    if not cmax > 0:
+        raise CanzonaError(f"--cmax must be a positive number of MiB, got {cmax}.")
     cfg = resolve_model(model, config)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
     settings = OptimizerSettings(name=optimizer, split_qkv=split_qkv, split_gate_up=split_gate_up)  # type: ignore[arg-type]
@@ -203,6 +212,11 @@ def plan(
                          comm_limit=comm_limit, reorder=reorder,
                          model_source="preset" if model is not None else "hf_config",
                          progress=say)
+        if sizes.tp > 1:
+            from canzona.planner.tp import TPSettings, plan_tp
+
+            say("tp micro-groups")
+            result = plan_tp(problem, result, TPSettings(cmax_mib=cmax, solver=tp_solver))
     wall = time.perf_counter() - t0
     save_plan(result, out)
     _render.plan_summary(result, out, wall)
@@ -260,12 +274,32 @@ def inspect(
     problem = _rebuild_problem(p, config)
     rows = baselines(problem, p) if problem is not None else None
     report = _render.inspect_dict(p, rows, top=top)
+    tp_rows = None
+    if p.tp is not None and problem is not None:
+        from canzona.planner.tp import problem_from_plan, tp_baselines
+
+        pr, cuts = problem_from_plan(problem, p)
+        tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
+        m = p.tp.metrics
+        flat = [x for r in m.gpu_load for x in r]
+        from canzona.planner.tp import TPBaselineRow
+
+        tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
+                                     m.max_over_mean, m.gap_to_lb_gpu))
+    tp_rep = _render.tp_dict(p, tp_rows)
+    if tp_rep is not None:
+        report["tp"] = tp_rep
     if plot is not None:
         _render.plot_plan(p, plot)
+        if p.tp is not None:
+            tp_png = plot.with_name(plot.stem + "-tp" + plot.suffix)
+            _render.plot_tp(p, tp_png)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
         _render.inspect_report(p, report, plot=plot)
+        if tp_rep is not None:
+            _render.tp_report(p, tp_rep)
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ from .cost import DTYPE_BYTES, load_hardware
 from .errors import CanzonaError
 from .plan import (GroupTaskPlan, MicroGroupPlan, Plan, ShardLayoutPlan, TaskPlan, TPIndexPlan,
                    TPMetrics, TPPlan)
-from .planning import DPProblem, evaluate, owner_of
+from .planning import BucketProblem, DPProblem, Item, owner_of
 from .shards import ShardMap, shard_map
 
 TP_SOLVERS = ("greedy", "cpsat")
@@ -847,3 +847,39 @@ def attach_tp(plan: Plan, problem: DPProblem, schedule: TPSchedule,
                                            "micro_group": where[t.id][1]})
                   for t in plan.tasks)
     return plan.model_copy(update={"tasks": tasks, "tp": tp_plan(problem, schedule, ctx)})
+
+
+def problem_from_plan(problem: DPProblem, plan: Plan) -> tuple[DPProblem, Cuts]:
+    """``problem`` with every bucket's parameters in the plan's order (plans made with reordering
+    move parameters inside buckets), and the plan's cuts."""
+    import dataclasses
+
+    cuts: Cuts = {}
+    buckets = []
+    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
+    for bi, buf in enumerate(plan.buffers):
+        for bp in buf.buckets:
+            old = by_key[(bi, bp.index)]
+            items = {old_it.tasks: old_it for old_it in old.items}
+            by_name = {problem.tasks[t[0]].param: it for t, it in items.items()}
+            new_items = tuple(
+                Item(k, s.start, s.end, by_name[s.name].load, by_name[s.name].flops,
+                     by_name[s.name].state_bytes, by_name[s.name].atomic, by_name[s.name].tasks)
+                for k, s in enumerate(bp.slots))
+            buckets.append(BucketProblem(bi, bp.index, bp.start, bp.end, old.ranks, new_items))
+            cuts[(bi, bp.index)] = tuple(bp.cuts)
+    return dataclasses.replace(problem, buckets=tuple(buckets)), cuts
+
+
+def plan_tp(problem: DPProblem, plan: Plan, settings: TPSettings | None = None) -> Plan:
+    """Schedule the TP side of a DP plan and return the plan with its TP section.
+
+    Args:
+        problem: the problem the plan was made from (``make_problem`` with the plan's inputs).
+        plan: a DP plan (``partition.plan_dp``); its cut points and parameter order are used.
+        settings: C_max and solver.
+    """
+    pr, cuts = problem_from_plan(problem, plan)
+    ctx = TPContext.build(pr, plan.inputs.comm_dtype)
+    sch = schedule_tp(pr, cuts, settings, comm_dtype=plan.inputs.comm_dtype, ctx=ctx, warn=True)
+    return attach_tp(plan, pr, sch, ctx)
