@@ -3,10 +3,37 @@
 The planner (``canzona.planner``) is torch-free; the runtime (``canzona.runtime``) needs torch
 (``pip install canzona[runtime]``). Names that need torch are loaded lazily so that
 ``import canzona`` and ``import canzona.planner`` never import torch.
+
+    plan = canzona.plan_model(model, dp=2)               # or canzona.load_plan("plan.json")
+    opt = canzona.CanzonaOptimizer(model, plan, lr=0.02)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["CanzonaOptimizer", "__version__", "load_plan", "plan_model"]
+
+# name → (module, attribute), imported on first access (PEP 562).
+_LAZY = {
+    "CanzonaOptimizer": ("canzona.runtime.dp", "CanzonaOptimizer"),
+    "plan_model": ("canzona._facade", "plan_model"),
+    "load_plan": ("canzona.planner.plan", "load_plan"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'canzona' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -28,12 +28,13 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-import networkx as nx
+from typing import TYPE_CHECKING, Literal
 
 from .errors import ModelError
 from .models import ModelConfig
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 Kind = Literal["matrix", "expert", "vector", "embedding", "output", "router"]
 OptimizerRoute = Literal["matrix", "adamw"]
@@ -104,10 +105,16 @@ class ParamSpec:
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A model's parameters in Megatron registration order, plus its config."""
+    """A model's parameters in Megatron registration order, plus its config.
 
-    config: ModelConfig
+    ``config`` is None for an inventory read from a live module (``canzona.runtime.introspect``):
+    such a spec is named by ``label`` and can only be laid out at tp = ep = 1, since the head and
+    FFN sizes that TP sharding must divide are unknown.
+    """
+
+    config: ModelConfig | None
     params: tuple[ParamSpec, ...]
+    label: str | None = None
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +125,9 @@ class ModelSpec:
 
     @property
     def name(self) -> str:
-        return self.config.name
+        if self.config is not None:
+            return self.config.name
+        return self.label or "module"
 
     @property
     def total_params(self) -> int:
@@ -137,7 +146,7 @@ class ModelSpec:
         blob = json.dumps(rows, separators=(",", ":")).encode()
         return "sha256:" + hashlib.sha256(blob).hexdigest()
 
-    def graph(self) -> nx.DiGraph:
+    def graph(self) -> "nx.DiGraph":
         """The parameter graph.
 
         Nodes: every parameter (attributes: shape, kind, layer, expert, tp_layout, optimizer,
@@ -146,6 +155,8 @@ class ModelSpec:
         ``member`` (layer or expert → its parameters, layer → expert), ``part`` (fused weight →
         its parts).
         """
+        import networkx as nx  # imported here: planning itself does not need the graph
+
         g = nx.DiGraph(model=self.name)
         layers = sorted({p.layer for p in self.params if p.layer is not None})
         for i in layers:

@@ -124,6 +124,19 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
         raise SizeError(" ".join(problems))
 
 
+def _validate_configless(spec: ModelSpec, sizes: ParallelSizes) -> None:
+    """Sizes for an inventory without a model config (a live module): DP only."""
+    for field in ("dp", "tp", "ep"):
+        v = getattr(sizes, field)
+        if not isinstance(v, int) or v < 1:
+            raise SizeError(f"--{field} must be a positive integer, got {v!r}.")
+    if sizes.tp != 1 or sizes.ep != 1 or (sizes.etp or 1) != 1:
+        raise SizeError(f"{spec.name} has no model config (read from a live module), so only "
+                        f"tp=1 and ep=1 can be planned; got tp={sizes.tp}, ep={sizes.ep}.")
+    if any(p.is_expert for p in spec.params):
+        raise SizeError(f"{spec.name}: expert parameters need a model config (number of experts).")
+
+
 def local_shape(p: ParamSpec, sizes: ParallelSizes) -> tuple[int, ...]:
     """Shape of ``p``'s shard on one TP rank (every rank's shard has the same shape)."""
     t = sizes.expert_tp if p.is_expert else sizes.tp
@@ -290,7 +303,10 @@ def build_layout(
     Raises:
         SizeError: sizes that the model does not allow, or a non-positive bucket size.
     """
-    validate_sizes(spec.config, sizes)
+    if spec.config is not None:
+        validate_sizes(spec.config, sizes)
+    else:
+        _validate_configless(spec, sizes)
     if bucket_size is not None and bucket_size < 1:
         raise SizeError(f"--bucket-size must be a positive number of elements, got {bucket_size}.")
     size = (bucket_size or default_bucket_size(sizes.dp)) if overlap_grad_reduce else None

@@ -1,0 +1,67 @@
+"""``canzona.plan_model``: plan a live ``nn.Module`` (runtime introspection → planner).
+
+The one place that joins the torch side (``canzona.runtime.introspect``) with the torch-free
+planner; it is imported lazily by ``canzona.__getattr__`` so ``import canzona`` stays torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from canzona.planner.cost import OptimizerSettings
+from canzona.planner.layout import ParallelSizes
+from canzona.planner.partition import plan_dp
+from canzona.planner.plan import Plan
+from canzona.planner.planning import make_problem
+
+__all__ = ["plan_model"]
+
+
+def plan_model(
+    model: Any,
+    *,
+    dp: int,
+    tp: int = 1,
+    optimizer: str = "muon",
+    bucket_size: int | None = None,
+    overlap_grad_reduce: bool = True,
+    cost: str = "flops",
+    solver: str = "auto",
+    alpha: float = 1.0,
+    time_limit_s: float = 10.0,
+    seed: int = 0,
+    comm_limit: float | None = None,
+    reorder: bool = False,
+    name: str | None = None,
+    matrix_globs: Sequence[str] = (),
+    adamw_globs: Sequence[str] = (),
+    progress: Callable[[str], None] | None = None,
+    **settings: Any,
+) -> Plan:
+    """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.
+
+    Args:
+        model: an ``nn.Module`` or its ``named_parameters()``.
+        dp: data-parallel size. tp: tensor-parallel size (only 1 for live modules yet).
+        optimizer: ``muon``, ``shampoo`` or ``soap``.
+        bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).
+        overlap_grad_reduce: False puts each buffer in one bucket.
+        cost, solver, alpha, time_limit_s, seed, comm_limit, reorder: as ``canzona plan``.
+        name: the model name in the plan (default: the module's class name).
+        matrix_globs, adamw_globs: optimizer-route overrides by parameter name.
+        **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
+            (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
+
+    Returns:
+        The plan, ready for :class:`canzona.CanzonaOptimizer` or :func:`canzona.planner.plan.save_plan`.
+    """
+    from canzona.runtime.introspect import inventory
+
+    spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
+    problem = make_problem(spec, ParallelSizes(dp=dp, tp=tp),
+                           OptimizerSettings(name=optimizer, **settings), cost=cost,
+                           bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
+    return plan_dp(problem, solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
+                   comm_limit=comm_limit, reorder=reorder, model_source="module",
+                   progress=progress)

@@ -1,0 +1,836 @@
+"""``CanzonaOptimizer``: executes a DP plan (tp = 1) inside ``optimizer.step()``.
+
+ZeRO-1 with whole-matrix ownership (Canzona, arXiv 2602.06079, §3): the planner moved every
+bucket's cut points to parameter boundaries, so DP rank r's slice [cuts[r], cuts[r+1]) of a
+bucket holds whole matrices (and pieces of AdamW tensors). One reduce-scatter per bucket brings
+rank r the averaged gradient of exactly its slice; r updates what it owns; one all-gather per
+bucket returns the updated parameters to everyone. Both collectives have variable slice sizes::
+
+    bucket b (flat, plan's slot order)       rank 0            rank 1          rank 2
+    grads  ┌──────────┬──────┬─────┬─────────┐
+           │ W_q  W_k │ W_o  │norm │ W_fc1   │  backward hooks fill b; when b is complete:
+           └──────────┴──────┴─────┴─────────┘
+           cuts[0]    cuts[1]      cuts[2]    cuts[3]
+              │  reduce-scatter (async, variable sizes, ÷ R)
+              ▼
+    own    [ W_q W_k ]       [ W_o norm ]      [ W_fc1 ]      step: Muon/Shampoo/SOAP on whole
+                                                              matrices (same shapes batched),
+              │  all-gather (async, variable sizes)           AdamW on owned AdamW elements
+              ▼
+    params ┌──────────┬──────┬─────┬─────────┐  every rank holds the updated parameters (the
+           │ W_q  W_k │ W_o  │norm │ W_fc1   │  parameters are views into this flat buffer)
+           └──────────┴──────┴─────┴─────────┘
+
+Variable sizes have no stock primitive (DESIGN.md "Runtime"). Per bucket, from the plan's slice
+sizes, the constructor picks: equal slices → ``reduce_scatter_tensor`` / ``all_gather_into_tensor``
+on the buffers themselves; nearly equal (R·max ≤ 1.125·size) → the same calls on slices padded to
+the largest; otherwise ``all_to_all_single`` with split sizes (reduce: a local sum of the R
+received copies of the own slice; gather: the own slice sent to every rank, received straight
+into the parameter buffer). All of them run asynchronously and work on gloo and NCCL.
+
+The plan is converted once into frozen records of tuples (``_Schedule``); the step loop never
+touches pydantic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from canzona.planner.plan import Plan
+from canzona.runtime.introspect import inventory, named_params
+from canzona.runtime.optim import (
+    SOAP,
+    AdamW,
+    AdamWConfig,
+    Muon,
+    MuonConfig,
+    SOAPConfig,
+    Shampoo,
+    ShampooConfig,
+)
+
+__all__ = ["CanzonaOptimizer", "PlanMismatchError"]
+
+_GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch ≥ 2.10 renamed the tensor collectives (the old names warn).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+#: Pad slices to the largest when that costs at most this factor over the bucket's size.
+_PAD_SLACK = 1.125
+
+
+class PlanMismatchError(ValueError):
+    """The plan does not fit the model, the process group, the other ranks or the settings."""
+
+
+# --- the plan as frozen records ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    param: int  # index into the optimizer's parameter list (registration order)
+    lo: int  # [lo, hi) relative to the bucket start
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    index: int  # position over all buffers, the launch order
+    numel: int  # padded size
+    cuts: tuple[int, ...]  # dp + 1 offsets relative to the bucket start
+    slots: tuple[_Slot, ...]
+    grad_dtype: str
+    reduce: str  # "equal" | "padded" | "all_to_all"
+    gather: str
+
+    def slice_sizes(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class _MatrixTask:
+    """An owned matrix task: rows [row0, row0 + shape[0]) of parameter ``param``."""
+
+    id: int
+    param: int
+    name: str
+    bucket: int
+    lo: int  # element range relative to the own slice of the bucket
+    hi: int
+    row0: int
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _AdamSlice:
+    """Owned elements [offset, offset + hi - lo) of an AdamW parameter (flattened)."""
+
+    param: int
+    name: str
+    bucket: int
+    lo: int  # relative to the own slice of the bucket
+    hi: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Schedule:
+    dp: int
+    rank: int
+    buckets: tuple[_Bucket, ...]
+    matrix: tuple[tuple[_MatrixTask, ...], ...]  # per bucket, the owned tasks in plan order
+    adamw: tuple[tuple[_AdamSlice, ...], ...]  # per bucket, the owned AdamW slices
+    param_bucket: tuple[int, ...]  # per parameter
+    param_range: tuple[tuple[int, int], ...]  # per parameter, [lo, hi) in its bucket
+    matrix_params: tuple[int, ...]  # parameters the plan gives the matrix optimizer
+
+
+def _method(sizes: tuple[int, ...]) -> str:
+    if len(set(sizes)) == 1:
+        return "equal"
+    if len(sizes) * max(sizes) <= _PAD_SLACK * sum(sizes):
+        return "padded"
+    return "all_to_all"
+
+
+def _schedule(plan: Plan, names: list[str], rank: int) -> _Schedule:
+    """Convert the plan (already checked against the model) into this rank's records."""
+    index = {n: i for i, n in enumerate(names)}
+    buckets: list[_Bucket] = []
+    param_bucket = [-1] * len(names)
+    param_range = [(0, 0)] * len(names)
+    for buf in plan.buffers:
+        for b in buf.buckets:
+            slots = []
+            for s in b.slots:
+                i = index[s.name]
+                slots.append(_Slot(i, s.start - b.start, s.end - b.start))
+                param_bucket[i] = len(buckets)
+                param_range[i] = (s.start - b.start, s.end - b.start)
+            cuts = tuple(c - b.start for c in b.cuts)
+            sizes = tuple(y - x for x, y in zip(cuts, cuts[1:]))
+            m = _method(sizes)
+            buckets.append(_Bucket(len(buckets), b.end - b.start, cuts, tuple(slots),
+                                   buf.grad_dtype, m, m))
+    matrix: list[list[_MatrixTask]] = [[] for _ in buckets]
+    adamw: list[list[_AdamSlice]] = [[] for _ in buckets]
+    rows_done: dict[str, int] = defaultdict(int)
+    matrix_params: list[int] = []
+    for t in plan.tasks:
+        i = index[t.param]
+        bi = param_bucket[i]
+        b = buckets[bi]
+        own_lo, own_hi = b.cuts[rank], b.cuts[rank + 1]
+        lo, hi = param_range[i]
+        if t.optimizer == "matrix":
+            rows, cols = t.shape
+            row0 = rows_done[t.param]
+            rows_done[t.param] += rows
+            if i not in matrix_params:
+                matrix_params.append(i)
+            a, z = lo + row0 * cols, lo + (row0 + rows) * cols
+            holders = [r for r in range(len(b.cuts) - 1) if b.cuts[r] < z and a < b.cuts[r + 1]]
+            if holders != [t.owner]:
+                raise PlanMismatchError(
+                    f"the plan cuts matrix '{t.param}' across DP ranks {holders} (owner "
+                    f"{t.owner}); the runtime needs whole-matrix ownership (strategy "
+                    f"'{plan.inputs.solver.strategy}'; plan with 'canzona plan' or plan_model).")
+            if t.owner == rank:
+                matrix[bi].append(_MatrixTask(t.id, i, t.param if t.part is None else
+                                              f"{t.param}#{t.part}", bi, a - own_lo, z - own_lo,
+                                              row0, (rows, cols)))
+        else:
+            a, z = max(lo, own_lo), min(hi, own_hi)
+            if a < z:
+                adamw[bi].append(_AdamSlice(i, t.param, bi, a - own_lo, z - own_lo, a - lo))
+    return _Schedule(plan.inputs.dp, rank, tuple(buckets), tuple(tuple(x) for x in matrix),
+                     tuple(tuple(x) for x in adamw), tuple(param_bucket), tuple(param_range),
+                     tuple(matrix_params))
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+
+def _plan_params(plan: Plan) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, logical shape, dtype) per parameter, in registration (task) order."""
+    dtype = {s.name: buf.dtype for buf in plan.buffers for b in buf.buckets for s in b.slots}
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    for t in plan.tasks:
+        shapes.setdefault(t.param, []).append(tuple(t.shape))
+    out = []
+    for name, parts in shapes.items():
+        shape = parts[0] if len(parts) == 1 else (sum(p[0] for p in parts), *parts[0][1:])
+        out.append((name, shape, dtype.get(name, "?")))
+    return out
+
+
+def _fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:
+    """None if the plan's fingerprint matches the live parameters, else one line naming the first
+    parameter that differs."""
+    spec = inventory(pairs)
+    if spec.fingerprint() == plan.fingerprint:
+        return None
+    planned = _plan_params(plan)
+    live = [(p.name, tuple(p.shape), p.dtype) for p in spec.params]
+    for k, (a, b) in enumerate(zip(planned, live)):
+        if a[0] != b[0]:
+            return (f"the plan does not match the model: parameter #{k} is '{a[0]}' in the plan "
+                    f"but '{b[0]}' in the model.")
+        if a[1] != b[1]:
+            return (f"the plan does not match the model: parameter '{a[0]}' has shape "
+                    f"{list(a[1])} in the plan but {list(b[1])} in the model.")
+        if a[2] != b[2]:
+            return (f"the plan does not match the model: parameter '{a[0]}' is {a[2]} in the plan "
+                    f"but {b[2]} in the model.")
+    if len(planned) != len(live):
+        longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
+        first = longer[min(len(planned), len(live))][0]
+        return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
+                f"{len(live)} in the model; the {other} lacks '{first}'.")
+    return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
+            f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs {spec.fingerprint()[:19]}…).")
+
+
+def _plan_digest(plan: Plan) -> bytes:
+    return hashlib.sha256(plan.model_dump_json().encode()).digest()
+
+
+# --- the optimizer --------------------------------------------------------------------------------
+
+
+class CanzonaOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 data parallelism with whole-matrix ownership, executing a canzona plan.
+
+    Every DP rank builds one with the same plan. The trainer does not wrap the model in DDP
+    (``grad_sync="reduce_scatter"``): backward hooks put gradients into the plan's flat buckets and
+    reduce-scatter each bucket as soon as it is complete. ``step()`` updates the matrices and AdamW
+    elements this rank owns and all-gathers the parameters.
+
+    Args:
+        model: the ``nn.Module`` (or its ``named_parameters()``) the plan was made for.
+        plan: a :class:`~canzona.planner.plan.Plan` (``canzona.plan_model`` or ``canzona.load_plan``).
+        lr, weight_decay, momentum: matrix optimizer hyper-parameters; None takes the kernel's
+            default (Muon: ``torch.optim.Muon``'s 1e-3, 0.1, 0.95; Shampoo and SOAP: theirs).
+        ns_dtype: Muon's Newton–Schulz dtype (bfloat16 as torch; float32 for exact comparisons).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW for the non-matrix parameters
+            (``torch.optim.AdamW``'s defaults).
+        dp_group: the data-parallel process group (default: the world; none when not initialised
+            and the plan has dp = 1).
+        tp_group: must be None or of size 1: the runtime executes tp = 1 plans.
+        grad_sync: ``"reduce_scatter"`` (canzona reduces the gradients) or ``"external"``
+            (gradients are already averaged, e.g. by DDP; the owned parts are read from ``.grad``).
+        optimizer, ns_steps: optional; when given they must agree with the plan.
+        matrix_options: further fields of the kernel's config (``MuonConfig``, ``ShampooConfig``,
+            ``SOAPConfig``); fields the plan also records must agree with it.
+        overlap_param_gather: leave the parameter all-gathers running after ``step()`` and wait for
+            them in the model's next forward pre-hook (needs an ``nn.Module``).
+
+    Raises:
+        PlanMismatchError: the plan does not match the live parameters (naming the first differing
+            parameter), ranks hold different plans, a setting disagrees with the plan, the group
+            size differs from the plan's dp, or the plan splits a matrix or needs tp > 1.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Iterable[tuple[str, Tensor]],
+        plan: Plan,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        momentum: float | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 1e-2,
+        dp_group: Any = None,
+        tp_group: Any = None,
+        grad_sync: str = "reduce_scatter",
+        *,
+        optimizer: str | None = None,
+        ns_steps: int | None = None,
+        matrix_options: dict[str, Any] | None = None,
+        overlap_param_gather: bool = False,
+    ) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a canzona Plan (canzona.load_plan), got {type(plan).__name__}")
+        if grad_sync not in ("reduce_scatter", "external"):
+            raise ValueError(f"grad_sync = {grad_sync!r} is not allowed; choose 'reduce_scatter' or "
+                             "'external'")
+        if plan.inputs.tp != 1 or plan.rank_layout.tp != 1:
+            raise PlanMismatchError(f"the plan is for tp={plan.inputs.tp}; this runtime executes "
+                                    "tp=1 (data-parallel) plans only.")
+        if tp_group is not None and dist.get_world_size(tp_group) != 1:
+            raise PlanMismatchError("tp_group has more than one rank; this runtime executes tp=1 "
+                                    "plans only.")
+        pairs = named_params(model)
+        self._names = [n for n, _ in pairs]
+        self._params: list[Tensor] = [p for _, p in pairs]
+        self._group = dp_group if dp_group is not None else (
+            dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
+        self._dp = dist.get_world_size(self._group) if self._group is not None else 1
+        self._rank = dist.get_rank(self._group) if self._group is not None else 0
+        if self._dp != plan.inputs.dp:
+            raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} but the data-parallel "
+                                    f"group has {self._dp} ranks.")
+        if overlap_param_gather and not isinstance(model, nn.Module):
+            raise ValueError("overlap_param_gather=True needs the nn.Module (its forward pre-hook "
+                             "waits for the parameters)")
+
+        # -- safety: every rank agrees before it acts (plan hash + fingerprint, one collective) --
+        problem = _fingerprint_problem(plan, pairs)
+        self._agree(plan, problem)
+        self._matrix = self._make_kernel(plan, lr, weight_decay, momentum, ns_dtype, optimizer,
+                                         ns_steps, matrix_options or {})
+        self._adamw = AdamW(AdamWConfig(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                                        weight_decay=adamw_weight_decay))
+        self.plan = plan
+        self._digest = _plan_digest(plan)
+        self._s = _schedule(plan, self._names, self._rank)
+        self._external = grad_sync == "external"
+
+        matrix_set = set(self._s.matrix_params)
+        groups = []
+        mcfg = self._matrix.config
+        mp = [self._params[i] for i in self._s.matrix_params]
+        ap = [p for i, p in enumerate(self._params) if i not in matrix_set]
+        if mp:
+            groups.append({"params": mp, "name": "matrix", "lr": mcfg.lr,
+                           "weight_decay": mcfg.weight_decay})
+        if ap:
+            groups.append({"params": ap, "name": "adamw", "lr": adamw_lr,
+                           "weight_decay": adamw_weight_decay, "betas": tuple(adamw_betas),
+                           "eps": adamw_eps})
+        super().__init__(groups, {})
+        self._group_of = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                self._group_of[id(p)] = g
+
+        self._build_buffers()
+        self._init_state()
+        self._hooks: list[Any] = []
+        if not self._external:
+            for i, p in enumerate(self._params):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(i)))
+        if overlap_param_gather:
+            self._hooks.append(model.register_forward_pre_hook(lambda *_: self.wait_params()))
+        self._overlap_gather = overlap_param_gather
+        self._sync = True
+        self._reset_iteration()
+
+    # -- construction helpers -------------------------------------------------------------------
+
+    def _agree(self, plan: Plan, problem: str | None) -> None:
+        if self._group is None or self._dp == 1:
+            if problem:
+                raise PlanMismatchError(problem)
+            return
+        device = self._params[0].device
+        mine = torch.tensor(list(_plan_digest(plan)) + [0 if problem else 1], dtype=torch.int64,
+                            device=device)
+        everyone = torch.empty(self._dp * mine.numel(), dtype=torch.int64, device=device)
+        _all_gather(everyone, mine, group=self._group)
+        rows = everyone.view(self._dp, -1).cpu().tolist()
+        digests = [bytes(r[:-1]).hex()[:12] for r in rows]
+        if len(set(digests)) > 1:
+            listed = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise PlanMismatchError(f"the DP ranks hold different plans (sha256 {listed}); load the "
+                                    "same plan file on every rank.")
+        if problem:
+            raise PlanMismatchError(problem)
+        bad = [r for r, row in enumerate(rows) if row[-1] == 0]
+        if bad:
+            raise PlanMismatchError(f"the plan does not match the model on DP rank(s) {bad} (see "
+                                    "their error for the first differing parameter).")
+
+    @staticmethod
+    def _make_kernel(plan, lr, weight_decay, momentum, ns_dtype, optimizer, ns_steps, options):
+        s = plan.inputs.optimizer
+        if optimizer is not None and optimizer != s.name:
+            raise PlanMismatchError(f"optimizer={optimizer!r} disagrees with the plan, which was "
+                                    f"made for {s.name!r}.")
+        recorded: dict[str, Any]
+        if s.name == "muon":
+            recorded = {"ns_steps": s.ns_steps}
+        elif s.name == "shampoo":
+            recorded = {"max_preconditioner_dim": s.max_preconditioner_dim,
+                        "precondition_frequency": s.shampoo_precondition_frequency,
+                        "grafting": "adam" if s.shampoo_grafting else None}
+        else:
+            recorded = {"precondition_frequency": s.soap_precondition_frequency,
+                        "max_precond_dim": s.soap_max_precond_dim}
+        given = dict(options)
+        if ns_steps is not None:
+            if s.name != "muon":
+                raise PlanMismatchError(f"ns_steps is a Muon setting; the plan is for {s.name!r}.")
+            given["ns_steps"] = ns_steps
+        for key, value in given.items():
+            if key in recorded and value != recorded[key]:
+                raise PlanMismatchError(f"{key}={value!r} disagrees with the plan, which was made "
+                                        f"with {key}={recorded[key]!r}.")
+        cfg = {**recorded, **given}
+        for key, value in (("lr", lr), ("weight_decay", weight_decay)):
+            if value is not None:
+                cfg[key] = value
+        if s.name == "muon":
+            if momentum is not None:
+                cfg["momentum"] = momentum
+            cfg.setdefault("ns_dtype", ns_dtype)
+            return Muon(MuonConfig(**cfg))
+        if s.name == "shampoo":
+            if momentum is not None:
+                cfg["momentum"] = momentum
+            return Shampoo(ShampooConfig(**cfg))
+        if momentum is not None:
+            raise PlanMismatchError("SOAP has no momentum setting (use matrix_options={'betas': …}).")
+        return SOAP(SOAPConfig(**cfg))
+
+    def _build_buffers(self) -> None:
+        """Flat parameter and gradient buffers per bucket; parameters become views of them."""
+        s = self._s
+        self._pbuf: list[Tensor] = []
+        self._gbuf: list[Tensor] = []
+        self._own: list[Tensor] = []
+        self._scratch: list[tuple[Tensor | None, Tensor | None]] = []
+        R, r = s.dp, s.rank
+        for b in s.buckets:
+            p0 = self._params[b.slots[0].param]
+            device = p0.device
+            pbuf = torch.zeros(b.numel, dtype=p0.dtype, device=device)
+            with torch.no_grad():
+                for sl in b.slots:
+                    p = self._params[sl.param]
+                    if p.dtype != p0.dtype:
+                        raise PlanMismatchError(f"parameter '{self._names[sl.param]}' is {p.dtype} "
+                                                f"but its bucket holds {p0.dtype}.")
+                    view = pbuf[sl.lo:sl.hi].view_as(p)
+                    view.copy_(p)
+                    p.data = view
+            self._pbuf.append(pbuf)
+            gdtype = _GRAD_DTYPES[b.grad_dtype]
+            self._gbuf.append(torch.zeros(b.numel if not self._external else 0, dtype=gdtype,
+                                          device=device))
+            sizes = b.slice_sizes()
+            big = max(sizes)
+            own = torch.zeros(sizes[r], dtype=gdtype, device=device)
+            rs_tmp = ag_tmp = None
+            if not self._external and b.reduce == "padded":
+                rs_tmp = torch.zeros(R * big, dtype=gdtype, device=device)
+            elif not self._external and b.reduce == "all_to_all":
+                rs_tmp = torch.empty(R * sizes[r], dtype=gdtype, device=device)
+            if b.gather == "padded":
+                ag_tmp = torch.empty(R * big, dtype=p0.dtype, device=device)
+            self._own.append(own)
+            self._scratch.append((rs_tmp, ag_tmp))
+
+    def _init_state(self) -> None:
+        s = self._s
+        device = self._params[0].device
+        for tasks in s.matrix:
+            for t in tasks:
+                p = self._params[t.param]
+                st = self._matrix.init_state(t.shape, torch.float32, device)
+                if t.name == self._names[t.param]:
+                    self.state[p] = st
+                else:
+                    self.state[p][t.name.rsplit("#", 1)[1]] = st
+        for slices in s.adamw:
+            for a in slices:
+                self.state[self._params[a.param]] = self._adamw.init_state((a.hi - a.lo,),
+                                                                           torch.float32, device)
+
+    # -- gradient collection ----------------------------------------------------------------------
+
+    def _grad_hook(self, i: int):
+        bi = self._s.param_bucket[i]
+        lo, hi = self._s.param_range[i]
+
+        def hook(p: Tensor) -> None:
+            if self._launched[bi]:
+                raise RuntimeError(
+                    f"the gradient of '{self._names[i]}' arrived after its bucket was reduced; run "
+                    "all but the last backward of an accumulation under opt.no_sync().")
+            g = p.grad
+            if g is not None:
+                self._gbuf[bi][lo:hi].add_(g.reshape(-1))
+                p.grad = None
+                self._got[i] = 1
+            self._dirty = True
+            if self._sync and not self._seen[i]:
+                self._seen[i] = True
+                self._count[bi] += 1
+                if self._count[bi] == self._expected[bi]:
+                    self._launch_ready()
+
+        return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside accumulate locally and reduce nothing; the
+        next backward outside completes the buckets and reduces them once."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _reset_iteration(self) -> None:
+        s = self._s
+        self._expected = [sum(1 for sl in b.slots if self._params[sl.param].requires_grad)
+                          for b in s.buckets]
+        self._count = [0] * len(s.buckets)
+        self._seen = [False] * len(self._params)
+        self._got = torch.zeros(len(self._params), dtype=torch.int32)
+        self._launched = [False] * len(s.buckets)
+        self._next = 0  # buckets launch strictly in order, so every rank issues the same sequence
+        self._rs_work: list[Any] = [None] * len(s.buckets)
+        self._flag_work = None
+        self._flags: Tensor | None = None
+        self._reduced = False
+        self._clip_coef: Tensor | None = None
+        self._dirty = False
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._s.buckets) and self._count[self._next] >= self._expected[self._next]:
+            self._launch_reduce(self._next)
+            self._next += 1
+
+    def _launch_reduce(self, bi: int) -> None:
+        b = self._s.buckets[bi]
+        self._launched[bi] = True
+        if self._dp == 1:
+            self._own[bi].copy_(self._gbuf[bi])
+            return
+        g, own = self._gbuf[bi], self._own[bi]
+        tmp = self._scratch[bi][0]
+        sizes = b.slice_sizes()
+        if b.reduce == "equal":
+            work = _reduce_scatter(own, g, group=self._group, async_op=True)
+        elif b.reduce == "padded":
+            big = max(sizes)
+            out = torch.empty(big, dtype=g.dtype, device=g.device)
+            for r in range(self._dp):
+                tmp[r * big:r * big + sizes[r]].copy_(g[b.cuts[r]:b.cuts[r + 1]])
+            work = _reduce_scatter(out, tmp, group=self._group, async_op=True)
+            self._rs_out = getattr(self, "_rs_out", {})
+            self._rs_out[bi] = out
+        else:
+            work = dist.all_to_all_single(tmp, g, output_split_sizes=[sizes[self._rank]] * self._dp,
+                                          input_split_sizes=list(sizes), group=self._group,
+                                          async_op=True)
+        self._rs_work[bi] = work
+
+    def _finish_reduce(self, bi: int) -> None:
+        b = self._s.buckets[bi]
+        work = self._rs_work[bi]
+        if work is not None:
+            work.wait()
+        own = self._own[bi]
+        if self._dp > 1:
+            if b.reduce == "padded":
+                own.copy_(self._rs_out.pop(bi)[:own.numel()])
+            elif b.reduce == "all_to_all":
+                torch.sum(self._scratch[bi][0].view(self._dp, -1), dim=0, out=own)
+            own.div_(self._dp)
+
+    def _reduce(self) -> None:
+        """Phases 1-2: every bucket reduced and averaged into ``self._own``; the flags of which
+        parameters got a gradient on any rank."""
+        if self._reduced:
+            return
+        s = self._s
+        if self._external:
+            got = self._got
+            for bi, b in enumerate(s.buckets):
+                own, c0 = self._own[bi], b.cuts[s.rank]
+                own.zero_()
+                for sl in b.slots:
+                    p = self._params[sl.param]
+                    a, z = max(sl.lo, c0), min(sl.hi, b.cuts[s.rank + 1])
+                    if p.grad is not None:
+                        got[sl.param] = 1
+                        if a < z:
+                            own[a - c0:z - c0].copy_(p.grad.reshape(-1)[a - sl.lo:z - sl.lo])
+            self._flags = got.tolist()
+            self._reduced = True
+            return
+        # Phase 1: launch what backward did not (buckets holding params without gradients), in
+        # order, then one small all-reduce of the "got a gradient" flags.
+        self._count = [max(c, e) for c, e in zip(self._count, self._expected)]
+        self._launch_ready()
+        flags = self._got.to(self._params[0].device)
+        if self._dp > 1:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        # Phase 2: wait for the reduce-scatters (most finished during backward) and average.
+        for bi in range(len(s.buckets)):
+            self._finish_reduce(bi)
+        if self._dp > 1:
+            work.wait()
+        self._flags = flags.cpu().tolist()
+        self._reduced = True
+
+    # -- public API -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the averaged gradients by their global norm (as ``torch.nn.utils.clip_grad_norm_``).
+
+        Call it after the last backward and before ``step()``. Each rank takes the norm of the
+        slices it owns (every element of every parameter lies in exactly one slice), then one
+        all-reduce combines them.
+
+        Returns:
+            The total norm before clipping.
+        """
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"norm_type = {norm_type!r} is not supported; use 2.0 or inf")
+        self._reduce()
+        device = self._own[0].device if self._own else torch.device("cpu")
+        if norm_type == 2.0:
+            parts = [o.float().pow(2).sum() for o in self._own]
+            total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+            op = dist.ReduceOp.SUM if dist.is_available() else None
+        else:
+            parts = [o.abs().max() if o.numel() else torch.zeros((), device=device) for o in self._own]
+            total = torch.stack(parts).max().float() if parts else torch.zeros((), device=device)
+            op = dist.ReduceOp.MAX
+        if self._dp > 1:
+            dist.all_reduce(total, op=op, group=self._group)
+        if norm_type == 2.0:
+            total = total.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for o in self._own:
+            o.mul_(coef.to(o.dtype))
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Reduce (if backward has not finished it), update the owned parts, all-gather."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait_params()
+        s = self._s
+        self._reduce()  # phases 1-2
+        flags = self._flags
+        mgroup = self._group_of.get(id(self._params[s.matrix_params[0]])) if s.matrix_params else None
+        self._gather_work: list[Any] = []
+        # Phase 3: bucket by bucket (plan order): matrix updates batched by shape, AdamW on the
+        # owned elements, then the bucket's all-gather starts while the next bucket computes.
+        for bi, b in enumerate(s.buckets):
+            own = self._own[bi]
+            tasks = [t for t in s.matrix[bi] if flags[t.param]]
+            if tasks:
+                grads = [own[t.lo:t.hi].view(t.shape) for t in tasks]
+                states = [self._task_state(t) for t in tasks]
+                updates = self._matrix.direction(grads, states, names=[t.name for t in tasks])
+                for t, u in zip(tasks, updates):
+                    if u is None:
+                        continue
+                    p = self._params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
+                    self._matrix.apply(p, u, lr=mgroup["lr"], weight_decay=mgroup["weight_decay"],
+                                       full_shape=t.shape)
+            slices = [a for a in s.adamw[bi] if flags[a.param]]
+            if slices:
+                self._adamw_step(bi, slices)
+            self._launch_gather(bi)
+        # Phase 4: the parameters are whole again everywhere (or at the next forward).
+        if not self._overlap_gather:
+            self.wait_params()
+        for g in self._gbuf:
+            g.zero_()
+        self._reset_iteration()
+        return loss
+
+    def _task_state(self, t: _MatrixTask) -> dict[str, Tensor]:
+        st = self.state[self._params[t.param]]
+        return st if t.name == self._names[t.param] else st[t.name.rsplit("#", 1)[1]]
+
+    def _adamw_step(self, bi: int, slices: list[_AdamSlice]) -> None:
+        by_group: dict[int, list[_AdamSlice]] = defaultdict(list)
+        for a in slices:
+            by_group[id(self._group_of[id(self._params[a.param])])].append(a)
+        own = self._own[bi]
+        c0 = self._s.buckets[bi].cuts[self._s.rank]
+        pbuf = self._pbuf[bi]
+        for items in by_group.values():
+            g = self._group_of[id(self._params[items[0].param])]
+            kernel = self._adamw
+            if tuple(g["betas"]) != kernel.config.betas or g["eps"] != kernel.config.eps:
+                kernel = self._adamw = AdamW(AdamWConfig(lr=g["lr"], betas=tuple(g["betas"]),
+                                                         eps=g["eps"], weight_decay=g["weight_decay"]))
+            kernel.step([pbuf[c0 + a.lo:c0 + a.hi] for a in items], [own[a.lo:a.hi] for a in items],
+                        [self.state[self._params[a.param]] for a in items],
+                        names=[a.name for a in items], lr=g["lr"], weight_decay=g["weight_decay"])
+
+    def _launch_gather(self, bi: int) -> None:
+        if self._dp == 1:
+            return
+        b = self._s.buckets[bi]
+        pbuf, r = self._pbuf[bi], self._rank
+        sizes = b.slice_sizes()
+        mine = pbuf[b.cuts[r]:b.cuts[r + 1]]
+        if b.gather == "equal":
+            work = _all_gather(pbuf, mine.clone(), group=self._group, async_op=True)
+            self._gather_work.append((work, None))
+        elif b.gather == "padded":
+            big, tmp = max(sizes), self._scratch[bi][1]
+            src = torch.zeros(big, dtype=pbuf.dtype, device=pbuf.device)
+            src[:sizes[r]].copy_(mine)
+            work = _all_gather(tmp, src, group=self._group, async_op=True)
+            self._gather_work.append((work, bi))
+        else:
+            src = mine.repeat(self._dp)
+            work = dist.all_to_all_single(pbuf, src, output_split_sizes=list(sizes),
+                                          input_split_sizes=[sizes[r]] * self._dp,
+                                          group=self._group, async_op=True)
+            self._gather_work.append((work, src))
+
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gathers of the last step (a no-op when none is running)."""
+        pending = getattr(self, "_gather_work", None)
+        if not pending:
+            return
+        for work, extra in pending:
+            work.wait()
+            if isinstance(extra, int):
+                b = self._s.buckets[extra]
+                big, tmp = max(b.slice_sizes()), self._scratch[extra][1]
+                for r, n in enumerate(b.slice_sizes()):
+                    if r != self._rank:
+                        self._pbuf[extra][b.cuts[r]:b.cuts[r] + n].copy_(tmp[r * big:r * big + n])
+        self._gather_work = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the parameters' ``.grad`` and any gradient collected since the last step."""
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        if self._dirty or self._reduced or any(self._launched):
+            for bi, w in enumerate(self._rs_work):
+                if w is not None:
+                    w.wait()
+            for g in self._gbuf:
+                g.zero_()
+            self._reset_iteration()
+
+    # -- introspection and checkpoints -------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (every tensor, step counters included)."""
+        total = 0
+        for st in self.state.values():
+            for v in st.values():
+                for t in (v.values() if isinstance(v, dict) else (v,)):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank sends per step in the reduce-scatters and all-gathers (the methods the
+        constructor chose; padding included)."""
+        R, r = self._dp, self._rank
+        rs = ag = 0
+        if R == 1:
+            return {"reduce_scatter": 0, "all_gather": 0}
+        for bi, b in enumerate(self._s.buckets):
+            sizes = b.slice_sizes()
+            ge = self._gbuf[bi].element_size() if not self._external else 4
+            pe = self._pbuf[bi].element_size()
+            if b.reduce in ("equal", "padded"):
+                rs += (R - 1) * max(sizes) * ge
+            elif not self._external:
+                rs += (sum(sizes) - sizes[r]) * ge
+            ag += (R - 1) * (max(sizes) if b.gather in ("equal", "padded") else sizes[r]) * pe
+        return {"reduce_scatter": 0 if self._external else rs, "all_gather": ag}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's (sharded) state: per parameter index its owned task or slice state, the
+        param groups' hyper-parameters, and the plan it belongs to."""
+        self.wait_params()
+        index = {id(p): i for i, p in enumerate(self._params)}
+        state = {index[id(p)]: {k: (v.clone() if isinstance(v, Tensor) else
+                                    {kk: vv.clone() for kk, vv in v.items()})
+                                for k, v in st.items()} for p, st in self.state.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups,
+                "canzona": {"plan_sha256": self._digest.hex(), "dp_rank": self._rank}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        meta = state_dict.get("canzona", {})
+        if meta.get("plan_sha256") != self._digest.hex() or meta.get("dp_rank") != self._rank:
+            raise PlanMismatchError(
+                f"this optimizer state was saved by DP rank {meta.get('dp_rank')} under plan "
+                f"{str(meta.get('plan_sha256'))[:12]}; this is rank {self._rank} under plan "
+                f"{self._digest.hex()[:12]} (sharded state loads under the same plan and rank).")
+        saved = state_dict["state"]
+        for i, p in enumerate(self._params):
+            if p not in self.state:
+                continue
+            mine, theirs = self.state[p], saved[i]
+            for k, v in mine.items():
+                if isinstance(v, dict):
+                    for kk, vv in v.items():
+                        vv.copy_(theirs[k][kk])
+                else:
+                    v.copy_(theirs[k])
+        for g, sg in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = v

@@ -1,0 +1,258 @@
+"""Helpers of the DP runtime tests: a small transformer, a spawned gloo world, references.
+
+The distributed side runs every case of a module inside one ``torch.multiprocessing`` spawn per
+world size (each rank writes its results to a file); the references run in the test process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HEADS, SEQ, LAYERS = 64, 32, 4, 8, 2
+#: Sequences per step and micro-batch, split over the ranks. 256 tokens keep SOAP's statistics
+#: (largest side 96) full rank: with degenerate eigenvalues its eigenbasis is not unique and the
+#: last-bit differences of a distributed gradient sum pick another one.
+GLOBAL_BATCH = 32
+STEPS = 10
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.proj = nn.Linear(DIM, DIM, bias=False)
+        self.ln_2 = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 2 * DIM, bias=True)
+        self.fc2 = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A GPT with an unused parameter (``spare``): it never gets a gradient."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.wpe = nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.spare = nn.Linear(DIM, DIM, bias=False)
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def batch(step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step and micro-batch (rank r takes ``rows(r, world)``)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def rows(rank: int, world: int) -> slice:
+    n = GLOBAL_BATCH // world
+    return slice(rank * n, (rank + 1) * n)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def lr_factor(step: int) -> float:
+    return 1.0 - 0.04 * step
+
+
+# --- the spawned world --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, Callable]]) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    results = {}
+    try:
+        for name, fn in cases:
+            try:
+                results[name] = ("ok", fn(rank, world))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                results[name] = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            dist.barrier()
+    finally:
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def run_world(world: int, cases: list[tuple[str, Callable]], out: str) -> list[dict]:
+    """Run every case on ``world`` gloo ranks (one spawn); per rank, ``{case: result}``."""
+    torch.multiprocessing.spawn(_worker, args=(world, free_port(), out, cases), nprocs=world,
+                                join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in a)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def is_close_rel(x: float) -> bool:
+    return math.isfinite(x) and x <= 1e-5
+
+
+# --- training loops ---------------------------------------------------------------------------
+
+LR, ADAMW_LR = 0.02, 3e-3
+#: Shampoo's ε regularises the inverse 4th roots of rank-deficient statistics (16 tokens per
+#: rank); at the kernel default 1e-12 round-off in the null space is amplified ~(λ/ε)^¼ and the
+#: last-bit differences of a distributed gradient sum change results at the 10% level.
+SHAMPOO_OPTIONS = {"eps": 1e-4}
+MATRIX_LR = {"muon": 0.02, "shampoo": 0.01, "soap": 3e-3}
+
+
+def _matrix_kernel(optimizer: str, lr: float):
+    from canzona.runtime.optim import SOAP, Muon, MuonConfig, Shampoo, ShampooConfig, SOAPConfig
+
+    if optimizer == "muon":
+        return Muon(MuonConfig(lr=lr, ns_dtype=torch.float32))
+    if optimizer == "shampoo":
+        return Shampoo(ShampooConfig(lr=lr, precondition_frequency=3, **SHAMPOO_OPTIONS))
+    return SOAP(SOAPConfig(lr=lr, precondition_frequency=3))
+
+
+def plan_settings(optimizer: str) -> dict:
+    """Plan-recorded settings used by both sides."""
+    if optimizer == "shampoo":
+        return {"shampoo_precondition_frequency": 3}
+    if optimizer == "soap":
+        return {"soap_precondition_frequency": 3}
+    return {}
+
+
+def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int = 1,
+                  clip: float | None = None, grad_sync: str = "reduce_scatter",
+                  bucket_size: int = 3000, steps: int = STEPS, plan=None,
+                  overlap_param_gather: bool = False):
+    """Train TinyGPT with CanzonaOptimizer on this rank's share of each batch."""
+    import canzona
+
+    model = TinyGPT()
+    if plan is None:
+        plan = canzona.plan_model(model, dp=world, optimizer=optimizer, bucket_size=bucket_size,
+                                  **plan_settings(optimizer))
+    opt = canzona.CanzonaOptimizer(model, plan, lr=MATRIX_LR[optimizer],
+                                   ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
+                                   adamw_weight_decay=0.01, grad_sync=grad_sync,
+                                   overlap_param_gather=overlap_param_gather,
+                                   matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    mine = rows(rank, world)
+    norms = []
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = batch(step, micro, world)
+            last = micro == accum - 1
+            ctx = opt.no_sync() if not last and grad_sync != "external" else _null()
+            with ctx:
+                (loss_fn(model, x[mine], y[mine]) / accum).backward()
+        if grad_sync == "external":
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    opt.wait_params()
+    return {"params": params_of(model), "norms": norms, "state_bytes": opt.state_bytes(),
+            "plan": plan, "opt_state_numel": _state_layout(opt)}
+
+
+def _state_layout(opt) -> dict:
+    out = {}
+    for p, st in opt.state.items():
+        out[tuple(p.shape)] = out.get(tuple(p.shape), 0) + 1
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def train_reference(world: int, *, optimizer: str = "muon", accum: int = 1,
+                    clip: float | None = None, steps: int = STEPS, sharded: bool = False) -> dict:
+    """One process, the concatenated batch: the matrix kernel per matrix, torch.optim.AdamW on the
+    rest (routing from the same introspection).
+
+    ``sharded``: take the batch's gradient as the sum of the per-rank halves' gradients, each
+    scaled by 1/world (exact at world 2: a sum of two terms has one order). SOAP needs it: with
+    one gradient its statistic L = G·Gᵀ of a non-square G is rank deficient, the eigenbasis of the
+    null space is arbitrary, and last-bit differences pick another one (a few % after 2 steps).
+    """
+    from canzona.runtime.introspect import inventory
+
+    model = TinyGPT()
+    route = {p.name: p.optimizer for p in inventory(model).params}
+    named = list(model.named_parameters())
+    mats = [p for n, p in named if route[n] == "matrix"]
+    others = [p for n, p in named if route[n] != "matrix"]
+    kernel = _matrix_kernel(optimizer, MATRIX_LR[optimizer])
+    states = [kernel.init_state(p.shape) for p in mats]
+    adamw = torch.optim.AdamW(others, lr=ADAMW_LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor)
+    norms = []
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = batch(step, micro, world)
+            if sharded:
+                for r in range(world):
+                    (loss_fn(model, x[rows(r, world)], y[rows(r, world)]) / (accum * world)).backward()
+            else:
+                (loss_fn(model, x, y) / accum).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        lr = MATRIX_LR[optimizer] * lr_factor(step)
+        with torch.no_grad():
+            for p, s in zip(mats, states):
+                if p.grad is not None:
+                    kernel.step([p], [p.grad], [s], lr=lr)
+        adamw.step()
+        sched.step()
+        model.zero_grad()
+    return {"params": params_of(model), "norms": norms}
