@@ -668,26 +668,31 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         flags = self._flags
         mgroup = self._group_of.get(id(self._params[s.matrix_params[0]])) if s.matrix_params else None
         self._gather_work: list[Any] = []
-        # Phase 3: bucket by bucket (plan order): matrix updates batched by shape, AdamW on the
-        # owned elements, then the bucket's all-gather starts while the next bucket computes.
-        for bi, b in enumerate(s.buckets):
-            own = self._own[bi]
-            tasks = [t for t in s.matrix[bi] if flags[t.param]]
-            if tasks:
-                grads = [own[t.lo:t.hi].view(t.shape) for t in tasks]
-                states = [self._task_state(t) for t in tasks]
-                updates = self._matrix.direction(grads, states, names=[t.name for t in tasks])
-                for t, u in zip(tasks, updates):
-                    if u is None:
-                        continue
-                    p = self._params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
-                    self._matrix.apply(p, u, lr=mgroup["lr"], weight_decay=mgroup["weight_decay"],
-                                       full_shape=t.shape)
+        # Phase 3: the directions of every owned matrix in one kernel call (same shapes batched
+        # across buckets; a kernel that overlaps a running all-gather competes with it for cores
+        # and memory bandwidth, and loses the batching).
+        tasks = [t for ts in s.matrix for t in ts if flags[t.param]]
+        updates: list[Tensor | None] = []
+        if tasks:
+            grads = [self._own[t.bucket][t.lo:t.hi].view(t.shape) for t in tasks]
+            states = [self._task_state(t) for t in tasks]
+            updates = self._matrix.direction(grads, states, names=[t.name for t in tasks])
+        done = dict(zip((t.id for t in tasks), updates))
+        # Phase 4: bucket by bucket (plan order): apply the updates, AdamW on the owned elements,
+        # start the bucket's all-gather.
+        for bi in range(len(s.buckets)):
+            for t in s.matrix[bi]:
+                u = done.get(t.id)
+                if u is None:
+                    continue
+                p = self._params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
+                self._matrix.apply(p, u, lr=mgroup["lr"], weight_decay=mgroup["weight_decay"],
+                                   full_shape=t.shape)
             slices = [a for a in s.adamw[bi] if flags[a.param]]
             if slices:
                 self._adamw_step(bi, slices)
             self._launch_gather(bi)
-        # Phase 4: the parameters are whole again everywhere (or at the next forward).
+        # Phase 5: the parameters are whole again everywhere (or at the next forward).
         if not self._overlap_gather:
             self.wait_params()
         for g in self._gbuf:
