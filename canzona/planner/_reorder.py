@@ -17,6 +17,7 @@ and hand the reordered problem back to the usual cut optimisation.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 from .layout import PARAM_ALIGN, Bucket, Buffer, PhysicalLayout, Slot
@@ -27,76 +28,87 @@ def _pad(x: int, d: int) -> int:
     return -(-x // d) * d
 
 
-def assign_free(problem: DPProblem) -> dict[tuple[int, int], list[int]]:
+def assign_free(problem: DPProblem, *, max_moves: int = 20_000) -> dict[tuple[int, int], list[int]]:
     """Rank (in the bucket's group) of every item when order does not matter: LPT on loads,
-    then a move/swap search on the busiest index. Returns per bucket the rank of each item."""
+    then a move/swap search on the busiest index. Returns per bucket the rank of each item.
+
+    Items of equal load that may go to the same DP indices (dense, or experts of one EP rank)
+    are interchangeable, so the search works on per-index counts of such *classes*: a move or
+    swap costs O(classes), not O(items), which keeps 24k-parameter MoE models fast.
+    """
     dp = problem.dp
-    load = [0] * dp
-    items = []  # (load, bucket key, item index)
+    ep = problem.sizes.ep
+    buffers = problem.layout.buffers
+
+    def ep_class(b: BucketProblem) -> int:
+        buf = buffers[b.buffer]
+        return -1 if not buf.expert else buf.ep_rank  # type: ignore[return-value]
+
+    def allowed(cls_ep: int, d: int) -> bool:
+        return cls_ep < 0 or d % ep == cls_ep
+
+    # Classes: (load, ep class) → the items of that class, in a fixed order.
+    members: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}
     for b in problem.buckets:
         for k, it in enumerate(b.items):
-            items.append((it.load, (b.buffer, b.bucket), k))
-    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
-    rank: dict[tuple[int, int], list[int]] = {k: [0] * len(b.items) for k, b in by_key.items()}
-    # LPT: heaviest item first, onto the least-loaded DP index allowed for its bucket.
-    for w, key, k in sorted(items, key=lambda x: (-x[0], x[1], x[2])):
-        b = by_key[key]
-        r = min(range(b.ranks), key=lambda r: (load[problem.dp_index(b, r)], r))
-        rank[key][k] = r
-        load[problem.dp_index(b, r)] += w
-    # Local search: move or swap an item of the busiest index.
-    held: dict[int, set] = {d: set() for d in range(dp)}
-    for key, rs in rank.items():
-        for k, r in enumerate(rs):
-            held[problem.dp_index(by_key[key], r)].add((key, k))
-
-    def rank_of(b: BucketProblem, d: int) -> int | None:
-        buf = problem.layout.buffers[b.buffer]
-        if not buf.expert:
-            return d
-        ep = problem.sizes.ep
-        return (d - buf.ep_rank) // ep if d % ep == buf.ep_rank else None
-
-    for _ in range(20_000):
+            members.setdefault((it.load, ep_class(b)), []).append(((b.buffer, b.bucket), k))
+    classes = sorted(members, key=lambda c: (-c[0], c[1]))
+    count = [[0] * len(classes) for _ in range(dp)]  # count[d][c]
+    load = [0] * dp
+    # LPT: heaviest class first; each item onto the least-loaded allowed DP index.
+    for ci, (w, cls_ep) in enumerate(classes):
+        cands = [d for d in range(dp) if allowed(cls_ep, d)]
+        heap = [(load[d], d) for d in cands]
+        heapq.heapify(heap)
+        for _ in members[(w, cls_ep)]:
+            ld, d = heapq.heappop(heap)
+            count[d][ci] += 1
+            load[d] = ld + w
+            heapq.heappush(heap, (load[d], d))
+    # Local search on the busiest index: move one item, or swap it for a lighter one.
+    weights = [w for w, _ in classes]
+    eps = [e for _, e in classes]
+    for _ in range(max_moves):
         top = max(range(dp), key=lambda d: (load[d], -d))
         L = load[top]
         best = None
-        for key, k in sorted(held[top]):
-            b = by_key[key]
-            w = b.items[k].load
-            for r in range(b.ranks):
-                d2 = problem.dp_index(b, r)
-                if d2 == top:
+        for c1, n1 in enumerate(count[top]):
+            if not n1:
+                continue
+            w1 = weights[c1]
+            for d2 in range(dp):
+                if d2 == top or not allowed(eps[c1], d2):
                     continue
-                if load[d2] + w < L and (best is None or load[d2] + w < best[0]):
-                    best = (load[d2] + w, key, k, r, d2, None)
-                for key2, k2 in held[d2]:
-                    w2 = by_key[key2].items[k2].load
-                    if w2 >= w:
+                if load[d2] + w1 < L and (best is None or load[d2] + w1 < best[0]):
+                    best = (load[d2] + w1, c1, d2, None)
+                for c2, n2 in enumerate(count[d2]):
+                    if not n2 or weights[c2] >= w1 or not allowed(eps[c2], top):
                         continue
-                    r_top = rank_of(by_key[key2], top)
-                    if r_top is None:
-                        continue
-                    worst = max(L - w + w2, load[d2] - w2 + w)
+                    worst = max(L - w1 + weights[c2], load[d2] - weights[c2] + w1)
                     if worst < L and (best is None or worst < best[0]):
-                        best = (worst, key, k, r, d2, (key2, k2, r_top))
+                        best = (worst, c1, d2, c2)
         if best is None:
             break
-        _, key, k, r, d2, swap = best
-        w = by_key[key].items[k].load
-        rank[key][k] = r
-        held[top].discard((key, k))
-        held[d2].add((key, k))
-        load[top] -= w
-        load[d2] += w
-        if swap is not None:
-            key2, k2, r_top = swap
-            w2 = by_key[key2].items[k2].load
-            rank[key2][k2] = r_top
-            held[d2].discard((key2, k2))
-            held[top].add((key2, k2))
-            load[d2] -= w2
-            load[top] += w2
+        _, c1, d2, c2 = best
+        count[top][c1] -= 1
+        count[d2][c1] += 1
+        load[top] -= weights[c1]
+        load[d2] += weights[c1]
+        if c2 is not None:
+            count[d2][c2] -= 1
+            count[top][c2] += 1
+            load[d2] -= weights[c2]
+            load[top] += weights[c2]
+    # Materialise: hand each class's items to DP indices by their counts, in a fixed order.
+    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
+    rank: dict[tuple[int, int], list[int]] = {k: [0] * len(b.items) for k, b in by_key.items()}
+    for ci, cls in enumerate(classes):
+        items = iter(members[cls])
+        for d in range(dp):
+            for _ in range(count[d][ci]):
+                key, k = next(items)
+                buf = buffers[key[0]]
+                rank[key][k] = d if not buf.expert else (d - buf.ep_rank) // ep
     return rank
 
 

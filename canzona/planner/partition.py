@@ -480,20 +480,43 @@ class Solution:
     problem: DPProblem  # the problem the cuts refer to (reordered, when reordering was used)
 
 
-def _improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None) -> Cuts:
+def _improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None,
+             max_rounds: int = 30) -> Cuts:
     """Per-bucket DP polish alternating with whole-matrix moves/swaps across buckets."""
-    best = polish(problem, cuts, comm_limit=comm_limit)
+    best = polish(problem, cuts, comm_limit=comm_limit, max_rounds=max_rounds)
     best_max = max(evaluate(problem, best).load)
     for _ in range(4):
         cand, moves = swap_search(problem, best)
         if not moves:
             break
-        cand = polish(problem, cand, comm_limit=comm_limit)
+        cand = polish(problem, cand, comm_limit=comm_limit, max_rounds=max_rounds)
         cand_max = max(evaluate(problem, cand).load)
         if cand_max >= best_max:
             break
         best, best_max = cand, cand_max
     return best
+
+
+def _joint_tp(original: DPProblem, used: DPProblem, cuts: Cuts, greedy_cuts: Cuts | None,
+              say: Callable[[str], None]) -> tuple[DPProblem, Cuts]:
+    """Under TP, judge by the busiest GPU (DP index × TP rank), not the busiest DP index: refine
+    the cuts on the per-GPU objective (``tp.joint_refine``) when they are more than 1% above
+    LB_gpu, and fall back to the paper's greedy cuts if those pack better per GPU."""
+    from .tp import TPContext, index_gpu_max, joint_refine, lb_gpu
+
+    ctx = TPContext.build(used)
+    gpu_max = max(index_gpu_max(used, cuts, ctx))
+    if gpu_max > 1.01 * lb_gpu(used, ctx=ctx):
+        say("joint DP×TP refinement")
+        refined = joint_refine(used, cuts, ctx=ctx)
+        refined_max = max(index_gpu_max(used, refined, ctx))
+        if refined_max < gpu_max:
+            cuts, gpu_max = refined, refined_max
+    if greedy_cuts is not None:
+        gctx = ctx if used is original else TPContext.build(original)
+        if max(index_gpu_max(original, greedy_cuts, gctx)) < gpu_max:
+            return original, greedy_cuts
+    return used, cuts
 
 
 def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
@@ -534,7 +557,8 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
 
         say("reordering")
         rp, owners = reorder_problem(problem, assign_free(problem))
-        rcuts = _improve(rp, owners_to_cuts(rp, owners), comm_limit)
+        # The free assignment is already balanced: a few polish rounds place the AdamW pieces.
+        rcuts = _improve(rp, owners_to_cuts(rp, owners), comm_limit, max_rounds=2)
         rcuts = rebalance_divisible(rp, rcuts, comm_limit=comm_limit, ceiling=greedy_max)
         rmax = max(evaluate(rp, rcuts).load)
         if rmax <= greedy_max:
@@ -556,6 +580,11 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
             used, cuts = problem, best  # reordering did not help: keep Megatron's order
     elif used is problem:
         cuts = rebalance_divisible(problem, cuts, comm_limit=comm_limit, ceiling=greedy_max)
+    if problem.sizes.tp > 1 and not done:
+        used, cuts = _joint_tp(problem, used, cuts,
+                               greedy(problem, alpha=alpha) if comm_limit is None else None, say)
+    elif problem.sizes.tp > 1 and solver != "greedy":
+        used, cuts = _joint_tp(problem, used, cuts, None, say)
     problem = used
     status = "heuristic"
     if solver == "cpsat":

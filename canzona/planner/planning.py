@@ -67,6 +67,7 @@ class DPProblem:
     loads: tuple[int, ...]  # per task, under the cost model
     cost_model: str
     buckets: tuple[BucketProblem, ...]
+    total: int = 0  # Σ loads, computed once by make_problem
 
     @property
     def dp(self) -> int:
@@ -80,7 +81,7 @@ class DPProblem:
         return r * self.sizes.ep + buf.ep_rank  # type: ignore[operator]
 
     def total_load(self) -> int:
-        return sum(self.loads)
+        return self.total
 
     def largest_atomic(self) -> int:
         return max((it.load for b in self.buckets for it in b.items if it.atomic), default=0)
@@ -126,7 +127,7 @@ def make_problem(
                                   s.optimizer == "matrix", ids))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     return DPProblem(spec, sizes, settings, layout, tuple(tasks), costs, loads,
-                     getattr(model, "name", "custom"), tuple(buckets))
+                     getattr(model, "name", "custom"), tuple(buckets), sum(loads))
 
 
 def equal_cuts(b: BucketProblem) -> tuple[int, ...]:
