@@ -32,7 +32,7 @@ def plan_model(
     time_limit_s: float = 10.0,
     seed: int = 0,
     comm_limit: float | None = None,
-    reorder: bool = False,
+    reorder: bool = True,
     name: str | None = None,
     matrix_globs: Sequence[str] = (),
     adamw_globs: Sequence[str] = (),
