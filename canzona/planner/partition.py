@@ -41,6 +41,9 @@ SOLVERS = ("auto", "greedy", "cpsat")
 #: The bin-packing bound (a CP-SAT covering model) is computed when the plan is more than this
 #: far above the simple bounds: below it the simple bound already certifies the plan.
 PACKING_BOUND_ABOVE = 0.02
+#: Under TP, the paper's greedy cuts replace ours only if they lower the busiest GPU by more
+#: than this (relative).
+JOINT_TP_MARGIN = 0.005
 Cuts = dict[tuple[int, int], tuple[int, ...]]
 
 
@@ -513,8 +516,10 @@ def _joint_tp(original: DPProblem, used: DPProblem, cuts: Cuts, greedy_cuts: Cut
         if refined_max < gpu_max:
             cuts, gpu_max = refined, refined_max
     if greedy_cuts is not None:
+        # Only for a real gain: per-GPU maxima are often flat (the largest matrix), and a tie
+        # broken by a sliver of AdamW work must not bring back a badly balanced DP partition.
         gctx = ctx if used is original else TPContext.build(original)
-        if max(index_gpu_max(original, greedy_cuts, gctx)) < gpu_max:
+        if max(index_gpu_max(original, greedy_cuts, gctx)) < gpu_max * (1 - JOINT_TP_MARGIN):
             return original, greedy_cuts
     return used, cuts
 
