@@ -58,9 +58,11 @@ from canzona.runtime.optim import (
     ShampooConfig,
 )
 
-__all__ = ["CanzonaOptimizer", "PlanMismatchError"]
+__all__ = ["CanzonaOptimizer", "PlanMismatchError", "predicted_state_bytes"]
 
 _GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Values of the constructor's ``main_params``.
+_MAIN_PARAMS = (None, "fp32")
 # torch ≥ 2.10 renamed the tensor collectives (the old names warn).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -245,6 +247,32 @@ def _plan_digest(plan: Plan) -> bytes:
     return hashlib.sha256(plan.model_dump_json().encode()).digest()
 
 
+def _check_main_params(main_params: Any) -> None:
+    if main_params not in _MAIN_PARAMS:
+        raise ValueError(f"main_params = {main_params!r} is not allowed; choose None (update the "
+                         "parameters in their own dtype) or 'fp32' (fp32 main copies of the owned "
+                         "parts of bf16/fp16 parameters)")
+
+
+def predicted_state_bytes(plan: Plan, dp_rank: int, *, main_params: str | None = None) -> int:
+    """Optimizer bytes DP rank ``dp_rank`` holds under ``plan`` (what ``state_bytes()`` measures).
+
+    ``plan.metrics.dp_state_bytes[dp_rank]`` (the kernels' state of the owned tasks), plus with
+    ``main_params="fp32"`` 4 bytes per element of the rank's own slice of every bucket whose buffer
+    is bf16 or fp16 (the fp32 main copies; fp32 buffers need none)::
+
+        dp_state_bytes[d] + 4 · Σ_{bucket b of a bf16/fp16 buffer} (cuts_b[d+1] − cuts_b[d])
+    """
+    _check_main_params(main_params)
+    if not 0 <= dp_rank < plan.inputs.dp:
+        raise ValueError(f"dp_rank = {dp_rank} is not allowed; choose 0 … {plan.inputs.dp - 1}")
+    total = plan.metrics.dp_state_bytes[dp_rank]
+    if main_params == "fp32":
+        total += 4 * sum(b.cuts[dp_rank + 1] - b.cuts[dp_rank] for buf in plan.buffers
+                         if buf.dtype != "fp32" for b in buf.buckets)
+    return total
+
+
 # --- the optimizer --------------------------------------------------------------------------------
 
 
@@ -274,6 +302,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             ``SOAPConfig``); fields the plan also records must agree with it.
         overlap_param_gather: leave the parameter all-gathers running after ``step()`` and wait for
             them in the model's next forward pre-hook (needs an ``nn.Module``).
+        main_params: None (default): the owned parts are updated in the parameters' own dtype.
+            ``"fp32"``: for bf16/fp16 parameters each rank keeps fp32 main copies of its own slice
+            of every bucket (whole owned matrices, its AdamW elements), taken from the parameters
+            at construction; the kernels update them and the all-gather sends them cast to the
+            parameter dtype. Gradients accumulate in the plan's (fp32) grad buckets either way.
+            The copies count in ``state_bytes()`` (see :func:`predicted_state_bytes`) and travel
+            in ``state_dict()``; after loading weights into the model call
+            ``reload_main_params()``.
 
     Raises:
         PlanMismatchError: the plan does not match the live parameters (naming the first differing
@@ -301,7 +337,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         ns_steps: int | None = None,
         matrix_options: dict[str, Any] | None = None,
         overlap_param_gather: bool = False,
+        main_params: str | None = None,
     ) -> None:
+        _check_main_params(main_params)
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a canzona Plan (canzona.load_plan), got {type(plan).__name__}")
         if grad_sync not in ("reduce_scatter", "external"):
@@ -338,6 +376,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._digest = _plan_digest(plan)
         self._s = _schedule(plan, self._names, self._rank)
         self._external = grad_sync == "external"
+        self._main_params = main_params
 
         matrix_set = set(self._s.matrix_params)
         groups = []
@@ -443,6 +482,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._pbuf: list[Tensor] = []
         self._gbuf: list[Tensor] = []
         self._own: list[Tensor] = []
+        #: per bucket, fp32 main copies of the own slice (main_params="fp32", bf16/fp16 buckets)
+        self._main: list[Tensor | None] = []
         self._scratch: list[tuple[Tensor | None, Tensor | None]] = []
         R, r = s.dp, s.rank
         for b in s.buckets:
@@ -459,6 +500,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                     view.copy_(p)
                     p.data = view
             self._pbuf.append(pbuf)
+            low = self._main_params == "fp32" and pbuf.dtype != torch.float32
+            self._main.append(pbuf[b.cuts[r]:b.cuts[r + 1]].float() if low else None)
             gdtype = _GRAD_DTYPES[b.grad_dtype]
             self._gbuf.append(torch.zeros(b.numel if not self._external else 0, dtype=gdtype,
                                           device=device))
@@ -681,16 +724,26 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         # Phase 4: bucket by bucket (plan order): apply the updates, AdamW on the owned elements,
         # start the bucket's all-gather.
         for bi in range(len(s.buckets)):
+            main = self._main[bi]
+            c0 = s.buckets[bi].cuts[s.rank]
             for t in s.matrix[bi]:
                 u = done.get(t.id)
                 if u is None:
                     continue
-                p = self._params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
+                if main is None:
+                    p = self._params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
+                else:
+                    p = main[t.lo:t.hi].view(t.shape)
                 self._matrix.apply(p, u, lr=mgroup["lr"], weight_decay=mgroup["weight_decay"],
                                    full_shape=t.shape)
+                if main is not None:
+                    self._pbuf[bi][c0 + t.lo:c0 + t.hi].copy_(main[t.lo:t.hi])
             slices = [a for a in s.adamw[bi] if flags[a.param]]
             if slices:
                 self._adamw_step(bi, slices)
+                if main is not None:
+                    for a in slices:
+                        self._pbuf[bi][c0 + a.lo:c0 + a.hi].copy_(main[a.lo:a.hi])
             self._launch_gather(bi)
         # Phase 5: the parameters are whole again everywhere (or at the next forward).
         if not self._overlap_gather:
@@ -711,13 +764,18 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         own = self._own[bi]
         c0 = self._s.buckets[bi].cuts[self._s.rank]
         pbuf = self._pbuf[bi]
+        main = self._main[bi]
+
+        def target(a: _AdamSlice) -> Tensor:  # the fp32 main copy, else the parameter
+            return pbuf[c0 + a.lo:c0 + a.hi] if main is None else main[a.lo:a.hi]
+
         for items in by_group.values():
             g = self._group_of[id(self._params[items[0].param])]
             kernel = self._adamw
             if tuple(g["betas"]) != kernel.config.betas or g["eps"] != kernel.config.eps:
                 kernel = self._adamw = AdamW(AdamWConfig(lr=g["lr"], betas=tuple(g["betas"]),
                                                          eps=g["eps"], weight_decay=g["weight_decay"]))
-            kernel.step([pbuf[c0 + a.lo:c0 + a.hi] for a in items], [own[a.lo:a.hi] for a in items],
+            kernel.step([target(a) for a in items], [own[a.lo:a.hi] for a in items],
                         [self.state[self._params[a.param]] for a in items],
                         names=[a.name for a in items], lr=g["lr"], weight_decay=g["weight_decay"])
 
@@ -778,13 +836,29 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     # -- introspection and checkpoints -------------------------------------------------------------
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (every tensor, step counters included)."""
-        total = 0
+        """Bytes of optimizer state on this rank (every tensor, step counters included, and the
+        fp32 main copies under ``main_params="fp32"``): :func:`predicted_state_bytes` of the plan.
+        """
+        total = sum(m.numel() * m.element_size() for m in self._main if m is not None)
         for st in self.state.values():
             for v in st.values():
                 for t in (v.values() if isinstance(v, dict) else (v,)):
                     total += t.numel() * t.element_size()
         return total
+
+    def predicted_state_bytes(self) -> int:
+        """The plan's prediction of ``state_bytes()`` for this rank and ``main_params`` setting."""
+        return predicted_state_bytes(self.plan, self._rank, main_params=self._main_params)
+
+    @torch.no_grad()
+    def reload_main_params(self) -> None:
+        """Take the fp32 main copies again from the (bf16/fp16) parameters, e.g. after
+        ``model.load_state_dict`` (a no-op without ``main_params="fp32"``)."""
+        self.wait_params()
+        for bi, main in enumerate(self._main):
+            if main is not None:
+                b = self._s.buckets[bi]
+                main.copy_(self._pbuf[bi][b.cuts[self._rank]:b.cuts[self._rank + 1]])
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes this rank sends per step in the reduce-scatters and all-gathers (the methods the
@@ -814,8 +888,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                 for k, v in st.items()} for p, st in self.state.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[id(p)] for p in g["params"]]} for g in self.param_groups]
-        return {"state": state, "param_groups": groups,
-                "canzona": {"plan_sha256": self._digest.hex(), "dp_rank": self._rank}}
+        meta: dict[str, Any] = {"plan_sha256": self._digest.hex(), "dp_rank": self._rank}
+        if self._main_params is not None:
+            meta["main_params"] = [None if m is None else m.clone() for m in self._main]
+        return {"state": state, "param_groups": groups, "canzona": meta}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("canzona", {})
@@ -839,3 +915,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             for k, v in sg.items():
                 if k != "params":
                     g[k] = v
+        # fp32 main copies: the saved ones, else (saved without them) from the parameters.
+        saved_main = meta.get("main_params")
+        if saved_main is None:
+            self.reload_main_params()
+        else:
+            with torch.no_grad():
+                for m, sm in zip(self._main, saved_main):
+                    if m is not None and sm is not None:
+                        m.copy_(sm)
