@@ -12,7 +12,10 @@ For each case (a stack of same-shape matrices, the Newton–Schulz dtype) it tim
 
 Variants alternate within each repetition (in alternating order), so load from other processes
 hits them alike; the best time of the repetitions is reported, and "noise" is the worst
-median/best ratio of the case. Achieved FLOP/s use ``canzona.planner._flops.muon_flops`` and are
+median/best ratio of the case. "CPU share" compares a fixed probe matmul timed between the
+repetitions (median) with its best time in the session: well below 100 % means other processes
+were competing for the cores and the row's absolute figures (less so its ratios) are depressed.
+The plain-matmul reference is the best of a measurement at the start and one at the end. Achieved FLOP/s use ``canzona.planner._flops.muon_flops`` and are
 compared with a plain 2048³ matmul in the same dtype on the same machine.
 
 Usage::
@@ -70,6 +73,15 @@ def matmul_peak(dtype: torch.dtype, size: int, repeats: int) -> float:
     return 2 * size**3 / best
 
 
+_PROBE = (torch.randn(768, 768), torch.randn(768, 768))
+
+
+def probe() -> float:
+    """Seconds of a fixed fp32 matmul (best of 3): how much of the CPU this process gets now."""
+    a, b = _PROBE
+    return min(_time(lambda: a @ b) for _ in range(3))
+
+
 def bench_case(count: int, m: int, n: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     opt = Muon(MuonConfig(ns_dtype=dtype))
     cfg = opt.config
@@ -88,46 +100,62 @@ def bench_case(count: int, m: int, n: int, dtype: torch.dtype, repeats: int) -> 
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up
         fn()
+    probes = [probe()]
     for rep in range(repeats):
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for k in order:
             times[k].append(_time(variants[k]))
+        probes.append(probe())
     best = {k: min(v) for k, v in times.items()}
     noise = max(statistics.median(v) / min(v) for v in times.values())
-    return {**best, "flops": count * muon_flops(m, n, ns_steps=cfg.ns_steps), "noise": noise}
+    return {
+        **best,
+        "flops": count * muon_flops(m, n, ns_steps=cfg.ns_steps),
+        "noise": noise,
+        "probe": statistics.median(probes),
+    }
 
 
 def run(repeats: int) -> str:
+    """Time every case; return the Markdown report (also printed)."""
+    probes = [probe()]
+    peaks = {name: matmul_peak(dt, 2048, max(3, repeats)) for name, dt in DTYPES.items()}
+    results = []
+    for count, m, n in CASES:
+        for name, dt in DTYPES.items():
+            r = bench_case(count, m, n, dt, repeats)
+            probes.append(r["probe"])
+            print(f"  {count} x {m}x{n} {name}: loop {r['loop'] * 1e3:.1f} ms, "
+                  f"batched {r['batched'] * 1e3:.1f} ms", flush=True)
+            results.append((count, m, n, name, r))
+    # Best of start and end: the reference rates are as little disturbed as we can observe.
+    for name, dt in DTYPES.items():
+        peaks[name] = max(peaks[name], matmul_peak(dt, 2048, max(3, repeats)))
+    quiet = min(probes + [probe()])
+
     lines = [
         f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
         f"{torch.get_num_threads()} intra-op threads; best of {repeats} repetitions.",
         "",
-    ]
-    peaks = {name: matmul_peak(dt, 2048, max(3, repeats)) for name, dt in DTYPES.items()}
-    lines.append(
         "Plain 2048³ matmul on this machine: "
         + ", ".join(f"{name} {peak / 1e9:.1f} GFLOP/s" for name, peak in peaks.items())
-        + "."
-    )
-    lines += [
+        + ".",
         "",
         "| matrices | NS dtype | loop (ms) | batched (ms) | speed-up | NS only | loop GFLOP/s "
-        "| batched GFLOP/s | batched / plain matmul | noise |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batched GFLOP/s | batched / plain matmul | noise | CPU share |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    print("\n".join(lines), flush=True)
-    for count, m, n in CASES:
-        for name, dt in DTYPES.items():
-            r = bench_case(count, m, n, dt, repeats)
-            fb, fl = r["flops"] / r["batched"], r["flops"] / r["loop"]
-            row = (
-                f"| {count} × {m}×{n} | {name} | {r['loop'] * 1e3:.1f} | {r['batched'] * 1e3:.1f} "
-                f"| {r['loop'] / r['batched']:.2f}× | {r['ns_loop'] / r['ns_batched']:.2f}× "
-                f"| {fl / 1e9:.1f} | {fb / 1e9:.1f} | {fb / peaks[name]:.0%} | {r['noise']:.2f} |"
-            )
-            print(row, flush=True)
-            lines.append(row)
-    return "\n".join(lines)
+    for count, m, n, name, r in results:
+        fb, fl = r["flops"] / r["batched"], r["flops"] / r["loop"]
+        lines.append(
+            f"| {count} × {m}×{n} | {name} | {r['loop'] * 1e3:.1f} | {r['batched'] * 1e3:.1f} "
+            f"| {r['loop'] / r['batched']:.2f}× | {r['ns_loop'] / r['ns_batched']:.2f}× "
+            f"| {fl / 1e9:.1f} | {fb / 1e9:.1f} | {fb / peaks[name]:.0%} | {r['noise']:.2f} "
+            f"| {quiet / r['probe']:.0%} |"
+        )
+    report = "\n".join(lines)
+    print(report, flush=True)
+    return report
 
 
 def write_section(body: str, path: Path = README) -> None:
