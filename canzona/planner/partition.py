@@ -562,8 +562,10 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
 
         say("reordering")
         rp, owners = reorder_problem(problem, assign_free(problem))
-        # The free assignment is already balanced: a few polish rounds place the AdamW pieces.
-        rcuts = _improve(rp, owners_to_cuts(rp, owners), comm_limit, max_rounds=2)
+        rcuts = owners_to_cuts(rp, owners)
+        if comm_limit is not None or max(evaluate(rp, rcuts).load) > bound * 1.001:
+            # The free assignment is nearly balanced: a few polish rounds finish it.
+            rcuts = _improve(rp, rcuts, comm_limit, max_rounds=2)
         rcuts = rebalance_divisible(rp, rcuts, comm_limit=comm_limit, ceiling=greedy_max)
         rmax = max(evaluate(rp, rcuts).load)
         if rmax <= greedy_max:
