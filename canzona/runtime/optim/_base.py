@@ -168,6 +168,15 @@ def new_step_counter() -> Tensor:
     return torch.zeros((), dtype=torch.float32)
 
 
+def zero_state(shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype,
+               device: torch.device | str | None) -> dict[str, Tensor]:
+    """Zero tensors of ``shapes`` (every key but ``"step"``) plus a fresh step counter."""
+    state = {key: torch.zeros(s, dtype=dtype, device=device)
+             for key, s in shapes.items() if key != "step"}
+    state["step"] = new_step_counter()
+    return state
+
+
 class MatrixOptimizer(ABC):
     """A matrix optimizer split into a stateful ``direction`` and an elementwise ``apply``.
 

@@ -39,10 +39,10 @@ from canzona.runtime.optim._base import (
     check_state,
     common_length,
     matrix_shape,
-    new_step_counter,
     nonfinite_mask,
     param_names,
     read_step,
+    zero_state,
 )
 
 __all__ = ["SOAP", "SOAPConfig"]
@@ -112,13 +112,7 @@ class SOAP(MatrixOptimizer):
 
     def init_state(self, shape, dtype=torch.float32, device=None) -> dict[str, Tensor]:
         m, n = matrix_shape(self.name, shape)
-        state = {
-            key: torch.zeros(s, dtype=dtype, device=device)
-            for key, s in self._expected(m, n).items()
-            if key != "step"
-        }
-        state["step"] = new_step_counter()
-        return state
+        return zero_state(self._expected(m, n), dtype, device)
 
     def flops(self, shape, *, amortised: bool = True) -> int:
         m, n = matrix_shape(self.name, shape)
