@@ -29,7 +29,17 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != "torch" and not (exc.name or "").startswith("torch."):
+                raise
+            raise ModuleNotFoundError(
+                f"canzona.{name} needs PyTorch, which is not installed: "
+                "pip install 'canzona[runtime]' (or install your own torch build). "
+                "Planning (canzona.planner, the canzona command) needs no torch.",
+                name=exc.name) from None
+        value = getattr(mod, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'canzona' has no attribute {name!r}")

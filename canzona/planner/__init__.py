@@ -5,7 +5,7 @@ shards and ZeRO-1 buckets) → tasks and costs → plan (``canzona.planner.plan`
 """
 
 from .cost import CostModel, OptimizerSettings, Task, TaskCost, build_tasks, load_hardware, task_cost
-from .errors import CanzonaError, ModelError, PlanFileError, SizeError
+from .errors import CanzonaError, CanzonaWarning, ModelError, OversizedTaskWarning, PlanFileError, SizeError
 from .inventory import ModelSpec, ParamSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout, local_shape, validate_sizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config, resolve_model
@@ -13,11 +13,13 @@ from .models import PRESETS, ModelConfig, get_preset, load_hf_config, resolve_mo
 __all__ = [
     "PRESETS",
     "CanzonaError",
+    "CanzonaWarning",
     "CostModel",
     "ModelConfig",
     "ModelError",
     "ModelSpec",
     "OptimizerSettings",
+    "OversizedTaskWarning",
     "ParallelSizes",
     "ParamSpec",
     "PhysicalLayout",

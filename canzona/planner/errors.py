@@ -21,3 +21,11 @@ class SizeError(CanzonaError):
 
 class PlanFileError(CanzonaError):
     """A plan file that is unreadable, malformed, of another schema version, or for another run."""
+
+
+class CanzonaWarning(UserWarning):
+    """Something a user should know about a plan that is still valid (the CLI prints it as a note)."""
+
+
+class OversizedTaskWarning(CanzonaWarning):
+    """Matrices larger than C_max when gathered: each gets a micro-group of its own."""

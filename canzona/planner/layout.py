@@ -104,19 +104,25 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
         problems.append(f"tp={tp} must divide the {listed} of {cfg.name}; "
                         f"nearest valid tp: {_nearest(tp, valid_tp)}.")
     if cfg.is_moe:
-        if cfg.num_experts % sizes.ep:
-            problems.append(f"ep={sizes.ep} must divide the number of experts of {cfg.name} "
-                            f"({cfg.num_experts}); nearest valid ep: "
-                            f"{_nearest(sizes.ep, _divisors(cfg.num_experts))}.")
         etp = sizes.expert_tp
+        ep_failed = []  # one sentence and one list of nearest sizes for every ep constraint
+        if cfg.num_experts % sizes.ep:
+            ep_failed.append(f"ep={sizes.ep} must divide the number of experts of {cfg.name} "
+                             f"({cfg.num_experts})")
+        if sizes.world % (sizes.ep * etp):
+            subject = f"ep={sizes.ep}" if etp == 1 else f"ep·etp={sizes.ep * etp}"
+            if ep_failed and etp == 1:
+                subject = ""
+            ep_failed.append(f"{subject + ' must divide ' if subject else ''}the world size "
+                             f"dp·tp={sizes.world}")
+        if ep_failed:
+            valid_ep = [d for d in _divisors(cfg.num_experts) if sizes.world % (d * etp) == 0]
+            problems.append(f"{' and '.join(ep_failed)}; "
+                            f"nearest valid ep: {_nearest(sizes.ep, valid_ep)}.")
         if cfg.moe_ffn % etp:
             problems.append(f"expert tp={etp} must divide the expert ffn size of {cfg.name} "
                             f"({cfg.moe_ffn}); nearest valid: "
                             f"{_nearest(etp, _divisors(cfg.moe_ffn))}.")
-        if sizes.world % (sizes.ep * etp):
-            problems.append(f"ep·etp={sizes.ep * etp} must divide the world size dp·tp="
-                            f"{sizes.world}; nearest valid ep: "
-                            f"{_nearest(sizes.ep, [d for d in _divisors(cfg.num_experts) if sizes.world % (d * etp) == 0])}.")
     elif sizes.ep != 1:
         problems.append(f"ep={sizes.ep} needs a mixture-of-experts model; {cfg.name} is dense "
                         "(use --ep 1).")

@@ -133,6 +133,10 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelError(f"{path}: expected a JSON object, found {type(cfg).__name__}.")
     model_type = cfg.get("model_type")
+    if model_type is None:
+        raise ModelError(
+            f"{path}: no 'model_type' field; a Hugging Face config.json names its architecture "
+            f"there (supported: {', '.join(SUPPORTED_MODEL_TYPES)}).")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelError(
             f"{path}: unsupported model_type '{model_type}'; supported: "

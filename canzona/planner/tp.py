@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .cost import DTYPE_BYTES, load_hardware
-from .errors import CanzonaError
+from .errors import CanzonaError, OversizedTaskWarning
 from .plan import (GroupTaskPlan, MicroGroupPlan, Plan, ShardLayoutPlan, TaskPlan, TPIndexPlan,
                    TPMetrics, TPPlan)
 from .planning import BucketProblem, DPProblem, Item, owner_of
@@ -507,7 +507,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, settings: TPSettings | None = No
         cuts: the DP cut points per (buffer, bucket).
         settings: C_max, solver, time limits.
         comm_dtype: dtype of the gathered matrices (bf16 unless the parameters are fp32).
-        warn: emit a :class:`UserWarning` naming each task larger than C_max.
+        warn: emit an :class:`~canzona.planner.errors.OversizedTaskWarning` (a ``UserWarning``)
+            naming the tasks larger than C_max; the CLI prints it as one note.
     """
     settings = settings or TPSettings()
     ctx = ctx or TPContext.build(problem, comm_dtype)
@@ -526,7 +527,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, settings: TPSettings | None = No
         shown = ", ".join(oversized[:5]) + (f" and {len(oversized) - 5} more" if len(oversized) > 5
                                             else "")
         warnings.warn(f"{len(oversized)} matrices exceed C_max = {cap:g} MiB when gathered and get "
-                      f"a micro-group of their own: {shown}.", UserWarning, stacklevel=2)
+                      f"a micro-group of their own (raise --cmax to group them): {shown}.",
+                      OversizedTaskWarning, stacklevel=2)
     if settings.solver == "greedy" or problem.sizes.tp == 1:
         status = "greedy"
     else:
@@ -818,8 +820,7 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
     flat = [x for r in grid for x in r]
     mx, mean = max(flat), sum(flat) / len(flat)
     lb = lb_gpu(problem, grid)
-    peak = max((g.peak_bytes for s in schedule.indices for g in s.groups if not g.oversized),
-               default=0)
+    peak = max((g.peak_bytes for s in schedule.indices for g in s.groups), default=0)
     metrics = TPMetrics(
         gpu_load=tuple(tuple(r) for r in grid), max_gpu_load=mx, mean_gpu_load=round(mean, 3),
         max_over_mean=round(mx / mean, 6) if mean else 1.0, lb_gpu=lb,

@@ -135,8 +135,16 @@ def test_tp_16_exceeds_kv_groups():
 
 def test_ep_must_divide_experts_and_world():
     spec = build_inventory(get_preset("qwen3-30b-a3b"))
-    with pytest.raises(SizeError, match=r"ep=3 must divide the number of experts .*128.*2, 4"):
+    # 4 divides the experts but not the world size 6: the one list of nearest sizes says 2 only.
+    with pytest.raises(SizeError, match=r"ep=3 must divide the number of experts .*128\); "
+                                        r"nearest valid ep: 2\.$"):
         build_layout(spec, ParallelSizes(dp=6, tp=1, ep=3))
+    # Both ep constraints fail: one sentence, the nearest sizes listed once.
+    with pytest.raises(SizeError) as info:
+        build_layout(spec, ParallelSizes(dp=4, tp=1, ep=3))
+    msg = str(info.value)
+    assert "experts" in msg and "world size dp·tp=4" in msg, msg
+    assert msg.count("nearest valid ep") == 1 and msg.endswith("nearest valid ep: 2, 4."), msg
     with pytest.raises(SizeError, match=r"ep·etp=16 must divide the world size"):
         build_layout(spec, ParallelSizes(dp=4, tp=2, ep=8))
 
