@@ -10,18 +10,50 @@ import functools
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from canzona import __version__
-from canzona.planner import CanzonaError
+from canzona.planner import CanzonaError, CanzonaWarning
 
 from . import _render
 
+
+def _tidy_params(params: list) -> list:
+    """Help without typer's type placeholder on flags (``--json <bool>``)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    """A command whose help shows flags bare and arguments as ``PLAN_FILE``, not ``{plan_file}``."""
+
+    def get_params(self, ctx: Any) -> list:
+        return _tidy_params(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if isinstance(p, TyperArgument):
+                name = (p.metavar or p.name or "").upper()
+                pieces.append(name if p.required else f"[{name}]")
+        return pieces
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list:
+        return _tidy_params(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     name="canzona",
     help="Plan Muon / Shampoo / SOAP under ZeRO-1 data parallelism and tensor parallelism.",
     no_args_is_help=True,
@@ -37,17 +69,32 @@ EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE mode
 
 
 def command(fn: Callable) -> Callable:
-    """Register ``fn`` as a command whose canzona input errors become one line and exit 1."""
+    """Register ``fn`` as a command whose canzona input errors become one line and exit 1.
+
+    The planner's warnings (:class:`CanzonaWarning`, e.g. matrices over C_max) become one
+    ``note:`` line each on stderr, not Python's warning with a source line.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> object:
-        try:
-            return fn(*args, **kwargs)
-        except CanzonaError as exc:
-            _render.error(str(exc))
-            raise typer.Exit(1) from None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CanzonaWarning)
+            try:
+                return fn(*args, **kwargs)
+            except CanzonaError as exc:
+                _render.error(str(exc))
+                raise typer.Exit(1) from None
+            finally:
+                seen: set[str] = set()
+                for w in caught:
+                    if issubclass(w.category, CanzonaWarning):
+                        if str(w.message) not in seen:
+                            seen.add(str(w.message))
+                            _render.note(str(w.message))
+                    else:
+                        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
-    return app.command()(wrapper)
+    return app.command(cls=_Command)(wrapper)
 
 
 def _version(value: bool) -> None:
@@ -199,15 +246,17 @@ def plan(
     tp_solver = _choice(tp_solver, ("greedy", "cpsat"), "--tp-solver")
     if not cmax > 0:
         raise CanzonaError(f"--cmax must be a positive number of MiB, got {cmax}.")
+    t0 = time.perf_counter()
     cfg = resolve_model(model, config)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
     settings = OptimizerSettings(name=optimizer, split_qkv=split_qkv, split_gate_up=split_gate_up)  # type: ignore[arg-type]
     out = output if output is not None else Path(default_plan_name(cfg.name, sizes, optimizer))
     _check_output(out)
-    t0 = time.perf_counter()
-    problem = make_problem(build_inventory(cfg), sizes, settings, cost=cost,
-                           bucket_size=bucket_size, overlap_grad_reduce=not no_overlap)
     with _render.progress(f"planning {cfg.name} dp={dp} tp={tp}") as say:
+        say("model inventory and ZeRO-1 layout")
+        problem = make_problem(build_inventory(cfg), sizes, settings, cost=cost,
+                               bucket_size=bucket_size, overlap_grad_reduce=not no_overlap)
+        say("DP partition")
         result = plan_dp(problem, solver=solver, alpha=alpha, time_limit_s=time_limit, seed=seed,
                          comm_limit=comm_limit, reorder=reorder,
                          model_source="preset" if model is not None else "hf_config",
@@ -217,8 +266,9 @@ def plan(
 
             say("tp micro-groups")
             result = plan_tp(problem, result, TPSettings(cmax_mib=cmax, solver=tp_solver))
-    wall = time.perf_counter() - t0
-    save_plan(result, out)
+        wall = time.perf_counter() - t0
+        say("writing the plan")
+        save_plan(result, out)
     _render.plan_summary(result, out, wall)
 
 
@@ -256,7 +306,7 @@ def _rebuild_problem(p: object, config: Optional[Path]):  # -> DPProblem | None
 @command
 def inspect(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by 'canzona plan'.",
-                                              show_default=False)],
+                                              metavar="PLAN_FILE", show_default=False)],
     config: Annotated[Optional[Path], typer.Option(
         "--config", "-c", help="The Hugging Face config.json the plan was made from "
                                "(plans made with --config only).")] = None,
@@ -264,42 +314,48 @@ def inspect(
                                      min=0)] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     plot: Annotated[Optional[Path], typer.Option(
-        "--plot", help="Write a per-DP-index chart to this PNG (needs matplotlib).")] = None,
+        "--plot", help="Write a per-DP-index chart to this file (.png, .pdf, .svg, …; a folder: "
+                       "named after the plan) and, for tp > 1, the TP view beside it as "
+                       "NAME-tp.EXT (needs matplotlib).")] = None,
 ) -> None:
     """Report a plan: per-DP-index loads, gap to the bound, heaviest tasks, every baseline."""
     from canzona.planner.baselines import baselines
     from canzona.planner.plan import load_plan
 
-    p = load_plan(plan_file)
-    problem = _rebuild_problem(p, config)
-    rows = baselines(problem, p) if problem is not None else None
-    report = _render.inspect_dict(p, rows, top=top)
-    tp_rows = None
-    if p.tp is not None and problem is not None:
-        from canzona.planner.tp import problem_from_plan, tp_baselines
+    with _render.progress(f"inspecting {plan_file.name}") as say:
+        say("reading the plan")
+        p = load_plan(plan_file)
+        charts = _render.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
+        say("rebuilding the model's problem")
+        problem = _rebuild_problem(p, config)
+        say("baselines")
+        rows = baselines(problem, p) if problem is not None else None
+        report = _render.inspect_dict(p, rows, top=top)
+        tp_rows = None
+        if p.tp is not None and problem is not None:
+            from canzona.planner.tp import TPBaselineRow, problem_from_plan, tp_baselines
 
-        pr, cuts = problem_from_plan(problem, p)
-        tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
-        m = p.tp.metrics
-        flat = [x for r in m.gpu_load for x in r]
-        from canzona.planner.tp import TPBaselineRow
-
-        tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
-                                     m.max_over_mean, m.gap_to_lb_gpu))
-    tp_rep = _render.tp_dict(p, tp_rows)
-    if tp_rep is not None:
-        report["tp"] = tp_rep
-    if plot is not None:
-        _render.plot_plan(p, plot)
-        if p.tp is not None:
-            tp_png = plot.with_name(plot.stem + "-tp" + plot.suffix)
-            _render.plot_tp(p, tp_png)
+            say("TP baselines")
+            pr, cuts = problem_from_plan(problem, p)
+            tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
+            m = p.tp.metrics
+            flat = [x for r in m.gpu_load for x in r]
+            tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
+                                         m.max_over_mean, m.gap_to_lb_gpu))
+        tp_rep = _render.tp_dict(p, tp_rows)
+        report["tp_schedule"] = tp_rep
+        for k, path in enumerate(charts):
+            say(f"chart {path.name}")
+            (_render.plot_plan if k == 0 else _render.plot_tp)(p, path)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        _render.inspect_report(p, report, plot=plot)
+        _render.inspect_report(p, report)
         if tp_rep is not None:
             _render.tp_report(p, tp_rep)
+    for k, path in enumerate(charts):
+        what = "chart" if k == 0 else "TP chart"
+        _render.info(f"wrote {what} {path}") if as_json else _render.wrote(what, path)
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ def test_plan_writes_tp_section_and_inspect_shows_it(tmp_path):
     assert "TP micro-groups" in r.output and "canzona-greedy" in r.output and "compute |" in r.output
     r = run("inspect", out, "--json")
     rep = json.loads(r.output)
-    assert {b["name"] for b in rep["tp"]["baselines"]} == {"sc", "canzona-greedy", "canzona"}
-    assert len(rep["tp"]["gpu_load"]) == 2 and len(rep["tp"]["gpu_load"][0]) == 4
+    assert {b["name"] for b in rep["tp_schedule"]["baselines"]} == {"sc", "canzona-greedy", "canzona"}
+    assert len(rep["tp_schedule"]["gpu_load"]) == 2 and len(rep["tp_schedule"]["gpu_load"][0]) == 4
 
 
 def test_tp1_plan_has_no_tp_section(tmp_path):
