@@ -20,7 +20,7 @@ __all__ = ["CanzonaOptimizer", "__version__", "load_plan", "plan_model"]
 _LAZY = {
     "CanzonaOptimizer": ("canzona.runtime.dp", "CanzonaOptimizer"),
     "plan_model": ("canzona._facade", "plan_model"),
-    "load_plan": ("canzona.planner.plan", "load_plan"),
+    "load_plan": ("canzona.planner.validate", "load_plan"),
 }
 
 

@@ -150,9 +150,12 @@ def layout(
     from canzona.planner import ParallelSizes, build_inventory, build_layout, resolve_model
 
     cfg = resolve_model(model, config)
-    spec = build_inventory(cfg)
-    lay = build_layout(spec, ParallelSizes(dp=dp, tp=tp, ep=ep), bucket_size=bucket_size,
-                       overlap_grad_reduce=not no_overlap)
+    with _render.progress(f"layout of {cfg.name} dp={dp} tp={tp}") as say:
+        say("model inventory")
+        spec = build_inventory(cfg)
+        say("buffers and buckets")
+        lay = build_layout(spec, ParallelSizes(dp=dp, tp=tp, ep=ep), bucket_size=bucket_size,
+                           overlap_grad_reduce=not no_overlap)
     if as_json:
         typer.echo(json.dumps(_render.layout_dict(spec, lay), indent=2))
     else:
@@ -320,7 +323,7 @@ def inspect(
 ) -> None:
     """Report a plan: per-DP-index loads, gap to the bound, heaviest tasks, every baseline."""
     from canzona.planner.baselines import baselines
-    from canzona.planner.plan import load_plan
+    from canzona.planner.validate import load_plan
 
     with _render.progress(f"inspecting {plan_file.name}") as say:
         say("reading the plan")
