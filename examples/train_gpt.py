@@ -8,6 +8,7 @@ started by backward hooks), updates the matrices this rank owns and all-gathers 
 Every rank plans the model itself (plans are deterministic, and the optimizer checks that all ranks
 hold the same one); ``--plan FILE`` loads a plan from ``canzona plan`` or ``--save-plan`` instead.
 The data are synthetic arithmetic progressions, so the loss visibly falls within 100 steps.
+``opt.close()`` before ``destroy_process_group()`` finishes the optimizer's collectives.
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ def main() -> None:
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {total:.4f}  grad norm {norm.item():.3f}  "
                   f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)
+    # Before tearing the group down: wait for the collectives still running (and give gloo's
+    # threads a moment to free them), drop the optimizer's hooks and its hold on the group.
+    # Without it the run could abort at exit ("terminate called without an active exception").
+    opt.close()
     dist.destroy_process_group()
 
 

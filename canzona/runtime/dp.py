@@ -35,7 +35,10 @@ touches pydantic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import numbers
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from canzona.planner import _flops
 from canzona.planner.plan import Plan
 from canzona.runtime.introspect import inventory, named_params
 from canzona.runtime.optim import (
@@ -69,6 +73,9 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 #: Pad slices to the largest when that costs at most this factor over the bucket's size.
 _PAD_SLACK = 1.125
+#: Seconds ``finish()`` sleeps (GIL and core released) after the last wait, so that the backend's
+#: threads finish freeing the completed works (issue 9, see ``finish``).
+_BACKEND_GRACE_S = 0.005
 
 
 class PlanMismatchError(ValueError):
@@ -254,23 +261,85 @@ def _check_main_params(main_params: Any) -> None:
                          "parts of bf16/fp16 parameters)")
 
 
+#: Optimizer state is kept in fp32 (``_init_state``), step counters included.
+_STATE_BYTES = 4
+
+
 def predicted_state_bytes(plan: Plan, dp_rank: int, *, main_params: str | None = None) -> int:
-    """Optimizer bytes DP rank ``dp_rank`` holds under ``plan`` (what ``state_bytes()`` measures).
+    """Optimizer bytes DP rank ``dp_rank`` holds under ``plan``: exactly what ``state_bytes()``
+    measures when the matrix kernel keeps the state layout the plan records (always for Muon and
+    SOAP; for Shampoo unless ``momentum > 0`` or ``betas[0] = 0``, which add or drop an m×n
+    buffer — :meth:`CanzonaOptimizer.predicted_state_bytes` accounts for those too).
 
-    ``plan.metrics.dp_state_bytes[dp_rank]`` (the kernels' state of the owned tasks), plus with
-    ``main_params="fp32"`` 4 bytes per element of the rank's own slice of every bucket whose buffer
-    is bf16 or fp16 (the fp32 main copies; fp32 buffers need none)::
+    The sum, over what the rank owns, of
 
-        dp_state_bytes[d] + 4 · Σ_{bucket b of a bf16/fp16 buffer} (cuts_b[d+1] − cuts_b[d])
+    * every owned matrix task's ``state_bytes`` (the plan's per-task kernel state);
+    * per AdamW fragment of k elements (the rank's piece of an AdamW tensor in its own slice of
+      a bucket): two fp32 moments and the fp32 step counter, ``4 · (2k + 1)`` bytes — a tensor
+      cut across ranks has a step counter on each of them;
+    * with ``main_params="fp32"``: 4 bytes per element of the rank's own slice of every bucket
+      whose buffer is bf16 or fp16 (the fp32 main copies; fp32 buffers need none).
+
+    This equals ``plan.metrics.dp_state_bytes[dp_rank]`` (+ the main copies) except that the
+    planner shares the step counter of a cut AdamW tensor among its pieces by element count: per
+    cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
+
+    Raises:
+        ValueError: ``main_params`` or ``dp_rank`` is not allowed, or the plan has tp > 1.
     """
     _check_main_params(main_params)
-    if not 0 <= dp_rank < plan.inputs.dp:
-        raise ValueError(f"dp_rank = {dp_rank} is not allowed; choose 0 … {plan.inputs.dp - 1}")
-    total = plan.metrics.dp_state_bytes[dp_rank]
-    if main_params == "fp32":
-        total += 4 * sum(b.cuts[dp_rank + 1] - b.cuts[dp_rank] for buf in plan.buffers
-                         if buf.dtype != "fp32" for b in buf.buckets)
+    if plan.inputs.tp != 1:
+        raise ValueError(f"predicted_state_bytes predicts the runtime's state, and the runtime "
+                         f"executes tp = 1 plans; this plan is for tp={plan.inputs.tp} (its "
+                         f"planned state per DP index is plan.metrics.dp_state_bytes).")
+    if (isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral)
+            or not 0 <= dp_rank < plan.inputs.dp):
+        raise ValueError(f"dp_rank = {dp_rank!r} is not allowed; choose 0 … {plan.inputs.dp - 1}")
+    dp_rank = int(dp_rank)
+    matrix = {t.param for t in plan.tasks if t.optimizer == "matrix"}
+    total = sum(t.state_bytes for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank)
+    return total + _adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
+
+
+def _adamw_and_main_bytes(plan: Plan, d: int, matrix: set[str], main_params: str | None) -> int:
+    """The AdamW fragments' state and the fp32 main copies of DP rank ``d`` (see
+    :func:`predicted_state_bytes`)."""
+    total = 0
+    for buf in plan.buffers:
+        r = d  # the rank of the buffer's sharding group that is DP index d (planning.dp_index)
+        if buf.expert:
+            r, rest = divmod(d - (buf.ep_rank or 0), plan.inputs.ep)
+            if rest or not 0 <= r < buf.dp_size:
+                continue
+        for b in buf.buckets:
+            lo, hi = b.cuts[r], b.cuts[r + 1]
+            if main_params == "fp32" and buf.dtype != "fp32":
+                total += 4 * (hi - lo)
+            for s in b.slots:
+                k = min(s.end, hi) - max(s.start, lo)
+                if k > 0 and s.name not in matrix:
+                    total += _STATE_BYTES * _flops.adamw_state_numel(k)
     return total
+
+
+def _config_fields(config: Any) -> dict[str, Any]:
+    """A kernel config's hyper-parameters (its init fields) as a dict."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+
+
+def _tuplify(value: Any) -> Any:
+    """Lists (e.g. betas set as a list) become the tuples the kernel configs hold."""
+    return tuple(_tuplify(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _state_layout(kernel: Any) -> tuple:
+    """The config values that decide which state tensors a task of ``kernel`` holds (besides the
+    plan-recorded ones): Shampoo keeps ``exp_avg`` only for β1 > 0 and ``momentum_buffer`` only
+    for momentum > 0; Muon's and SOAP's state does not depend on their hyper-parameters."""
+    c = kernel.config
+    if isinstance(kernel, Shampoo):
+        return (("betas[0] > 0", c.betas[0] > 0), ("momentum > 0", c.momentum > 0))
+    return ()
 
 
 # --- the optimizer --------------------------------------------------------------------------------
@@ -284,6 +353,23 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     reduce-scatter each bucket as soon as it is complete. ``step()`` updates the matrices and AdamW
     elements this rank owns and all-gathers the parameters.
 
+    Parameter groups follow ``torch.optim``: group ``"matrix"`` holds every field of the matrix
+    kernel's config (Muon: ``lr``, ``momentum``, ``nesterov``, ``weight_decay``, ``ns_steps``,
+    ``ns_coefficients``, ``eps``, ``adjust_lr_fn``, … as ``torch.optim.Muon``; Shampoo and SOAP:
+    ``lr``, ``betas``, ``eps``, ``weight_decay``, …), group ``"adamw"`` ``lr``, ``betas``, ``eps``
+    and ``weight_decay`` as ``torch.optim.AdamW``; ``defaults`` are the matrix group's. ``step()``
+    reads them at every step, so a scheduler's (or the trainer's) change takes effect at the next
+    step; a value out of range, a change of a setting the plan records (``ns_steps``, block
+    sizes, preconditioning frequency) or of Shampoo's state layout raises before anything is
+    updated. Momentum-cycling schedulers (``OneCycleLR``, ``CyclicLR``) drive ``momentum`` in
+    every group when ``defaults`` has no ``betas`` (Muon: the matrix group's μ; the AdamW group
+    ignores that key and keeps its ``betas``), else ``betas[0]`` of every group (Shampoo, SOAP).
+    The parameters are fixed by the plan: ``add_param_group`` raises.
+
+    Call :meth:`finish` (wait for every collective still running) or :meth:`close` (also release
+    the hooks and the process group) before ``torch.distributed.destroy_process_group()``; the
+    optimizer is a context manager that closes on exit.
+
     Args:
         model: the ``nn.Module`` (or its ``named_parameters()``) the plan was made for.
         plan: a :class:`~canzona.planner.plan.Plan` (``canzona.plan_model`` or ``canzona.load_plan``).
@@ -292,7 +378,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         ns_dtype: Muon's Newton–Schulz dtype (bfloat16 as torch; float32 for exact comparisons).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW for the non-matrix parameters
             (``torch.optim.AdamW``'s defaults).
-        dp_group: the data-parallel process group (default: the world; none when not initialised
+        dp_group: the data-parallel process group (default: the world, looked up at every
+            collective so that the optimizer does not keep it alive; none when not initialised
             and the plan has dp = 1).
         tp_group: must be None or of size 1: the runtime executes tp = 1 plans.
         grad_sync: ``"reduce_scatter"`` (canzona reduces the gradients) or ``"external"``
@@ -354,10 +441,16 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         pairs = named_params(model)
         self._names = [n for n, _ in pairs]
         self._params: list[Tensor] = [p for _, p in pairs]
-        self._group = dp_group if dp_group is not None else (
-            dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
-        self._dp = dist.get_world_size(self._group) if self._group is not None else 1
-        self._rank = dist.get_rank(self._group) if self._group is not None else 0
+        # None stands for the default group and is resolved by every collective: holding the
+        # default ProcessGroup object would keep it (and its backend's worker threads) alive
+        # after dist.destroy_process_group(), into interpreter shutdown (issue 9).
+        self._group = dp_group
+        distributed = dp_group is not None or (dist.is_available() and dist.is_initialized())
+        self._dp = dist.get_world_size(dp_group) if distributed else 1
+        self._rank = dist.get_rank(dp_group) if distributed else 0
+        self._closed = False
+        self._gather_work: list[Any] = []
+        self._rs_out: dict[int, Tensor] = {}
         if self._dp != plan.inputs.dp:
             raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} but the data-parallel "
                                     f"group has {self._dp} ranks.")
@@ -368,8 +461,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         # -- safety: every rank agrees before it acts (plan hash + fingerprint, one collective) --
         problem = _fingerprint_problem(plan, pairs)
         self._agree(plan, problem)
-        self._matrix = self._make_kernel(plan, lr, weight_decay, momentum, ns_dtype, optimizer,
-                                         ns_steps, matrix_options or {})
+        self._matrix, self._recorded = self._make_kernel(plan, lr, weight_decay, momentum, ns_dtype,
+                                                         optimizer, ns_steps, matrix_options or {})
         self._adamw = AdamW(AdamWConfig(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                         weight_decay=adamw_weight_decay))
         self.plan = plan
@@ -378,23 +471,29 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._external = grad_sync == "external"
         self._main_params = main_params
 
+        # Parameter groups as torch.optim keeps them: the "matrix" group holds every field of
+        # the matrix kernel's config (torch.optim.Muon's lr, momentum, nesterov, weight_decay,
+        # ns_steps, …; Shampoo's and SOAP's betas, eps, …), the "adamw" group torch.optim.AdamW's
+        # lr, betas, eps, weight_decay. step() reads them at every step (_sync_hyperparameters).
         matrix_set = set(self._s.matrix_params)
         groups = []
-        mcfg = self._matrix.config
         mp = [self._params[i] for i in self._s.matrix_params]
         ap = [p for i, p in enumerate(self._params) if i not in matrix_set]
+        mhp = _config_fields(self._matrix.config)
+        acfg = self._adamw.config
+        ahp = {"lr": acfg.lr, "betas": acfg.betas, "eps": acfg.eps,
+               "weight_decay": acfg.weight_decay}
         if mp:
-            groups.append({"params": mp, "name": "matrix", "lr": mcfg.lr,
-                           "weight_decay": mcfg.weight_decay})
+            groups.append({"params": mp, "name": "matrix", **mhp})
         if ap:
-            groups.append({"params": ap, "name": "adamw", "lr": adamw_lr,
-                           "weight_decay": adamw_weight_decay, "betas": tuple(adamw_betas),
-                           "eps": adamw_eps})
+            groups.append({"params": ap, "name": "adamw", **ahp})
+        self._groups_fixed = False
         super().__init__(groups, {})
-        self._group_of = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                self._group_of[id(p)] = g
+        self._groups_fixed = True
+        # What a scheduler reads to pick its convention (OneCycleLR, CyclicLR: 'betas' if present,
+        # else 'momentum'): the matrix optimizer's hyper-parameters, as torch.optim.Muon's
+        # defaults (set after the groups so that no group receives the other's keys).
+        self.defaults = dict(mhp if mp else ahp)
 
         self._build_buffers()
         self._init_state()
@@ -412,7 +511,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     # -- construction helpers -------------------------------------------------------------------
 
     def _agree(self, plan: Plan, problem: str | None) -> None:
-        if self._group is None or self._dp == 1:
+        if self._dp == 1:
             if problem:
                 raise PlanMismatchError(problem)
             return
@@ -436,6 +535,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _make_kernel(plan, lr, weight_decay, momentum, ns_dtype, optimizer, ns_steps, options):
+        """The matrix kernel, and the config fields the plan records (they must not change)."""
         s = plan.inputs.optimizer
         if optimizer is not None and optimizer != s.name:
             raise PlanMismatchError(f"optimizer={optimizer!r} disagrees with the plan, which was "
@@ -467,14 +567,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             if momentum is not None:
                 cfg["momentum"] = momentum
             cfg.setdefault("ns_dtype", ns_dtype)
-            return Muon(MuonConfig(**cfg))
+            return Muon(MuonConfig(**cfg)), recorded
         if s.name == "shampoo":
             if momentum is not None:
                 cfg["momentum"] = momentum
-            return Shampoo(ShampooConfig(**cfg))
+            return Shampoo(ShampooConfig(**cfg)), recorded
         if momentum is not None:
             raise PlanMismatchError("SOAP has no momentum setting (use matrix_options={'betas': …}).")
-        return SOAP(SOAPConfig(**cfg))
+        return SOAP(SOAPConfig(**cfg)), recorded
 
     def _build_buffers(self) -> None:
         """Flat parameter and gradient buffers per bucket; parameters become views of them."""
@@ -607,7 +707,6 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             for r in range(self._dp):
                 tmp[r * big:r * big + sizes[r]].copy_(g[b.cuts[r]:b.cuts[r + 1]])
             work = _reduce_scatter(out, tmp, group=self._group, async_op=True)
-            self._rs_out = getattr(self, "_rs_out", {})
             self._rs_out[bi] = out
         else:
             work = dist.all_to_all_single(tmp, g, output_split_sizes=[sizes[self._rank]] * self._dp,
@@ -620,6 +719,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         work = self._rs_work[bi]
         if work is not None:
             work.wait()
+            self._rs_work[bi] = None
         own = self._own[bi]
         if self._dp > 1:
             if b.reduce == "padded":
@@ -677,6 +777,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         Returns:
             The total norm before clipping.
         """
+        self._check_open("clip_grad_norm_")
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"norm_type = {norm_type!r} is not supported; use 2.0 or inf")
         self._reduce()
@@ -701,16 +802,19 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Reduce (if backward has not finished it), update the owned parts, all-gather."""
+        self._check_open("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The groups' hyper-parameters (a scheduler may have changed them), checked before
+        # anything is reduced or updated: the same groups give the same error on every rank.
+        self._sync_hyperparameters()
         self.wait_params()
         s = self._s
         self._reduce()  # phases 1-2
         flags = self._flags
-        mgroup = self._group_of.get(id(self._params[s.matrix_params[0]])) if s.matrix_params else None
-        self._gather_work: list[Any] = []
+        self._gather_work = []
         # Phase 3: the directions of every owned matrix in one kernel call (same shapes batched
         # across buckets; a kernel that overlaps a running all-gather competes with it for cores
         # and memory bandwidth, and loses the batching).
@@ -734,8 +838,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                     p = self._params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
                 else:
                     p = main[t.lo:t.hi].view(t.shape)
-                self._matrix.apply(p, u, lr=mgroup["lr"], weight_decay=mgroup["weight_decay"],
-                                   full_shape=t.shape)
+                self._matrix.apply(p, u, full_shape=t.shape)  # lr, wd: the group's (synced)
                 if main is not None:
                     self._pbuf[bi][c0 + t.lo:c0 + t.hi].copy_(main[t.lo:t.hi])
             slices = [a for a in s.adamw[bi] if flags[a.param]]
@@ -758,9 +861,6 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return st if t.name == self._names[t.param] else st[t.name.rsplit("#", 1)[1]]
 
     def _adamw_step(self, bi: int, slices: list[_AdamSlice]) -> None:
-        by_group: dict[int, list[_AdamSlice]] = defaultdict(list)
-        for a in slices:
-            by_group[id(self._group_of[id(self._params[a.param])])].append(a)
         own = self._own[bi]
         c0 = self._s.buckets[bi].cuts[self._s.rank]
         pbuf = self._pbuf[bi]
@@ -769,15 +869,61 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         def target(a: _AdamSlice) -> Tensor:  # the fp32 main copy, else the parameter
             return pbuf[c0 + a.lo:c0 + a.hi] if main is None else main[a.lo:a.hi]
 
-        for items in by_group.values():
-            g = self._group_of[id(self._params[items[0].param])]
-            kernel = self._adamw
-            if tuple(g["betas"]) != kernel.config.betas or g["eps"] != kernel.config.eps:
-                kernel = self._adamw = AdamW(AdamWConfig(lr=g["lr"], betas=tuple(g["betas"]),
-                                                         eps=g["eps"], weight_decay=g["weight_decay"]))
-            kernel.step([target(a) for a in items], [own[a.lo:a.hi] for a in items],
-                        [self.state[self._params[a.param]] for a in items],
-                        names=[a.name for a in items], lr=g["lr"], weight_decay=g["weight_decay"])
+        # One AdamW group (its kernel's config is the group's, see _sync_hyperparameters).
+        self._adamw.step([target(a) for a in slices], [own[a.lo:a.hi] for a in slices],
+                         [self.state[self._params[a.param]] for a in slices],
+                         names=[a.name for a in slices])
+
+    def _sync_hyperparameters(self) -> None:
+        """Rebuild the kernels whose group's hyper-parameters changed since the last step.
+
+        The new configs are validated (ranges, plan-recorded settings, the state layout) before
+        either kernel is replaced, so a bad value raises and changes nothing.
+        """
+        matrix = adamw = None
+        for g in self.param_groups:
+            if g.get("name") == "matrix":
+                matrix = self._matrix_from_group(g)
+            elif g.get("name") == "adamw":
+                adamw = self._adamw_from_group(g)
+        if matrix is not None:
+            self._matrix = matrix
+        if adamw is not None:
+            self._adamw = adamw
+
+    def _matrix_from_group(self, g: dict[str, Any]) -> Any:
+        kernel = self._matrix
+        old = _config_fields(kernel.config)
+        new = {k: _tuplify(g.get(k, v)) for k, v in old.items()}
+        if new == old:
+            return None
+        for key, value in self._recorded.items():
+            if new[key] != value:
+                raise PlanMismatchError(
+                    f"param group 'matrix': {key}={new[key]!r} disagrees with the plan, which was "
+                    f"made with {key}={value!r}; the plan fixes it (make a new plan to change it).")
+        try:
+            fresh = type(kernel)(dataclasses.replace(kernel.config, **new))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"param group 'matrix': {exc}") from None
+        for (what, before), (_, after) in zip(_state_layout(kernel), _state_layout(fresh)):
+            if before != after:
+                raise ValueError(
+                    f"param group 'matrix': {kernel.name}'s state was allocated with {what} = "
+                    f"{before}; the group now asks for {after}, which needs another state layout "
+                    f"(build the optimizer with such a value to change it during training).")
+        return fresh
+
+    def _adamw_from_group(self, g: dict[str, Any]) -> Any:
+        cfg = self._adamw.config
+        new = {k: _tuplify(g.get(k, getattr(cfg, k)))
+               for k in ("lr", "betas", "eps", "weight_decay")}
+        if all(new[k] == getattr(cfg, k) for k in new):
+            return None
+        try:
+            return AdamW(dataclasses.replace(cfg, **new))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"param group 'adamw': {exc}") from None
 
     def _launch_gather(self, bi: int) -> None:
         if self._dp == 1:
@@ -786,36 +932,115 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         pbuf, r = self._pbuf[bi], self._rank
         sizes = b.slice_sizes()
         mine = pbuf[b.cuts[r]:b.cuts[r + 1]]
+        # Pending: (work, the bucket to copy out of the padded scratch, else None, the input).
         if b.gather == "equal":
-            work = _all_gather(pbuf, mine.clone(), group=self._group, async_op=True)
-            self._gather_work.append((work, None))
+            src = mine.clone()
+            work = _all_gather(pbuf, src, group=self._group, async_op=True)
+            self._gather_work.append((work, None, src))
         elif b.gather == "padded":
             big, tmp = max(sizes), self._scratch[bi][1]
             src = torch.zeros(big, dtype=pbuf.dtype, device=pbuf.device)
             src[:sizes[r]].copy_(mine)
             work = _all_gather(tmp, src, group=self._group, async_op=True)
-            self._gather_work.append((work, bi))
+            self._gather_work.append((work, bi, src))
         else:
             src = mine.repeat(self._dp)
             work = dist.all_to_all_single(pbuf, src, output_split_sizes=list(sizes),
                                           input_split_sizes=[sizes[r]] * self._dp,
                                           group=self._group, async_op=True)
-            self._gather_work.append((work, src))
+            self._gather_work.append((work, None, src))
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers of the last step (a no-op when none is running)."""
-        pending = getattr(self, "_gather_work", None)
+        pending = self._gather_work
         if not pending:
             return
-        for work, extra in pending:
+        for work, bi, src in pending:
             work.wait()
-            if isinstance(extra, int):
-                b = self._s.buckets[extra]
-                big, tmp = max(b.slice_sizes()), self._scratch[extra][1]
+            if bi is not None:
+                b = self._s.buckets[bi]
+                big, tmp = max(b.slice_sizes()), self._scratch[bi][1]
                 for r, n in enumerate(b.slice_sizes()):
                     if r != self._rank:
-                        self._pbuf[extra][b.cuts[r]:b.cuts[r] + n].copy_(tmp[r * big:r * big + n])
+                        self._pbuf[bi][b.cuts[r]:b.cuts[r] + n].copy_(tmp[r * big:r * big + n])
         self._gather_work = []
+
+    def finish(self) -> None:
+        """Wait for every collective this optimizer has started and drop their handles.
+
+        The parameter all-gathers of the last step (left running by
+        ``overlap_param_gather=True``) complete into the parameters; reduce-scatters that
+        backward started complete into this rank's gradient slices, which the next ``step()``
+        (or ``clip_grad_norm_``) uses as usual. On CUDA the current stream is then synchronised,
+        so the host knows the results are in memory. Last, with dp > 1, it sleeps a few
+        milliseconds (GIL and core released): a backend thread may still be letting go of a
+        finished work, which frees tensors and takes the GIL; gloo's threads outlive
+        ``destroy_process_group()`` when the group object stays alive (torch 2.13 keeps the
+        default group's), and one still doing so at interpreter shutdown aborts the process
+        ("terminate called without an active exception", issue 9).
+
+        Idempotent, and training may go on after it; call it (or :meth:`close`) before
+        ``torch.distributed.destroy_process_group()``.
+        """
+        self.wait_params()
+        for bi, work in enumerate(self._rs_work):
+            if work is not None:
+                work.wait()  # the reduced slice is consumed by the next _finish_reduce
+                self._rs_work[bi] = None
+        device = self._params[0].device if self._params else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        if self._dp > 1:
+            time.sleep(_BACKEND_GRACE_S)
+
+    def close(self) -> None:
+        """:meth:`finish`, then release the gradient and forward hooks and the process group.
+
+        After it the model is a plain module again (its parameters keep their values; backward
+        leaves gradients in ``.grad``), and ``step()`` / ``clip_grad_norm_()`` raise; the state,
+        ``state_dict()`` and the byte counts stay available. Idempotent. The optimizer is also a
+        context manager that closes on exit (without waiting for collectives when the block
+        raised, as a failed rank's peers may never complete them).
+        """
+        if self._closed:
+            return
+        self.finish()
+        self._release()
+
+    def _release(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._gather_work = []
+        self._rs_work = [None] * len(self._s.buckets)
+        self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
+        self._closed = True
+
+    def __enter__(self) -> CanzonaOptimizer:
+        self._check_open("__enter__")
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self._closed:
+            self._release()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"CanzonaOptimizer.{what}: the optimizer is closed (close() or the "
+                               "end of its with-block); build a new one to train again.")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the plan fixes the parameters and their groups."""
+        if not getattr(self, "_groups_fixed", False):  # torch.optim.Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError(
+            "CanzonaOptimizer.add_param_group: the parameters are fixed by the plan (its 'matrix' "
+            "and 'adamw' groups hold every parameter the plan was made for); to optimise other "
+            "parameters, plan the model that holds them (canzona.plan_model) and build a new "
+            "CanzonaOptimizer.")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` and any gradient collected since the last step."""
@@ -826,9 +1051,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 else:
                     p.grad.zero_()
         if self._dirty or self._reduced or any(self._launched):
-            for bi, w in enumerate(self._rs_work):
+            for w in self._rs_work:
                 if w is not None:
                     w.wait()
+            self._rs_out.clear()
             for g in self._gbuf:
                 g.zero_()
             self._reset_iteration()
@@ -847,8 +1073,13 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return total
 
     def predicted_state_bytes(self) -> int:
-        """The plan's prediction of ``state_bytes()`` for this rank and ``main_params`` setting."""
-        return predicted_state_bytes(self.plan, self._rank, main_params=self._main_params)
+        """``state_bytes()`` predicted from the plan's geometry and this optimizer's kernels:
+        :func:`predicted_state_bytes`, with each owned matrix task's state taken from the matrix
+        kernel in use (exact also when ``matrix_options`` change Shampoo's state layout)."""
+        matrix = {self._names[i] for i in self._s.matrix_params}
+        total = sum(_STATE_BYTES * self._matrix.state_numel(t.shape)
+                    for ts in self._s.matrix for t in ts)
+        return total + _adamw_and_main_bytes(self.plan, self._rank, matrix, self._main_params)
 
     @torch.no_grad()
     def reload_main_params(self) -> None:
