@@ -1,0 +1,132 @@
+"""The sha256 of every example plan and every plan of the planner sweep, recorded and checked.
+
+    python benchmarks/plan_hashes.py            # check against benchmarks/plan_hashes.json
+    python benchmarks/plan_hashes.py --record   # rewrite the record (only for an intended change)
+    python benchmarks/plan_hashes.py --only qwen3-0.6b   # check the cases of some models only
+
+A refactoring of the planner must leave every plan byte-identical (issue 10). The record holds,
+for each case, the sha256 of the plan's canonical JSON (``Plan.to_json()``, what ``save_plan``
+writes):
+
+* ``plans/NAME`` — every example plan, built as ``plans/regenerate.py`` builds it (DP and TP);
+* ``sweep/MODEL-dpD-tpT`` and ``sweep/MODEL-dpD-tpT-no-reorder`` — the DP plans of
+  ``benchmarks/bench_planner.py``'s sweep (default solver, and ``reorder=False``).
+
+Exit status 1 and one line per differing case when a plan changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
+from canzona.planner.partition import plan_dp
+from canzona.planner.planning import make_problem
+
+HERE = Path(__file__).resolve().parent
+RECORD = HERE / "plan_hashes.json"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cases() -> Iterator[tuple[str, str, Callable[[], str]]]:
+    """(case name, model, function giving the plan's JSON text) for every recorded case."""
+    regen = _load(HERE.parent / "plans" / "regenerate.py", "plans_regenerate")
+    bench = _load(HERE / "bench_planner.py", "bench_planner")
+    for model, dp, tp in regen.CASES:
+        yield (f"plans/{regen.plan_name(model, dp, tp)}", model,
+               lambda m=model, d=dp, t=tp: regen.build(m, d, t).to_json())
+    for model in bench.MODELS:
+        for dp in bench.DPS:
+            for tp in bench.TPS:
+                for reorder in (True, False):
+                    name = f"sweep/{model}-dp{dp}-tp{tp}" + ("" if reorder else "-no-reorder")
+                    yield name, model, lambda m=model, d=dp, t=tp, r=reorder: _sweep(m, d, t, r)
+
+
+def _sweep(model: str, dp: int, tp: int, reorder: bool) -> str | None:
+    try:
+        problem = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp),
+                               OptimizerSettings(name="muon"), cost="flops")
+    except SizeError:
+        return None  # sizes the model does not allow: not a case
+    return plan_dp(problem, reorder=reorder).to_json()
+
+
+def compute(only: tuple[str, ...] = ()) -> dict[str, str]:
+    """sha256 per case (models in ``only``, or all), with progress on stderr."""
+    out: dict[str, str] = {}
+    all_cases = [c for c in cases() if not only or c[1] in only]
+    t0 = time.perf_counter()
+    for k, (name, _, make) in enumerate(all_cases, 1):
+        text = make()
+        if text is not None:
+            out[name] = hashlib.sha256(text.encode()).hexdigest()
+        if sys.stderr.isatty():
+            print(f"\r{k}/{len(all_cases)} plans, {time.perf_counter() - t0:.0f} s", end="",
+                  file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    return out
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check(hashes: dict[str, str], record: dict[str, str], only: tuple[str, ...] = ()) -> list[str]:
+    """One line per case whose plan differs from the record, is new, or has gone."""
+    problems = [f"{n}: sha256 {h[:12]}… differs from the recorded {record[n][:12]}…"
+                for n, h in hashes.items() if n in record and record[n] != h]
+    problems += [f"{n}: not in the record" for n in hashes if n not in record]
+    if not only:
+        problems += [f"{n}: recorded but no longer made" for n in record if n not in hashes]
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--record", action="store_true", help="rewrite benchmarks/plan_hashes.json")
+    ap.add_argument("--only", nargs="+", default=(), metavar="MODEL",
+                    help="check only the cases of these models")
+    args = ap.parse_args()
+    only = tuple(args.only)
+    if args.record and only:
+        ap.error("--record records every case; drop --only")
+    hashes = compute(only)
+    if args.record:
+        _write_atomically(RECORD, json.dumps(hashes, indent=1, sort_keys=True) + "\n")
+        print(f"recorded {len(hashes)} plan hashes in {RECORD}")
+        return 0
+    record = json.loads(RECORD.read_text(encoding="utf-8"))
+    problems = check(hashes, record, only)
+    for p in problems:
+        print(p)
+    print(f"{len(hashes) - len(problems)} of {len(hashes)} plans byte-identical to the record")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Plans stay byte-identical to benchmarks/plan_hashes.json (issue 10's refactoring guard).
+
+The whole record (159 plans, ~30 s) is checked by ``python benchmarks/plan_hashes.py``; the suite
+checks the smallest model's cases and that a changed, new or missing plan is reported.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("plan_hashes", BENCH / "plan_hashes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smallest_model_plans_match_the_record():
+    mod = _module()
+    record = json.loads(mod.RECORD.read_text())
+    hashes = mod.compute(("qwen3-0.6b",))
+    assert len(hashes) >= 20 and all(n.startswith("sweep/qwen3-0.6b-") for n in hashes)
+    assert mod.check(hashes, record, ("qwen3-0.6b",)) == []
+
+
+def test_changed_new_and_missing_plans_are_reported():
+    mod = _module()
+    record = {"a": "1" * 64, "b": "2" * 64, "gone": "3" * 64}
+    problems = mod.check({"a": "1" * 64, "b": "9" * 64, "new": "4" * 64}, record)
+    assert len(problems) == 3
+    assert any(p.startswith("b: sha256") for p in problems)
+    assert "new: not in the record" in problems and "gone: recorded but no longer made" in problems
+    # Checking some models only does not report the others as missing.
+    assert mod.check({"a": "1" * 64}, record, ("m",)) == []
