@@ -435,6 +435,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if plan.inputs.tp != 1 or plan.rank_layout.tp != 1:
             raise PlanMismatchError(f"the plan is for tp={plan.inputs.tp}; this runtime executes "
                                     "tp=1 (data-parallel) plans only.")
+        if plan.inputs.ep != 1:
+            raise PlanMismatchError(f"the plan is for ep={plan.inputs.ep}; this runtime executes "
+                                    "ep=1 plans only (expert parallelism is not supported yet).")
         if tp_group is not None and dist.get_world_size(tp_group) != 1:
             raise PlanMismatchError("tp_group has more than one rank; this runtime executes tp=1 "
                                     "plans only.")

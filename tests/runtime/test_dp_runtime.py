@@ -234,3 +234,6 @@ def test_refuses_tp_plans_and_wrong_dp():
     tp_plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"tp": 2})})
     with pytest.raises(PlanMismatchError, match="tp=1"):
         CanzonaOptimizer(model, tp_plan)
+    ep_plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"ep": 2})})
+    with pytest.raises(PlanMismatchError, match="ep=2; this runtime executes ep=1"):
+        CanzonaOptimizer(model, ep_plan)
