@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -108,6 +109,12 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, C
     finally:
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
         dist.destroy_process_group()
+    # The cases build optimizers without close() (the shutdown the README asks of trainers), and
+    # torch 2.13 keeps the default group, so gloo's threads may outlive it into interpreter
+    # shutdown and abort the rank (issue 9). The results are saved: leave without that shutdown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world(world: int, cases: list[tuple[str, Callable]], out: str) -> list[dict]:
