@@ -15,7 +15,7 @@ hits them alike; the best time of the repetitions is reported, and "noise" is th
 median/best ratio of the case. "CPU share" compares a fixed probe matmul timed between the
 repetitions (median) with its best time in the session: well below 100 % means other processes
 were competing for the cores and the row's absolute figures (less so its ratios) are depressed.
-The plain-matmul reference is the best of a measurement at the start and one at the end. Achieved FLOP/s use ``canzona.planner._flops.muon_flops`` and are
+The plain-matmul reference is the best of a measurement at the start and one at the end. Achieved FLOP/s use ``canzona.planner.formulas.muon_flops`` and are
 compared with a plain 2048³ matmul in the same dtype on the same machine.
 
 Usage::
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canzona.planner._flops import muon_flops  # noqa: E402
+from canzona.planner.formulas import muon_flops  # noqa: E402
 from canzona.runtime.optim import Muon, MuonConfig, newton_schulz  # noqa: E402
 
 CASES = [(64, 128, 384), (16, 512, 1536)]

@@ -2,7 +2,7 @@
 
 A *task* is one logical matrix update (or one split part of a fused matrix when the user treats
 Q/K/V or gate/up as separate matrices), or one AdamW parameter. Its :class:`TaskCost` vector holds
-the FLOPs of the chosen optimizer (``canzona.planner._flops``, the same formulas the runtime
+the FLOPs of the chosen optimizer (``canzona.planner.formulas``, the same formulas the runtime
 kernels are tested against), the optimizer-state bytes, and the bytes its host moves in the TP
 gather/scatter. A :class:`CostModel` turns a task into the scalar load the solvers balance:
 ``numel`` (what the Canzona paper balances), ``flops`` (the default: Newton–Schulz work is cubic
@@ -18,37 +18,16 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _flops
+from . import formulas
 from .errors import CanzonaError
 from .inventory import ModelSpec, ParamSpec
 from .layout import ParallelSizes
+from .settings import OptimizerName, OptimizerSettings  # noqa: F401  (re-exported)
 
-OptimizerName = Literal["muon", "shampoo", "soap"]
 CostName = Literal["flops", "numel"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STATE_BYTES = 4  # optimizer states are fp32
-
-
-class OptimizerSettings(BaseModel):
-    """The matrix optimizer and the settings of it that change the plan (costs, task shapes).
-
-    Runtime hyper-parameters (lr, weight decay, betas) belong to the optimizer constructor.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: OptimizerName = "muon"
-    ns_steps: int = Field(default=5, ge=1, description="Muon: Newton–Schulz iterations.")
-    max_preconditioner_dim: int = Field(default=1024, ge=1,
-                                        description="Shampoo: block size of the logical matrix.")
-    shampoo_precondition_frequency: int = Field(
-        default=_flops.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY, ge=1)
-    shampoo_grafting: bool = True
-    soap_precondition_frequency: int = Field(default=10, ge=1)
-    soap_max_precond_dim: int = Field(default=10000, ge=1)
-    split_qkv: bool = Field(default=False, description="Q, K, V as separate matrices.")
-    split_gate_up: bool = Field(default=False, description="gate and up as separate matrices.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,22 +94,22 @@ def task_cost(task: Task, settings: OptimizerSettings, sizes: ParallelSizes,
               comm_dtype: str = "bf16") -> TaskCost:
     """FLOPs, fp32 state bytes and TP gather/scatter bytes of ``task``."""
     if task.optimizer == "adamw" or len(task.shape) != 2:
-        return TaskCost(_flops.adamw_flops(task.numel),
-                        _flops.adamw_state_numel(task.numel) * STATE_BYTES, 0)
+        return TaskCost(formulas.adamw_flops(task.numel),
+                        formulas.adamw_state_numel(task.numel) * STATE_BYTES, 0)
     m, n = task.shape
     if settings.name == "muon":
-        flops = _flops.muon_flops(m, n, ns_steps=settings.ns_steps)
-        state = _flops.muon_state_numel(m, n)
+        flops = formulas.muon_flops(m, n, ns_steps=settings.ns_steps)
+        state = formulas.muon_state_numel(m, n)
     elif settings.name == "shampoo":
-        flops = _flops.shampoo_flops(m, n, max_preconditioner_dim=settings.max_preconditioner_dim,
-                                     precondition_frequency=settings.shampoo_precondition_frequency)
-        state = _flops.shampoo_state_numel(m, n,
-                                           max_preconditioner_dim=settings.max_preconditioner_dim,
-                                           grafting=settings.shampoo_grafting)
+        flops = formulas.shampoo_flops(m, n, max_preconditioner_dim=settings.max_preconditioner_dim,
+                                       precondition_frequency=settings.shampoo_precondition_frequency)
+        state = formulas.shampoo_state_numel(m, n,
+                                             max_preconditioner_dim=settings.max_preconditioner_dim,
+                                             grafting=settings.shampoo_grafting)
     else:
-        flops = _flops.soap_flops(m, n, max_precond_dim=settings.soap_max_precond_dim,
-                                  precondition_frequency=settings.soap_precondition_frequency)
-        state = _flops.soap_state_numel(m, n, max_precond_dim=settings.soap_max_precond_dim)
+        flops = formulas.soap_flops(m, n, max_precond_dim=settings.soap_max_precond_dim,
+                                    precondition_frequency=settings.soap_precondition_frequency)
+        state = formulas.soap_state_numel(m, n, max_precond_dim=settings.soap_max_precond_dim)
     t = sizes.expert_tp if task.expert is not None else sizes.tp
     comm = 0
     if task.tp_split:

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from .errors import SizeError
 from .inventory import ModelSpec, ParamSpec
 from .models import ModelConfig
+from .settings import PARAM_ALIGN  # defined there: the plan schema checks it without loading layout
 
-#: Megatron pads each parameter's start to 64 elements (128-byte addresses at 16 bits).
-PARAM_ALIGN = 64
 #: Megatron's make_vocab_size_divisible_by default.
 VOCAB_DIVISOR = 128
 

@@ -3,7 +3,8 @@
 A plan holds the inputs that shaped it, the rank layout, the inventory fingerprint, Megatron's
 buffers → buckets with the DP cut points, every task with its owner DP index (and, under TP, host
 rank and micro-group), and the load metrics. It holds no wall-clock time, so the same inputs give a
-byte-identical file in any process. The runtime imports only this module of the planner.
+byte-identical file in any process. The runtime reads plans through this module, which imports
+only ``errors`` and ``settings`` of the planner (never the cost model, inventory or layout).
 
 Versioning: ``schema_version`` is checked before anything else; a newer file asks the user to
 upgrade canzona, an older one to regenerate the plan (converters arrive with the first change).
@@ -30,9 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .cost import OptimizerSettings
 from .errors import PlanFileError
-from .layout import PARAM_ALIGN
+from .settings import PARAM_ALIGN, OptimizerSettings
 
 SCHEMA_VERSION = 1
 

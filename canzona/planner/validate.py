@@ -8,7 +8,7 @@ planner computes, recomputed from the plan itself with the planner's code:
   whole model's parameter count, whatever tp; the buffers' slots hold TP-local shards, so each
   slot spans the parameter's numel (replicated), numel / t (TP-split over t = tp, or etp for
   expert buffers) or its padded-vocabulary shard (``layout.padded_vocab``);
-* each task's ``flops`` and ``state_bytes`` from ``cost.task_cost`` (``_flops``) at the plan's
+* each task's ``flops`` and ``state_bytes`` from ``cost.task_cost`` (``formulas``) at the plan's
   optimizer settings, ``cost`` from the cost model (``flops``: = flops, ``numel``: = numel) and
   ``tp_comm_bytes`` (2·(numel − numel // t)·bytes of the comm dtype for TP-split matrices, else 0);
 * owners and the per-DP-index metrics from the cuts by ``planning.evaluate``: a matrix belongs to

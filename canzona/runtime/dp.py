@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 from canzona.planner.plan import Plan
 from canzona.runtime.introspect import inventory, named_params
 from canzona.runtime.optim import (
@@ -318,7 +318,7 @@ def _adamw_and_main_bytes(plan: Plan, d: int, matrix: set[str], main_params: str
             for s in b.slots:
                 k = min(s.end, hi) - max(s.start, lo)
                 if k > 0 and s.name not in matrix:
-                    total += _STATE_BYTES * _flops.adamw_state_numel(k)
+                    total += _STATE_BYTES * formulas.adamw_state_numel(k)
     return total
 
 

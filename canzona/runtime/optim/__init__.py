@@ -3,7 +3,7 @@
 Each matrix optimizer splits its step into ``direction`` (stateful, whole logical matrices,
 batched) and ``apply`` (elementwise, works on tensor-parallel shards); see ``_base``. State is a
 plain ``dict[str, Tensor]`` per task, made by ``init_state``. FLOPs and state sizes are the
-torch-free formulas of ``canzona.planner._flops``.
+torch-free formulas of ``canzona.planner.formulas``.
 """
 
 from canzona.runtime.optim._base import MatrixOptimizer, NonFiniteGradientError

@@ -236,7 +236,7 @@ class MatrixOptimizer(ABC):
 
     @abstractmethod
     def flops(self, shape: Sequence[int], *, amortised: bool = True) -> int:
-        """FLOPs of one step of an m×n task (``canzona.planner._flops``)."""
+        """FLOPs of one step of an m×n task (``canzona.planner.formulas``)."""
 
     @abstractmethod
     def state_numel(self, shape: Sequence[int]) -> int:

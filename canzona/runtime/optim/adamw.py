@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 from canzona.runtime.optim._base import (
     NonFinitePolicy,
     check_choice,
@@ -76,10 +76,10 @@ class AdamW:
         }
 
     def flops(self, shape, *, amortised: bool = True) -> int:
-        return _flops.adamw_flops(_numel(shape))
+        return formulas.adamw_flops(_numel(shape))
 
     def state_numel(self, shape) -> int:
-        return _flops.adamw_state_numel(_numel(shape))
+        return formulas.adamw_state_numel(_numel(shape))
 
     def step(
         self,

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 from canzona.runtime.optim._base import (
     MatrixOptimizer,
     NonFinitePolicy,
@@ -230,11 +230,11 @@ class Muon(MatrixOptimizer):
 
     def flops(self, shape, *, amortised: bool = True) -> int:
         m, n = matrix_shape(self.name, shape)
-        return _flops.muon_flops(m, n, ns_steps=self.config.ns_steps)
+        return formulas.muon_flops(m, n, ns_steps=self.config.ns_steps)
 
     def state_numel(self, shape) -> int:
         m, n = matrix_shape(self.name, shape)
-        return _flops.muon_state_numel(m, n)
+        return formulas.muon_state_numel(m, n)
 
     def direction(self, grads, states, *, names=None) -> list[Tensor | None]:
         cfg = self.config

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 from canzona.runtime.optim._base import (
     MatrixOptimizer,
     NonFinitePolicy,
@@ -69,7 +69,7 @@ class ShampooConfig:
     """Nesterov momentum (only with momentum > 0)."""
     max_preconditioner_dim: int = 1024
     """Largest block side, ≥ 1."""
-    precondition_frequency: int = _flops.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY
+    precondition_frequency: int = formulas.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY
     """Steps between inverse-root recomputations, ≥ 1 (roots are computed at steps 1, 1+f, …)."""
     grafting: Literal["adam"] | None = "adam"
     """Per-block norm grafting: "adam" or None (raw Shampoo direction)."""
@@ -138,9 +138,9 @@ class Shampoo(MatrixOptimizer):
         d = self.config.max_preconditioner_dim
         out = []
         r0 = 0
-        for i, k1 in enumerate(_flops.block_sizes(m, d)):
+        for i, k1 in enumerate(formulas.block_sizes(m, d)):
             c0 = 0
-            for j, k2 in enumerate(_flops.block_sizes(n, d)):
+            for j, k2 in enumerate(formulas.block_sizes(n, d)):
                 out.append((i, j, slice(r0, r0 + k1), slice(c0, c0 + k2)))
                 c0 += k2
             r0 += k1
@@ -167,7 +167,7 @@ class Shampoo(MatrixOptimizer):
 
     def flops(self, shape, *, amortised: bool = True) -> int:
         m, n = matrix_shape(self.name, shape)
-        return _flops.shampoo_flops(
+        return formulas.shampoo_flops(
             m,
             n,
             max_preconditioner_dim=self.config.max_preconditioner_dim,
@@ -178,7 +178,7 @@ class Shampoo(MatrixOptimizer):
     def state_numel(self, shape) -> int:
         m, n = matrix_shape(self.name, shape)
         cfg = self.config
-        return _flops.shampoo_state_numel(
+        return formulas.shampoo_state_numel(
             m,
             n,
             max_preconditioner_dim=cfg.max_preconditioner_dim,

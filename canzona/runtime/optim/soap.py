@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 from canzona.runtime.optim._base import (
     MatrixOptimizer,
     NonFinitePolicy,
@@ -116,7 +116,7 @@ class SOAP(MatrixOptimizer):
 
     def flops(self, shape, *, amortised: bool = True) -> int:
         m, n = matrix_shape(self.name, shape)
-        return _flops.soap_flops(
+        return formulas.soap_flops(
             m,
             n,
             max_precond_dim=self.config.max_precond_dim,
@@ -126,7 +126,7 @@ class SOAP(MatrixOptimizer):
 
     def state_numel(self, shape) -> int:
         m, n = matrix_shape(self.name, shape)
-        return _flops.soap_state_numel(m, n, max_precond_dim=self.config.max_precond_dim)
+        return formulas.soap_state_numel(m, n, max_precond_dim=self.config.max_precond_dim)
 
     def direction(self, grads, states, *, names=None) -> list[Tensor | None]:
         common_length(self.name, grads, states)

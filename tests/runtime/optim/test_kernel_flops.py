@@ -1,4 +1,4 @@
-"""The planner's FLOP and state-size formulas (canzona.planner._flops) against the kernels."""
+"""The planner's FLOP and state-size formulas (canzona.planner.formulas) against the kernels."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 from canzona.runtime.optim import SOAP, AdamW, Muon, MuonConfig, Shampoo, ShampooConfig, SOAPConfig
 
 
@@ -27,7 +27,7 @@ def test_muon_flops_equal_counted_matmuls(shape, ns_coefficients):
     opt = Muon(cfg)
     grads = [torch.randn(shape) for _ in range(3)]
     states = [opt.init_state(shape) for _ in grads]
-    formula = _flops.muon_flops(*shape, ns_steps=cfg.ns_steps)
+    formula = formulas.muon_flops(*shape, ns_steps=cfg.ns_steps)
     assert opt.flops(shape) == formula
     assert _counted(lambda: opt.direction(grads[:1], states[:1])) == formula
     # The batched path performs exactly the per-matrix work, once per matrix.
@@ -48,7 +48,7 @@ def test_shampoo_flops_equal_counted_matmuls(shape, dim):
     cfg = ShampooConfig(max_preconditioner_dim=dim, precondition_frequency=10, momentum=0.9)
     opt = Shampoo(cfg)
     state = opt.init_state(shape)
-    per_step = _flops.shampoo_flops(*shape, max_preconditioner_dim=dim, precondition_frequency=10, amortised=False)
+    per_step = formulas.shampoo_flops(*shape, max_preconditioner_dim=dim, precondition_frequency=10, amortised=False)
     assert opt.flops(shape, amortised=False) == per_step
     # Step 1 recomputes the roots (eigh is not counted, its Q·diag·Qᵀ product is).
     step1 = _counted(lambda: opt.direction([torch.randn(shape)], [state]))
@@ -65,7 +65,7 @@ def test_soap_flops_equal_counted_matmuls(shape):
     state = opt.init_state(shape)
     m, n = shape
     sides = [k for k in shape if k <= dim]
-    per_step = _flops.soap_flops(m, n, max_precond_dim=dim, precondition_frequency=freq, amortised=False)
+    per_step = formulas.soap_flops(m, n, max_precond_dim=dim, precondition_frequency=freq, amortised=False)
     assert opt.flops(shape, amortised=False) == per_step
 
     def one_step() -> int:
@@ -110,7 +110,7 @@ def test_adamw_flops_equal_elementwise_work():
     with _ElementwiseFlops(numel) as counter:
         opt.step([param], [grad], [state], weight_decay=0.1)
     assert counter.unknown == []
-    assert counter.flops == _flops.adamw_flops(numel) == opt.flops(param.shape)
+    assert counter.flops == formulas.adamw_flops(numel) == opt.flops(param.shape)
 
 
 OPTIMIZERS = {
@@ -137,9 +137,9 @@ def test_state_numel_equals_allocated_state(kind, shape):
 
 def test_state_numel_formulas_match_configs():
     m, n = 40, 24
-    assert Muon().state_numel((m, n)) == _flops.muon_state_numel(m, n) == m * n
-    assert SOAP(SOAPConfig(max_precond_dim=30)).state_numel((m, n)) == _flops.soap_state_numel(m, n, max_precond_dim=30)
-    assert AdamW().state_numel((m, n)) == _flops.adamw_state_numel(m * n)
+    assert Muon().state_numel((m, n)) == formulas.muon_state_numel(m, n) == m * n
+    assert SOAP(SOAPConfig(max_precond_dim=30)).state_numel((m, n)) == formulas.soap_state_numel(m, n, max_precond_dim=30)
+    assert AdamW().state_numel((m, n)) == formulas.adamw_state_numel(m * n)
     # The default keyword values of shampoo_state_numel describe ShampooConfig's defaults.
-    assert Shampoo().state_numel((m, n)) == _flops.shampoo_state_numel(m, n)
-    assert _flops.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY == ShampooConfig().precondition_frequency
+    assert Shampoo().state_numel((m, n)) == formulas.shampoo_state_numel(m, n)
+    assert formulas.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY == ShampooConfig().precondition_frequency

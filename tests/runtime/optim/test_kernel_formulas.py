@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from canzona.planner import _flops
+from canzona.planner import formulas
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 def test_flops_module_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import canzona.planner._flops as f\n"
+        "import canzona.planner.formulas as f\n"
         "print(f.muon_flops(128, 384), f.soap_state_numel(3, 4))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -29,16 +29,16 @@ def test_flops_module_imports_without_torch():
 @pytest.mark.parametrize(
     ("call", "argument"),
     [
-        (lambda: _flops.muon_flops(0, 4), "m"),
-        (lambda: _flops.muon_flops(4, -1), "n"),
-        (lambda: _flops.muon_flops(4, 4, ns_steps=0), "ns_steps"),
-        (lambda: _flops.shampoo_flops(4, 4, max_preconditioner_dim=0), "max_preconditioner_dim"),
-        (lambda: _flops.shampoo_flops(4, 4, precondition_frequency=2.0), "precondition_frequency"),
-        (lambda: _flops.soap_flops(4, True), "n"),
-        (lambda: _flops.soap_state_numel(4, 4, max_precond_dim=-3), "max_precond_dim"),
-        (lambda: _flops.adamw_flops(0), "numel"),
-        (lambda: _flops.adamw_state_numel(1.5), "numel"),
-        (lambda: _flops.shampoo_state_numel("8", 4), "m"),
+        (lambda: formulas.muon_flops(0, 4), "m"),
+        (lambda: formulas.muon_flops(4, -1), "n"),
+        (lambda: formulas.muon_flops(4, 4, ns_steps=0), "ns_steps"),
+        (lambda: formulas.shampoo_flops(4, 4, max_preconditioner_dim=0), "max_preconditioner_dim"),
+        (lambda: formulas.shampoo_flops(4, 4, precondition_frequency=2.0), "precondition_frequency"),
+        (lambda: formulas.soap_flops(4, True), "n"),
+        (lambda: formulas.soap_state_numel(4, 4, max_precond_dim=-3), "max_precond_dim"),
+        (lambda: formulas.adamw_flops(0), "numel"),
+        (lambda: formulas.adamw_state_numel(1.5), "numel"),
+        (lambda: formulas.shampoo_state_numel("8", 4), "m"),
     ],
 )
 def test_formulas_reject_non_positive_ints(call, argument):
@@ -47,8 +47,8 @@ def test_formulas_reject_non_positive_ints(call, argument):
 
 
 def test_shampoo_blocks_cover_the_matrix():
-    assert _flops.block_sizes(2500, 1024) == [1024, 1024, 452]
-    assert _flops.block_sizes(1024, 1024) == [1024]
+    assert formulas.block_sizes(2500, 1024) == [1024, 1024, 452]
+    assert formulas.block_sizes(1024, 1024) == [1024]
     # Per block: 4k1²k2 + 4k1k2²; a 2048×1024 matrix is two 1024² blocks.
-    assert _flops.shampoo_flops(2048, 1024, amortised=False) == 2 * 8 * 1024**3
-    assert _flops.shampoo_flops(2048, 1024, precondition_frequency=1) == 2 * 8 * 1024**3 + 2 * 22 * 1024**3
+    assert formulas.shampoo_flops(2048, 1024, amortised=False) == 2 * 8 * 1024**3
+    assert formulas.shampoo_flops(2048, 1024, precondition_frequency=1) == 2 * 8 * 1024**3 + 2 * 22 * 1024**3

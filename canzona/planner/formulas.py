@@ -1,8 +1,9 @@
 """Per-task FLOPs and optimizer-state sizes of the runtime's optimizer kernels (torch-free).
 
 These are exact integer counts of what ``canzona.runtime.optim`` executes for one logical matrix
-(or one AdamW tensor) in one optimizer step. The planner's cost model imports them, so this module
-must never import torch. ``tests/runtime/optim`` checks every formula against the matmuls the
+(or one AdamW tensor) in one optimizer step. This is a public module of the planner: its cost
+model (``canzona.planner.cost``) and the runtime's kernels and DP step (``canzona.runtime``) both
+import it, so it must import nothing (of ours or torch) beyond the standard library. ``tests/runtime/optim`` checks every formula against the matmuls the
 kernels perform (``torch.utils.flop_counter.FlopCounterMode``) and against the state they allocate.
 
 Conventions (REFERENCE.md §4):

@@ -1,0 +1,45 @@
+"""What a plan records about its inputs, with no planner machinery behind it.
+
+:class:`OptimizerSettings` (the matrix optimizer and the settings of it that change the plan) and
+Megatron's :data:`PARAM_ALIGN` live here so that the plan schema (``canzona.planner.plan``) can
+import them without loading the cost model, the inventory or the layout. This module imports only
+pydantic, the standard library and :mod:`canzona.planner.formulas` (itself stdlib-only, for the
+optimizer kernels' defaults); ``canzona.planner.cost`` and ``canzona.planner.layout`` re-export
+these names.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import formulas
+
+__all__ = ["PARAM_ALIGN", "OptimizerName", "OptimizerSettings"]
+
+#: Megatron pads each parameter's start to 64 elements (128-byte addresses at 16 bits).
+PARAM_ALIGN = 64
+
+OptimizerName = Literal["muon", "shampoo", "soap"]
+
+
+class OptimizerSettings(BaseModel):
+    """The matrix optimizer and the settings of it that change the plan (costs, task shapes).
+
+    Runtime hyper-parameters (lr, weight decay, betas) belong to the optimizer constructor.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: OptimizerName = "muon"
+    ns_steps: int = Field(default=5, ge=1, description="Muon: Newton–Schulz iterations.")
+    max_preconditioner_dim: int = Field(default=1024, ge=1,
+                                        description="Shampoo: block size of the logical matrix.")
+    shampoo_precondition_frequency: int = Field(
+        default=formulas.SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY, ge=1)
+    shampoo_grafting: bool = True
+    soap_precondition_frequency: int = Field(default=10, ge=1)
+    soap_max_precond_dim: int = Field(default=10000, ge=1)
+    split_qkv: bool = Field(default=False, description="Q, K, V as separate matrices.")
+    split_gate_up: bool = Field(default=False, description="gate and up as separate matrices.")
