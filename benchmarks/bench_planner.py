@@ -28,7 +28,7 @@ from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
 from canzona.planner.baselines import baselines
-from canzona.planner.partition import plan_dp
+from canzona.planner.dp import plan_dp
 from canzona.planner.planning import make_problem
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
-from canzona.planner.partition import plan_dp
+from canzona.planner.dp import plan_dp
 from canzona.planner.planning import make_problem
 
 HERE = Path(__file__).resolve().parent

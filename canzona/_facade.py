@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from canzona.planner import optimizers
 from canzona.planner.cost import OptimizerSettings
 from canzona.planner.layout import ParallelSizes
-from canzona.planner.partition import plan_dp
+from canzona.planner.dp import plan_dp
 from canzona.planner.plan import Plan
 from canzona.planner.planning import make_problem
 
@@ -44,7 +45,8 @@ def plan_model(
     Args:
         model: an ``nn.Module`` or its ``named_parameters()``.
         dp: data-parallel size. tp: tensor-parallel size (only 1 for live modules yet).
-        optimizer: ``muon``, ``shampoo`` or ``soap``.
+        optimizer: a name in the optimizer registry, ``canzona.planner.optimizers`` (built in:
+            ``muon``, ``shampoo``, ``soap``); another raises ``CanzonaError`` listing them.
         bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).
         overlap_grad_reduce: False puts each buffer in one bucket.
         cost, solver, alpha, time_limit_s, seed, comm_limit, reorder: as ``canzona plan``.
@@ -56,6 +58,7 @@ def plan_model(
     Returns:
         The plan, ready for :class:`canzona.CanzonaOptimizer` or :func:`canzona.planner.plan.save_plan`.
     """
+    optimizers.get(optimizer)  # an unknown name fails here, naming the registered ones
     from canzona.runtime.introspect import inventory
 
     spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, get_preset
-from canzona.planner.partition import plan_dp
+from canzona.planner.dp import plan_dp
 from canzona.planner.plan import Plan, save_plan
 from canzona.planner.planning import default_plan_name, make_problem
 from canzona.planner.tp import plan_tp

@@ -19,7 +19,7 @@ import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from canzona import __version__
-from canzona.planner import CanzonaError, CanzonaWarning
+from canzona.planner import CanzonaError, CanzonaWarning, optimizers
 
 from . import _render
 
@@ -162,7 +162,6 @@ def layout(
         _render.layout_report(spec, lay, show_buckets=buckets)
 
 
-OPTIMIZERS = ("muon", "shampoo", "soap")
 COSTS = ("flops", "numel")
 
 
@@ -193,7 +192,7 @@ def plan(
     tp: TpOpt = 1,
     ep: EpOpt = 1,
     optimizer: Annotated[str, typer.Option(
-        "--optimizer", help="Matrix optimizer: muon, shampoo or soap.")] = "muon",
+        "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
     alpha: Annotated[float, typer.Option(
         "--alpha", help="The paper's α in [0, 1] for the greedy: 0 even split, 1 fill deficits.")] = 1.0,
     cost: Annotated[str, typer.Option(
@@ -233,11 +232,11 @@ def plan(
 ) -> None:
     """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the plan."""
     from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, resolve_model
-    from canzona.planner.partition import SOLVERS, plan_dp
+    from canzona.planner.dp import SOLVERS, plan_dp
     from canzona.planner.plan import save_plan
     from canzona.planner.planning import default_plan_name, make_problem
 
-    optimizer = _choice(optimizer, OPTIMIZERS, "--optimizer")
+    optimizer = _choice(optimizer, optimizers.names(), "--optimizer")
     cost = _choice(cost, COSTS, "--cost")
     solver = _choice(solver, SOLVERS, "--solver")
     if not 0.0 <= alpha <= 1.0:
@@ -336,7 +335,8 @@ def inspect(
         report = _render.inspect_dict(p, rows, top=top)
         tp_rows = None
         if p.tp is not None and problem is not None:
-            from canzona.planner.tp import TPBaselineRow, problem_from_plan, tp_baselines
+            from canzona.planner.tp import problem_from_plan
+            from canzona.planner.tp.baselines import TPBaselineRow, tp_baselines
 
             say("TP baselines")
             pr, cuts = problem_from_plan(problem, p)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .partition import greedy, pigeonhole_bound
+from .dp.bounds import pigeonhole_bound
+from .dp.greedy import greedy
 from .plan import Plan
 from .planning import DPProblem, equal_cuts, evaluate
 

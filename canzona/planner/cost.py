@@ -2,11 +2,12 @@
 
 A *task* is one logical matrix update (or one split part of a fused matrix when the user treats
 Q/K/V or gate/up as separate matrices), or one AdamW parameter. Its :class:`TaskCost` vector holds
-the FLOPs of the chosen optimizer (``canzona.planner.formulas``, the same formulas the runtime
-kernels are tested against), the optimizer-state bytes, and the bytes its host moves in the TP
-gather/scatter. A :class:`CostModel` turns a task into the scalar load the solvers balance:
-``numel`` (what the Canzona paper balances), ``flops`` (the default: Newton–Schulz work is cubic
-in the short side, so numel under-balances it) or ``calibrated`` (measured seconds per shape).
+the FLOPs of the chosen optimizer (its spec in the registry ``canzona.planner.optimizers``, from
+``canzona.planner.formulas``, the same formulas the runtime kernels are tested against), the
+optimizer-state bytes, and the bytes its host moves in the TP gather/scatter. A
+:class:`CostModel` turns a task into the scalar load the solvers balance: ``numel`` (what the
+Canzona paper balances), ``flops`` (the default: Newton–Schulz work is cubic in the short side,
+so numel under-balances it) or ``calibrated`` (measured seconds per shape).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import formulas
+from . import formulas, optimizers
 from .errors import CanzonaError
 from .inventory import ModelSpec, ParamSpec
 from .layout import ParallelSizes
@@ -97,19 +98,9 @@ def task_cost(task: Task, settings: OptimizerSettings, sizes: ParallelSizes,
         return TaskCost(formulas.adamw_flops(task.numel),
                         formulas.adamw_state_numel(task.numel) * STATE_BYTES, 0)
     m, n = task.shape
-    if settings.name == "muon":
-        flops = formulas.muon_flops(m, n, ns_steps=settings.ns_steps)
-        state = formulas.muon_state_numel(m, n)
-    elif settings.name == "shampoo":
-        flops = formulas.shampoo_flops(m, n, max_preconditioner_dim=settings.max_preconditioner_dim,
-                                       precondition_frequency=settings.shampoo_precondition_frequency)
-        state = formulas.shampoo_state_numel(m, n,
-                                             max_preconditioner_dim=settings.max_preconditioner_dim,
-                                             grafting=settings.shampoo_grafting)
-    else:
-        flops = formulas.soap_flops(m, n, max_precond_dim=settings.soap_max_precond_dim,
-                                    precondition_frequency=settings.soap_precondition_frequency)
-        state = formulas.soap_state_numel(m, n, max_precond_dim=settings.soap_max_precond_dim)
+    spec = optimizers.get(settings.name)
+    flops = spec.flops(m, n, settings)
+    state = spec.state_numel(m, n, settings)
     t = sizes.expert_tp if task.expert is not None else sizes.tp
     comm = 0
     if task.tp_split:

@@ -3,25 +3,41 @@
 :class:`OptimizerSettings` (the matrix optimizer and the settings of it that change the plan) and
 Megatron's :data:`PARAM_ALIGN` live here so that the plan schema (``canzona.planner.plan``) can
 import them without loading the cost model, the inventory or the layout. This module imports only
-pydantic, the standard library and :mod:`canzona.planner.formulas` (itself stdlib-only, for the
-optimizer kernels' defaults); ``canzona.planner.cost`` and ``canzona.planner.layout`` re-export
-these names.
+pydantic, the standard library, :mod:`canzona.planner.formulas` (itself stdlib-only, for the
+optimizer kernels' defaults) and the optimizer registry :mod:`canzona.planner.optimizers` (which
+names are valid); ``canzona.planner.cost`` and ``canzona.planner.layout`` re-export these names.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from . import formulas
+from . import formulas, optimizers
 
 __all__ = ["PARAM_ALIGN", "OptimizerName", "OptimizerSettings"]
 
 #: Megatron pads each parameter's start to 64 elements (128-byte addresses at 16 bits).
 PARAM_ALIGN = 64
 
-OptimizerName = Literal["muon", "shampoo", "soap"]
+
+def _registered(name: str) -> str:
+    if name not in optimizers.names():
+        raise ValueError(f"unknown optimizer {name!r}; registered: {', '.join(optimizers.names())}")
+    return name
+
+
+def _enum_of_registered(schema: dict[str, Any]) -> None:
+    # The JSON schema a Literal of the registered names would have (enum first, as pydantic
+    # writes it), so the schema stays what it was when the names were written out.
+    rest = {k: v for k, v in schema.items() if k != "type"}
+    schema.clear()
+    schema.update(enum=list(optimizers.names()), type="string", **rest)
+
+
+#: A matrix optimizer's name: one registered in :mod:`canzona.planner.optimizers`.
+OptimizerName = Annotated[str, AfterValidator(_registered)]
 
 
 class OptimizerSettings(BaseModel):
@@ -32,7 +48,7 @@ class OptimizerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: OptimizerName = "muon"
+    name: OptimizerName = Field(default="muon", json_schema_extra=_enum_of_registered)
     ns_steps: int = Field(default=5, ge=1, description="Muon: Newton–Schulz iterations.")
     max_preconditioner_dim: int = Field(default=1024, ge=1,
                                         description="Shampoo: block size of the logical matrix.")

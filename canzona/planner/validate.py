@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+from . import optimizers
 from . import plan as _schema
 from .cost import DTYPE_BYTES, OptimizerSettings, Task, TaskCost, task_cost
 from .errors import PlanFileError
@@ -39,8 +40,6 @@ from .plan import Plan, check_structure, gc_paused, inconsistency
 from .planning import GRAD_BYTES, BucketProblem, DPProblem, Item, evaluate
 
 __all__ = ["check_plan", "load_plan", "parse_plan"]
-
-OPTIMIZERS = ("muon", "shampoo", "soap")
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -240,7 +239,7 @@ def _cost_mismatch(t, field: str, exp: int, settings: OptimizerSettings,  # noqa
     msg = (f"is {getattr(t, field)} but optimizer '{settings.name}' with the plan's settings "
            f"(inputs.optimizer) gives {exp} for task {t.id} ('{_name(t)}', {shape}): the task "
            f"costs do not match optimizer '{settings.name}'")
-    for alt in OPTIMIZERS:
+    for alt in optimizers.names():
         if alt == settings.name:
             continue
         other = settings.model_copy(update={"name": alt})

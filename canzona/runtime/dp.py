@@ -51,16 +51,7 @@ from torch import Tensor, nn
 from canzona.planner import formulas
 from canzona.planner.plan import Plan
 from canzona.runtime.introspect import inventory, named_params
-from canzona.runtime.optim import (
-    SOAP,
-    AdamW,
-    AdamWConfig,
-    Muon,
-    MuonConfig,
-    SOAPConfig,
-    Shampoo,
-    ShampooConfig,
-)
+from canzona.runtime.optim import AdamW, AdamWConfig, registry
 
 __all__ = ["CanzonaOptimizer", "PlanMismatchError", "predicted_state_bytes"]
 
@@ -332,16 +323,6 @@ def _tuplify(value: Any) -> Any:
     return tuple(_tuplify(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _state_layout(kernel: Any) -> tuple:
-    """The config values that decide which state tensors a task of ``kernel`` holds (besides the
-    plan-recorded ones): Shampoo keeps ``exp_avg`` only for β1 > 0 and ``momentum_buffer`` only
-    for momentum > 0; Muon's and SOAP's state does not depend on their hyper-parameters."""
-    c = kernel.config
-    if isinstance(kernel, Shampoo):
-        return (("betas[0] > 0", c.betas[0] > 0), ("momentum > 0", c.momentum > 0))
-    return ()
-
-
 # --- the optimizer --------------------------------------------------------------------------------
 
 
@@ -464,8 +445,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         # -- safety: every rank agrees before it acts (plan hash + fingerprint, one collective) --
         problem = _fingerprint_problem(plan, pairs)
         self._agree(plan, problem)
-        self._matrix, self._recorded = self._make_kernel(plan, lr, weight_decay, momentum, ns_dtype,
-                                                         optimizer, ns_steps, matrix_options or {})
+        self._spec, self._matrix, self._recorded = self._make_kernel(
+            plan, lr, weight_decay, momentum, ns_dtype, optimizer, ns_steps, matrix_options or {})
         self._adamw = AdamW(AdamWConfig(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                         weight_decay=adamw_weight_decay))
         self.plan = plan
@@ -538,46 +519,37 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _make_kernel(plan, lr, weight_decay, momentum, ns_dtype, optimizer, ns_steps, options):
-        """The matrix kernel, and the config fields the plan records (they must not change)."""
+        """The matrix kernel's spec (``canzona.runtime.optim.registry``), the kernel, and the
+        config fields the plan records (they must not change)."""
         s = plan.inputs.optimizer
         if optimizer is not None and optimizer != s.name:
             raise PlanMismatchError(f"optimizer={optimizer!r} disagrees with the plan, which was "
                                     f"made for {s.name!r}.")
-        recorded: dict[str, Any]
-        if s.name == "muon":
-            recorded = {"ns_steps": s.ns_steps}
-        elif s.name == "shampoo":
-            recorded = {"max_preconditioner_dim": s.max_preconditioner_dim,
-                        "precondition_frequency": s.shampoo_precondition_frequency,
-                        "grafting": "adam" if s.shampoo_grafting else None}
-        else:
-            recorded = {"precondition_frequency": s.soap_precondition_frequency,
-                        "max_precond_dim": s.soap_max_precond_dim}
+        spec = registry.get(s.name)
+        if spec is None:
+            raise PlanMismatchError(f"the plan is for optimizer {s.name!r}, which has no runtime "
+                                    f"kernel (registered: {', '.join(registry.names())}).")
+        recorded = spec.recorded(s)
+        fields = {f.name for f in dataclasses.fields(spec.config) if f.init}
         given = dict(options)
-        if ns_steps is not None:
-            if s.name != "muon":
-                raise PlanMismatchError(f"ns_steps is a Muon setting; the plan is for {s.name!r}.")
-            given["ns_steps"] = ns_steps
+        explicit = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                    "ns_steps": ns_steps}
+        for key, value in explicit.items():
+            if value is None:
+                continue
+            if key not in fields:
+                hint = spec.hints.get(key)
+                raise PlanMismatchError(f"{spec.kernel.name} has no {key} setting (the plan is for "
+                                        f"{s.name!r}){'; ' + hint if hint else ''}.")
+            given[key] = value
         for key, value in given.items():
             if key in recorded and value != recorded[key]:
                 raise PlanMismatchError(f"{key}={value!r} disagrees with the plan, which was made "
                                         f"with {key}={recorded[key]!r}.")
         cfg = {**recorded, **given}
-        for key, value in (("lr", lr), ("weight_decay", weight_decay)):
-            if value is not None:
-                cfg[key] = value
-        if s.name == "muon":
-            if momentum is not None:
-                cfg["momentum"] = momentum
+        if "ns_dtype" in fields:
             cfg.setdefault("ns_dtype", ns_dtype)
-            return Muon(MuonConfig(**cfg)), recorded
-        if s.name == "shampoo":
-            if momentum is not None:
-                cfg["momentum"] = momentum
-            return Shampoo(ShampooConfig(**cfg)), recorded
-        if momentum is not None:
-            raise PlanMismatchError("SOAP has no momentum setting (use matrix_options={'betas': …}).")
-        return SOAP(SOAPConfig(**cfg)), recorded
+        return spec, spec.build(spec.config(**cfg)), recorded
 
     def _build_buffers(self) -> None:
         """Flat parameter and gradient buffers per bucket; parameters become views of them."""
@@ -909,7 +881,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             fresh = type(kernel)(dataclasses.replace(kernel.config, **new))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"param group 'matrix': {exc}") from None
-        for (what, before), (_, after) in zip(_state_layout(kernel), _state_layout(fresh)):
+        layout = self._spec.state_layout
+        for (what, before), (_, after) in zip(layout(kernel.config), layout(fresh.config)):
             if before != after:
                 raise ValueError(
                     f"param group 'matrix': {kernel.name}'s state was allocated with {what} = "

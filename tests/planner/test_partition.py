@@ -10,7 +10,7 @@ from canzona.planner import (CanzonaError, OptimizerSettings, ParallelSizes, bui
                              get_preset)
 from canzona.planner.baselines import baselines
 from canzona.planner.models import ModelConfig
-from canzona.planner.partition import greedy, pigeonhole_bound, plan_dp, solve
+from canzona.planner.dp import greedy, pigeonhole_bound, plan_dp, solve
 from canzona.planner.planning import equal_cuts, evaluate, make_problem, owner_of
 
 SMALL = ModelConfig(name="small", arch="qwen3", hidden=256, ffn=768, layers=6, q_heads=4,

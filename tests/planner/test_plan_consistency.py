@@ -14,7 +14,7 @@ import pytest
 
 import canzona
 from canzona.planner import OptimizerSettings, ParallelSizes, PlanFileError, build_inventory, get_preset
-from canzona.planner.partition import plan_dp
+from canzona.planner.dp import plan_dp
 from canzona.planner.plan import Plan, save_plan
 from canzona.planner.plan import load_plan as load_structure
 from canzona.planner.planning import baseline_plan, make_problem

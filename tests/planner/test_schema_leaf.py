@@ -1,4 +1,5 @@
-"""The plan schema is a leaf: it loads settings, formulas and errors, never the planner's machinery."""
+"""The plan schema is a leaf: it loads settings, formulas, the optimizer registry and errors, never
+the planner's machinery."""
 
 import subprocess
 import sys
@@ -15,10 +16,11 @@ print("torch" in sys.modules)
 """
 
 
-def test_plan_module_imports_only_settings_formulas_and_errors():
+def test_plan_module_imports_only_settings_formulas_registry_and_errors():
     r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     loaded, torch = r.stdout.splitlines()
     assert loaded == str(sorted(["canzona.planner.errors", "canzona.planner.formulas",
-                                 "canzona.planner.plan", "canzona.planner.settings"]))
+                                 "canzona.planner.optimizers", "canzona.planner.plan",
+                                 "canzona.planner.settings"]))
     assert torch == "False"

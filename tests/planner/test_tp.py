@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, get_preset
-from canzona.planner.partition import greedy, solve
+from canzona.planner.dp import greedy, solve
 from canzona.planner.plan import SolverOptions, parse_plan
 from canzona.planner.planning import build_plan, make_problem
 from canzona.planner.tp import (MIB, TPContext, TPSettings, attach_tp, gpu_loads, index_gpu_max,
-                                joint_refine, lb_gpu, schedule_tp, tp_baselines)
+                                joint_refine, lb_gpu, schedule_tp)
+from canzona.planner.tp.baselines import tp_baselines
 
 _CACHE: dict = {}
 

@@ -20,8 +20,8 @@ import dataclasses
 import heapq
 import math
 
-from .layout import PARAM_ALIGN, Bucket, Buffer, PhysicalLayout, Slot
-from .planning import BucketProblem, DPProblem
+from ..layout import PARAM_ALIGN, Bucket, PhysicalLayout, Slot
+from ..planning import BucketProblem, DPProblem
 
 
 def _pad(x: int, d: int) -> int:

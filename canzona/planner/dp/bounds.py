@@ -1,0 +1,129 @@
+"""Certified lower bounds on the busiest DP index: pigeonhole on the matrices, and bin packing
+of the matrices (a CP-SAT covering model; OR-Tools is imported only when it is computed)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..planning import DPProblem
+
+#: Loads are scaled so that the mean rank load is this many integer units (1e-6 resolution).
+SCALE_UNITS = 1_000_000
+
+
+def pigeonhole_bound(problem: DPProblem) -> int:
+    """A certified lower bound on the max load from the atomic items alone.
+
+    With R ranks, some rank gets at least k+1 of the kR+1 largest atomic items, so its load is at
+    least the sum of the k+1 smallest of them. The mean and the largest item are the other bounds.
+    """
+    a = sorted((it.load for b in problem.buckets for it in b.items if it.atomic), reverse=True)
+    R = problem.dp
+    best = problem.lower_bound()
+    k = 1
+    while k * R + 1 <= len(a):
+        top = a[: k * R + 1]
+        best = max(best, sum(top[-(k + 1):]))
+        k += 1
+    return best
+
+
+def _maximal_patterns(w: list[int], cap: list[int], C: int, limit: int) -> list[tuple[int, ...]] | None:
+    """Count vectors a (a_t ≤ cap_t) with Σ a_t w_t ≤ C to which no further item fits.
+
+    Returns None when there are more than ``limit`` (the caller then gives up on this bound).
+    """
+    T = len(w)
+    out: list[tuple[int, ...]] = []
+    a = [0] * T
+    lightest = min(w) if w else 0
+
+    def rec(t: int, room: int) -> bool:
+        if t == T:
+            # maximal: no type with spare count fits into the remaining room
+            if all(a[k] == cap[k] or w[k] > room for k in range(T)):
+                out.append(tuple(a))
+                if len(out) > limit:
+                    return False
+            return True
+        top = min(cap[t], room // w[t]) if w[t] else cap[t]
+        for c in range(top, -1, -1):
+            a[t] = c
+            if not rec(t + 1, room - c * w[t]):
+                return False
+        a[t] = 0
+        return True
+
+    ok = rec(0, C)
+    del lightest
+    return out if ok else None
+
+
+def packing_bound(problem: DPProblem, upper: int, *, time_limit_s: float = 0.2,
+                  max_patterns: int = 20_000) -> int:
+    """A certified lower bound on the max DP load: bin packing of the matrices, grouped by load.
+
+    A relaxation of the partition problem — bucket geometry, parameter order and expert placement
+    are dropped, AdamW load may go anywhere — so no plan can beat its optimum. Loads are scaled
+    down (floor), which keeps the bound valid. For a capacity C the question is the covering
+    problem over maximal *patterns* p (how many matrices of each type one rank can take):
+
+    data:      types t (matrices of equal load w_t, N_t of them), patterns p with a[p, t] ≤ N_t
+               and load_p = Σ_t a[p, t] w_t ≤ C; divisible (AdamW) load D; R ranks.
+    variables: y[p] = number of ranks that use pattern p.
+    constraints:
+      * at most R ranks: Σ_p y[p] ≤ R;
+      * every matrix is covered: Σ_p a[p, t] y[p] ≥ N_t (patterns are closed under removal);
+      * the AdamW load fits in the room left: R·C − Σ_p load_p y[p] ≥ D.
+    A binary search finds the smallest C that is not proven infeasible; an undecided check counts
+    as feasible, so the bound stays valid.
+    """
+    from ortools.sat.python import cp_model  # OR-Tools costs ~0.6 s to import: only when needed
+
+    R = problem.dp
+    mean = problem.total_load() / R
+    if mean <= 0:
+        return 0
+    unit = mean / SCALE_UNITS
+    counts = Counter(it.load for b in problem.buckets for it in b.items if it.atomic)
+    types = sorted(counts.items(), reverse=True)
+    w = [int(x / unit) for x, _ in types]
+    cap = [c for _, c in types]
+    # Flooring C loses up to one unit per rank of room: give the AdamW volume that slack back.
+    D = max(0, int(sum(it.load for b in problem.buckets for it in b.items if not it.atomic) / unit) - R)
+
+    def feasible(C: int) -> bool:
+        pats = _maximal_patterns(w, cap, C, max_patterns)
+        if pats is None:
+            return True  # too many patterns to decide: assume feasible (keeps the bound valid)
+        if not pats:
+            return False
+        model = cp_model.CpModel()
+        y = [model.new_int_var(0, R, f"y_{i}") for i in range(len(pats))]
+        # At most R ranks.
+        model.add(sum(y) <= R)
+        for t in range(len(w)):
+            # Every matrix of type t is covered.
+            model.add(sum(p[t] * yi for p, yi in zip(pats, y) if p[t]) >= cap[t])
+        # The AdamW load fits into the room the patterns leave.
+        model.add(R * C - sum(sum(a * b for a, b in zip(p, w)) * yi for p, yi in zip(pats, y)) >= D)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_deterministic_time = time_limit_s
+        solver.parameters.num_workers = 1
+        status = solver.solve(model)
+        return status != cp_model.INFEASIBLE
+
+    # Integer shares of an AdamW item differ from the real-valued ones by < 1 per item and rank:
+    # take that off so the bound never exceeds a plan's (integer) reported load.
+    n_div = sum(1 for b in problem.buckets for it in b.items if not it.atomic)
+    lo = max(0, int(problem.lower_bound() / unit) - 1)  # may be feasible or not
+    hi = int(upper / unit) + 1  # the heuristic's max: feasible
+    if feasible(lo):
+        return max(0, int(lo * unit * (1 - 1e-9)) - n_div)  # 1e-9: float rounding
+    while hi - lo > 1:  # invariant: lo infeasible, hi feasible (or undecided)
+        mid = (lo + hi) // 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return max(0, int(hi * unit * (1 - 1e-9)) - n_div)

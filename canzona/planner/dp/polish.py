@@ -1,0 +1,272 @@
+"""Improving cuts: the exact per-bucket DP (block coordinate descent), whole-matrix moves and
+swaps across buckets, and the AdamW re-spreading between matrices."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CanzonaError
+from ..planning import BucketProblem, DPProblem, evaluate, owner_of
+from .units import Cuts, Units, bucket_units, cuts_from_indices, owners_to_cuts, piece_grain, spread_cuts
+
+
+#: Smooth objectives of the coordinate descent, ever closer to the maximum.
+_POWERS = {"ssq": 2, "p8": 8}
+
+
+def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
+    """Optimal cut indices for one bucket given the other buckets' loads ``base`` per rank.
+
+    Rank r receives units [c_r, c_{r+1}); minimise Σ (base_r + x_r)² or max (base_r + x_r).
+    ``cap`` bounds each slice's elements (communication limit).
+    """
+    R = len(base)
+    m = len(u.bounds) - 1
+    if m <= 3:
+        return _bucket_dp_small(u, base, cap, objective)
+    P = u.prefix
+    blk = P[None, :] - P[:, None]  # blk[j, i] = load of units j..i-1
+    valid = np.triu(np.ones((m + 1, m + 1), dtype=bool))
+    if cap is not None:
+        span = u.bounds[None, :] - u.bounds[:, None]
+        valid &= span <= cap
+    inf = np.inf
+    choice = np.zeros((R, m + 1), dtype=np.int64)
+    g = np.full(m + 1, inf)
+    g[0] = 0.0
+    for r in range(R):
+        rank_cost = base[r] + blk
+        if objective == "max":
+            tot = np.maximum(g[:, None], rank_cost)
+        else:
+            tot = g[:, None] + rank_cost ** _POWERS[objective]
+        tot = np.where(valid, tot, inf)
+        choice[r] = np.argmin(tot, axis=0)  # first (smallest j) on ties: deterministic
+        g = tot[choice[r], np.arange(m + 1)]
+    if not np.isfinite(g[m]):
+        raise CanzonaError("comm_limit is too tight: some bucket cannot be cut into slices that "
+                           "small at parameter boundaries; raise --comm-limit.")
+    idx = [m]
+    for r in range(R - 1, -1, -1):
+        idx.append(int(choice[r][idx[-1]]))
+    return idx[::-1]
+
+
+def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
+    """The same DP in plain Python, faster than numpy for buckets of at most three units."""
+    R, m = len(base), len(u.bounds) - 1
+    P = [float(x) for x in u.prefix]
+    B = [int(x) for x in u.bounds]
+    power = _POWERS.get(objective)
+    inf = float("inf")
+    g = [0.0] + [inf] * m
+    choice = []
+    for r in range(R):
+        br = float(base[r])
+        ng, ch = [inf] * (m + 1), [0] * (m + 1)
+        for i in range(m + 1):
+            for j in range(i + 1):
+                if g[j] == inf or (cap is not None and B[i] - B[j] > cap):
+                    continue
+                x = br + P[i] - P[j]
+                v = max(g[j], x) if power is None else g[j] + x ** power
+                if v < ng[i]:
+                    ng[i], ch[i] = v, j
+        g = ng
+        choice.append(ch)
+    if g[m] == inf:
+        raise CanzonaError("comm_limit is too tight: some bucket cannot be cut into slices that "
+                           "small at parameter boundaries; raise --comm-limit.")
+    idx = [m]
+    for r in range(R - 1, -1, -1):
+        idx.append(choice[r][idx[-1]])
+    return idx[::-1]
+
+
+def _loads_by_bucket(problem: DPProblem, units: dict, cuts_idx: dict) -> np.ndarray:
+    load = np.zeros(problem.dp)
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        u, idx = units[key], cuts_idx[key]
+        for r in range(b.ranks):
+            load[problem.dp_index(b, r)] += u.prefix[idx[r + 1]] - u.prefix[idx[r]]
+    return load
+
+
+def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
+           max_rounds: int = 30, pieces: int | None = None) -> Cuts:
+    """Block coordinate descent: re-cut one bucket at a time, optimally given the others."""
+    units = {(b.buffer, b.bucket): bucket_units(b, pieces or 4 * b.ranks, piece_grain(problem))
+             for b in problem.buckets}
+    idx: dict[tuple[int, int], list[int]] = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        u = units[key]
+        idx[key] = [int(np.searchsorted(u.bounds, c)) for c in cuts[key]]  # start: next boundary
+    load = _loads_by_bucket(problem, units, idx)
+    scale = max(1.0, float(load.max()))
+    order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
+    for objective in (*_POWERS, "max"):
+        power = _POWERS.get(objective, 2)
+        for _ in range(max_rounds):
+            before = (float(load.max()), float(((load / scale) ** power).sum()))
+            for b in order:
+                key = (b.buffer, b.bucket)
+                u = units[key]
+                ds = [problem.dp_index(b, r) for r in range(b.ranks)]
+                mine = np.array([u.prefix[idx[key][r + 1]] - u.prefix[idx[key][r]]
+                                 for r in range(b.ranks)])
+                base = load[ds] - mine
+                cap = None
+                if comm_limit is not None:
+                    cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
+                new = _bucket_dp(_scaled(u, scale), base / scale, cap, objective)
+                new_mine = np.array([u.prefix[new[r + 1]] - u.prefix[new[r]]
+                                     for r in range(b.ranks)])
+                if objective == "max" and (base + new_mine).max() > (base + mine).max():
+                    continue  # keep the old cut on ties broken the wrong way
+                idx[key] = new
+                load[ds] = base + new_mine
+            after = (float(load.max()), float(((load / scale) ** power).sum()))
+            if after >= before if objective == "max" else after[1] >= before[1] * (1 - 1e-12):
+                break
+    return {k: cuts_from_indices(units[k], v) for k, v in idx.items()}
+
+
+def _scaled(u: Units, scale: float) -> Units:
+    return Units(u.bounds, u.prefix / scale, u.piece_load / scale)
+
+
+def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
+                        tolerance: float = 1e-3, ceiling: float | None = None) -> Cuts:
+    """Re-place every cut that sits between matrices so the AdamW elements between two matrices
+    are shared evenly by the ranks that may take them (:func:`spread_cuts`).
+
+    Such a cut can slide without changing who owns any matrix; spreading keeps optimizer state
+    and reduce-scatter slices balanced around huge AdamW tensors (embeddings, output layer),
+    which cost almost nothing in FLOPs. Kept only if the max load grows by at most
+    ``tolerance`` (relative) and stays within ``ceiling`` (the greedy plan's max, so the result
+    is never worse than the paper's algorithm).
+    """
+    out: Cuts = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        c = cuts[key]
+        owners = [owner_of(c, it.start) for it in b.items if it.atomic]
+        new = spread_cuts(b, owners)
+        if comm_limit is not None:
+            cap = comm_limit * (b.end - b.start) / b.ranks
+            if max(v - u for u, v in zip(new, new[1:])) > cap:
+                new = c
+        out[key] = new
+    before = max(evaluate(problem, cuts).load)
+    after = max(evaluate(problem, out).load)
+    limit = before * (1 + tolerance) if ceiling is None else min(before * (1 + tolerance),
+                                                                 max(before, ceiling))
+    return out if after <= limit else cuts
+
+
+def _rank_in(problem: DPProblem, b: BucketProblem, d: int) -> int | None:
+    """Rank of DP index ``d`` in ``b``'s sharding group (None if d does not hold this bucket)."""
+    buf = problem.layout.buffers[b.buffer]
+    if not buf.expert:
+        return d
+    ep = problem.sizes.ep
+    return (d - buf.ep_rank) // ep if d % ep == buf.ep_rank else None
+
+
+def swap_search(problem: DPProblem, cuts: Cuts, *, max_moves: int = 5000) -> tuple[Cuts, int]:
+    """Local search on whole matrices: move one matrix off the busiest DP index, or swap it
+    with a lighter matrix of another index, wherever both buckets' rank order allows.
+
+    This is what the per-bucket DP cannot do (it changes two buckets at once); it matters most
+    where buckets hold one or two matrices, i.e. where the problem is plain bin packing.
+    Returns the new cuts and the number of moves made.
+    """
+    owners: dict[tuple[int, int], list[int]] = {}
+    atomic: dict[tuple[int, int], list] = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        c = cuts[key]
+        atomic[key] = [it for it in b.items if it.atomic]
+        owners[key] = [owner_of(c, it.start) for it in atomic[key]]
+    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
+    load = list(evaluate(problem, cuts).load)
+    held: dict[int, set] = {d: set() for d in range(problem.dp)}
+    for key, own in owners.items():
+        for k, r in enumerate(own):
+            held[problem.dp_index(by_key[key], r)].add((key, k))
+
+    def window(key, k):
+        own = owners[key]
+        lo = own[k - 1] if k > 0 else 0
+        hi = own[k + 1] if k + 1 < len(own) else by_key[key].ranks - 1
+        return lo, hi
+
+    moves = 0
+    for _ in range(max_moves):
+        top = max(range(problem.dp), key=lambda d: (load[d], -d))
+        L = load[top]
+        best = None  # (new pair max, kind, ...)
+        for key, k in sorted(held[top]):
+            b = by_key[key]
+            w = atomic[key][k].load
+            lo, hi = window(key, k)
+            for r in range(lo, hi + 1):
+                d2 = problem.dp_index(b, r)
+                if d2 == top:
+                    continue
+                if load[d2] + w < L and (best is None or load[d2] + w < best[0]):
+                    best = (load[d2] + w, "move", key, k, r, d2)
+                for key2, k2 in held[d2]:
+                    if key2 == key:
+                        continue
+                    w2 = atomic[key2][k2].load
+                    if w2 >= w:
+                        continue
+                    r_top = _rank_in(problem, by_key[key2], top)
+                    if r_top is None:
+                        continue
+                    lo2, hi2 = window(key2, k2)
+                    if not lo2 <= r_top <= hi2:
+                        continue
+                    worst = max(L - w + w2, load[d2] - w2 + w)
+                    if worst < L and (best is None or worst < best[0]):
+                        best = (worst, "swap", key, k, r, d2, key2, k2, r_top)
+        if best is None:
+            break
+        moves += 1
+        _, kind, key, k, r, d2, *rest = best
+        w = atomic[key][k].load
+        owners[key][k] = r
+        held[top].discard((key, k))
+        held[d2].add((key, k))
+        load[top] -= w
+        load[d2] += w
+        if kind == "swap":
+            key2, k2, r_top = rest
+            w2 = atomic[key2][k2].load
+            owners[key2][k2] = r_top
+            held[d2].discard((key2, k2))
+            held[top].add((key2, k2))
+            load[d2] -= w2
+            load[top] += w2
+    return owners_to_cuts(problem, owners), moves
+
+
+
+def improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None,
+             max_rounds: int = 30) -> Cuts:
+    """Per-bucket DP polish alternating with whole-matrix moves/swaps across buckets."""
+    best = polish(problem, cuts, comm_limit=comm_limit, max_rounds=max_rounds)
+    best_max = max(evaluate(problem, best).load)
+    for _ in range(4):
+        cand, moves = swap_search(problem, best)
+        if not moves:
+            break
+        cand = polish(problem, cand, comm_limit=comm_limit, max_rounds=max_rounds)
+        cand_max = max(evaluate(problem, cand).load)
+        if cand_max >= best_max:
+            break
+        best, best_max = cand, cand_max
+    return best

@@ -1,0 +1,113 @@
+"""Into the plan: the plan's TP section, a DP plan with its TP schedule attached, and
+:func:`plan_tp` (schedule the TP side of a DP plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..cost import DTYPE_BYTES
+from ..plan import GroupTaskPlan, MicroGroupPlan, Plan, ShardLayoutPlan, TaskPlan, TPIndexPlan, TPMetrics, TPPlan
+from ..planning import BucketProblem, DPProblem, Item
+from .context import Cuts, TPContext, TPSettings, lb_gpu
+from .schedule import TPSchedule, schedule_tp
+
+
+def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = None) -> TPPlan:
+    """The plan's TP section: layouts, groups with hosts and split sizes, per-GPU metrics."""
+    ctx = ctx or TPContext.build(problem, schedule.comm_dtype)
+    nbytes = DTYPE_BYTES[schedule.comm_dtype]
+    used = sorted({ctx.layout[i] for s in schedule.indices for g in s.groups for i in g.tasks})
+    remap = {k: j for j, k in enumerate(used)}
+    layouts = tuple(ShardLayoutPlan(dim=ctx.maps[k].dim, local_shape=ctx.maps[k].local_shape,
+                                    full_shape=ctx.maps[k].full_shape,
+                                    segments=tuple((s.rank, s.local_start, s.full_start, s.length)
+                                                   for s in ctx.maps[k].segments))
+                    for k in used)
+    indices = []
+    a2a = [[0] * problem.sizes.tp for _ in range(problem.dp)]
+    for s in schedule.indices:
+        groups = []
+        for gi, g in enumerate(s.groups):
+            tp = len(g.gather_send)
+            recv = g.gather_recv
+            for t in range(tp):
+                off = sum(g.gather_send[t][h] + recv[t][h] for h in range(tp) if h != t)
+                a2a[s.dp_index][t] += 2 * off * nbytes  # gather and scatter
+            groups.append(MicroGroupPlan(
+                index=gi,
+                tasks=tuple(GroupTaskPlan(id=i, host=h, layout=remap[ctx.layout[i]],
+                                          load=problem.loads[i], gathered_bytes=ctx.gathered[i])
+                            for i, h in zip(g.tasks, g.hosts)),
+                peak_gathered_bytes=g.peak_bytes, rank_load=g.rank_load,
+                gather_send=g.gather_send, gather_recv=recv,
+                scatter_send=recv, scatter_recv=g.gather_send, oversized=g.oversized,
+                timeline_s=s.timeline[gi]))
+        indices.append(TPIndexPlan(dp_index=s.dp_index,
+                                   local_load=tuple(int(round(x)) for x in s.base),
+                                   groups=tuple(groups), modelled_s=round(s.makespan_s, 9)))
+    grid = schedule.grid()
+    flat = [x for r in grid for x in r]
+    mx, mean = max(flat), sum(flat) / len(flat)
+    lb = lb_gpu(problem, grid)
+    peak = max((g.peak_bytes for s in schedule.indices for g in s.groups), default=0)
+    metrics = TPMetrics(
+        gpu_load=tuple(tuple(r) for r in grid), max_gpu_load=mx, mean_gpu_load=round(mean, 3),
+        max_over_mean=round(mx / mean, 6) if mean else 1.0, lb_gpu=lb,
+        gap_to_lb_gpu=round(mx / lb - 1, 6) if lb else 0.0,
+        micro_groups=sum(len(s.groups) for s in schedule.indices),
+        peak_gathered_bytes=peak, oversized_tasks=schedule.oversized,
+        all_to_all_bytes=tuple(tuple(r) for r in a2a),
+        modelled_step_s=round(max((s.makespan_s for s in schedule.indices), default=0.0), 9))
+    st = schedule.settings
+    return TPPlan(cmax_bytes=st.cmax_bytes, comm_dtype=schedule.comm_dtype, solver=st.solver,
+                  status=schedule.status, hardware=st.hardware, layouts=layouts,
+                  indices=tuple(indices), metrics=metrics)
+
+
+def attach_tp(plan: Plan, problem: DPProblem, schedule: TPSchedule,
+              ctx: TPContext | None = None) -> Plan:
+    """``plan`` with every TP-split task's host and micro-group filled in and the TP section."""
+    where: dict[int, tuple[int, int]] = {}
+    for s in schedule.indices:
+        for gi, g in enumerate(s.groups):
+            for i, h in zip(g.tasks, g.hosts):
+                where[i] = (h, gi)
+    tasks = tuple(t if t.id not in where else
+                  TaskPlan.model_validate({**t.model_dump(), "host": where[t.id][0],
+                                           "micro_group": where[t.id][1]})
+                  for t in plan.tasks)
+    return plan.model_copy(update={"tasks": tasks, "tp": tp_plan(problem, schedule, ctx)})
+
+
+def problem_from_plan(problem: DPProblem, plan: Plan) -> tuple[DPProblem, Cuts]:
+    """``problem`` with every bucket's parameters in the plan's order (plans made with reordering
+    move parameters inside buckets), and the plan's cuts."""
+    cuts: Cuts = {}
+    buckets = []
+    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
+    for bi, buf in enumerate(plan.buffers):
+        for bp in buf.buckets:
+            old = by_key[(bi, bp.index)]
+            items = {old_it.tasks: old_it for old_it in old.items}
+            by_name = {problem.tasks[t[0]].param: it for t, it in items.items()}
+            new_items = tuple(
+                Item(k, s.start, s.end, by_name[s.name].load, by_name[s.name].flops,
+                     by_name[s.name].state_bytes, by_name[s.name].atomic, by_name[s.name].tasks)
+                for k, s in enumerate(bp.slots))
+            buckets.append(BucketProblem(bi, bp.index, bp.start, bp.end, old.ranks, new_items))
+            cuts[(bi, bp.index)] = tuple(bp.cuts)
+    return dataclasses.replace(problem, buckets=tuple(buckets)), cuts
+
+
+def plan_tp(problem: DPProblem, plan: Plan, settings: TPSettings | None = None) -> Plan:
+    """Schedule the TP side of a DP plan and return the plan with its TP section.
+
+    Args:
+        problem: the problem the plan was made from (``make_problem`` with the plan's inputs).
+        plan: a DP plan (``dp.plan_dp``); its cut points and parameter order are used.
+        settings: C_max and solver.
+    """
+    pr, cuts = problem_from_plan(problem, plan)
+    ctx = TPContext.build(pr, plan.inputs.comm_dtype)
+    sch = schedule_tp(pr, cuts, settings, comm_dtype=plan.inputs.comm_dtype, ctx=ctx, warn=True)
+    return attach_tp(plan, pr, sch, ctx)

@@ -1,0 +1,199 @@
+"""Per-task TP facts (:class:`TPContext`), the TP settings, and the per-GPU objective the DP side
+reads: each DP index's work (:func:`index_work`), its busiest GPU after LPT packing
+(:func:`index_gpu_max`) and the bound LB_gpu (:func:`lb_gpu`)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..cost import DTYPE_BYTES
+from ..errors import CanzonaError
+from ..planning import DPProblem, equal_cuts, owner_of
+from ..shards import ShardMap, shard_map
+
+TP_SOLVERS = ("greedy", "cpsat")
+MIB = 1 << 20
+Cuts = dict[tuple[int, int], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class TPSettings:
+    """How the TP schedule is made (recorded in the plan).
+
+    Attributes:
+        cmax_mib: memory cap C_max per host rank and micro-group, MiB of gathered full matrices.
+        solver: ``greedy`` (the paper) or ``cpsat`` (greedy, then CP-SAT per group).
+        group_time_limit_s: CP-SAT deterministic time limit per group.
+        total_time_limit_s: CP-SAT deterministic time budget over all groups (later groups keep
+            greedy once it is spent).
+        seed: CP-SAT random seed.
+        workers: CP-SAT worker count (fixed, so plans are reproducible).
+        hardware: hardware profile for the modelled timeline (compute rate, TP link bandwidth).
+    """
+
+    cmax_mib: float = 512.0
+    solver: str = "greedy"
+    group_time_limit_s: float = 0.2
+    total_time_limit_s: float = 5.0
+    seed: int = 0
+    workers: int = 1
+    hardware: str = "h100"
+
+    def __post_init__(self) -> None:
+        if not self.cmax_mib > 0:
+            raise CanzonaError(f"--cmax must be a positive number of MiB, got {self.cmax_mib}.")
+        if self.solver not in TP_SOLVERS:
+            raise CanzonaError(f"unknown TP solver '{self.solver}'; choose one of: "
+                               f"{', '.join(TP_SOLVERS)}.")
+        if not self.group_time_limit_s > 0 or not self.total_time_limit_s > 0:
+            raise CanzonaError("TP CP-SAT time limits must be positive seconds.")
+
+    @property
+    def cmax_bytes(self) -> int:
+        return int(self.cmax_mib * MIB)
+
+
+# --- per-task TP facts ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TPContext:
+    """Per-task facts the TP schedule needs, computed once per problem.
+
+    ``split[i]``: task i is a matrix task whose parameter TP splits (it needs a host);
+    ``gathered[i]``: bytes of its full matrix in the comm dtype; ``layout[i]``: index into
+    ``maps`` (distinct shard maps), so ``maps[layout[i]].sent_numel(t)`` is what rank t sends.
+    """
+
+    problem: DPProblem
+    comm_dtype: str
+    split: list[bool]
+    gathered: list[int]
+    layout: list[int]
+    maps: list[ShardMap]
+    tp_of: list[int]
+    _map_index: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, problem: DPProblem, comm_dtype: str = "bf16") -> TPContext:
+        if comm_dtype not in DTYPE_BYTES:
+            raise CanzonaError(f"unknown comm dtype '{comm_dtype}'; choose one of: "
+                               f"{', '.join(DTYPE_BYTES)}.")
+        spec, sizes = problem.spec, problem.sizes
+        ctx = cls(problem, comm_dtype, [], [], [], [], [])
+        kv = spec.config.kv_heads
+        for t in problem.tasks:
+            p = spec[t.param]
+            tp = sizes.expert_tp if p.is_expert else sizes.tp
+            ctx.tp_of.append(tp)
+            is_split = t.optimizer == "matrix" and t.tp_split
+            ctx.split.append(is_split)
+            if not is_split:
+                ctx.gathered.append(0)
+                ctx.layout.append(-1)
+                continue
+            key = (p.shape, p.tp_layout, p.parts, t.part, tp)
+            k = ctx._map_index.get(key)
+            if k is None:
+                k = len(ctx.maps)
+                ctx._map_index[key] = k
+                ctx.maps.append(shard_map(p, tp, kv_groups=kv, part=t.part))
+            ctx.layout.append(k)
+            ctx.gathered.append(ctx.maps[k].full_numel * DTYPE_BYTES[comm_dtype])
+        return ctx
+
+
+def _item_gpu_load(problem: DPProblem, item_task: int, load: int, tp: int) -> float:
+    """Per-GPU share of an element-wise (AdamW) load: split parameters are sharded over TP,
+    replicated ones are computed by every rank."""
+    return load / tp if problem.tasks[item_task].tp_split else float(load)
+
+
+def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
+               ) -> tuple[list[float], list[list[int]]]:
+    """Per DP index: the load every TP rank carries anyway (AdamW shards, replicated matrices),
+    and the TP-split matrix tasks it owns (ids, ascending)."""
+    ctx = ctx or TPContext.build(problem)
+    dp = problem.dp
+    base = [0.0] * dp
+    owned: list[list[int]] = [[] for _ in range(dp)]
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for it in b.items:
+            first = owner_of(c, it.start)
+            if it.atomic:
+                d = problem.dp_index(b, first)
+                for i in it.tasks:
+                    if ctx.split[i]:
+                        owned[d].append(i)
+                    else:  # replicated (or tp = 1): the whole matrix on every rank of d
+                        base[d] += problem.loads[i]
+                continue
+            last = owner_of(c, it.end - 1)
+            n = it.end - it.start
+            tp = ctx.tp_of[it.tasks[0]]
+            for r in range(first, last + 1):
+                lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
+                if hi > lo:
+                    base[problem.dp_index(b, r)] += _item_gpu_load(
+                        problem, it.tasks[0], it.load * (hi - lo) // n, tp)
+    for ids in owned:
+        ids.sort()
+    return base, owned
+
+
+def lpt_bins(loads: Sequence[int], tp: int) -> list[int]:
+    """Longest-processing-time packing of ``loads`` on ``tp`` ranks: every rank's load."""
+    heap = [0] * max(1, tp)
+    for x in sorted(loads, reverse=True):
+        heapq.heapreplace(heap, heap[0] + x)
+    return heap
+
+
+def lpt_makespan(loads: Sequence[int], tp: int) -> int:
+    """Longest-processing-time packing of ``loads`` on ``tp`` ranks: the busiest rank's load."""
+    if tp <= 1:
+        return int(sum(loads))
+    heap = [0] * tp
+    for x in sorted(loads, reverse=True):
+        heapq.heapreplace(heap, heap[0] + x)
+    return max(heap)
+
+
+# --- the per-GPU objective and bounds ----------------------------------------------------------------
+
+
+def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
+           ctx: TPContext | None = None) -> int:
+    """LB_gpu = max(⌈total per-GPU work / (dp·tp)⌉, largest task).
+
+    The per-GPU total counts AdamW on shards and replicated matrices on every TP rank (work any
+    schedule must do); without a ``grid`` it is computed from ZeRO-1's equal cuts (the total does
+    not depend on the cuts).
+    """
+    if grid is None:
+        ctx = ctx or TPContext.build(problem)
+        base, owned = index_work(problem, {(b.buffer, b.bucket): equal_cuts(b)
+                                           for b in problem.buckets}, ctx)
+        total = sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+    else:
+        total = sum(sum(r) for r in grid)
+    largest = max((problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
+                  default=0)
+    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)
+
+
+
+def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) -> list[float]:
+    """The DP side's TP-aware load: per DP index, its busiest GPU after LPT packing.
+
+    Use in place of the DP load (``evaluate(...).load``) when judging cuts under TP.
+    """
+    ctx = ctx or TPContext.build(problem)
+    base, owned = index_work(problem, cuts, ctx)
+    tp = problem.sizes.tp
+    return [base[d] + lpt_makespan([problem.loads[i] for i in owned[d]], tp)
+            for d in range(problem.dp)]

@@ -1,0 +1,151 @@
+"""Joint DP × TP refinement: move whole matrices between DP indices to lower the busiest GPU."""
+
+from __future__ import annotations
+
+import heapq
+
+from ..planning import DPProblem, owner_of
+from .context import Cuts, TPContext, index_gpu_max, index_work, lb_gpu, lpt_bins, lpt_makespan
+
+
+def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None,
+                 rounds: int = 6, tolerance: float = 0.005, max_evals: int = 400_000) -> Cuts:
+    """Re-place whole matrices among DP indices to lower the busiest GPU (the joint objective).
+
+    Block coordinate descent over buckets, like the DP polish but on the per-GPU objective: a
+    bucket's matrices are taken out, and its contiguous, rank-ordered split is re-chosen exactly
+    (dynamic programming over (rank, matrices so far)) given every other bucket, where giving
+    matrices j..i−1 to rank r costs the busiest GPU of r's DP index after LPT packing of its
+    TP-split tasks (its AdamW share and replicated matrices included). Objectives: the squared
+    overload of every GPU above LB_gpu·(1 + tolerance) (graded where the maximum is flat), then
+    Σ v⁸, then max v. Stops
+    when the worst index is within ``tolerance`` of LB_gpu, after ``rounds`` sweeps, or after
+    ``max_evals`` candidate evaluations (deterministic: no wall clock).
+
+    The cuts are then rebuilt: each is clamped into the gap its matrices allow, as close to the
+    original cut as possible, so AdamW slices change little (``dp.polish.rebalance_divisible``
+    may slide them further; it keeps every matrix owner).
+    """
+    ctx = ctx or TPContext.build(problem)
+    tp = problem.sizes.tp
+    loads = problem.loads
+    base, owned = index_work(problem, cuts, ctx)
+    bag = [[loads[i] for i in ids] for ids in owned]
+    bound = lb_gpu(problem, ctx=ctx)
+    scale = float(bound or 1)
+
+    atoms, rank = {}, {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        atoms[key] = [it for it in b.items if it.atomic]
+        rank[key] = [owner_of(cuts[key], it.start) for it in atoms[key]]
+
+    def split_of(it) -> tuple[list[int], float]:
+        return ([loads[i] for i in it.tasks if ctx.split[i]],
+                float(sum(loads[i] for i in it.tasks if not ctx.split[i])))
+
+    def value(d: int) -> float:
+        return base[d] + lpt_makespan(bag[d], tp)
+
+    cache: dict[int, list[int]] = {}  # index → LPT bins of its bag (a heap), while unchanged
+
+    def take(d: int, sp: list[int], rep: float, sign: int) -> None:
+        cache.pop(d, None)
+        if sign > 0:
+            bag[d].extend(sp)
+        else:
+            for y in sp:
+                bag[d].remove(y)
+        base[d] += sign * rep
+
+    evals = 0  # work budget (deterministic, unlike a wall-clock limit)
+    order = sorted((b for b in problem.buckets if len(atoms[(b.buffer, b.bucket)]) > 0),
+                   key=lambda b: (-b.load, b.buffer, b.bucket))
+    target = 1 + tolerance
+    for objective in ("excess", "p8", "max"):
+        for _ in range(rounds):
+            if max(value(d) for d in range(problem.dp)) <= bound * (1 + tolerance):
+                break
+            changed = False
+            for b in order:
+                if evals > max_evals:
+                    break
+                key = (b.buffer, b.bucket)
+                its = [split_of(it) for it in atoms[key]]
+                m, R = len(its), b.ranks
+                ds = [problem.dp_index(b, r) for r in range(R)]
+                # A rank takes at most ``span`` matrices of the bucket (twice its share, or as
+                # many as it has now): keeps the DP near-linear in the bucket's matrices.
+                have = max((rank[key].count(r) for r in set(rank[key])), default=0)
+                span = max(have, 2 * -(-m // R) + 1)
+                for k, (sp, rep) in enumerate(its):
+                    take(ds[rank[key][k]], sp, rep, -1)
+                INF = float("inf")
+                g = [0.0] + [INF] * m  # g[i]: best objective with matrices < i placed on ranks ≤ r
+                choice = []
+                for r in range(R):
+                    d = ds[r]
+                    if d not in cache:
+                        cache[d] = lpt_bins(bag[d], tp)
+                    b0 = cache[d]
+                    ng = [INF] * (m + 1)
+                    ch = [0] * (m + 1)
+                    for j in range(m + 1):
+                        if g[j] == INF:
+                            continue
+                        bins = list(b0)  # a heap: the index's LPT bins without this bucket
+                        rep_sum = 0.0
+                        for i in range(j, min(m, j + span) + 1):
+                            evals += 1
+                            if i > j:
+                                # Matrices j..i-1 join the least-loaded bins (LPT insertion).
+                                for x in sorted(its[i - 1][0], reverse=True):
+                                    heapq.heapreplace(bins, bins[0] + x)
+                                rep_sum += its[i - 1][1]
+                            v = (base[d] + rep_sum + max(bins)) / scale
+                            if objective == "max":
+                                tot = max(g[j], v)
+                            elif objective == "excess":
+                                # Overload of every GPU above the target, squared: graded even
+                                # when an index's maximum sits on a plateau.
+                                tot = g[j] + sum(max(0.0, (base[d] + rep_sum + x) / scale - target)
+                                                 ** 2 for x in bins)
+                            else:
+                                tot = g[j] + v ** 8
+                            if tot < ng[i] - 1e-12:
+                                ng[i], ch[i] = tot, j
+                    g = ng
+                    choice.append(ch)
+                # Walk back the choices: matrices choice[r][i]..i-1 go to rank r.
+                new = [0] * m
+                i = m
+                for r in range(R - 1, -1, -1):
+                    j = choice[r][i]
+                    for k in range(j, i):
+                        new[k] = r
+                    i = j
+                if new != rank[key]:
+                    changed = True
+                rank[key] = new
+                for k, (sp, rep) in enumerate(its):
+                    take(ds[new[k]], sp, rep, +1)
+            if not changed:
+                break
+
+    out: Cuts = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        c = list(cuts[key])
+        ats, rs = atoms[key], rank[key]
+        new_c = [b.start]
+        for r in range(1, b.ranks):
+            # Cut r lies after every matrix of a rank < r and before every matrix of a rank ≥ r.
+            lo = max((a.end for a, x in zip(ats, rs) if x < r), default=b.start)
+            hi = min((a.start for a, x in zip(ats, rs) if x >= r), default=b.end)
+            new_c.append(max(new_c[-1], min(max(c[r], lo), hi)))
+        new_c.append(b.end)
+        out[key] = tuple(new_c)
+    # Never worse than the input on the per-GPU objective.
+    before = max(index_gpu_max(problem, cuts, ctx))
+    after = max(index_gpu_max(problem, out, ctx))
+    return out if after <= before else cuts

@@ -1,0 +1,378 @@
+"""The TP schedule of every DP index: hosts (the paper's global LPT with rollback, optionally
+re-hosted by CP-SAT per group), micro-groups under C_max, their order (Johnson's rule) and the
+modelled timeline; :func:`gpu_loads` evaluates a partition plus a schedule per GPU."""
+
+from __future__ import annotations
+
+import heapq
+import warnings
+from dataclasses import dataclass
+
+from ..cost import DTYPE_BYTES, load_hardware
+from ..errors import CanzonaError, OversizedTaskWarning
+from ..planning import DPProblem
+from .context import Cuts, TPContext, TPSettings, index_work
+
+# --- schedule records ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MicroGroup:
+    """One micro-group of a TP group: tasks in wire order (by host, then id)."""
+
+    tasks: tuple[int, ...]
+    hosts: tuple[int, ...]
+    rank_load: tuple[int, ...]
+    rank_flops: tuple[int, ...]
+    rank_bytes: tuple[int, ...]  # gathered full-matrix bytes hosted per rank
+    gather_send: tuple[tuple[int, ...], ...]  # [src t][dst h] elements
+    oversized: bool
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.rank_bytes)
+
+    @property
+    def gather_recv(self) -> tuple[tuple[int, ...], ...]:
+        """[host h][src t] elements h receives from t (the transpose of ``gather_send``)."""
+        return tuple(zip(*self.gather_send))
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSchedule:
+    """The TP schedule of one DP index: groups in execution order, modelled timeline."""
+
+    dp_index: int
+    tp: int
+    base: tuple[float, ...]  # per rank: AdamW shard + replicated matrices
+    groups: tuple[MicroGroup, ...]
+    timeline: tuple[tuple[float, float, float, float, float, float], ...]  # per group, seconds:
+    #   gather start/end, compute start/end, scatter start/end
+
+    def gpu_load(self) -> list[float]:
+        load = list(self.base)
+        for g in self.groups:
+            for t in range(self.tp):
+                load[t] += g.rank_load[t]
+        return load
+
+    @property
+    def makespan_s(self) -> float:
+        return max((x[5] for x in self.timeline), default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TPSchedule:
+    """Every DP index's TP schedule plus the per-GPU metrics."""
+
+    settings: TPSettings
+    comm_dtype: str
+    indices: tuple[IndexSchedule, ...]
+    status: str
+    oversized: tuple[str, ...]
+
+    def grid(self) -> list[list[int]]:
+        """Per-GPU load, dp × tp (cost-model units)."""
+        return [[int(round(x)) for x in s.gpu_load()] for s in self.indices]
+
+
+# --- greedy: global LPT with rollback ----------------------------------------------------------------
+
+
+def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool) -> MicroGroup:
+    pairs = sorted(pairs, key=lambda x: (x[1], x[0]))  # wire order: by host, then task id
+    loads, flops, mem = [0] * tp, [0] * tp, [0] * tp
+    send = [[0] * tp for _ in range(tp)]
+    pr = ctx.problem
+    for i, h in pairs:
+        loads[h] += pr.loads[i]
+        flops[h] += pr.costs[i].flops
+        mem[h] += ctx.gathered[i]
+        m = ctx.maps[ctx.layout[i]]
+        for t in range(tp):
+            send[t][h] += m.sent_numel(t)
+    return MicroGroup(tuple(i for i, _ in pairs), tuple(h for _, h in pairs), tuple(loads),
+                      tuple(flops), tuple(mem), tuple(tuple(r) for r in send), oversized)
+
+
+def _greedy_groups(ctx: TPContext, ids: list[int], base: list[float], tp: int, cap: int
+                   ) -> list[tuple[list[tuple[int, int]], bool]]:
+    """The paper's global LPT with rollback; returns (pairs (task, host), oversized) per group."""
+    loads = ctx.problem.loads
+    cum = list(base)
+    groups: list[tuple[list[tuple[int, int]], bool]] = []
+    cur: list[tuple[int, int]] = []
+    cur_bytes = [0] * tp
+    for i in sorted(ids, key=lambda i: (-loads[i], i)):
+        h = min(range(tp), key=lambda t: (cum[t], t))  # least total load; lowest rank on ties
+        b = ctx.gathered[i]
+        if b > cap:
+            groups.append(([(i, h)], True))  # alone, over the cap: reported and warned about
+        else:
+            if cur_bytes[h] + b > cap:
+                # Rollback: the LPT rank has no room left in this group; close it, open the next.
+                groups.append((cur, False))
+                cur, cur_bytes = [], [0] * tp
+            cur.append((i, h))
+            cur_bytes[h] += b
+        cum[h] += loads[i]
+    if cur:
+        groups.append((cur, False))
+    return groups
+
+
+# --- CP-SAT per group ----------------------------------------------------------------------------------
+
+
+def _cpsat_group(ctx: TPContext, pairs: list[tuple[int, int]], base: list[float], tp: int,
+                 cap: int, settings: TPSettings) -> tuple[list[tuple[int, int]], str, float]:
+    """Re-host one group. Returns (pairs, status, deterministic time used).
+
+    data:      tasks k of the group with loads w_k and gathered bytes b_k; ranks t with the load
+               base_t they carry before this group (earlier groups, AdamW, replicated matrices).
+    variables: x[k, t] = 1 if task k is hosted on rank t.
+               M = max_t (base_t + Σ_k w_k x[k, t])  (the busiest rank's running total),
+               hi, lo = max_t, min_t Σ_k w_k x[k, t]  (this group's spread).
+    constraints:
+      * every task has exactly one host;
+      * Σ_k b_k x[k, t] ≤ C_max for every rank (the group's memory cap);
+      * M ≥ base_t + load_t, hi ≥ load_t, lo ≤ load_t for every rank.
+    objective: minimise M, then hi − lo (weighted so that M dominates).
+    """
+    from ortools.sat.python import cp_model
+
+    pr = ctx.problem
+    ids = [i for i, _ in pairs]
+    hint = {i: h for i, h in pairs}
+    top = max(base) + sum(pr.loads[i] for i in ids)
+    unit = max(1.0, top / 100_000)  # integer loads at 1e-5 of the scale (heuristic, not a bound)
+    w = [max(0, round(pr.loads[i] / unit)) for i in ids]
+    bs = [max(0, round(b / unit)) for b in base]
+    span = sum(w) + 1
+
+    model = cp_model.CpModel()
+    x = {(k, t): model.new_bool_var(f"x_{k}_{t}") for k in range(len(ids)) for t in range(tp)}
+    for k in range(len(ids)):
+        # Every task has exactly one host.
+        model.add_exactly_one(x[k, t] for t in range(tp))
+    hi = model.new_int_var(0, span, "hi")
+    lo = model.new_int_var(0, span, "lo")
+    M = model.new_int_var(0, max(bs) + span, "M")
+    for t in range(tp):
+        # The rank's gathered full matrices fit the cap.
+        model.add(sum(ctx.gathered[i] * x[k, t] for k, i in enumerate(ids)) <= cap)
+        load_t = sum(w[k] * x[k, t] for k in range(len(ids)))
+        # M bounds every rank's running total; hi and lo bracket this group's loads.
+        model.add(M >= bs[t] + load_t)
+        model.add(hi >= load_t)
+        model.add(lo <= load_t)
+    model.minimize(M * span + (hi - lo))
+    for k, i in enumerate(ids):
+        for t in range(tp):
+            model.add_hint(x[k, t], 1 if hint[i] == t else 0)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = float(settings.group_time_limit_s)
+    solver.parameters.max_time_in_seconds = 10.0 * float(settings.group_time_limit_s)
+    solver.parameters.num_workers = int(settings.workers)
+    solver.parameters.random_seed = int(settings.seed)
+    status = solver.solve(model)
+    used = float(solver.deterministic_time)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        # The greedy hint is feasible, so only UNKNOWN (no time) can happen: keep greedy.
+        return pairs, "unknown", used
+    new = [(i, t) for k, i in enumerate(ids) for t in range(tp) if solver.value(x[k, t])]
+
+    def exact(ps):  # judge on unscaled loads: keep greedy unless CP-SAT is strictly better
+        run = list(base)
+        grp = [0] * tp
+        for i, h in ps:
+            run[h] += pr.loads[i]
+            grp[h] += pr.loads[i]
+        return (max(run), max(grp) - min(grp))
+
+    if exact(new) >= exact(pairs):
+        return pairs, "optimal" if status == cp_model.OPTIMAL else "feasible", used
+    return new, "optimal" if status == cp_model.OPTIMAL else "improved", used
+
+
+def _group_lower_bound(base: list[float], loads: list[int], tp: int) -> float:
+    return max(max(base), (sum(base) + sum(loads)) / tp, min(base) + max(loads, default=0))
+
+
+# --- ordering and timeline ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    flops_per_s: float
+    bytes_per_s: float
+    latency_s: float
+
+
+def _rates(hardware: str) -> _Rates:
+    hw = load_hardware(hardware)
+    return _Rates(hw.peak_flops["bf16"] * hw.compute_efficiency, hw.intra_node.busbw,
+                  hw.intra_node.latency_s)
+
+
+def _a2a_seconds(g: MicroGroup, rates: _Rates, nbytes: int) -> float:
+    """All-to-all time: the rank moving the most off-rank bytes (sent or received) sets it."""
+    tp = len(g.gather_send)
+    worst = 0
+    for t in range(tp):
+        sent = sum(g.gather_send[t][h] for h in range(tp) if h != t)
+        recv = sum(g.gather_send[s][t] for s in range(tp) if s != t)
+        worst = max(worst, sent, recv)
+    return 0.0 if worst == 0 else rates.latency_s + worst * nbytes / rates.bytes_per_s
+
+
+def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
+                        ) -> tuple[list[MicroGroup], list[tuple[float, ...]]]:
+    """Johnson's rule for the two-stage flow shop (gather, then compute), then the timeline.
+
+    Groups whose gather is shorter than their compute go first, by increasing gather; the rest
+    last, by decreasing compute. This minimises the pipelined makespan of gather + compute
+    exactly; scatters then run on the communication stream as soon as it is free.
+    """
+    G = [_a2a_seconds(g, rates, nbytes) for g in groups]
+    C = [max(g.rank_flops) / rates.flops_per_s for g in groups]
+    first = sorted((k for k in range(len(groups)) if G[k] < C[k]), key=lambda k: (G[k], k))
+    last = sorted((k for k in range(len(groups)) if G[k] >= C[k]), key=lambda k: (-C[k], k))
+    order = first + last
+    out = [groups[k] for k in order]
+    G = [G[k] for k in order]
+    C = [C[k] for k in order]
+    timeline: list[tuple[float, ...]] = []
+    n = len(out)
+    gather_end = [0.0] * n
+    comm = 0.0
+    if n:
+        gather_end[0] = G[0]
+        comm = G[0]
+    starts = [0.0] * n
+    compute_free = 0.0
+    rows = []
+    for k in range(n):
+        cs = max(gather_end[k], compute_free)
+        if k + 1 < n:  # the next group's gather is issued as this group's compute starts
+            gs = max(comm, cs)
+            starts[k + 1] = gs
+            gather_end[k + 1] = gs + G[k + 1]
+            comm = gather_end[k + 1]
+        ce = cs + C[k]
+        compute_free = ce
+        ss = max(ce, comm)
+        se = ss + G[k]  # the scatter moves the same elements back
+        comm = se
+        rows.append((starts[k], gather_end[k], cs, ce, ss, se))
+    timeline = [tuple(round(v, 9) for v in r) for r in rows]
+    return out, timeline
+
+
+# --- the schedule ------------------------------------------------------------------------------------
+
+
+def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
+                   settings: TPSettings, budget: list[float] | None = None
+                   ) -> tuple[IndexSchedule, str]:
+    """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable)."""
+    pr = ctx.problem
+    tp = pr.sizes.tp
+    if any(ctx.tp_of[i] != tp for i in ids):
+        raise CanzonaError("expert tensor parallel size differs from tp; not supported yet.")
+    cap = settings.cmax_bytes
+    base = [base_value] * tp
+    raw = _greedy_groups(ctx, ids, base, tp, cap)
+    status = "greedy"
+    if settings.solver == "cpsat" and tp > 1:
+        status = "optimal"
+        run = list(base)
+        new_raw = []
+        for pairs, over in raw:
+            loads = [pr.loads[i] for i, _ in pairs]
+            grp_run = list(run)
+            for i, h in pairs:
+                grp_run[h] += pr.loads[i]
+            proven = max(grp_run) <= _group_lower_bound(run, loads, tp)
+            if not over and len(pairs) > 1 and not proven:
+                if budget is not None and budget[0] <= 0:
+                    status = "feasible"
+                else:
+                    pairs, st, used = _cpsat_group(ctx, pairs, run, tp, cap, settings)
+                    if budget is not None:
+                        budget[0] -= used
+                    if st not in ("optimal",):
+                        status = "feasible"
+            for i, h in pairs:
+                run[h] += pr.loads[i]
+            new_raw.append((pairs, over))
+        raw = new_raw
+    groups = [_make_group(ctx, pairs, tp, over) for pairs, over in raw]
+    rates = _rates(settings.hardware)
+    groups, timeline = _order_and_timeline(groups, rates, DTYPE_BYTES[ctx.comm_dtype])
+    return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline)), status
+
+
+def schedule_tp(problem: DPProblem, cuts: Cuts, settings: TPSettings | None = None, *,
+                comm_dtype: str = "bf16", ctx: TPContext | None = None,
+                warn: bool = True) -> TPSchedule:
+    """The TP schedule of every DP index for the DP partition ``cuts``.
+
+    Args:
+        problem: the DP problem (tasks, costs, layout).
+        cuts: the DP cut points per (buffer, bucket).
+        settings: C_max, solver, time limits.
+        comm_dtype: dtype of the gathered matrices (bf16 unless the parameters are fp32).
+        warn: emit an :class:`~canzona.planner.errors.OversizedTaskWarning` (a ``UserWarning``)
+            naming the tasks larger than C_max; the CLI prints it as one note.
+    """
+    settings = settings or TPSettings()
+    ctx = ctx or TPContext.build(problem, comm_dtype)
+    base, owned = index_work(problem, cuts, ctx)
+    budget = [settings.total_time_limit_s]
+    indices = []
+    statuses = []
+    for d in range(problem.dp):
+        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget)
+        indices.append(s)
+        statuses.append(st)
+    oversized = tuple(problem.tasks[i].name for s in indices for g in s.groups if g.oversized
+                      for i in g.tasks)
+    if warn and oversized:
+        cap = settings.cmax_mib
+        shown = ", ".join(oversized[:5]) + (f" and {len(oversized) - 5} more" if len(oversized) > 5
+                                            else "")
+        warnings.warn(f"{len(oversized)} matrices exceed C_max = {cap:g} MiB when gathered and get "
+                      f"a micro-group of their own (raise --cmax to group them): {shown}.",
+                      OversizedTaskWarning, stacklevel=2)
+    if settings.solver == "greedy" or problem.sizes.tp == 1:
+        status = "greedy"
+    else:
+        status = "cpsat-optimal" if all(s == "optimal" for s in statuses) else "cpsat-feasible"
+    return TPSchedule(settings, ctx.comm_dtype, tuple(indices), status, oversized)
+
+
+def gpu_loads(problem: DPProblem, cuts: Cuts, schedule: TPSchedule | None = None,
+              ctx: TPContext | None = None) -> list[list[float]]:
+    """Per-GPU load (dp × tp) of a DP partition and a TP schedule.
+
+    Without ``schedule``, each index's TP-split tasks are packed by LPT (the greedy's hosting:
+    the rollback only closes groups, it never changes a host), which is what the DP side should
+    evaluate: it is fast and exact for the greedy schedule.
+    """
+    if schedule is not None:
+        return [s.gpu_load() for s in schedule.indices]
+    ctx = ctx or TPContext.build(problem)
+    base, owned = index_work(problem, cuts, ctx)
+    tp = problem.sizes.tp
+    out = []
+    for d in range(problem.dp):
+        heap = [(base[d], t) for t in range(tp)]
+        load = [base[d]] * tp
+        for i in sorted(owned[d], key=lambda i: (-problem.loads[i], i)):
+            _, t = heapq.heappop(heap)
+            load[t] += problem.loads[i]
+            heapq.heappush(heap, (load[t], t))
+        out.append(load)
+    return out
