@@ -237,20 +237,19 @@ def swap_search(problem: DPProblem, cuts: Cuts, *, max_moves: int = 5000) -> tup
             break
         moves += 1
         _, kind, key, k, r, d2, *rest = best
-        w = atomic[key][k].load
-        owners[key][k] = r
-        held[top].discard((key, k))
-        held[d2].add((key, k))
-        load[top] -= w
-        load[d2] += w
+
+        def transfer(key, k, slot_rank, src, dst):  # one matrix from DP index src to dst
+            w = atomic[key][k].load
+            owners[key][k] = slot_rank
+            held[src].discard((key, k))
+            held[dst].add((key, k))
+            load[src] -= w
+            load[dst] += w
+
+        transfer(key, k, r, top, d2)
         if kind == "swap":
             key2, k2, r_top = rest
-            w2 = atomic[key2][k2].load
-            owners[key2][k2] = r_top
-            held[d2].discard((key2, k2))
-            held[top].add((key2, k2))
-            load[d2] -= w2
-            load[top] += w2
+            transfer(key2, k2, r_top, d2, top)
     return owners_to_cuts(problem, owners), moves
 
 
