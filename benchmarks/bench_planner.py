@@ -28,7 +28,8 @@ from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
 from canzona.planner.baselines import baselines
-from canzona.planner.dp import plan_dp
+from canzona.planner.options import DPOptions
+from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
@@ -47,11 +48,11 @@ def run_case(model: str, dp: int, tp: int) -> dict | None:
     except SizeError:
         return None
     t0 = time.perf_counter()
-    plan = plan_dp(problem)
+    plan = plan_problem(problem, dp_only=True)  # the DP partition is what this sweep studies
     solve_s = time.perf_counter() - t0
     rows = {r.name: r for r in baselines(problem, plan)}  # all against the same certified bound
     t0 = time.perf_counter()
-    rplan = plan_dp(problem, reorder=False)
+    rplan = plan_problem(problem, dp_options=DPOptions(reorder=False), dp_only=True)
     reorder_s = time.perf_counter() - t0
     bound = max(plan.metrics.certified_bound, rplan.metrics.certified_bound)
     return {

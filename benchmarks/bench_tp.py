@@ -23,10 +23,10 @@ import warnings
 from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
-from canzona.planner.dp import greedy, plan_dp, solve
+from canzona.planner.dp import greedy, solve
+from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
-from canzona.planner.tp import (TPContext, TPSettings, attach_tp, gpu_loads, joint_refine, lb_gpu,
-                                plan_tp, schedule_tp)
+from canzona.planner.tp import TPContext, TPOptions, gpu_loads, joint_refine, lb_gpu, schedule_tp
 from canzona.planner.tp.baselines import tp_baselines
 
 SECTION = "## TP micro-groups"
@@ -68,7 +68,7 @@ def case(model: str, dp: int, tp: int, split: bool = False, ep: int = 1) -> dict
     grid = ours.grid()
     flat = [x for r in grid for x in r]
     groups = [g for s_ in ours.indices for g in s_.groups]
-    cap = TPSettings().cmax_bytes
+    cap = TPOptions().cmax_bytes
     return {
         "model": model, "dp": dp, "tp": tp, "split": split, "lb": lb,
         "mean": sum(flat) / len(flat), "ours": _max(grid) / lb - 1,
@@ -88,12 +88,12 @@ def moe_timing() -> dict:
     pr = make_problem(build_inventory(get_preset("qwen3-235b-a22b")),
                       ParallelSizes(dp=64, tp=4, ep=8), OptimizerSettings(name="muon"))
     t1 = time.perf_counter()
-    plan = plan_dp(pr)
-    t2 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        full = plan_tp(pr, plan)
+        stages: dict[str, float] = {}
+        full = plan_problem(pr, progress=lambda s: stages.setdefault(s, time.perf_counter()))
     t3 = time.perf_counter()
+    t2 = stages.get("tp micro-groups", t3)
     # The joint step on top (not part of `canzona plan` yet).
     sol = solve(pr)
     ctx = TPContext.build(sol.problem)

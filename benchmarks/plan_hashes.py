@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
-from canzona.planner.dp import plan_dp
-from canzona.planner.planning import make_problem
+from canzona.planner import ParallelSizes, SizeError
+from canzona.planner.options import DPOptions
+from canzona.planner.pipeline import plan
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "plan_hashes.json"
@@ -60,11 +60,12 @@ def cases() -> Iterator[tuple[str, str, Callable[[], str]]]:
 
 def _sweep(model: str, dp: int, tp: int, reorder: bool) -> str | None:
     try:
-        problem = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp),
-                               OptimizerSettings(name="muon"), cost="flops")
+        sizes = ParallelSizes(dp=dp, tp=tp)
+        # The DP plan alone (the sweep measures the DP partition): TP scheduling off.
+        return plan(model, sizes, "muon", dp_options=DPOptions(reorder=reorder),
+                    dp_only=True).to_json()
     except SizeError:
         return None  # sizes the model does not allow: not a case
-    return plan_dp(problem, reorder=reorder).to_json()
 
 
 def compute(only: tuple[str, ...] = ()) -> dict[str, str]:

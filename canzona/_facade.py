@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from canzona.planner import optimizers
+from canzona.planner import optimizers, pipeline
 from canzona.planner.cost import OptimizerSettings
 from canzona.planner.layout import ParallelSizes
-from canzona.planner.dp import plan_dp
+from canzona.planner.options import DPOptions
 from canzona.planner.plan import Plan
-from canzona.planner.planning import make_problem
 
 __all__ = ["plan_model"]
 
@@ -49,7 +48,8 @@ def plan_model(
             ``muon``, ``shampoo``, ``soap``); another raises ``CanzonaError`` listing them.
         bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).
         overlap_grad_reduce: False puts each buffer in one bucket.
-        cost, solver, alpha, time_limit_s, seed, comm_limit, reorder: as ``canzona plan``.
+        cost, solver, alpha, time_limit_s, seed, comm_limit, reorder: the fields of
+            :class:`~canzona.planner.options.DPOptions` (``canzona plan``'s options).
         name: the model name in the plan (default: the module's class name).
         matrix_globs, adamw_globs: optimizer-route overrides by parameter name.
         **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
@@ -59,12 +59,12 @@ def plan_model(
         The plan, ready for :class:`canzona.CanzonaOptimizer` or :func:`canzona.planner.plan.save_plan`.
     """
     optimizers.get(optimizer)  # an unknown name fails here, naming the registered ones
+    options = DPOptions(solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
+                        comm_limit=comm_limit, reorder=reorder, cost=cost,
+                        bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
     from canzona.runtime.introspect import inventory
 
     spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
-    problem = make_problem(spec, ParallelSizes(dp=dp, tp=tp),
-                           OptimizerSettings(name=optimizer, **settings), cost=cost,
-                           bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
-    return plan_dp(problem, solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
-                   comm_limit=comm_limit, reorder=reorder, model_source="module",
-                   progress=progress)
+    return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp),
+                         OptimizerSettings(name=optimizer, **settings), dp_options=options,
+                         progress=progress)

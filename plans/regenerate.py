@@ -13,11 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, get_preset
-from canzona.planner.dp import plan_dp
+from canzona.planner import ParallelSizes
+from canzona.planner.pipeline import plan
 from canzona.planner.plan import Plan, save_plan
-from canzona.planner.planning import default_plan_name, make_problem
-from canzona.planner.tp import plan_tp
+from canzona.planner.planning import default_plan_name
 
 HERE = Path(__file__).resolve().parent
 MODELS = ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
@@ -31,10 +30,7 @@ def plan_name(model: str, dp: int, tp: int) -> str:
 
 def build(model: str, dp: int, tp: int) -> Plan:
     """The plan ``canzona plan --model model --dp dp --tp tp`` makes with default options."""
-    sizes = ParallelSizes(dp=dp, tp=tp)
-    problem = make_problem(build_inventory(get_preset(model)), sizes, OptimizerSettings(name="muon"))
-    plan = plan_dp(problem)
-    return plan_tp(problem, plan) if tp > 1 else plan  # TP micro-groups, C_max 512 MiB, greedy
+    return plan(model, ParallelSizes(dp=dp, tp=tp), "muon")  # TP: C_max 512 MiB, greedy
 
 
 def index(plans: dict[str, Plan]) -> str:

@@ -68,6 +68,17 @@ TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE models).")]
 
 
+#: The library's option fields as this CLI spells them (errors name the flag to change).
+FLAGS = {
+    "DPOptions.solver": "--solver", "DPOptions.alpha": "--alpha", "DPOptions.cost": "--cost",
+    "DPOptions.time_limit_s": "--time-limit", "DPOptions.comm_limit": "--comm-limit",
+    "DPOptions.seed": "--seed", "DPOptions.reorder": "--reorder",
+    "DPOptions.bucket_size": "--bucket-size", "TPOptions.cmax_mib": "--cmax",
+    "TPOptions.solver": "--tp-solver", "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
+    "ParallelSizes.ep": "--ep", "ParallelSizes.etp": "--etp",
+}
+
+
 def command(fn: Callable) -> Callable:
     """Register ``fn`` as a command whose canzona input errors become one line and exit 1.
 
@@ -82,7 +93,7 @@ def command(fn: Callable) -> Callable:
             try:
                 return fn(*args, **kwargs)
             except CanzonaError as exc:
-                _render.error(str(exc))
+                _render.error(exc.render(FLAGS))
                 raise typer.Exit(1) from None
             finally:
                 seen: set[str] = set()
@@ -162,9 +173,6 @@ def layout(
         _render.layout_report(spec, lay, show_buckets=buckets)
 
 
-COSTS = ("flops", "numel")
-
-
 def _choice(value: str, allowed: tuple[str, ...], option: str) -> str:
     """Lower-case ``value`` if it is one of ``allowed``; a one-line error otherwise."""
     v = value.strip().lower()
@@ -231,43 +239,26 @@ def plan(
         help="Plan file (written atomically).")] = None,
 ) -> None:
     """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the plan."""
-    from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, resolve_model
-    from canzona.planner.dp import SOLVERS, plan_dp
+    from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions, pipeline,
+                                 resolve_model)
     from canzona.planner.plan import save_plan
-    from canzona.planner.planning import default_plan_name, make_problem
+    from canzona.planner.planning import default_plan_name
 
-    optimizer = _choice(optimizer, optimizers.names(), "--optimizer")
-    cost = _choice(cost, COSTS, "--cost")
-    solver = _choice(solver, SOLVERS, "--solver")
-    if not 0.0 <= alpha <= 1.0:
-        raise CanzonaError(f"--alpha must be in [0, 1], got {alpha}.")
-    if not time_limit > 0:
-        raise CanzonaError(f"--time-limit must be positive seconds, got {time_limit}.")
-    if comm_limit is not None and not comm_limit >= 1.0:
-        raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
-    tp_solver = _choice(tp_solver, ("greedy", "cpsat"), "--tp-solver")
-    if not cmax > 0:
-        raise CanzonaError(f"--cmax must be a positive number of MiB, got {cmax}.")
     t0 = time.perf_counter()
-    cfg = resolve_model(model, config)
+    dp_options = DPOptions(solver=solver.strip().lower(), alpha=alpha, cost=cost.strip().lower(),
+                           time_limit_s=time_limit, comm_limit=comm_limit, seed=seed,
+                           reorder=reorder, bucket_size=bucket_size,
+                           overlap_grad_reduce=not no_overlap)
+    tp_options = TPOptions(cmax_mib=cmax, solver=tp_solver.strip().lower())
+    settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
+                                 split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
-    settings = OptimizerSettings(name=optimizer, split_qkv=split_qkv, split_gate_up=split_gate_up)  # type: ignore[arg-type]
-    out = output if output is not None else Path(default_plan_name(cfg.name, sizes, optimizer))
+    name = resolve_model(model, config).name
+    out = output or Path(default_plan_name(name, sizes, settings.name))
     _check_output(out)
-    with _render.progress(f"planning {cfg.name} dp={dp} tp={tp}") as say:
-        say("model inventory and ZeRO-1 layout")
-        problem = make_problem(build_inventory(cfg), sizes, settings, cost=cost,
-                               bucket_size=bucket_size, overlap_grad_reduce=not no_overlap)
-        say("DP partition")
-        result = plan_dp(problem, solver=solver, alpha=alpha, time_limit_s=time_limit, seed=seed,
-                         comm_limit=comm_limit, reorder=reorder,
-                         model_source="preset" if model is not None else "hf_config",
-                         progress=say)
-        if sizes.tp > 1:
-            from canzona.planner.tp import TPSettings, plan_tp
-
-            say("tp micro-groups")
-            result = plan_tp(problem, result, TPSettings(cmax_mib=cmax, solver=tp_solver))
+    with _render.progress(f"planning {name} dp={dp} tp={tp}") as say:
+        result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
+                               tp_options=tp_options, progress=say)
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)
@@ -283,6 +274,8 @@ def _rebuild_problem(p: object, config: Optional[Path]):  # -> DPProblem | None
     from canzona.planner.planning import make_problem
 
     inp = p.inputs  # type: ignore[attr-defined]
+    from canzona.planner.options import COSTS
+
     if inp.model_source == "module" or inp.cost_model not in COSTS:
         return None
     if inp.model_source == "hf_config":
@@ -335,11 +328,11 @@ def inspect(
         report = _render.inspect_dict(p, rows, top=top)
         tp_rows = None
         if p.tp is not None and problem is not None:
-            from canzona.planner.tp import problem_from_plan
+            from canzona.planner.planning import problem_for_plan
             from canzona.planner.tp.baselines import TPBaselineRow, tp_baselines
 
             say("TP baselines")
-            pr, cuts = problem_from_plan(problem, p)
+            pr, cuts = problem_for_plan(problem, p)
             tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
             m = p.tp.metrics
             flat = [x for r in m.gpu_load for x in r]

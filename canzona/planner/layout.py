@@ -82,15 +82,8 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     Raises:
         SizeError: one line per violation, naming the constraint and the nearest valid sizes.
     """
+    _check_positive(sizes)
     problems: list[str] = []
-    for field in ("dp", "tp", "ep"):
-        v = getattr(sizes, field)
-        if not isinstance(v, int) or v < 1:
-            problems.append(f"--{field} must be a positive integer, got {v!r}.")
-    if sizes.etp is not None and sizes.etp < 1:
-        problems.append(f"--etp must be a positive integer, got {sizes.etp!r}.")
-    if problems:
-        raise SizeError(" ".join(problems))
 
     tp = sizes.tp
     tp_limits = [("attention heads", cfg.q_heads), ("KV groups", cfg.kv_heads)]
@@ -124,17 +117,25 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
                             f"{_nearest(etp, _divisors(cfg.moe_ffn))}.")
     elif sizes.ep != 1:
         problems.append(f"ep={sizes.ep} needs a mixture-of-experts model; {cfg.name} is dense "
-                        "(use --ep 1).")
+                        "(set {ParallelSizes.ep} to 1).")
     if problems:
-        raise SizeError(" ".join(problems))
+        raise SizeError(" ".join(problems), fields=("ParallelSizes.ep",))
+
+
+def _check_positive(sizes: ParallelSizes) -> None:
+    """Every size a positive integer (one error naming each field that is not)."""
+    bad = [(f"ParallelSizes.{f}", getattr(sizes, f)) for f in ("dp", "tp", "ep", "etp")
+           if getattr(sizes, f) is not None or f != "etp"]
+    bad = [(f, v) for f, v in bad
+           if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise SizeError(" ".join(f"{{{f}}} must be a positive integer, got {v!r}." for f, v in bad),
+                        fields=tuple(f for f, _ in bad))
 
 
 def _validate_configless(spec: ModelSpec, sizes: ParallelSizes) -> None:
     """Sizes for an inventory without a model config (a live module): DP only."""
-    for field in ("dp", "tp", "ep"):
-        v = getattr(sizes, field)
-        if not isinstance(v, int) or v < 1:
-            raise SizeError(f"--{field} must be a positive integer, got {v!r}.")
+    _check_positive(sizes)
     if sizes.tp != 1 or sizes.ep != 1 or (sizes.etp or 1) != 1:
         raise SizeError(f"{spec.name} has no model config (read from a live module), so only "
                         f"tp=1 and ep=1 can be planned; got tp={sizes.tp}, ep={sizes.ep}.")
@@ -313,7 +314,8 @@ def build_layout(
     else:
         _validate_configless(spec, sizes)
     if bucket_size is not None and bucket_size < 1:
-        raise SizeError(f"--bucket-size must be a positive number of elements, got {bucket_size}.")
+        raise SizeError(f"{{DPOptions.bucket_size}} must be a positive number of elements, got "
+                        f"{bucket_size}.", fields=("DPOptions.bucket_size",))
     size = (bucket_size or default_bucket_size(sizes.dp)) if overlap_grad_reduce else None
     dense: dict[str, list[ParamSpec]] = {}
     experts: dict[str, list[ParamSpec]] = {}

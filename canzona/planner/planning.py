@@ -13,6 +13,8 @@ expert group the TP group of DP index d = j·ep + k, so every load is reported p
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
@@ -21,9 +23,11 @@ from .errors import SizeError
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .plan import (BucketPlan, BufferPlan, Metrics, Plan, PlanInputs, RankLayout, SlotPlan,
-                   SolverOptions, TaskPlan)
+                   SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).
+Cuts = dict[tuple[int, int], tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class DPProblem:
     cost_model: str
     buckets: tuple[BucketProblem, ...]
     total: int = 0  # Σ loads, computed once by make_problem
+    comm_dtype: str = "bf16"  # dtype of the TP gather/scatter (the tasks' tp_comm_bytes)
 
     @property
     def dp(self) -> int:
@@ -127,7 +132,7 @@ def make_problem(
                                   s.optimizer == "matrix", ids))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     return DPProblem(spec, sizes, settings, layout, tuple(tasks), costs, loads,
-                     getattr(model, "name", "custom"), tuple(buckets), sum(loads))
+                     getattr(model, "name", "custom"), tuple(buckets), sum(loads), comm_dtype)
 
 
 def equal_cuts(b: BucketProblem) -> tuple[int, ...]:
@@ -160,7 +165,7 @@ class Evaluation:
     split_matrices: int
 
 
-def evaluate(problem: DPProblem, cuts: dict[tuple[int, int], tuple[int, ...]],
+def evaluate(problem: DPProblem, cuts: Cuts,
              *, split_mode: str = "owner") -> Evaluation:
     """Loads per DP index.
 
@@ -215,16 +220,22 @@ def evaluate(problem: DPProblem, cuts: dict[tuple[int, int], tuple[int, ...]],
 
 def build_plan(
     problem: DPProblem,
-    cuts: dict[tuple[int, int], tuple[int, ...]],
+    cuts: Cuts,
     *,
     solver: SolverOptions,
     model_source: str = "preset",
     certified_bound: int | None = None,
     status: str = "n/a",
     split_mode: str = "owner",
-    comm_dtype: str = "bf16",
+    tp: TPPlan | None = None,
+    placements: Mapping[int, tuple[int, int]] | None = None,
 ) -> Plan:
-    """Assemble the plan file from a problem and its cut points."""
+    """Assemble the plan file from a problem and its cut points (the one place a Plan is built).
+
+    Args:
+        tp: the plan's TP section (``tp.assemble.tp_plan``), for tp > 1.
+        placements: task id → (host TP rank, micro-group) of every TP-split matrix task.
+    """
     ev = evaluate(problem, cuts, split_mode=split_mode)
     sizes = problem.sizes
     buffers = []
@@ -241,7 +252,8 @@ def build_plan(
         TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape, optimizer=t.optimizer,  # type: ignore[arg-type]
                  owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
                  cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
-                 tp_comm_bytes=c.tp_comm_bytes)
+                 tp_comm_bytes=c.tp_comm_bytes,
+                 **_placement(placements, t.id))
         for t, c in zip(problem.tasks, problem.costs))
     lb = problem.lower_bound()
     bound = max(lb, certified_bound or 0)
@@ -258,10 +270,35 @@ def build_plan(
         dp=sizes.dp, tp=sizes.tp, ep=sizes.ep, etp=sizes.expert_tp, optimizer=problem.settings,
         cost_model=problem.cost_model, bucket_size=problem.layout.bucket_size,
         grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
-        comm_dtype=comm_dtype, solver=solver)
+        comm_dtype=problem.comm_dtype, solver=solver)
     return Plan(inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                 fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
-                buffers=tuple(buffers), tasks=tasks, metrics=metrics)
+                buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp)
+
+
+def _placement(placements: Mapping[int, tuple[int, int]] | None, task: int) -> dict[str, int]:
+    if placements is None or task not in placements:
+        return {}
+    host, group = placements[task]
+    return {"host": host, "micro_group": group}
+
+
+def problem_for_plan(problem: DPProblem, plan: Plan) -> tuple[DPProblem, Cuts]:
+    """The problem a saved plan's cuts refer to — ``problem`` (``make_problem`` with the plan's
+    inputs) with every bucket's parameters in the plan's order, since plans made with
+    reordering move parameters inside buckets — and the plan's cuts."""
+    cuts: Cuts = {}
+    buckets = []
+    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
+    for bi, buf in enumerate(plan.buffers):
+        for bp in buf.buckets:
+            old = by_key[(bi, bp.index)]
+            by_name = {problem.tasks[it.tasks[0]].param: it for it in old.items}
+            buckets.append(BucketProblem(bi, bp.index, bp.start, bp.end, old.ranks, tuple(
+                dataclasses.replace(by_name[s.name], slot=k, start=s.start, end=s.end)
+                for k, s in enumerate(bp.slots))))
+            cuts[(bi, bp.index)] = tuple(bp.cuts)
+    return dataclasses.replace(problem, buckets=tuple(buckets)), cuts
 
 
 def baseline_plan(problem: DPProblem, strategy: str = "asc", model_source: str = "preset") -> Plan:

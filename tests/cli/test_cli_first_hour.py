@@ -207,19 +207,18 @@ class _Recorder:
 
 
 def test_progress_covers_the_inventory_and_the_plan_loading(plans, tmp_path, monkeypatch):
-    import canzona.planner
-    import canzona.planner.plan
+    import canzona.planner.pipeline
 
     rec = _Recorder()
     monkeypatch.setattr(_render, "progress", rec)
     seen = {}
-    real_inv = canzona.planner.build_inventory
+    real_inv = canzona.planner.pipeline.inventory_of
 
-    def inv(cfg):
+    def inv(source):
         seen["inventory"] = rec.active
-        return real_inv(cfg)
+        return real_inv(source)
 
-    monkeypatch.setattr(canzona.planner, "build_inventory", inv)
+    monkeypatch.setattr(canzona.planner.pipeline, "inventory_of", inv)
     assert run("plan", "--model", "qwen3-0.6b", "--dp", 2, "-o", tmp_path / "p.json").exit_code == 0
     assert seen["inventory"] is True and rec.phases[0].startswith("model inventory")
     rec.phases.clear()

@@ -153,9 +153,9 @@ def test_ep_on_dense_model_and_non_positive_sizes():
     spec = build_inventory(get_preset("qwen3-8b"))
     with pytest.raises(SizeError, match="dense"):
         build_layout(spec, ParallelSizes(dp=4, tp=1, ep=2))
-    with pytest.raises(SizeError, match="--dp must be a positive integer"):
+    with pytest.raises(SizeError, match="ParallelSizes.dp must be a positive integer"):
         build_layout(spec, ParallelSizes(dp=0, tp=1))
-    with pytest.raises(SizeError, match="--bucket-size"):
+    with pytest.raises(SizeError, match="DPOptions.bucket_size"):
         build_layout(spec, ParallelSizes(dp=2, tp=1), bucket_size=0)
 
 

@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.planner import (CanzonaError, OptimizerSettings, ParallelSizes, build_inventory,
-                             get_preset)
+from canzona.planner import (CanzonaError, DPOptions, OptimizerSettings, OptionError, ParallelSizes,
+                             build_inventory, get_preset)
 from canzona.planner.baselines import baselines
 from canzona.planner.models import ModelConfig
-from canzona.planner.dp import greedy, pigeonhole_bound, plan_dp, solve
+from canzona.planner.dp import greedy, pigeonhole_bound, solve
+from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import equal_cuts, evaluate, make_problem, owner_of
 
 SMALL = ModelConfig(name="small", arch="qwen3", hidden=256, ffn=768, layers=6, q_heads=4,
@@ -52,7 +53,7 @@ def _check_partition(problem, cuts):
 def test_greedy_and_auto_are_valid_partitions(dp, bucket, alpha, cost, split):
     pr = _problem(dp=dp, bucket=bucket, cost=cost, split=split)
     _check_partition(pr, greedy(pr, alpha=alpha))
-    sol = solve(pr, solver="auto", alpha=alpha)
+    sol = solve(pr, DPOptions(solver="auto", alpha=alpha))
     ev = _check_partition(sol.problem, sol.cuts)
     assert max(ev.load) >= sol.bound >= pr.lower_bound()
 
@@ -86,7 +87,7 @@ def test_alpha_zero_reproduces_even_split_where_boundaries_allow():
 
 def test_deterministic_and_bound():
     pr = _problem(dp=4)
-    a, b = plan_dp(pr), plan_dp(pr)
+    a, b = plan_problem(pr), plan_problem(pr)
     assert a.to_json() == b.to_json()
     assert a.metrics.split_matrices == 0
     assert a.metrics.certified_bound >= a.metrics.lower_bound
@@ -104,16 +105,31 @@ def test_pigeonhole_bound_is_valid_and_tight_on_a_known_case():
     assert max(evaluate(sol.problem, sol.cuts).load) >= bound
 
 
-def test_solver_argument_errors():
-    pr = _problem()
-    with pytest.raises(CanzonaError, match="unknown solver"):
-        solve(pr, solver="magic")
-    with pytest.raises(CanzonaError, match="--alpha"):
-        solve(pr, alpha=1.5)
-    with pytest.raises(CanzonaError, match="--time-limit"):
-        solve(pr, time_limit_s=0)
-    with pytest.raises(CanzonaError, match="--comm-limit"):
-        solve(pr, comm_limit=0.5)
+@pytest.mark.parametrize("field,value,says", [
+    ("solver", "magic", "must be one of: auto, greedy, cpsat; got 'magic'"),
+    ("alpha", 1.5, "must be in [0, 1], got 1.5"),
+    ("alpha", float("nan"), "must be in [0, 1]"),
+    ("time_limit_s", 0, "must be a positive number of seconds"),
+    ("comm_limit", 0.5, "must be ≥ 1"),
+    ("cost", "bytes", "must be one of: flops, numel"),
+    ("workers", 0, "must be a positive integer"),
+    ("bucket_size", 0, "must be a positive number of elements"),
+])
+def test_dp_options_name_the_field(field, value, says):
+    with pytest.raises(OptionError) as info:
+        DPOptions(**{field: value})
+    msg = str(info.value)
+    assert msg.startswith(f"DPOptions.{field} ") and says in msg
+    assert info.value.fields == (f"DPOptions.{field}",)
+    assert info.value.render({f"DPOptions.{field}": "--flag"}).startswith("--flag ")
+
+
+def test_options_are_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        DPOptions("auto")  # type: ignore[misc]
+    o = DPOptions()
+    with pytest.raises(AttributeError):
+        o.alpha = 0.5  # type: ignore[misc]
 
 
 def test_comm_limit_bounds_every_slice():
@@ -122,14 +138,14 @@ def test_comm_limit_bounds_every_slice():
     need = max((it.end - it.start) / ((b.end - b.start) / b.ranks)
                for b in pr.buckets for it in b.items if it.atomic)
     limit = need * 1.05
-    sol = solve(pr, comm_limit=limit)
+    sol = solve(pr, DPOptions(comm_limit=limit))
     cuts = sol.cuts
     _check_partition(sol.problem, cuts)
     for b in sol.problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         assert max(y - x for x, y in zip(c, c[1:])) <= limit * (b.end - b.start) / b.ranks
-    with pytest.raises(CanzonaError, match="comm_limit is too tight"):
-        solve(pr, comm_limit=max(1.0, need * 0.9))
+    with pytest.raises(OptionError, match="DPOptions.comm_limit is too tight"):
+        solve(pr, DPOptions(comm_limit=max(1.0, need * 0.9)))
 
 
 def test_cpsat_respects_time_limit_and_returns_valid_plan():
@@ -137,7 +153,7 @@ def test_cpsat_respects_time_limit_and_returns_valid_plan():
 
     pr = _problem(dp=4, bucket=300_000)
     t = time.perf_counter()
-    sol = solve(pr, solver="cpsat", time_limit_s=1.0, seed=3)
+    sol = solve(pr, DPOptions(solver="cpsat", time_limit_s=1.0, seed=3))
     assert time.perf_counter() - t < 20
     ev = _check_partition(sol.problem, sol.cuts)
     auto = solve(pr)
@@ -147,7 +163,7 @@ def test_cpsat_respects_time_limit_and_returns_valid_plan():
 
 def test_baselines_compare_like_with_like():
     pr = make_problem(build_inventory(get_preset("qwen3-1.7b")), ParallelSizes(16, 8))
-    plan = plan_dp(pr)
+    plan = plan_problem(pr)
     rows = {r.name: r for r in baselines(pr, plan)}
     assert set(rows) == {"zero1", "asc", "layerwise", "layerwise-lpt", "canzona-greedy", "canzona"}
     assert rows["zero1"].split_matrices > 0 and rows["canzona"].split_matrices == 0
@@ -159,7 +175,7 @@ def test_baselines_compare_like_with_like():
 
 def test_moe_expert_buckets_map_to_dp_indices():
     pr = make_problem(build_inventory(get_preset("qwen3-30b-a3b")), ParallelSizes(8, 2, ep=4))
-    sol = solve(pr, solver="greedy")
+    sol = solve(pr, DPOptions(solver="greedy"))
     ev = _check_partition(sol.problem, sol.cuts)
     assert len(ev.load) == 8 and min(ev.load) > 0
 
@@ -169,9 +185,9 @@ def test_moe_expert_buckets_map_to_dp_indices():
        cost=st.sampled_from(["flops", "numel"]))
 def test_reorder_is_a_valid_permuted_layout_and_never_worse(dp, bucket, cost):
     pr = _problem(dp=dp, bucket=bucket, cost=cost)
-    plain = solve(pr, reorder=False)
+    plain = solve(pr, DPOptions(reorder=False))
     assert plain.problem is pr
-    sol = solve(pr, reorder=True)
+    sol = solve(pr, DPOptions(reorder=True))
     rp = sol.problem
     _check_partition(rp, sol.cuts)
     # Never worse than keeping the order, unless already within 2% of the certified bound.
@@ -192,9 +208,10 @@ def test_reorder_is_a_valid_permuted_layout_and_never_worse(dp, bucket, cost):
 
 def test_reorder_plan_records_the_order():
     pr = make_problem(build_inventory(get_preset("qwen3-0.6b")), ParallelSizes(64, 4))
-    plan = plan_dp(pr, reorder=True)
+    plan = plan_problem(pr, dp_options=DPOptions(reorder=True))
     assert plan.inputs.solver.reorder
-    assert plan.metrics.gap_to_bound < plan_dp(pr, reorder=False).metrics.gap_to_bound
+    megatron_order = plan_problem(pr, dp_options=DPOptions(reorder=False))
+    assert plan.metrics.gap_to_bound < megatron_order.metrics.gap_to_bound
     order = [s.name for b in plan.buffers[0].buckets for s in b.slots]
     assert sorted(order) == sorted(p.name for p in build_inventory(get_preset("qwen3-0.6b")).params)
     assert order != [s.name for b in pr.layout.buffers[0].buckets for s in b.slots]
@@ -204,7 +221,7 @@ def test_adamw_tensors_spread_over_ranks():
     # The output layer (AdamW) is a bucket of its own: it is shared evenly by all ranks, not put
     # on the rank with the least FLOPs.
     pr = make_problem(build_inventory(get_preset("qwen3-8b")), ParallelSizes(8, 1))
-    plan = plan_dp(pr, reorder=False)
+    plan = plan_problem(pr, dp_options=DPOptions(reorder=False))
     (first,) = [b for b in plan.buffers[0].buckets if [s.name for s in b.slots] == ["output_layer.weight"]]
     sizes = [y - x for x, y in zip(first.cuts, first.cuts[1:])]
     assert max(sizes) - min(sizes) <= 1

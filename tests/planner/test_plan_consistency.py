@@ -14,11 +14,10 @@ import pytest
 
 import canzona
 from canzona.planner import OptimizerSettings, ParallelSizes, PlanFileError, build_inventory, get_preset
-from canzona.planner.dp import plan_dp
 from canzona.planner.plan import Plan, save_plan
 from canzona.planner.plan import load_plan as load_structure
 from canzona.planner.planning import baseline_plan, make_problem
-from canzona.planner.tp import TPSettings, plan_tp
+from canzona.planner.pipeline import plan_problem
 from canzona.planner.validate import check_plan, load_plan
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
@@ -27,8 +26,7 @@ PLANS = Path(__file__).resolve().parents[2] / "plans"
 def _make(model: str, dp: int, tp: int, ep: int = 1, cost: str = "flops", **settings) -> Plan:
     problem = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp, tp, ep=ep),
                            OptimizerSettings(**settings), cost=cost)
-    plan = plan_dp(problem)
-    return plan_tp(problem, plan, TPSettings()) if tp > 1 else plan
+    return plan_problem(problem)
 
 
 @pytest.fixture(scope="module")

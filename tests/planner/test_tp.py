@@ -12,8 +12,8 @@ from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, g
 from canzona.planner.dp import greedy, solve
 from canzona.planner.plan import SolverOptions, parse_plan
 from canzona.planner.planning import build_plan, make_problem
-from canzona.planner.tp import (MIB, TPContext, TPSettings, attach_tp, gpu_loads, index_gpu_max,
-                                joint_refine, lb_gpu, schedule_tp)
+from canzona.planner.tp import (MIB, TPContext, TPOptions, gpu_loads, index_gpu_max,
+                                joint_refine, lb_gpu, placements, schedule_tp, tp_plan)
 from canzona.planner.tp.baselines import tp_baselines
 
 _CACHE: dict = {}
@@ -65,7 +65,7 @@ def _check(pr, ctx, sch, cap):
        solver=st.sampled_from(["greedy", "cpsat"]))
 def test_schedule_properties(dp, tp, cmax, split, solver):
     pr, cuts, ctx = _problem(dp=dp, tp=tp, split=split)
-    ts = TPSettings(cmax_mib=cmax, solver=solver, group_time_limit_s=0.05, total_time_limit_s=0.5)
+    ts = TPOptions(cmax_mib=cmax, solver=solver, group_time_limit_s=0.05, total_time_limit_s=0.5)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         sch = schedule_tp(pr, cuts, ts, ctx=ctx)
@@ -88,14 +88,14 @@ def test_schedule_properties(dp, tp, cmax, split, solver):
 def test_oversized_task_warns_and_is_alone():
     pr, cuts, ctx = _problem()
     with pytest.warns(UserWarning, match="exceed C_max"):
-        sch = schedule_tp(pr, cuts, TPSettings(cmax_mib=0.5), ctx=ctx)
+        sch = schedule_tp(pr, cuts, TPOptions(cmax_mib=0.5), ctx=ctx)
     assert sch.oversized
     _check(pr, ctx, sch, int(0.5 * MIB))
 
 
 def test_greedy_hosting_is_lpt_and_matches_index_gpu_max():
     pr, cuts, ctx = _problem(dp=2, tp=4)
-    sch = schedule_tp(pr, cuts, TPSettings(cmax_mib=4.0), ctx=ctx)
+    sch = schedule_tp(pr, cuts, TPOptions(cmax_mib=4.0), ctx=ctx)
     # The rollback only closes groups; hosts are LPT's, so the DP side's fast view is exact.
     grid = sch.grid()
     fast = index_gpu_max(pr, cuts, ctx)
@@ -117,13 +117,17 @@ def test_joint_refine_never_worse_and_keeps_matrices_whole():
 def test_plan_section_round_trips_and_is_deterministic():
     pr, cuts, ctx = _problem(dp=2, tp=4)
     sol = solve(pr)
-    sch = schedule_tp(pr, sol.cuts, TPSettings(cmax_mib=16.0, solver="cpsat",
+    sch = schedule_tp(pr, sol.cuts, TPOptions(cmax_mib=16.0, solver="cpsat",
                                                group_time_limit_s=0.05), ctx=ctx)
-    plan = build_plan(pr, sol.cuts, solver=SolverOptions(strategy="canzona"))
-    a = attach_tp(plan, pr, sch, ctx).to_json()
-    sch2 = schedule_tp(pr, sol.cuts, TPSettings(cmax_mib=16.0, solver="cpsat",
+
+    def assemble(schedule, ctx=None):
+        return build_plan(pr, sol.cuts, solver=SolverOptions(strategy="canzona"),
+                          tp=tp_plan(pr, schedule, ctx), placements=placements(schedule))
+
+    a = assemble(sch, ctx).to_json()
+    sch2 = schedule_tp(pr, sol.cuts, TPOptions(cmax_mib=16.0, solver="cpsat",
                                                 group_time_limit_s=0.05))
-    assert attach_tp(plan, pr, sch2).to_json() == a
+    assert assemble(sch2).to_json() == a
     p = parse_plan(a)
     assert p.tp is not None and p.tp.metrics.lb_gpu > 0
     hosted = {t.id: (t.host, t.micro_group) for t in p.tasks if t.host is not None}
@@ -136,10 +140,16 @@ def test_plan_section_round_trips_and_is_deterministic():
     assert rows["sc"].max_gpu_load >= rows["canzona"].max_gpu_load
 
 
-def test_settings_validation():
-    from canzona.planner import CanzonaError
+@pytest.mark.parametrize("field,value,says", [
+    ("cmax_mib", 0, "must be a positive number of MiB, got 0"),
+    ("cmax_mib", float("inf"), "must be a positive number of MiB"),
+    ("solver", "magic", "must be one of: greedy, cpsat; got 'magic'"),
+    ("group_time_limit_s", -1.0, "must be a positive number of seconds"),
+    ("comm_dtype", "int8", "must be one of: bf16, fp16, fp32"),
+])
+def test_tp_options_name_the_field(field, value, says):
+    from canzona.planner import OptionError
 
-    with pytest.raises(CanzonaError, match="--cmax"):
-        TPSettings(cmax_mib=0)
-    with pytest.raises(CanzonaError, match="TP solver"):
-        TPSettings(solver="magic")
+    with pytest.raises(OptionError) as info:
+        TPOptions(**{field: value})
+    assert str(info.value).startswith(f"TPOptions.{field} ") and says in str(info.value)

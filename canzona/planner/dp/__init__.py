@@ -5,7 +5,7 @@ Inside every ZeRO-1 bucket, DP rank r still owns the r-th slice [s_r, s_{r+1}) �
 move to boundaries of matrix-optimizer parameters, so every matrix is whole on one rank. AdamW
 parameters are elementwise and may be cut anywhere, as plain ZeRO-1 does.
 
-Solvers (one signature, :func:`solve`):
+Solvers (one entry, :func:`solve`, steered by :class:`~canzona.planner.options.DPOptions`):
 
 * ``greedy`` — the paper's α-balanced LPT: buckets visited by load, largest first; each bucket's
   target split blends the even element split (α = 0, ZeRO-1's geometry) with filling every rank's
@@ -35,12 +35,12 @@ from .cpsat import solve_cpsat
 from .greedy import greedy
 from .polish import improve, polish, rebalance_divisible, swap_search
 from .reorder import assign_free, reorder_problem
-from .solve import JOINT_TP_MARGIN, PACKING_BOUND_ABOVE, SOLVERS, Solution, plan_dp, solve
+from .solve import JOINT_TP_MARGIN, PACKING_BOUND_ABOVE, SOLVERS, Solution, solve
 from .units import Cuts, Units, bucket_units, owners_to_cuts, piece_grain, spread_cuts
 
 __all__ = [
     "JOINT_TP_MARGIN", "PACKING_BOUND_ABOVE", "SCALE_UNITS", "SOLVERS", "Cuts", "Solution",
     "Units", "assign_free", "bucket_units", "greedy", "improve", "owners_to_cuts",
-    "packing_bound", "piece_grain", "pigeonhole_bound", "plan_dp", "polish", "rebalance_divisible",
+    "packing_bound", "piece_grain", "pigeonhole_bound", "polish", "rebalance_divisible",
     "reorder_problem", "solve", "solve_cpsat", "spread_cuts", "swap_search",
 ]

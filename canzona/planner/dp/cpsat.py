@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CanzonaError
+from ..errors import OptionError
 from ..planning import DPProblem, evaluate
 from .bounds import SCALE_UNITS
 from .units import bucket_units, piece_grain
@@ -89,7 +89,8 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE:
-            raise CanzonaError("comm_limit is too tight: no cut points satisfy it; raise --comm-limit.")
+            raise OptionError("{DPOptions.comm_limit} is too tight: no cut points satisfy it; "
+                              "raise it.", fields=("DPOptions.comm_limit",))
         # UNKNOWN: no solution in time; keep the warm start.
         return hint, "cpsat-unknown", 0
     cuts = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CanzonaError
+from ..errors import OptionError
 from ..planning import BucketProblem, DPProblem, evaluate, owner_of
 from .units import Cuts, Units, bucket_units, cuts_from_indices, owners_to_cuts, piece_grain, spread_cuts
 
@@ -44,8 +44,9 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) ->
         choice[r] = np.argmin(tot, axis=0)  # first (smallest j) on ties: deterministic
         g = tot[choice[r], np.arange(m + 1)]
     if not np.isfinite(g[m]):
-        raise CanzonaError("comm_limit is too tight: some bucket cannot be cut into slices that "
-                           "small at parameter boundaries; raise --comm-limit.")
+        raise OptionError("{DPOptions.comm_limit} is too tight: some bucket cannot be cut into "
+                          "slices that small at parameter boundaries; raise it.",
+                          fields=("DPOptions.comm_limit",))
     idx = [m]
     for r in range(R - 1, -1, -1):
         idx.append(int(choice[r][idx[-1]]))
@@ -75,8 +76,9 @@ def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, objective: s
         g = ng
         choice.append(ch)
     if g[m] == inf:
-        raise CanzonaError("comm_limit is too tight: some bucket cannot be cut into slices that "
-                           "small at parameter boundaries; raise --comm-limit.")
+        raise OptionError("{DPOptions.comm_limit} is too tight: some bucket cannot be cut into "
+                          "slices that small at parameter boundaries; raise it.",
+                          fields=("DPOptions.comm_limit",))
     idx = [m]
     for r in range(R - 1, -1, -1):
         idx.append(choice[r][idx[-1]])

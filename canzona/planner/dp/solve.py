@@ -1,5 +1,5 @@
-"""The DP entry point: :func:`solve` chooses every bucket's cut points, :func:`plan_dp` wraps
-them into a plan. Under TP it judges cuts per GPU with the TP side's joint refinement
+"""The DP stage: :func:`solve` chooses every bucket's cut points (``canzona.planner.pipeline``
+turns them into a plan). Under TP it judges cuts per GPU with the TP side's joint refinement
 (``tp.joint``, which does not import back)."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import CanzonaError
-from ..plan import Plan, SolverOptions
-from ..planning import DPProblem, build_plan, evaluate
+from ..options import SOLVERS, DPOptions
+from ..planning import DPProblem, evaluate
 from ..tp.context import TPContext, index_gpu_max, lb_gpu
 from ..tp.joint import joint_refine
 from .bounds import packing_bound, pigeonhole_bound
@@ -19,7 +18,6 @@ from .polish import improve, rebalance_divisible
 from .reorder import assign_free, reorder_problem
 from .units import Cuts, owners_to_cuts
 
-SOLVERS = ("auto", "greedy", "cpsat")
 #: The bin-packing bound (a CP-SAT covering model) is computed when the plan is more than this
 #: far above the simple bounds: below it the simple bound already certifies the plan.
 PACKING_BOUND_ABOVE = 0.02
@@ -58,35 +56,30 @@ def _joint_tp(original: DPProblem, used: DPProblem, cuts: Cuts, greedy_cuts: Cut
     return used, cuts
 
 
-def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
-          time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
-          workers: int = 1, reorder: bool = True,
+def solve(problem: DPProblem, options: DPOptions | None = None, *,
           progress: Callable[[str], None] | None = None) -> Solution:
     """Choose every bucket's cut points.
 
-    Args:
-        solver: ``auto`` (greedy + exact per-bucket polish), ``greedy`` (the paper) or ``cpsat``.
-        alpha: the paper's α ∈ [0, 1] for the greedy start (0: even split, 1: fill deficits).
-        time_limit_s: CP-SAT's deterministic time limit.
-        seed: CP-SAT's random seed (recorded in the plan).
-        comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
-        workers: CP-SAT worker count (fixed, so plans are reproducible).
-        reorder: allow parameters to change places inside their bucket (see ``dp.reorder``); the
-            result keeps Megatron's order when that is at least as good. Never worse than the
-            paper's greedy; within PACKING_BOUND_ABOVE of the bound, the Megatron-order search
-            is skipped.
+    ``options`` (:class:`~canzona.planner.options.DPOptions`): the solver (``auto``: greedy +
+    exact per-bucket polish; ``greedy``: the paper; ``cpsat``), α for the greedy start, CP-SAT's
+    time limit, seed and workers, the comm limit, and ``reorder``: parameters may change places
+    inside their bucket (see ``dp.reorder``); the result keeps Megatron's order when that is at
+    least as good. Never worse than the paper's greedy; within PACKING_BOUND_ABOVE of the
+    bound, the Megatron-order search is skipped. Its layout fields (cost, bucket size) belong
+    to ``make_problem``. ``progress`` is told the name of each stage.
     """
-    _check_options(solver, alpha, time_limit_s, comm_limit)
+    o = options or DPOptions()
+    solver, comm_limit = o.solver, o.comm_limit
     bound = pigeonhole_bound(problem)
     say = progress or (lambda _msg: None)
     say("greedy")
-    start = greedy(problem, alpha=alpha)
+    start = greedy(problem, alpha=o.alpha)
     greedy_max = _max_load(problem, start)
     if solver == "greedy" and comm_limit is None:
         # The paper's algorithm: its cuts, with the AdamW elements between matrices re-spread.
         used, cuts, searched = problem, rebalance_divisible(problem, start, ceiling=greedy_max), False
     else:
-        used, cuts, searched = _search(problem, start, greedy_max, bound, reorder=reorder,
+        used, cuts, searched = _search(problem, start, greedy_max, bound, reorder=o.reorder,
                                        comm_limit=comm_limit, say=say)
     if problem.sizes.tp > 1 and (searched or solver != "greedy"):
         fallback = start if searched and comm_limit is None else None
@@ -94,8 +87,8 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     status = "heuristic"
     if solver == "cpsat":
         say("cp-sat")
-        cuts, status, cp_bound = solve_cpsat(used, cuts, time_limit_s=time_limit_s, seed=seed,
-                                             workers=workers, comm_limit=comm_limit)
+        cuts, status, cp_bound = solve_cpsat(used, cuts, time_limit_s=o.time_limit_s, seed=o.seed,
+                                             workers=o.workers, comm_limit=comm_limit)
         bound = max(bound, cp_bound)
     load = _max_load(used, cuts)
     if load > bound * (1 + PACKING_BOUND_ABOVE):
@@ -104,17 +97,6 @@ def solve(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
     if load <= bound:
         status = "optimal"
     return Solution(cuts, status, bound, used)
-
-
-def _check_options(solver: str, alpha: float, time_limit_s: float, comm_limit: float | None) -> None:
-    if solver not in SOLVERS:
-        raise CanzonaError(f"unknown solver '{solver}'; choose one of: {', '.join(SOLVERS)}.")
-    if not 0.0 <= alpha <= 1.0:
-        raise CanzonaError(f"--alpha must be in [0, 1], got {alpha}.")
-    if time_limit_s <= 0:
-        raise CanzonaError(f"--time-limit must be positive seconds, got {time_limit_s}.")
-    if comm_limit is not None and comm_limit < 1.0:
-        raise CanzonaError(f"--comm-limit must be ≥ 1 (a multiple of the even slice), got {comm_limit}.")
 
 
 def _max_load(problem: DPProblem, cuts: Cuts) -> int:
@@ -165,20 +147,3 @@ def _search(problem: DPProblem, start: Cuts, greedy_max: int, bound: int, *, reo
     if comm_limit is not None or best_max <= greedy_max:
         return problem, best, True
     return problem, start, True
-
-
-def plan_dp(problem: DPProblem, *, solver: str = "auto", alpha: float = 1.0,
-            time_limit_s: float = 10.0, seed: int = 0, comm_limit: float | None = None,
-            workers: int = 1, model_source: str = "preset", reorder: bool = True,
-            progress: Callable[[str], None] | None = None) -> Plan:
-    """Solve the DP partition and return the plan (strategy ``canzona``, or ``canzona-greedy``)."""
-    sol = solve(problem, solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
-                comm_limit=comm_limit, workers=workers, reorder=reorder, progress=progress)
-    opts = SolverOptions(strategy="canzona-greedy" if solver == "greedy" else "canzona",
-                         solver=solver, alpha=alpha,
-                         time_limit_s=time_limit_s if solver == "cpsat" else None,
-                         seed=seed, workers=workers, reorder=sol.problem is not problem)
-    return build_plan(sol.problem, sol.cuts, solver=opts, model_source=model_source,
-                      certified_bound=sol.bound, status=sol.status)
-
-

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..planning import BucketProblem, DPProblem
-
-Cuts = dict[tuple[int, int], tuple[int, ...]]
+from ..planning import BucketProblem, Cuts, DPProblem
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,15 +37,14 @@ Modules, in dependency order: ``context`` (settings, per-task facts, the per-GPU
 ``from canzona.planner.tp.baselines import tp_baselines``.
 """
 
-from .assemble import attach_tp, plan_tp, problem_from_plan, tp_plan
-from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPSettings, index_gpu_max, index_work, lb_gpu,
+from .assemble import placements, tp_plan
+from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work, lb_gpu,
                       lpt_bins, lpt_makespan)
 from .joint import joint_refine
 from .schedule import IndexSchedule, MicroGroup, TPSchedule, gpu_loads, schedule_index, schedule_tp
 
 __all__ = [
     "MIB", "TP_SOLVERS", "Cuts", "IndexSchedule", "MicroGroup", "TPContext", "TPSchedule",
-    "TPSettings", "attach_tp", "gpu_loads", "index_gpu_max", "index_work", "joint_refine",
-    "lb_gpu", "lpt_bins", "lpt_makespan", "plan_tp", "problem_from_plan", "schedule_index",
-    "schedule_tp", "tp_plan",
+    "TPOptions", "gpu_loads", "index_gpu_max", "index_work", "joint_refine", "lb_gpu",
+    "lpt_bins", "lpt_makespan", "placements", "schedule_index", "schedule_tp", "tp_plan",
 ]

@@ -1,15 +1,13 @@
-"""Into the plan: the plan's TP section, a DP plan with its TP schedule attached, and
-:func:`plan_tp` (schedule the TP side of a DP plan)."""
+"""Into the plan: the plan's TP section (:func:`tp_plan`) and every task's host and micro-group
+(:func:`placements`), which ``planning.build_plan`` writes into the plan in one step."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..cost import DTYPE_BYTES
-from ..plan import GroupTaskPlan, MicroGroupPlan, Plan, ShardLayoutPlan, TaskPlan, TPIndexPlan, TPMetrics, TPPlan
-from ..planning import BucketProblem, DPProblem, Item
-from .context import Cuts, TPContext, TPSettings, lb_gpu
-from .schedule import TPSchedule, schedule_tp
+from ..plan import GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, TPIndexPlan, TPMetrics, TPPlan
+from ..planning import DPProblem
+from .context import TPContext, lb_gpu
+from .schedule import TPSchedule
 
 
 def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = None) -> TPPlan:
@@ -58,56 +56,13 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
         peak_gathered_bytes=peak, oversized_tasks=schedule.oversized,
         all_to_all_bytes=tuple(tuple(r) for r in a2a),
         modelled_step_s=round(max((s.makespan_s for s in schedule.indices), default=0.0), 9))
-    st = schedule.settings
+    st = schedule.options
     return TPPlan(cmax_bytes=st.cmax_bytes, comm_dtype=schedule.comm_dtype, solver=st.solver,
                   status=schedule.status, hardware=st.hardware, layouts=layouts,
                   indices=tuple(indices), metrics=metrics)
 
 
-def attach_tp(plan: Plan, problem: DPProblem, schedule: TPSchedule,
-              ctx: TPContext | None = None) -> Plan:
-    """``plan`` with every TP-split task's host and micro-group filled in and the TP section."""
-    where: dict[int, tuple[int, int]] = {}
-    for s in schedule.indices:
-        for gi, g in enumerate(s.groups):
-            for i, h in zip(g.tasks, g.hosts):
-                where[i] = (h, gi)
-    tasks = tuple(t if t.id not in where else
-                  TaskPlan.model_validate({**t.model_dump(), "host": where[t.id][0],
-                                           "micro_group": where[t.id][1]})
-                  for t in plan.tasks)
-    return plan.model_copy(update={"tasks": tasks, "tp": tp_plan(problem, schedule, ctx)})
-
-
-def problem_from_plan(problem: DPProblem, plan: Plan) -> tuple[DPProblem, Cuts]:
-    """``problem`` with every bucket's parameters in the plan's order (plans made with reordering
-    move parameters inside buckets), and the plan's cuts."""
-    cuts: Cuts = {}
-    buckets = []
-    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
-    for bi, buf in enumerate(plan.buffers):
-        for bp in buf.buckets:
-            old = by_key[(bi, bp.index)]
-            items = {old_it.tasks: old_it for old_it in old.items}
-            by_name = {problem.tasks[t[0]].param: it for t, it in items.items()}
-            new_items = tuple(
-                Item(k, s.start, s.end, by_name[s.name].load, by_name[s.name].flops,
-                     by_name[s.name].state_bytes, by_name[s.name].atomic, by_name[s.name].tasks)
-                for k, s in enumerate(bp.slots))
-            buckets.append(BucketProblem(bi, bp.index, bp.start, bp.end, old.ranks, new_items))
-            cuts[(bi, bp.index)] = tuple(bp.cuts)
-    return dataclasses.replace(problem, buckets=tuple(buckets)), cuts
-
-
-def plan_tp(problem: DPProblem, plan: Plan, settings: TPSettings | None = None) -> Plan:
-    """Schedule the TP side of a DP plan and return the plan with its TP section.
-
-    Args:
-        problem: the problem the plan was made from (``make_problem`` with the plan's inputs).
-        plan: a DP plan (``dp.plan_dp``); its cut points and parameter order are used.
-        settings: C_max and solver.
-    """
-    pr, cuts = problem_from_plan(problem, plan)
-    ctx = TPContext.build(pr, plan.inputs.comm_dtype)
-    sch = schedule_tp(pr, cuts, settings, comm_dtype=plan.inputs.comm_dtype, ctx=ctx, warn=True)
-    return attach_tp(plan, pr, sch, ctx)
+def placements(schedule: TPSchedule) -> dict[int, tuple[int, int]]:
+    """Task id → (host TP rank, micro-group index) of every TP-split matrix task."""
+    return {i: (h, gi) for s in schedule.indices for gi, g in enumerate(s.groups)
+            for i, h in zip(g.tasks, g.hosts)}

@@ -1,4 +1,4 @@
-"""Per-task TP facts (:class:`TPContext`), the TP settings, and the per-GPU objective the DP side
+"""Per-task TP facts (:class:`TPContext`) and the per-GPU objective the DP side
 reads: each DP index's work (:func:`index_work`), its busiest GPU after LPT packing
 (:func:`index_gpu_max`) and the bound LB_gpu (:func:`lb_gpu`)."""
 
@@ -11,49 +11,9 @@ from dataclasses import dataclass, field
 
 from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError
-from ..planning import DPProblem, equal_cuts, owner_of
+from ..options import MIB, TP_SOLVERS, TPOptions  # noqa: F401  (re-exported by tp)
+from ..planning import Cuts, DPProblem, equal_cuts, owner_of
 from ..shards import ShardMap, shard_map
-
-TP_SOLVERS = ("greedy", "cpsat")
-MIB = 1 << 20
-Cuts = dict[tuple[int, int], tuple[int, ...]]
-
-
-@dataclass(frozen=True, slots=True)
-class TPSettings:
-    """How the TP schedule is made (recorded in the plan).
-
-    Attributes:
-        cmax_mib: memory cap C_max per host rank and micro-group, MiB of gathered full matrices.
-        solver: ``greedy`` (the paper) or ``cpsat`` (greedy, then CP-SAT per group).
-        group_time_limit_s: CP-SAT deterministic time limit per group.
-        total_time_limit_s: CP-SAT deterministic time budget over all groups (later groups keep
-            greedy once it is spent).
-        seed: CP-SAT random seed.
-        workers: CP-SAT worker count (fixed, so plans are reproducible).
-        hardware: hardware profile for the modelled timeline (compute rate, TP link bandwidth).
-    """
-
-    cmax_mib: float = 512.0
-    solver: str = "greedy"
-    group_time_limit_s: float = 0.2
-    total_time_limit_s: float = 5.0
-    seed: int = 0
-    workers: int = 1
-    hardware: str = "h100"
-
-    def __post_init__(self) -> None:
-        if not self.cmax_mib > 0:
-            raise CanzonaError(f"--cmax must be a positive number of MiB, got {self.cmax_mib}.")
-        if self.solver not in TP_SOLVERS:
-            raise CanzonaError(f"unknown TP solver '{self.solver}'; choose one of: "
-                               f"{', '.join(TP_SOLVERS)}.")
-        if not self.group_time_limit_s > 0 or not self.total_time_limit_s > 0:
-            raise CanzonaError("TP CP-SAT time limits must be positive seconds.")
-
-    @property
-    def cmax_bytes(self) -> int:
-        return int(self.cmax_mib * MIB)
 
 
 # --- per-task TP facts ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..cost import DTYPE_BYTES, load_hardware
 from ..errors import CanzonaError, OversizedTaskWarning
 from ..planning import DPProblem
-from .context import Cuts, TPContext, TPSettings, index_work
+from .context import Cuts, TPContext, TPOptions, index_work
 
 # --- schedule records ------------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ class IndexSchedule:
 class TPSchedule:
     """Every DP index's TP schedule plus the per-GPU metrics."""
 
-    settings: TPSettings
+    options: TPOptions
     comm_dtype: str
     indices: tuple[IndexSchedule, ...]
     status: str
@@ -125,7 +125,7 @@ def _greedy_groups(ctx: TPContext, ids: list[int], base: list[float], tp: int, c
 
 
 def _cpsat_group(ctx: TPContext, pairs: list[tuple[int, int]], base: list[float], tp: int,
-                 cap: int, settings: TPSettings) -> tuple[list[tuple[int, int]], str, float]:
+                 cap: int, settings: TPOptions) -> tuple[list[tuple[int, int]], str, float]:
     """Re-host one group. Returns (pairs, status, deterministic time used).
 
     data:      tasks k of the group with loads w_k and gathered bytes b_k; ranks t with the load
@@ -274,7 +274,7 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
 
 
 def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
-                   settings: TPSettings, budget: list[float] | None = None
+                   settings: TPOptions, budget: list[float] | None = None
                    ) -> tuple[IndexSchedule, str]:
     """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable)."""
     pr = ctx.problem
@@ -314,21 +314,23 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline)), status
 
 
-def schedule_tp(problem: DPProblem, cuts: Cuts, settings: TPSettings | None = None, *,
-                comm_dtype: str = "bf16", ctx: TPContext | None = None,
-                warn: bool = True) -> TPSchedule:
+def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None, *,
+                ctx: TPContext | None = None, warn: bool = True) -> TPSchedule:
     """The TP schedule of every DP index for the DP partition ``cuts``.
 
     Args:
         problem: the DP problem (tasks, costs, layout).
         cuts: the DP cut points per (buffer, bucket).
-        settings: C_max, solver, time limits.
-        comm_dtype: dtype of the gathered matrices (bf16 unless the parameters are fp32).
+        options: C_max, solver, time limits, comm dtype.
+        ctx: the problem's :class:`TPContext`, if already built (with ``options.comm_dtype``).
         warn: emit an :class:`~canzona.planner.errors.OversizedTaskWarning` (a ``UserWarning``)
             naming the tasks larger than C_max; the CLI prints it as one note.
     """
-    settings = settings or TPSettings()
-    ctx = ctx or TPContext.build(problem, comm_dtype)
+    settings = options or TPOptions()
+    ctx = ctx or TPContext.build(problem, settings.comm_dtype)
+    if ctx.comm_dtype != settings.comm_dtype:
+        raise ValueError(f"the TP context was built for comm dtype {ctx.comm_dtype}, the options "
+                         f"say {settings.comm_dtype}")
     base, owned = index_work(problem, cuts, ctx)
     budget = [settings.total_time_limit_s]
     indices = []
@@ -344,7 +346,7 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, settings: TPSettings | None = No
         shown = ", ".join(oversized[:5]) + (f" and {len(oversized) - 5} more" if len(oversized) > 5
                                             else "")
         warnings.warn(f"{len(oversized)} matrices exceed C_max = {cap:g} MiB when gathered and get "
-                      f"a micro-group of their own (raise --cmax to group them): {shown}.",
+                      f"a micro-group of their own (raise C_max, --cmax or TPOptions.cmax_mib, to group them): {shown}.",
                       OversizedTaskWarning, stacklevel=2)
     if settings.solver == "greedy" or problem.sizes.tp == 1:
         status = "greedy"

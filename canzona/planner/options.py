@@ -1,0 +1,142 @@
+"""How a plan is made: :class:`DPOptions` and :class:`TPOptions`, keyword-only and checked on
+construction (a value out of range raises :class:`~canzona.planner.errors.OptionError` naming the
+field, e.g. ``DPOptions.alpha``; the CLI shows its flag instead).
+
+A leaf module (it imports only the errors), so the pipeline, the solvers and every front end share
+one definition of each option and its default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import OptionError
+
+#: DP solvers (``DPOptions.solver``).
+SOLVERS = ("auto", "greedy", "cpsat")
+#: Cost models by name (``DPOptions.cost``); a ``CostModel`` object is accepted too.
+COSTS = ("flops", "numel")
+#: TP hosting solvers (``TPOptions.solver``).
+TP_SOLVERS = ("greedy", "cpsat")
+#: Communication dtypes (``TPOptions.comm_dtype``).
+COMM_DTYPES = ("bf16", "fp16", "fp32")
+MIB = 1 << 20
+
+
+def _err(cls: str, field: str, problem: str) -> OptionError:
+    name = f"{cls}.{field}"
+    return OptionError(f"{{{name}}} {problem}", fields=(name,))
+
+
+def _one_of(cls: str, field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise _err(cls, field, f"must be one of: {', '.join(allowed)}; got {value!r}.")
+
+
+def _positive_int(cls: str, field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _err(cls, field, f"must be a positive integer, got {value!r}.")
+
+
+def _positive(cls: str, field: str, value: Any, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+            or math.isinf(value):
+        raise _err(cls, field, f"must be a positive number of {unit}, got {value!r}.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DPOptions:
+    """The DP side: ZeRO-1 buckets, the cost of a task, and how the cut points are chosen.
+
+    Attributes:
+        solver: ``auto`` (greedy + exact per-bucket polish), ``greedy`` (the paper) or ``cpsat``.
+        alpha: the paper's α ∈ [0, 1] for the greedy start (0: even split, 1: fill deficits).
+        time_limit_s: CP-SAT's deterministic time limit (``cpsat`` only).
+        seed: CP-SAT's random seed (recorded in the plan).
+        workers: CP-SAT worker count (fixed, so plans are reproducible).
+        comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
+        reorder: let parameters change places inside their bucket (see ``dp.reorder``).
+        cost: the load of a task: ``flops`` (optimizer FLOPs), ``numel`` (the paper's), or a
+            ``CostModel`` object.
+        bucket_size: elements per bucket (None: Megatron's max(40M, 1M·dp)).
+        overlap_grad_reduce: False puts each buffer in one bucket (Megatron without overlap).
+    """
+
+    solver: str = "auto"
+    alpha: float = 1.0
+    time_limit_s: float = 10.0
+    seed: int = 0
+    workers: int = 1
+    comm_limit: float | None = None
+    reorder: bool = True
+    cost: Any = "flops"
+    bucket_size: int | None = None
+    overlap_grad_reduce: bool = True
+
+    def __post_init__(self) -> None:
+        c = "DPOptions"
+        _one_of(c, "solver", self.solver, SOLVERS)
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise _err(c, "alpha", f"must be in [0, 1], got {a!r}.")
+        _positive(c, "time_limit_s", self.time_limit_s, "seconds")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _err(c, "seed", f"must be an integer, got {self.seed!r}.")
+        _positive_int(c, "workers", self.workers)
+        cl = self.comm_limit
+        if cl is not None and (isinstance(cl, bool) or not isinstance(cl, (int, float))
+                               or not 1.0 <= cl < math.inf):
+            raise _err(c, "comm_limit", f"must be ≥ 1 (a multiple of the even slice), got {cl!r}.")
+        if isinstance(self.cost, str):
+            _one_of(c, "cost", self.cost, COSTS)
+        elif not callable(getattr(self.cost, "cost", None)):
+            raise _err(c, "cost", f"must be one of: {', '.join(COSTS)}, or an object with a "
+                                  f"cost(task) method; got {self.cost!r}.")
+        if self.bucket_size is not None:
+            if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) \
+                    or self.bucket_size < 1:
+                raise _err(c, "bucket_size", f"must be a positive number of elements, got "
+                                             f"{self.bucket_size!r}.")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TPOptions:
+    """The TP side: the micro-group cap, the hosting solver and the modelled hardware.
+
+    Attributes:
+        cmax_mib: memory cap C_max per host rank and micro-group, MiB of gathered full matrices.
+        solver: ``greedy`` (the paper) or ``cpsat`` (greedy, then CP-SAT per group).
+        group_time_limit_s: CP-SAT deterministic time limit per group.
+        total_time_limit_s: CP-SAT deterministic time budget over all groups (later groups keep
+            greedy once it is spent).
+        seed: CP-SAT random seed.
+        workers: CP-SAT worker count (fixed, so plans are reproducible).
+        hardware: hardware profile for the modelled timeline (compute rate, TP link bandwidth).
+        comm_dtype: dtype of the gathered matrices (the gather/scatter bytes).
+    """
+
+    cmax_mib: float = 512.0
+    solver: str = "greedy"
+    group_time_limit_s: float = 0.2
+    total_time_limit_s: float = 5.0
+    seed: int = 0
+    workers: int = 1
+    hardware: str = "h100"
+    comm_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        c = "TPOptions"
+        _positive(c, "cmax_mib", self.cmax_mib, "MiB")
+        _one_of(c, "solver", self.solver, TP_SOLVERS)
+        _positive(c, "group_time_limit_s", self.group_time_limit_s, "seconds")
+        _positive(c, "total_time_limit_s", self.total_time_limit_s, "seconds")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise _err(c, "seed", f"must be an integer, got {self.seed!r}.")
+        _positive_int(c, "workers", self.workers)
+        _one_of(c, "comm_dtype", self.comm_dtype, COMM_DTYPES)
+
+    @property
+    def cmax_bytes(self) -> int:
+        return int(self.cmax_mib * MIB)

@@ -1,0 +1,131 @@
+"""The planner's one entry: from a model source, sizes, optimizer settings, DP options and TP
+options to a :class:`~canzona.planner.plan.Plan`.
+
+::
+
+    source ──inventory──► ModelSpec ──make_problem──► DPProblem (layout, tasks, costs, buckets)
+        ──dp.solve──► cut points (and the reordered problem) ──tp.schedule_tp──► TP schedule
+        ──planning.build_plan──► Plan (assembled once, TP section included)
+
+The CLI (``canzona plan``), ``canzona.plan_model``, ``plans/regenerate.py`` and the benchmarks
+all plan through :func:`plan` (or :func:`plan_problem`, given a problem already built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .cost import OptimizerSettings
+from .dp import solve
+from .errors import CanzonaError
+from .inventory import ModelSpec, build_inventory
+from .layout import ParallelSizes
+from .models import PRESETS, ModelConfig, get_preset, load_hf_config
+from .options import DPOptions, TPOptions
+from .plan import Plan, SolverOptions
+from .planning import DPProblem, build_plan, make_problem
+from .tp import TPContext, placements, schedule_tp, tp_plan
+
+#: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
+#: (e.g. ``canzona.runtime.introspect.inventory`` of a live module).
+Source = str | Path | ModelConfig | ModelSpec
+
+__all__ = ["Source", "inventory_of", "plan", "plan_problem"]
+
+
+def inventory_of(source: Source) -> tuple[ModelSpec, str]:
+    """The inventory of ``source`` and the plan's ``model_source`` for it."""
+    if isinstance(source, ModelSpec):
+        if source.config is None:
+            return source, "module"
+        return source, _config_source(source.config)
+    if isinstance(source, Path):
+        return build_inventory(load_hf_config(source)), "hf_config"
+    if isinstance(source, str):
+        return build_inventory(get_preset(source)), "preset"
+    if isinstance(source, ModelConfig):
+        return build_inventory(source), _config_source(source)
+    raise CanzonaError(f"a model source is a preset name, a config.json path, a ModelConfig or a "
+                       f"ModelSpec; got {type(source).__name__}.")
+
+
+def _config_source(cfg: ModelConfig) -> str:
+    return "preset" if PRESETS.get(cfg.name) == cfg else "hf_config"
+
+
+def plan(
+    source: Source,
+    sizes: ParallelSizes,
+    optimizer: OptimizerSettings | str = "muon",
+    *,
+    dp_options: DPOptions | None = None,
+    tp_options: TPOptions | None = None,
+    dp_only: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan ``source`` at ``sizes``: the DP partition and, for tp > 1, the TP micro-groups.
+
+    Args:
+        source: a preset name (``"qwen3-32b"``), a ``config.json`` :class:`~pathlib.Path`, a
+            :class:`ModelConfig`, or a :class:`ModelSpec` (a live module's inventory).
+        sizes: dp, tp, ep (and etp).
+        optimizer: :class:`OptimizerSettings`, or a registered optimizer's name.
+        dp_options: bucket layout, cost model and DP solver (:class:`DPOptions`).
+        tp_options: micro-group cap, TP solver, comm dtype (:class:`TPOptions`).
+        dp_only: stop after the DP stage: no TP section even for tp > 1 (for studies of the DP
+            partition; the runtime and ``check_plan`` want the TP section).
+        progress: told the name of each stage as it starts.
+
+    Raises:
+        CanzonaError: bad input (unknown model, sizes the model does not allow, an option out of
+            range), before any solving.
+    """
+    say = progress or (lambda _msg: None)
+    o = dp_options or DPOptions()
+    t = tp_options or TPOptions()
+    settings = OptimizerSettings(name=optimizer) if isinstance(optimizer, str) else optimizer  # type: ignore[arg-type]
+    say("model inventory and ZeRO-1 layout")
+    spec, model_source = inventory_of(source)
+    problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
+                           overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=t.comm_dtype)
+    return plan_problem(problem, dp_options=o, tp_options=t, model_source=model_source,
+                        dp_only=dp_only, progress=progress)
+
+
+def plan_problem(
+    problem: DPProblem,
+    *,
+    dp_options: DPOptions | None = None,
+    tp_options: TPOptions | None = None,
+    model_source: str = "preset",
+    dp_only: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Plan a problem already built by ``make_problem``.
+
+    ``dp_options``' layout fields (cost, bucket_size, overlap_grad_reduce) were ``make_problem``'s
+    business and are not read here; ``tp_options.comm_dtype`` must be the problem's (the
+    default options take it from the problem).
+    """
+    say = progress or (lambda _msg: None)
+    o = dp_options or DPOptions()
+    t = tp_options or TPOptions(comm_dtype=problem.comm_dtype)
+    if t.comm_dtype != problem.comm_dtype:
+        raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
+                         f"tp_options.comm_dtype is {t.comm_dtype!r}")
+    say("DP partition")
+    sol = solve(problem, o, progress=progress)
+    tp_section = hosts = None
+    if problem.sizes.tp > 1 and not dp_only:
+        say("tp micro-groups")
+        ctx = TPContext.build(sol.problem, t.comm_dtype)
+        schedule = schedule_tp(sol.problem, sol.cuts, t, ctx=ctx, warn=True)
+        tp_section, hosts = tp_plan(sol.problem, schedule, ctx), placements(schedule)
+    recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
+                             solver=o.solver, alpha=o.alpha,
+                             time_limit_s=o.time_limit_s if o.solver == "cpsat" else None,
+                             seed=o.seed, workers=o.workers, reorder=sol.problem is not problem)
+    return build_plan(sol.problem, sol.cuts, solver=recorded, model_source=model_source,
+                      certified_bound=sol.bound, status=sol.status, tp=tp_section,
+                      placements=hosts)
