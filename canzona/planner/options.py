@@ -62,6 +62,8 @@ class DPOptions:
             ``CostModel`` object.
         bucket_size: elements per bucket (None: Megatron's max(40M, 1M·dp)).
         overlap_grad_reduce: False puts each buffer in one bucket (Megatron without overlap).
+        objective: what the DP solvers minimise, a ``canzona.planner.objective.Objective``
+            (None: today's, the busiest DP index's load).
     """
 
     solver: str = "auto"
@@ -74,6 +76,7 @@ class DPOptions:
     cost: Any = "flops"
     bucket_size: int | None = None
     overlap_grad_reduce: bool = True
+    objective: Any = None
 
     def __post_init__(self) -> None:
         c = "DPOptions"
@@ -99,6 +102,9 @@ class DPOptions:
                     or self.bucket_size < 1:
                 raise _err(c, "bucket_size", f"must be a positive number of elements, got "
                                              f"{self.bucket_size!r}.")
+        if self.objective is not None and not callable(getattr(self.objective, "score", None)):
+            raise _err(c, "objective", f"must be a canzona.planner.objective.Objective, got "
+                                       f"{self.objective!r}.")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

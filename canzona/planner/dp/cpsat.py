@@ -8,8 +8,10 @@ constraints:
   * every unit lies in exactly one slice;
   * slices are contiguous and in rank order: owner(u) ≤ owner(u+1);
   * (optional) every slice holds at most comm_limit · S_b / R_b elements;
-  * M ≥ Σ w_u x[b, u, r] over every (b, u, r) that belongs to DP index d, for every d.
-objective: minimise M.
+  * M ≥ Σ w_u x[b, u, r] over every (b, u, r) that belongs to DP index d, for every d
+    (the objective's F, ``Objective.cpsat_index_term``).
+objective: minimise M (+ the objective's per-slice terms h_b(Σ_u n_u x[b, u, r]) when it has
+them, ``Objective.cpsat_slice_term``).
 The search is warm-started with a hint, limited in deterministic time with a fixed worker count
 (so the same inputs give the same plan) and every status is checked.
 """
@@ -19,14 +21,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import OptionError
-from ..planning import DPProblem, evaluate
+from ..objective import MAX_LOAD, Objective
+from ..planning import DPProblem
 from .bounds import SCALE_UNITS
 from .units import bucket_units, piece_grain
 
 
 def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: int,
-                workers: int = 1, comm_limit: float | None = None):
-    """Minimise the maximum DP load. Returns (cuts, status, certified lower bound)."""
+                workers: int = 1, comm_limit: float | None = None,
+                objective: Objective = MAX_LOAD):
+    """Minimise the objective (today: the maximum DP load). Returns (cuts, status, certified
+    lower bound on the maximum load; 0 when the objective has per-slice terms)."""
     from ortools.sat.python import cp_model  # OR-Tools costs ~0.6 s to import: only when needed
 
     mean = problem.total_load() / problem.dp
@@ -34,6 +39,7 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
     model = cp_model.CpModel()
     loads: list[list] = [[] for _ in range(problem.dp)]
     owner_vars: dict = {}
+    slice_terms: list = []
     units_by_key = {}
     max_piece = 0.0
     for b in problem.buckets:
@@ -61,24 +67,25 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
         # Slices are contiguous and in rank order.
         for a, c in zip(owners, owners[1:]):
             model.add(a <= c)
-        if comm_limit is not None:
-            cap = int(comm_limit * (u.bounds[-1] - u.bounds[0]) / R)
+        if comm_limit is not None or objective.has_bucket_term:
+            cap = int(comm_limit * (u.bounds[-1] - u.bounds[0]) / R) if comm_limit else None
             for r in range(R):
-                # A slice holds at most comm_limit × the even slice of elements.
-                model.add(sum(int(u.bounds[k + 1] - u.bounds[k]) * x[k, r] for k in range(m))
-                          <= cap)
+                size = sum(int(u.bounds[k + 1] - u.bounds[k]) * x[k, r] for k in range(m))
+                if cap is not None:
+                    # A slice holds at most comm_limit × the even slice of elements.
+                    model.add(size <= cap)
+                term = objective.cpsat_slice_term(model, problem, b, size, unit_load)
+                if term is not None:
+                    slice_terms.append(term)
         owner_vars[key] = owners
         # Hint: the warm start's owners.
         idx = [int(i) for i in _indices(u, hint[key])]
         for r in range(R):
             for k in range(idx[r], idx[r + 1]):
                 model.add_hint(owners[k], r)
-    top = sum(int(x) for x in [SCALE_UNITS * problem.dp])  # total scaled load bound
-    M = model.new_int_var(0, top, "max_load")
-    for d in range(problem.dp):
-        # M is at least every DP index's load.
-        model.add(M >= sum(loads[d]))
-    model.minimize(M)
+    top = SCALE_UNITS * problem.dp  # total scaled load bound
+    M = objective.cpsat_index_term(model, [sum(x) for x in loads], top)
+    model.minimize(M + sum(slice_terms) if slice_terms else M)
 
     solver = cp_model.CpSolver()
     # Deterministic time keeps plans reproducible; the wall-clock cap (2x) only guards slow hosts.
@@ -106,8 +113,10 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
         c.append(int(u.bounds[-1]))
         cuts[key] = tuple(c)
     # Keep the better of the warm start and CP-SAT's answer, judged on the exact loads.
-    if max(evaluate(problem, cuts).load) > max(evaluate(problem, hint).load):
+    if objective.score(problem, cuts) > objective.score(problem, hint):
         cuts = hint
+    if slice_terms:
+        return cuts, f"cpsat-{'optimal' if status == cp_model.OPTIMAL else 'feasible'}", 0
     bound = int(solver.best_objective_bound * unit_load - 2 * max_piece)
     name = "optimal" if status == cp_model.OPTIMAL else "feasible"
     return cuts, f"cpsat-{name}", max(0, bound)

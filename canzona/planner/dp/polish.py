@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import OptionError
+from ..objective import MAX_LOAD, Objective
 from ..planning import BucketProblem, DPProblem, evaluate, owner_of
 from .units import Cuts, Units, bucket_units, cuts_from_indices, owners_to_cuts, piece_grain, spread_cuts
 
@@ -14,16 +15,19 @@ from .units import Cuts, Units, bucket_units, cuts_from_indices, owners_to_cuts,
 _POWERS = {"ssq": 2, "p8": 8}
 
 
-def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
+def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
+               slice_cost: np.ndarray | None = None) -> list[int]:
     """Optimal cut indices for one bucket given the other buckets' loads ``base`` per rank.
 
-    Rank r receives units [c_r, c_{r+1}); minimise Σ (base_r + x_r)² or max (base_r + x_r).
-    ``cap`` bounds each slice's elements (communication limit).
+    Rank r receives units [c_r, c_{r+1}); minimise Σ (base_r + x_r)^p + Σ h(s_r) or
+    max (base_r + x_r) (+ Σ h(s_r)). ``cap`` bounds each slice's elements (communication
+    limit); ``slice_cost[j, i]`` is the objective's per-slice term h for units j..i-1 (g of
+    :class:`~canzona.planner.objective.Objective`, scaled like the loads), None when zero.
     """
     R = len(base)
     m = len(u.bounds) - 1
-    if m <= 3:
-        return _bucket_dp_small(u, base, cap, objective)
+    if m <= 3 and slice_cost is None:
+        return _bucket_dp_small(u, base, cap, phase)
     P = u.prefix
     blk = P[None, :] - P[:, None]  # blk[j, i] = load of units j..i-1
     valid = np.triu(np.ones((m + 1, m + 1), dtype=bool))
@@ -36,10 +40,12 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) ->
     g[0] = 0.0
     for r in range(R):
         rank_cost = base[r] + blk
-        if objective == "max":
+        if phase == "max":
             tot = np.maximum(g[:, None], rank_cost)
         else:
-            tot = g[:, None] + rank_cost ** _POWERS[objective]
+            tot = g[:, None] + rank_cost ** _POWERS[phase]
+        if slice_cost is not None:
+            tot = tot + slice_cost
         tot = np.where(valid, tot, inf)
         choice[r] = np.argmin(tot, axis=0)  # first (smallest j) on ties: deterministic
         g = tot[choice[r], np.arange(m + 1)]
@@ -53,12 +59,12 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, objective: str) ->
     return idx[::-1]
 
 
-def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, objective: str) -> list[int]:
+def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, phase: str) -> list[int]:
     """The same DP in plain Python, faster than numpy for buckets of at most three units."""
     R, m = len(base), len(u.bounds) - 1
     P = [float(x) for x in u.prefix]
     B = [int(x) for x in u.bounds]
-    power = _POWERS.get(objective)
+    power = _POWERS.get(phase)
     inf = float("inf")
     g = [0.0] + [inf] * m
     choice = []
@@ -96,8 +102,13 @@ def _loads_by_bucket(problem: DPProblem, units: dict, cuts_idx: dict) -> np.ndar
 
 
 def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
-           max_rounds: int = 30, pieces: int | None = None) -> Cuts:
-    """Block coordinate descent: re-cut one bucket at a time, optimally given the others."""
+           max_rounds: int = 30, pieces: int | None = None,
+           objective: Objective = MAX_LOAD) -> Cuts:
+    """Block coordinate descent: re-cut one bucket at a time, optimally given the others.
+
+    Each bucket's DP balances the loads (the objective's F: smooth powers, then the maximum)
+    plus the objective's per-slice term h_b (its g), when it has one.
+    """
     units = {(b.buffer, b.bucket): bucket_units(b, pieces or 4 * b.ranks, piece_grain(problem))
              for b in problem.buckets}
     idx: dict[tuple[int, int], list[int]] = {}
@@ -108,8 +119,8 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
     load = _loads_by_bucket(problem, units, idx)
     scale = max(1.0, float(load.max()))
     order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
-    for objective in (*_POWERS, "max"):
-        power = _POWERS.get(objective, 2)
+    for phase in (*_POWERS, "max"):
+        power = _POWERS.get(phase, 2)
         for _ in range(max_rounds):
             before = (float(load.max()), float(((load / scale) ** power).sum()))
             for b in order:
@@ -122,17 +133,37 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                 cap = None
                 if comm_limit is not None:
                     cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
-                new = _bucket_dp(_scaled(u, scale), base / scale, cap, objective)
+                new = _bucket_dp(_scaled(u, scale), base / scale, cap, phase,
+                                 _slice_costs(objective, problem, b, u, scale))
                 new_mine = np.array([u.prefix[new[r + 1]] - u.prefix[new[r]]
                                      for r in range(b.ranks)])
-                if objective == "max" and (base + new_mine).max() > (base + mine).max():
+                if phase == "max" and (base + new_mine).max() + _g(objective, problem, b, u, new) \
+                        > (base + mine).max() + _g(objective, problem, b, u, idx[key]):
                     continue  # keep the old cut on ties broken the wrong way
                 idx[key] = new
                 load[ds] = base + new_mine
             after = (float(load.max()), float(((load / scale) ** power).sum()))
-            if after >= before if objective == "max" else after[1] >= before[1] * (1 - 1e-12):
+            if after >= before if phase == "max" else after[1] >= before[1] * (1 - 1e-12):
                 break
     return {k: cuts_from_indices(units[k], v) for k, v in idx.items()}
+
+
+def _slice_costs(objective: Objective, problem: DPProblem, b: BucketProblem, u: Units,
+                 scale: float) -> np.ndarray | None:
+    """h_b of every slice units j..i-1 of ``b`` (a matrix over (j, i)), scaled, or None."""
+    if not objective.has_bucket_term:
+        return None
+    span = np.maximum(u.bounds[None, :] - u.bounds[:, None], 0)
+    return np.asarray(objective.slice_term(problem, b, span), dtype=float) / scale
+
+
+def _g(objective: Objective, problem: DPProblem, b: BucketProblem, u: Units,
+       idx: list[int]) -> float:
+    """g_b of the slices that cut indices ``idx`` give (0 for an objective without g)."""
+    if not objective.has_bucket_term:
+        return 0.0
+    return objective.bucket_term(problem, b, [int(u.bounds[j] - u.bounds[i])
+                                              for i, j in zip(idx, idx[1:])])
 
 
 def _scaled(u: Units, scale: float) -> Units:
@@ -140,15 +171,16 @@ def _scaled(u: Units, scale: float) -> Units:
 
 
 def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
-                        tolerance: float = 1e-3, ceiling: float | None = None) -> Cuts:
+                        tolerance: float = 1e-3, ceiling: float | None = None,
+                        objective: Objective = MAX_LOAD) -> Cuts:
     """Re-place every cut that sits between matrices so the AdamW elements between two matrices
     are shared evenly by the ranks that may take them (:func:`spread_cuts`).
 
     Such a cut can slide without changing who owns any matrix; spreading keeps optimizer state
     and reduce-scatter slices balanced around huge AdamW tensors (embeddings, output layer),
-    which cost almost nothing in FLOPs. Kept only if the max load grows by at most
-    ``tolerance`` (relative) and stays within ``ceiling`` (the greedy plan's max, so the result
-    is never worse than the paper's algorithm).
+    which cost almost nothing in FLOPs. Kept only if the objective's score grows by at most
+    ``tolerance`` (relative) and stays within ``ceiling`` (the greedy plan's score, so the
+    result is never worse than the paper's algorithm).
     """
     out: Cuts = {}
     for b in problem.buckets:
@@ -161,8 +193,8 @@ def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | N
             if max(v - u for u, v in zip(new, new[1:])) > cap:
                 new = c
         out[key] = new
-    before = max(evaluate(problem, cuts).load)
-    after = max(evaluate(problem, out).load)
+    before = objective.score(problem, cuts)
+    after = objective.score(problem, out)
     limit = before * (1 + tolerance) if ceiling is None else min(before * (1 + tolerance),
                                                                  max(before, ceiling))
     return out if after <= limit else cuts
@@ -257,17 +289,20 @@ def swap_search(problem: DPProblem, cuts: Cuts, *, max_moves: int = 5000) -> tup
 
 
 def improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None,
-             max_rounds: int = 30) -> Cuts:
-    """Per-bucket DP polish alternating with whole-matrix moves/swaps across buckets."""
-    best = polish(problem, cuts, comm_limit=comm_limit, max_rounds=max_rounds)
-    best_max = max(evaluate(problem, best).load)
+            max_rounds: int = 30, *, objective: Objective = MAX_LOAD) -> Cuts:
+    """Per-bucket DP polish alternating with whole-matrix moves/swaps across buckets (which
+    propose; the objective's score decides)."""
+    best = polish(problem, cuts, comm_limit=comm_limit, max_rounds=max_rounds,
+                  objective=objective)
+    best_score = objective.score(problem, best)
     for _ in range(4):
         cand, moves = swap_search(problem, best)
         if not moves:
             break
-        cand = polish(problem, cand, comm_limit=comm_limit, max_rounds=max_rounds)
-        cand_max = max(evaluate(problem, cand).load)
-        if cand_max >= best_max:
+        cand = polish(problem, cand, comm_limit=comm_limit, max_rounds=max_rounds,
+                      objective=objective)
+        cand_score = objective.score(problem, cand)
+        if cand_score >= best_score:
             break
-        best, best_max = cand, cand_max
+        best, best_score = cand, cand_score
     return best

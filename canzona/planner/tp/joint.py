@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import heapq
 
+from ..objective import MAX_LOAD, Objective
 from ..planning import DPProblem, owner_of
 from .context import Cuts, TPContext, index_gpu_max, index_work, lb_gpu, lpt_bins, lpt_makespan
 
 
 def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None,
-                 rounds: int = 6, tolerance: float = 0.005, max_evals: int = 400_000) -> Cuts:
+                 rounds: int = 6, tolerance: float = 0.005, max_evals: int = 400_000,
+                 objective: Objective = MAX_LOAD) -> Cuts:
     """Re-place whole matrices among DP indices to lower the busiest GPU (the joint objective).
 
     Block coordinate descent over buckets, like the DP polish but on the per-GPU objective: a
@@ -24,7 +26,9 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
 
     The cuts are then rebuilt: each is clamped into the gap its matrices allow, as close to the
     original cut as possible, so AdamW slices change little (``dp.polish.rebalance_divisible``
-    may slide them further; it keeps every matrix owner).
+    may slide them further; it keeps every matrix owner). The result replaces the input only if
+    the objective's per-GPU score (``Objective.gpu_score``: F on the busiest GPUs, plus g)
+    is no worse.
     """
     ctx = ctx or TPContext.build(problem)
     tp = problem.sizes.tp
@@ -62,7 +66,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     order = sorted((b for b in problem.buckets if len(atoms[(b.buffer, b.bucket)]) > 0),
                    key=lambda b: (-b.load, b.buffer, b.bucket))
     target = 1 + tolerance
-    for objective in ("excess", "p8", "max"):
+    for phase in ("excess", "p8", "max"):
         for _ in range(rounds):
             if max(value(d) for d in range(problem.dp)) <= bound * (1 + tolerance):
                 break
@@ -103,9 +107,9 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                                     heapq.heapreplace(bins, bins[0] + x)
                                 rep_sum += its[i - 1][1]
                             v = (base[d] + rep_sum + max(bins)) / scale
-                            if objective == "max":
+                            if phase == "max":
                                 tot = max(g[j], v)
-                            elif objective == "excess":
+                            elif phase == "excess":
                                 # Overload of every GPU above the target, squared: graded even
                                 # when an index's maximum sits on a plateau.
                                 tot = g[j] + sum(max(0.0, (base[d] + rep_sum + x) / scale - target)
@@ -146,6 +150,6 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         new_c.append(b.end)
         out[key] = tuple(new_c)
     # Never worse than the input on the per-GPU objective.
-    before = max(index_gpu_max(problem, cuts, ctx))
-    after = max(index_gpu_max(problem, out, ctx))
+    before = objective.gpu_score(index_gpu_max(problem, cuts, ctx), problem, cuts)
+    after = objective.gpu_score(index_gpu_max(problem, out, ctx), problem, out)
     return out if after <= before else cuts
