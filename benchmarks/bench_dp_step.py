@@ -213,10 +213,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                        "canzona": cz.comm_bytes()}
     result["plan"] = {"max_over_mean": cz.plan.metrics.max_over_mean,
                       "buckets": sum(len(b.buckets) for b in cz.plan.buffers),
-                      "methods": sorted({bk.reduce for bk in cz._s.buckets})}
+                      "methods": sorted(set(cz.collective_methods))}
     result["params"] = total
     if rank == 0:
         Path(out).write_text(json.dumps(result))
+    cz.close()  # wait for its collectives and release them before the group goes (README)
     dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ __all__ = ["CanzonaOptimizer", "__version__", "load_plan", "plan_model"]
 
 # name → (module, attribute), imported on first access (PEP 562).
 _LAZY = {
-    "CanzonaOptimizer": ("canzona.runtime.dp", "CanzonaOptimizer"),
+    "CanzonaOptimizer": ("canzona.runtime.optimizer", "CanzonaOptimizer"),
     "plan_model": ("canzona._facade", "plan_model"),
     "load_plan": ("canzona.planner.validate", "load_plan"),
 }

@@ -46,15 +46,18 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """A GPT with an unused parameter (``spare``): it never gets a gradient."""
+    """A GPT with an unused parameter (``spare``): it never gets a gradient, so its bucket and
+    every later one reduce only at ``step()``. ``spare=False`` leaves it out: then every bucket
+    completes (and reduces) during backward."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, *, spare: bool = True) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.wte = nn.Embedding(VOCAB, DIM)
         self.wpe = nn.Embedding(SEQ, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.spare = nn.Linear(DIM, DIM, bias=False)
+        if spare:
+            self.spare = nn.Linear(DIM, DIM, bias=False)
         self.ln_f = nn.LayerNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -169,11 +172,11 @@ def plan_settings(optimizer: str) -> dict:
 def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int = 1,
                   clip: float | None = None, grad_sync: str = "reduce_scatter",
                   bucket_size: int = 3000, steps: int = STEPS, plan=None,
-                  overlap_param_gather: bool = False):
+                  overlap_param_gather: bool = False, spare: bool = True):
     """Train TinyGPT with CanzonaOptimizer on this rank's share of each batch."""
     import canzona
 
-    model = TinyGPT()
+    model = TinyGPT(spare=spare)
     if plan is None:
         plan = canzona.plan_model(model, dp=world, optimizer=optimizer, bucket_size=bucket_size,
                                   **plan_settings(optimizer))
@@ -223,7 +226,8 @@ class _null:
 
 
 def train_reference(world: int, *, optimizer: str = "muon", accum: int = 1,
-                    clip: float | None = None, steps: int = STEPS, sharded: bool = False) -> dict:
+                    clip: float | None = None, steps: int = STEPS, sharded: bool = False,
+                    spare: bool = True) -> dict:
     """One process, the concatenated batch: the matrix kernel per matrix, torch.optim.AdamW on the
     rest (routing from the same introspection).
 
@@ -234,7 +238,7 @@ def train_reference(world: int, *, optimizer: str = "muon", accum: int = 1,
     """
     from canzona.runtime.introspect import inventory
 
-    model = TinyGPT()
+    model = TinyGPT(spare=spare)
     route = {p.name: p.optimizer for p in inventory(model).params}
     named = list(model.named_parameters())
     mats = [p for n, p in named if route[n] == "matrix"]

@@ -56,15 +56,14 @@ def _train(rank: int, world: int, *, main_params: str | None) -> dict:
     opt.wait_params()
     # this rank's fp32 main copies, as {name: (flat start, flat end, values)}
     main = {}
-    s = opt._s
-    for bi, b in enumerate(s.buckets):
-        if opt._main[bi] is None:
+    for b, buf in zip(opt._schedule.buckets, opt._buffers):
+        if buf.main is None:
             continue
         c0, c1 = b.cuts[rank], b.cuts[rank + 1]
         for sl in b.slots:
             a, z = max(sl.lo, c0), min(sl.hi, c1)
             if a < z:
-                values = opt._main[bi][a - c0:z - c0].clone()
+                values = buf.main[a - c0:z - c0].clone()
                 main[opt._names[sl.param]] = (a - sl.lo, z - sl.lo, values)
     sd = opt.state_dict()
     return {"params": H.params_of(model), "main": main, "losses": losses,
@@ -231,14 +230,14 @@ def test_single_process_state_dict_and_reload():
     model2.load_state_dict(model.state_dict())
     opt2 = CanzonaOptimizer(model2, plan, lr=H.LR, ns_dtype=torch.float32, main_params="fp32")
     opt2.load_state_dict(sd)
-    assert all(torch.equal(a, b) for a, b in zip(opt._main, opt2._main))
+    assert all(torch.equal(a.main, b.main) for a, b in zip(opt._buffers, opt2._buffers))
     assert opt2.state_bytes() == opt2.predicted_state_bytes() == opt.state_bytes()
     # reload takes the (rounded) parameters: the main copies then equal them exactly
     opt2.reload_main_params()
-    assert all(torch.equal(m, pb.float()) for m, pb in zip(opt2._main, opt2._pbuf))
+    assert all(torch.equal(b.main, b.params.float()) for b in opt2._buffers)
     # an fp32 model needs no main copies
     m32 = H.TinyGPT()
     p32 = canzona.plan_model(m32, dp=1)
     o32 = CanzonaOptimizer(m32, p32, main_params="fp32")
-    assert all(m is None for m in o32._main)
+    assert all(b.main is None for b in o32._buffers)
     assert o32.state_bytes() == o32.predicted_state_bytes() == p32.metrics.dp_state_bytes[0]

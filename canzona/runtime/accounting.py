@@ -1,0 +1,105 @@
+"""Bytes: the optimizer state a plan predicts (``predicted_state_bytes``), the state an optimizer
+holds (``measured_state_bytes``) and the bytes its collectives send (``comm_bytes``)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from canzona.planner import formulas
+from canzona.planner.plan import Plan
+from canzona.runtime.checks import check_main_params
+
+__all__ = ["predicted_state_bytes"]
+
+#: Optimizer state is kept in fp32, step counters included.
+STATE_BYTES = 4
+
+
+def predicted_state_bytes(plan: Plan, dp_rank: int, *, main_params: str | None = None) -> int:
+    """Optimizer bytes DP rank ``dp_rank`` holds under ``plan``: exactly what ``state_bytes()``
+    measures when the matrix kernel keeps the state layout the plan records (always for Muon and
+    SOAP; for Shampoo unless ``momentum > 0`` or ``betas[0] = 0``, which add or drop an m×n
+    buffer — :meth:`CanzonaOptimizer.predicted_state_bytes` accounts for those too).
+
+    The sum, over what the rank owns, of
+
+    * every owned matrix task's ``state_bytes`` (the plan's per-task kernel state);
+    * per AdamW fragment of k elements (the rank's piece of an AdamW tensor in its own slice of
+      a bucket): two fp32 moments and the fp32 step counter, ``4 · (2k + 1)`` bytes — a tensor
+      cut across ranks has a step counter on each of them;
+    * with ``main_params="fp32"``: 4 bytes per element of the rank's own slice of every bucket
+      whose buffer is bf16 or fp16 (the fp32 main copies; fp32 buffers need none).
+
+    This equals ``plan.metrics.dp_state_bytes[dp_rank]`` (+ the main copies) except that the
+    planner shares the step counter of a cut AdamW tensor among its pieces by element count: per
+    cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
+
+    Raises:
+        ValueError: ``main_params`` or ``dp_rank`` is not allowed, or the plan has tp > 1.
+    """
+    check_main_params(main_params)
+    if plan.inputs.tp != 1:
+        raise ValueError(f"predicted_state_bytes predicts the runtime's state, and the runtime "
+                         f"executes tp = 1 plans; this plan is for tp={plan.inputs.tp} (its "
+                         f"planned state per DP index is plan.metrics.dp_state_bytes).")
+    if (isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral)
+            or not 0 <= dp_rank < plan.inputs.dp):
+        raise ValueError(f"dp_rank = {dp_rank!r} is not allowed; choose 0 … {plan.inputs.dp - 1}")
+    dp_rank = int(dp_rank)
+    matrix = {t.param for t in plan.tasks if t.optimizer == "matrix"}
+    total = sum(t.state_bytes for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank)
+    return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
+
+
+def adamw_and_main_bytes(plan: Plan, d: int, matrix: set[str], main_params: str | None) -> int:
+    """The AdamW fragments' state and the fp32 main copies of DP rank ``d`` (see
+    :func:`predicted_state_bytes`)."""
+    total = 0
+    for buf in plan.buffers:
+        r = d  # the rank of the buffer's sharding group that is DP index d (planning.dp_index)
+        if buf.expert:
+            r, rest = divmod(d - (buf.ep_rank or 0), plan.inputs.ep)
+            if rest or not 0 <= r < buf.dp_size:
+                continue
+        for b in buf.buckets:
+            lo, hi = b.cuts[r], b.cuts[r + 1]
+            if main_params == "fp32" and buf.dtype != "fp32":
+                total += 4 * (hi - lo)
+            for s in b.slots:
+                k = min(s.end, hi) - max(s.start, lo)
+                if k > 0 and s.name not in matrix:
+                    total += STATE_BYTES * formulas.adamw_state_numel(k)
+    return total
+
+
+def measured_state_bytes(state: Mapping[Any, Mapping[str, Any]],
+                         main: Iterable[Tensor | None]) -> int:
+    """Bytes of every tensor in an optimizer's ``state`` (one level of nested dicts: the parts of
+    a split parameter) and of the fp32 main copies."""
+    total = sum(m.numel() * m.element_size() for m in main if m is not None)
+    for st in state.values():
+        for v in st.values():
+            for t in (v.values() if isinstance(v, dict) else (v,)):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def comm_bytes(methods: Sequence[str], sizes: Sequence[tuple[int, ...]], rank: int, *,
+               grad_bytes: Sequence[int], param_bytes: Sequence[int],
+               external: bool) -> dict[str, int]:
+    """Bytes one rank sends per step, per bucket's collective method (padding included):
+    equal/padded calls send (R−1)·max, all_to_all sends the other ranks' slices (reduce) or its
+    own slice to each other rank (gather). ``grad_bytes``/``param_bytes``: element sizes."""
+    R = len(sizes[0]) if sizes else 1
+    if R == 1:
+        return {"reduce_scatter": 0, "all_gather": 0}
+    rs = ag = 0
+    for method, s, ge, pe in zip(methods, sizes, grad_bytes, param_bytes):
+        equal_calls = method in ("equal", "padded")
+        rs += ((R - 1) * max(s) if equal_calls else sum(s) - s[rank]) * ge
+        ag += (R - 1) * (max(s) if equal_calls else s[rank]) * pe
+    return {"reduce_scatter": 0 if external else rs, "all_gather": ag}

@@ -1,0 +1,211 @@
+"""Every check the runtime makes before it acts, each failing in one line.
+
+* the plan's shape against this runtime and the process group (tp, ep, dp, arguments);
+* the plan's fingerprint against the live parameters, and every rank's plan against the others
+  (one small all-gather, so that all ranks fail together — STYLE.md §6);
+* the settings the plan records against the constructor's arguments (the param groups a
+  scheduler changes are checked in ``groups``);
+* the work order: the ranks together update every element of every parameter exactly once.
+
+Local checks that can differ between ranks run inside :func:`agree`'s collective; every other
+check depends only on values all ranks share, so all ranks raise it alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.planner.plan import Plan
+from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.introspect import inventory
+from canzona.runtime.optim import registry
+from canzona.runtime.schedule import Schedule
+
+#: Values of the constructor's ``main_params``.
+MAIN_PARAMS = (None, "fp32")
+GRAD_SYNC = ("reduce_scatter", "external")
+# torch ≥ 2.10 renamed the tensor collectives (the old names warn).
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+# --- arguments and sizes -------------------------------------------------------------------------
+
+
+def check_main_params(main_params: Any) -> None:
+    if main_params not in MAIN_PARAMS:
+        raise ValueError(f"main_params = {main_params!r} is not allowed; choose None (update the "
+                         "parameters in their own dtype) or 'fp32' (fp32 main copies of the owned "
+                         "parts of bf16/fp16 parameters)")
+
+
+def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
+    """The plan is a Plan this runtime executes (tp = 1, ep = 1); ``grad_sync`` is known."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a canzona Plan (canzona.load_plan), got {type(plan).__name__}")
+    if grad_sync not in GRAD_SYNC:
+        raise ValueError(f"grad_sync = {grad_sync!r} is not allowed; choose 'reduce_scatter' or "
+                         "'external'")
+    if plan.inputs.tp != 1 or plan.rank_layout.tp != 1:
+        raise PlanMismatchError(f"the plan is for tp={plan.inputs.tp}; this runtime executes "
+                                "tp=1 (data-parallel) plans only.")
+    if plan.inputs.ep != 1:
+        raise PlanMismatchError(f"the plan is for ep={plan.inputs.ep}; this runtime executes "
+                                "ep=1 plans only (expert parallelism is not supported yet).")
+    if tp_group is not None and dist.get_world_size(tp_group) != 1:
+        raise PlanMismatchError("tp_group has more than one rank; this runtime executes tp=1 "
+                                "plans only.")
+
+
+def check_group_size(plan: Plan, dp: int) -> None:
+    if dp != plan.inputs.dp:
+        raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} but the data-parallel "
+                                f"group has {dp} ranks.")
+
+
+# --- the plan against the model and the other ranks ----------------------------------------------
+
+
+def plan_params(plan: Plan) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, logical shape, dtype) per parameter, in registration (task) order."""
+    dtype = {s.name: buf.dtype for buf in plan.buffers for b in buf.buckets for s in b.slots}
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    for t in plan.tasks:
+        shapes.setdefault(t.param, []).append(tuple(t.shape))
+    out = []
+    for name, parts in shapes.items():
+        shape = parts[0] if len(parts) == 1 else (sum(p[0] for p in parts), *parts[0][1:])
+        out.append((name, shape, dtype.get(name, "?")))
+    return out
+
+
+def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:
+    """None if the plan's fingerprint matches the live parameters, else one line naming the first
+    parameter that differs (name, shape or dtype)."""
+    spec = inventory(pairs)
+    if spec.fingerprint() == plan.fingerprint:
+        return None
+    planned = plan_params(plan)
+    live = [(p.name, tuple(p.shape), p.dtype) for p in spec.params]
+    for k, (a, b) in enumerate(zip(planned, live)):
+        if a[0] != b[0]:
+            return (f"the plan does not match the model: parameter #{k} is '{a[0]}' in the plan "
+                    f"but '{b[0]}' in the model.")
+        if a[1] != b[1]:
+            return (f"the plan does not match the model: parameter '{a[0]}' has shape "
+                    f"{list(a[1])} in the plan but {list(b[1])} in the model.")
+        if a[2] != b[2]:
+            return (f"the plan does not match the model: parameter '{a[0]}' is {a[2]} in the plan "
+                    f"but {b[2]} in the model.")
+    if len(planned) != len(live):
+        longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
+        first = longer[min(len(planned), len(live))][0]
+        return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
+                f"{len(live)} in the model; the {other} lacks '{first}'.")
+    return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
+            f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs {spec.fingerprint()[:19]}…).")
+
+
+def plan_digest(plan: Plan) -> bytes:
+    """sha256 of the plan's JSON: what the ranks compare, and what a checkpoint records."""
+    return hashlib.sha256(plan.model_dump_json().encode()).digest()
+
+
+def agree(plan: Plan, problem: str | None, *, dp: int, group: Any, device: torch.device) -> None:
+    """Every rank holds the same plan, and the plan fits the model on every rank.
+
+    One all-gather of (plan digest, fingerprint ok) per rank, so that a rank whose model differs
+    and its peers all raise, each naming what it can see.
+    """
+    if dp == 1:
+        if problem:
+            raise PlanMismatchError(problem)
+        return
+    mine = torch.tensor(list(plan_digest(plan)) + [0 if problem else 1], dtype=torch.int64,
+                        device=device)
+    everyone = torch.empty(dp * mine.numel(), dtype=torch.int64, device=device)
+    _all_gather(everyone, mine, group=group)
+    rows = everyone.view(dp, -1).cpu().tolist()
+    digests = [bytes(r[:-1]).hex()[:12] for r in rows]
+    if len(set(digests)) > 1:
+        listed = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+        raise PlanMismatchError(f"the DP ranks hold different plans (sha256 {listed}); load the "
+                                "same plan file on every rank.")
+    if problem:
+        raise PlanMismatchError(problem)
+    bad = [r for r, row in enumerate(rows) if row[-1] == 0]
+    if bad:
+        raise PlanMismatchError(f"the plan does not match the model on DP rank(s) {bad} (see "
+                                "their error for the first differing parameter).")
+
+
+def check_work_order(schedule: Schedule, names: list[str]) -> None:
+    """The work orders of all ranks update every element of every parameter exactly once, and
+    each rank only inside its own slices (an invariant of a consistent plan)."""
+    pieces: list[list[tuple[int, int]]] = [[] for _ in names]
+    for order in schedule.work:
+        for bi in range(len(schedule.buckets)):
+            size = schedule.buckets[bi].sizes[order.rank]
+            items = [(t.param, t.name, t.lo, t.hi, t.row0 * t.shape[1]) for t in order.matrix[bi]]
+            items += [(a.param, a.name, a.lo, a.hi, a.offset) for a in order.adamw[bi]]
+            for i, name, lo, hi, start in items:
+                if not 0 <= lo <= hi <= size:
+                    raise PlanMismatchError(f"the plan's work order puts '{name}' outside DP rank "
+                                            f"{order.rank}'s slice of bucket {bi}; the plan is "
+                                            "inconsistent.")
+                pieces[i].append((start, start + hi - lo))
+    for i, parts in enumerate(pieces):
+        lo, hi = schedule.param_range[i]
+        end = 0
+        for a, z in sorted(parts):
+            if a != end:
+                how = "twice" if a < end else "not at all"
+                raise PlanMismatchError(f"the plan's work order updates elements {min(a, end)}… of "
+                                        f"'{names[i]}' {how}; the plan is inconsistent.")
+            end = z
+        if end != hi - lo or schedule.param_bucket[i] < 0:
+            raise PlanMismatchError(f"the plan's work order leaves elements {end}… of "
+                                    f"'{names[i]}' without an owner; the plan is inconsistent.")
+
+
+# --- settings: the constructor's against the plan --------------------------
+
+
+def build_matrix_kernel(plan: Plan, *, optimizer: str | None, explicit: dict[str, Any],
+                        options: dict[str, Any], ns_dtype: torch.dtype) -> tuple[Any, Any, dict]:
+    """The matrix kernel's spec (``canzona.runtime.optim.registry``), the kernel, and the config
+    fields the plan records (they must not change). ``explicit``: the constructor's named
+    settings (``lr``, ``weight_decay``, ``momentum``, ``ns_steps``; None = the default);
+    ``options``: ``matrix_options``."""
+    s = plan.inputs.optimizer
+    if optimizer is not None and optimizer != s.name:
+        raise PlanMismatchError(f"optimizer={optimizer!r} disagrees with the plan, which was "
+                                f"made for {s.name!r}.")
+    spec = registry.get(s.name)
+    if spec is None:
+        raise PlanMismatchError(f"the plan is for optimizer {s.name!r}, which has no runtime "
+                                f"kernel (registered: {', '.join(registry.names())}).")
+    recorded = spec.recorded(s)
+    fields = {f.name for f in dataclasses.fields(spec.config) if f.init}
+    given = dict(options)
+    for key, value in explicit.items():
+        if value is None:
+            continue
+        if key not in fields:
+            hint = spec.hints.get(key)
+            raise PlanMismatchError(f"{spec.kernel.name} has no {key} setting (the plan is for "
+                                    f"{s.name!r}){'; ' + hint if hint else ''}.")
+        given[key] = value
+    for key, value in given.items():
+        if key in recorded and value != recorded[key]:
+            raise PlanMismatchError(f"{key}={value!r} disagrees with the plan, which was made "
+                                    f"with {key}={recorded[key]!r}.")
+    cfg = {**recorded, **given}
+    if "ns_dtype" in fields:
+        cfg.setdefault("ns_dtype", ns_dtype)
+    return spec, spec.build(spec.config(**cfg)), recorded

@@ -1,0 +1,225 @@
+"""One object per bucket that owns the bucket's collective method and its scratch buffers.
+
+A bucket's reduce-scatter and all-gather have variable slice sizes, which no stock primitive
+takes (DESIGN.md "Runtime"). The method is fixed per bucket by ``schedule.collective_method``::
+
+    equal       reduce_scatter_tensor / all_gather_into_tensor on the buffers themselves
+    padded      the same calls on slices padded to the largest (R·max ≤ 1.125·size); the reduce
+                packs the slices into ``R·max`` scratch, the gather unpacks from it
+    all_to_all  all_to_all_single with split sizes; reduce: every rank sends rank r its slice r
+                and r sums the R copies it received; gather: the own slice sent to every rank,
+                received straight into the parameter buffer
+    local       dp = 1: the reduce is a copy, the gather nothing
+
+Every call is asynchronous (``async_op=True``) and works on gloo and NCCL. Scratch is allocated
+once at construction and reused: a bucket's next launch always follows the wait of its previous
+one (the step waits for the reduces before it gathers and for the gathers before it reduces
+again), which is also what makes reuse safe on CUDA, where ``work.wait()`` orders the current
+stream after the communication stream. The process group is an argument of every launch, never
+kept here (``None`` is the default group, looked up by each call; see ``CanzonaOptimizer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from canzona.runtime.buffers import BucketBuffers
+from canzona.runtime.schedule import Bucket
+
+__all__ = ["BucketCollective", "make_collective"]
+
+# torch ≥ 2.10 renamed the tensor collectives (the old names warn).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class BucketCollective:
+    """A bucket's reduce-scatter (grads → this rank's averaged slice ``buffers.own``) and
+    all-gather (this rank's updated slice → everyone's parameter buffer), each launched
+    asynchronously and finished later. Subclasses implement one method."""
+
+    method = ""
+
+    def __init__(self, bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, *,
+                 reduce: bool) -> None:
+        self.bucket = bucket
+        self.rank = rank
+        self.dp = dp
+        self.buffers = buffers
+        self.reduces = reduce  # False under grad_sync="external": no reduce scratch
+        self.reduce_work: Any = None
+        self.gather_work: Any = None
+
+    @property
+    def gathering(self) -> bool:
+        """An all-gather was launched and not finished yet."""
+        return self.gather_work is not None
+
+    # -- reduce-scatter ---------------------------------------------------------------------------
+
+    def launch_reduce(self, group: Any) -> None:
+        self.reduce_work = self._start_reduce(group)
+
+    def wait_reduce(self) -> None:
+        """Wait for a running reduce-scatter; its result stays in scratch for
+        :meth:`finish_reduce`."""
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+
+    def finish_reduce(self) -> None:
+        """Wait, then leave the averaged gradient of this rank's slice in ``buffers.own``."""
+        self.wait_reduce()
+        if self.dp > 1:
+            self._unpack_reduce()
+            self.buffers.own.div_(self.dp)
+
+    # -- all-gather -------------------------------------------------------------------------------
+
+    def launch_gather(self, group: Any) -> None:
+        self.gather_work = self._start_gather(group)
+
+    def finish_gather(self) -> None:
+        """Wait, then every rank's slice is in ``buffers.params``."""
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+            self._unpack_gather()
+
+    def drop(self) -> None:
+        """Forget the handles (after a failure, or once the group is released)."""
+        self.reduce_work = self.gather_work = None
+
+    # -- one method ---------------------------------------------------------------------------------
+
+    def _start_reduce(self, group: Any) -> Any:
+        raise NotImplementedError
+
+    def _unpack_reduce(self) -> None:
+        pass
+
+    def _start_gather(self, group: Any) -> Any:
+        raise NotImplementedError
+
+    def _unpack_gather(self) -> None:
+        pass
+
+
+class LocalCollective(BucketCollective):
+    """dp = 1: this rank's slice is the whole bucket."""
+
+    method = "local"
+
+    def _start_reduce(self, group: Any) -> Any:
+        self.buffers.own.copy_(self.buffers.grads)
+        return None
+
+    def _start_gather(self, group: Any) -> Any:
+        return None
+
+
+class EqualCollective(BucketCollective):
+    """Equal slices: the stock collectives on the buffers themselves."""
+
+    method = "equal"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        own = self.buffers.own_params
+        self._send = torch.empty_like(own)  # the gather's input may not alias its output
+
+    def _start_reduce(self, group: Any) -> Any:
+        b = self.buffers
+        return _reduce_scatter(b.own, b.grads, group=group, async_op=True)
+
+    def _start_gather(self, group: Any) -> Any:
+        self._send.copy_(self.buffers.own_params)
+        return _all_gather(self.buffers.params, self._send, group=group, async_op=True)
+
+
+class PaddedCollective(BucketCollective):
+    """Nearly equal slices: the stock collectives on slices padded to the largest."""
+
+    method = "padded"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        b, R = self.buffers, self.dp
+        big = max(self.bucket.sizes)
+        self._big = big
+        # Padding stays zero: only the first sizes[r] elements of each block are ever written.
+        self._reduce_in = (torch.zeros(R * big, dtype=b.grads.dtype, device=b.grads.device)
+                           if self.reduces else None)
+        self._reduce_out = (torch.empty(big, dtype=b.grads.dtype, device=b.grads.device)
+                            if self.reduces else None)
+        self._gather_in = torch.zeros(big, dtype=b.params.dtype, device=b.params.device)
+        self._gather_out = torch.empty(R * big, dtype=b.params.dtype, device=b.params.device)
+
+    def _start_reduce(self, group: Any) -> Any:
+        g, cuts, big = self.buffers.grads, self.bucket.cuts, self._big
+        for r, n in enumerate(self.bucket.sizes):
+            self._reduce_in[r * big:r * big + n].copy_(g[cuts[r]:cuts[r + 1]])
+        return _reduce_scatter(self._reduce_out, self._reduce_in, group=group, async_op=True)
+
+    def _unpack_reduce(self) -> None:
+        own = self.buffers.own
+        own.copy_(self._reduce_out[:own.numel()])
+
+    def _start_gather(self, group: Any) -> Any:
+        own = self.buffers.own_params
+        self._gather_in[:own.numel()].copy_(own)
+        return _all_gather(self._gather_out, self._gather_in, group=group, async_op=True)
+
+    def _unpack_gather(self) -> None:
+        params, cuts, big = self.buffers.params, self.bucket.cuts, self._big
+        for r, n in enumerate(self.bucket.sizes):
+            if r != self.rank:
+                params[cuts[r]:cuts[r] + n].copy_(self._gather_out[r * big:r * big + n])
+
+
+class AllToAllCollective(BucketCollective):
+    """Unequal slices: ``all_to_all_single`` with the exact split sizes."""
+
+    method = "all_to_all"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        b, R = self.buffers, self.dp
+        n = self.bucket.sizes[self.rank]
+        # reduce: the R copies of this rank's slice, one from every rank, summed on arrival
+        self._received = (torch.empty(R * n, dtype=b.grads.dtype, device=b.grads.device)
+                          if self.reduces else None)
+        # gather: this rank's slice once for every rank
+        self._send = torch.empty(R * n, dtype=b.params.dtype, device=b.params.device)
+
+    def _start_reduce(self, group: Any) -> Any:
+        n = self.bucket.sizes[self.rank]
+        return dist.all_to_all_single(self._received, self.buffers.grads,
+                                      output_split_sizes=[n] * self.dp,
+                                      input_split_sizes=list(self.bucket.sizes), group=group,
+                                      async_op=True)
+
+    def _unpack_reduce(self) -> None:
+        n = self.bucket.sizes[self.rank]
+        torch.sum(self._received.view(self.dp, n), dim=0, out=self.buffers.own)
+
+    def _start_gather(self, group: Any) -> Any:
+        n = self.bucket.sizes[self.rank]
+        self._send.view(self.dp, n).copy_(self.buffers.own_params.expand(self.dp, n))
+        return dist.all_to_all_single(self.buffers.params, self._send,
+                                      output_split_sizes=list(self.bucket.sizes),
+                                      input_split_sizes=[n] * self.dp, group=group,
+                                      async_op=True)
+
+
+_METHODS = {c.method: c for c in (EqualCollective, PaddedCollective, AllToAllCollective)}
+
+
+def make_collective(bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, *,
+                    reduce: bool) -> BucketCollective:
+    """The bucket's collective object: its plan method, or ``local`` when dp = 1."""
+    cls = LocalCollective if dp == 1 else _METHODS[bucket.method]
+    return cls(bucket, rank, dp, buffers, reduce=reduce)

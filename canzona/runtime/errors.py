@@ -1,0 +1,17 @@
+"""What the runtime raises and warns: one readable line each, in canzona's error families."""
+
+from __future__ import annotations
+
+from canzona.planner.errors import CanzonaError, CanzonaWarning
+
+__all__ = ["PlanMismatchError", "UnusedParameterWarning"]
+
+
+class PlanMismatchError(CanzonaError):
+    """The plan does not fit the model, the process group, the other ranks or the settings
+    (a ``ValueError``, as every :class:`~canzona.planner.errors.CanzonaError`)."""
+
+
+class UnusedParameterWarning(CanzonaWarning):
+    """A parameter received no gradient, so its bucket (and every later one) reduce-scattered
+    only at ``step()`` instead of overlapping backward. Emitted once per optimizer."""

@@ -1,0 +1,177 @@
+"""The plan as frozen records, built once at construction; the step loop never touches pydantic.
+
+Offsets are element counts. A bucket's are relative to the bucket's start; a work item's
+(``MatrixTask``, ``AdamWSlice``) are relative to the start of its rank's own slice of the bucket,
+``[cuts[rank], cuts[rank + 1])``. The schedule holds the work order of *every* DP rank (what each
+one updates, bucket by bucket, in plan order), so that a rank can check locally that the ranks
+together update every element of every parameter exactly once (``checks.check_work_order``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from canzona.planner.plan import Plan
+from canzona.runtime.errors import PlanMismatchError
+
+__all__ = ["AdamWSlice", "Bucket", "MatrixTask", "ParamSlot", "Schedule", "WorkOrder",
+           "build_schedule", "collective_method"]
+
+#: Pad slices to the largest when that costs at most this factor over the bucket's size.
+PAD_SLACK = 1.125
+
+
+def collective_method(sizes: tuple[int, ...]) -> str:
+    """The collective pair a bucket with these slice sizes uses (DESIGN.md "Runtime"):
+    ``"equal"`` (the stock calls on the buffers), ``"padded"`` (the stock calls on slices padded
+    to the largest, when R·max ≤ 1.125·size) or ``"all_to_all"`` (exact split sizes)."""
+    if len(set(sizes)) == 1:
+        return "equal"
+    if len(sizes) * max(sizes) <= PAD_SLACK * sum(sizes):
+        return "padded"
+    return "all_to_all"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Parameter ``param`` (index in registration order) at ``[lo, hi)`` of its bucket."""
+
+    param: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One ZeRO-1 bucket: reduced and gathered as a unit, in ``index`` order on every rank."""
+
+    index: int
+    numel: int  # padded size
+    cuts: tuple[int, ...]  # dp + 1 offsets: rank r's slice is [cuts[r], cuts[r + 1])
+    sizes: tuple[int, ...]  # dp slice sizes
+    slots: tuple[ParamSlot, ...]
+    grad_dtype: str  # the plan's name: "fp32" | "bf16" | "fp16"
+    method: str  # collective_method(sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class MatrixTask:
+    """An owned matrix task: rows ``[row0, row0 + shape[0])`` of parameter ``param``, elements
+    ``[lo, hi)`` of its owner's own slice of bucket ``bucket``."""
+
+    id: int
+    param: int
+    name: str  # the parameter's name, "#part" appended for a split (Q/K/V, gate/up) part
+    part: str | None  # the part's key in the parameter's state, None for a whole parameter
+    bucket: int
+    lo: int
+    hi: int
+    row0: int
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWSlice:
+    """Elements ``[offset, offset + hi - lo)`` of the flattened AdamW parameter ``param``, at
+    ``[lo, hi)`` of its holder's own slice of bucket ``bucket``."""
+
+    param: int
+    name: str
+    bucket: int
+    lo: int
+    hi: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkOrder:
+    """What one DP rank updates, per bucket in launch order (matrix tasks in plan order)."""
+
+    rank: int
+    matrix: tuple[tuple[MatrixTask, ...], ...]
+    adamw: tuple[tuple[AdamWSlice, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """This rank's view of the plan."""
+
+    dp: int
+    rank: int
+    buckets: tuple[Bucket, ...]
+    work: tuple[WorkOrder, ...]  # per DP rank
+    param_bucket: tuple[int, ...]  # per parameter, its bucket
+    param_range: tuple[tuple[int, int], ...]  # per parameter, [lo, hi) in its bucket
+    matrix_params: tuple[int, ...]  # parameters the plan gives the matrix optimizer, plan order
+
+    @property
+    def mine(self) -> WorkOrder:
+        """This rank's work order."""
+        return self.work[self.rank]
+
+    def own_range(self, bucket: int) -> tuple[int, int]:
+        """This rank's slice ``[lo, hi)`` of a bucket."""
+        cuts = self.buckets[bucket].cuts
+        return cuts[self.rank], cuts[self.rank + 1]
+
+
+def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
+    """Convert the plan (already checked against the model) into records for DP rank ``rank``.
+
+    Raises:
+        PlanMismatchError: the plan cuts a matrix across DP ranks (a baseline such as ``asc``).
+    """
+    index = {n: i for i, n in enumerate(names)}
+    dp = plan.inputs.dp
+    buckets: list[Bucket] = []
+    param_bucket = [-1] * len(names)
+    param_range = [(0, 0)] * len(names)
+    for buf in plan.buffers:
+        for b in buf.buckets:
+            slots = []
+            for s in b.slots:
+                i = index[s.name]
+                slots.append(ParamSlot(i, s.start - b.start, s.end - b.start))
+                param_bucket[i] = len(buckets)
+                param_range[i] = (s.start - b.start, s.end - b.start)
+            cuts = tuple(c - b.start for c in b.cuts)
+            sizes = tuple(y - x for x, y in zip(cuts, cuts[1:]))
+            buckets.append(Bucket(len(buckets), b.end - b.start, cuts, sizes, tuple(slots),
+                                  buf.grad_dtype, collective_method(sizes)))
+    matrix = [[[] for _ in buckets] for _ in range(dp)]
+    adamw = [[[] for _ in buckets] for _ in range(dp)]
+    rows_done: dict[str, int] = defaultdict(int)
+    matrix_params: dict[int, None] = {}  # ordered set
+    for t in plan.tasks:
+        i = index[t.param]
+        bi = param_bucket[i]
+        cuts = buckets[bi].cuts
+        lo, hi = param_range[i]
+        if t.optimizer == "matrix":
+            rows, cols = t.shape
+            row0 = rows_done[t.param]
+            rows_done[t.param] += rows
+            matrix_params[i] = None
+            a, z = lo + row0 * cols, lo + (row0 + rows) * cols
+            holders = [r for r in range(dp) if cuts[r] < z and a < cuts[r + 1]]
+            if holders != [t.owner]:
+                raise PlanMismatchError(
+                    f"the plan cuts matrix '{t.param}' across DP ranks {holders} (owner "
+                    f"{t.owner}); the runtime needs whole-matrix ownership (strategy "
+                    f"'{plan.inputs.solver.strategy}'; plan with 'canzona plan' or plan_model).")
+            c0 = cuts[t.owner]
+            name = t.param if t.part is None else f"{t.param}#{t.part}"
+            matrix[t.owner][bi].append(MatrixTask(t.id, i, name, t.part, bi, a - c0, z - c0,
+                                                  row0, (rows, cols)))
+        else:
+            # AdamW elements need no atomicity: every rank holding a piece updates it.
+            for r in range(dp):
+                a, z = max(lo, cuts[r]), min(hi, cuts[r + 1])
+                if a < z:
+                    adamw[r][bi].append(AdamWSlice(i, t.param, bi, a - cuts[r], z - cuts[r],
+                                                   a - lo))
+    work = tuple(WorkOrder(r, tuple(map(tuple, matrix[r])), tuple(map(tuple, adamw[r])))
+                 for r in range(dp))
+    return Schedule(dp, rank, tuple(buckets), work, tuple(param_bucket), tuple(param_range),
+                    tuple(matrix_params))

@@ -1,0 +1,93 @@
+"""The runtime's records and checks on one process: bucket boundaries as the runtime receives
+them, the work order's coverage, the collective rule, the fingerprint's dtype, keyword-only
+arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import canzona
+import dp_helpers as H
+from canzona.runtime import checks
+from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
+from canzona.runtime.introspect import inventory
+from canzona.runtime.schedule import build_schedule, collective_method
+
+
+def _schedule(model, plan, rank: int = 0):
+    names = [n for n, _ in model.named_parameters()]
+    return names, build_schedule(plan, names, rank)
+
+
+def test_a_bucket_closes_when_it_reaches_its_size_exactly():
+    """Megatron closes a bucket as soon as it holds ``bucket_size`` elements (>=, not >): with the
+    size exactly on the end of the first parameter laid out (lm_head, laid out in reverse
+    registration order), that parameter is a bucket of its own."""
+    model = H.TinyGPT()
+    first = model.lm_head.weight.numel()
+    names, s = _schedule(model, canzona.plan_model(model, dp=2, bucket_size=first))
+    assert [names[sl.param] for sl in s.buckets[0].slots] == ["lm_head.weight"]
+    # one element more and the next parameters join it
+    names, s = _schedule(model, canzona.plan_model(model, dp=2, bucket_size=first + 1))
+    assert [names[sl.param] for sl in s.buckets[0].slots][:2] == ["lm_head.weight", "ln_f.bias"]
+
+
+def test_the_work_order_covers_every_parameter_exactly_once():
+    model = H.TinyGPT()
+    plan = canzona.plan_model(model, dp=2, bucket_size=3000)
+    names, s = _schedule(model, plan)
+    checks.check_work_order(s, names)  # the ranks together: every element once
+    assert sum(len(ts) for w in s.work for ts in w.matrix) == sum(
+        1 for t in plan.tasks if t.optimizer == "matrix")
+    # a task dropped from rank 1's order: its matrix is not updated at all
+    w1 = s.work[1]
+    bi = next(i for i, ts in enumerate(w1.matrix) if ts)
+    dropped = w1.matrix[bi][0]
+    matrix = tuple(ts[1:] if i == bi else ts for i, ts in enumerate(w1.matrix))
+    broken = dataclasses.replace(s, work=(s.work[0], dataclasses.replace(w1, matrix=matrix)))
+    with pytest.raises(PlanMismatchError, match=f"'{dropped.name}'"):
+        checks.check_work_order(broken, names)
+    # the same task twice: updated twice
+    doubled = tuple(ts + (dropped,) if i == bi else ts for i, ts in enumerate(w1.matrix))
+    broken = dataclasses.replace(s, work=(s.work[0], dataclasses.replace(w1, matrix=doubled)))
+    with pytest.raises(PlanMismatchError, match="twice"):
+        checks.check_work_order(broken, names)
+
+
+def test_collective_rule():
+    assert collective_method((128, 128)) == "equal"
+    assert collective_method((128, 144)) == "padded"  # 2·144 = 288 ≤ 1.125·272
+    assert collective_method((100, 200)) == "all_to_all"
+
+
+def test_a_dtype_change_changes_the_fingerprint():
+    fp32 = inventory(H.TinyGPT()).fingerprint()
+    bf16 = inventory(H.TinyGPT().to(torch.bfloat16)).fingerprint()
+    assert fp32 != bf16
+    assert inventory(H.TinyGPT()).fingerprint() == fp32  # and nothing else does
+
+
+def test_a_bf16_model_is_refused_a_plan_made_for_fp32():
+    plan = canzona.plan_model(H.TinyGPT(), dp=1)
+    model = H.TinyGPT().to(torch.bfloat16)
+    with pytest.raises(PlanMismatchError, match=r"parameter 'wte.weight' is fp32 in the plan but "
+                                                r"bf16 in the model"):
+        CanzonaOptimizer(model, plan)
+
+
+def test_arguments_after_plan_are_keyword_only():
+    model = H.TinyGPT()
+    plan = canzona.plan_model(model, dp=1)
+    with pytest.raises(TypeError, match="positional"):
+        CanzonaOptimizer(model, plan, 0.02)
+    CanzonaOptimizer(model, plan=plan, lr=0.02).close()
+
+
+def test_plan_mismatch_is_a_canzona_error():
+    from canzona.planner.errors import CanzonaError
+
+    assert issubclass(PlanMismatchError, CanzonaError)
+    assert issubclass(PlanMismatchError, ValueError)
