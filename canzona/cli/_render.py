@@ -1,7 +1,12 @@
-"""Rich rendering for the CLI (tables, bars). Only this module prints."""
+"""Terminal output of the CLI: messages, the progress spinner, rich tables and bars.
+
+Only this module prints (charts are ``plots``'s; the reports it renders are built by
+:mod:`canzona.planner.report`).
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -10,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import typer
 from rich.bar import Bar
 from rich.console import Console
 from rich.markup import escape
@@ -19,9 +25,11 @@ from rich.text import Text
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
 from canzona.planner.planning import collective_elements
+from canzona.planner.report import busiest_index, max_mean, oversized_groups, peak_within_cmax
+
+from ._units import gpus, human_bytes, human_flops, load, params_count
 
 if TYPE_CHECKING:
-    from canzona.planner.baselines import BaselineRow
     from canzona.planner.plan import Plan
 
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -43,122 +51,9 @@ def info(message: str) -> None:
     err_console.print(escape(message), highlight=False, soft_wrap=True)
 
 
-# Units, one family each throughout the CLI (tables, summaries and charts alike): bytes in binary
-# units (KiB, MiB, GiB, TiB: C_max is given in MiB), FLOPs and counts in decimal SI prefixes.
-
-
-def human(n: float, unit: str = "") -> str:
-    """A count or FLOPs in decimal prefixes: ``human(3.2e13, "FLOP")`` → ``32.00 TFLOP``."""
-    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {prefix}{unit}"
-    return f"{n:.0f} {unit}".rstrip()
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in binary units: ``human_bytes(3 * 2**30)`` → ``3.00 GiB``."""
-    for div, suffix in ((2.0 ** 40, "TiB"), (2.0 ** 30, "GiB"), (2.0 ** 20, "MiB"), (2.0 ** 10, "KiB")):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {suffix}"
-    return f"{n:.0f} B"
-
-
-def params_count(n: int) -> str:
-    """A parameter count as models are named: ``32.76B``."""
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.2f}{suffix}"
-    return str(n)
-
-
-def load(n: float, cost_model: str) -> str:
-    """A load in the plan's cost units (FLOPs for the flops model, elements for numel)."""
-    return human(n, "FLOP" if cost_model == "flops" else "el")
-
-
-def gpus(n: int) -> str:
-    return f"{n} GPU" if n == 1 else f"{n} GPUs"
-
-
-def models_table(rows: list[dict]) -> None:
-    t = Table(title="Built-in models")
-    for col, just in (("model", "left"), ("params", "right"),
-                      ("layers", "right"), ("hidden", "right"), ("ffn", "right"),
-                      ("heads q/kv", "right"), ("experts", "right"), ("vocab", "right"),
-                      ("tied", "center")):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for r in rows:
-        experts = f"{r['experts']}/top{r['experts_per_token']}" if r["experts"] else "-"
-        t.add_row(r["name"], f"{r['params']:,}", str(r["layers"]),
-                  str(r["hidden"]), str(r["ffn"]), f"{r['q_heads']}/{r['kv_heads']}", experts,
-                  str(r["vocab"]), "yes" if r["tied_embeddings"] else "no")
-    console.print(t)
-
-
-def layout_dict(spec: ModelSpec, lay: PhysicalLayout) -> dict:
-    split = lay.split_matrices()
-    return {
-        "model": spec.name,
-        "dp": lay.sizes.dp, "tp": lay.sizes.tp, "ep": lay.sizes.ep,
-        "bucket_size": lay.bucket_size,
-        "matrices": lay.matrix_count(),
-        "split_matrices": len(split),
-        "buffers": [
-            {"key": b.key, "dp_size": b.dp_size, "numel": b.numel,
-             "buckets": [{"index": k.index, "start": k.start, "end": k.end,
-                          "numel_unpadded": k.numel_unpadded, "params": len(k.slots),
-                          "split_matrices": sum(1 for s in k.slots if s.name in dict(split))}
-                         for k in b.buckets]}
-            for b in lay.buffers
-        ],
-        "split": [{"name": n, "ranks": r} for n, r in split],
-    }
-
-
-def layout_report(spec: ModelSpec, lay: PhysicalLayout, *, show_buckets: bool = False) -> None:
-    s = lay.sizes
-    split = lay.split_matrices()
-    split_names = {n for n, _ in split}
-    console.print(
-        f"[bold]{escape(spec.name)}[/]  {params_count(spec.total_params)} params  dp={s.dp} tp={s.tp}"
-        + (f" ep={s.ep} (expert dp={s.edp})" if s.ep > 1 or spec.config.is_moe else "")
-        + f"  bucket size: {lay.bucket_size:,} elements" if lay.bucket_size else
-        f"[bold]{escape(spec.name)}[/]  dp={s.dp} tp={s.tp}  one bucket per buffer (no overlap)")
-    t = Table(title="ZeRO-1 buffers (one TP rank)")
-    for col in ("buffer", "sharded over", "buckets", "elements", "padding", "params",
-                "matrices split"):
-        t.add_column(col, justify="left" if col == "buffer" else "right")
-    shown = [b for b in lay.buffers if not (b.expert and b.ep_rank)]  # EP ranks share shapes
-    for b in shown:
-        n_params = sum(len(k.slots) for k in b.buckets)
-        unpadded = sum(sum(x.numel for x in k.slots) for k in b.buckets)
-        n_split = sum(1 for k in b.buckets for x in k.slots if x.name in split_names)
-        key = (f"expert {b.dtype}/{b.grad_dtype} (each of {s.ep} EP ranks)" if b.expert
-               else b.key)
-        t.add_row(key, f"{b.dp_size} ranks", str(len(b.buckets)), f"{b.numel:,}",
-                  f"{b.numel - unpadded:,}", str(n_params), str(n_split))
-    console.print(t)
-    if show_buckets:
-        bt = Table(title="Buckets")
-        for col in ("buffer", "bucket", "start", "end", "elements", "per rank", "params",
-                    "split"):
-            bt.add_column(col, justify="right")
-        for b in lay.buffers:
-            for k in b.buckets:
-                bt.add_row(b.key, str(k.index), f"{k.start:,}", f"{k.end:,}", f"{k.numel:,}",
-                           f"{k.numel // b.dp_size:,}", str(len(k.slots)),
-                           str(sum(1 for x in k.slots if x.name in split_names)))
-        console.print(bt)
-    total = lay.matrix_count()
-    worst = max((r for _, r in split), default=0)
-    console.print(
-        f"ZeRO-1's equal chunks split [bold]{len(split)}[/] of {total} matrix-optimizer "
-        f"parameters across DP ranks" + (f" (up to {worst} ranks each)" if split else "")
-        + ": Muon, Shampoo and SOAP need each whole; canzona moves the cuts to parameter "
-        "boundaries.", highlight=False)
-
-
-# --- canzona plan ------------------------------------------------------------------------------
+def json_out(data: object) -> None:
+    """``data`` as indented JSON on stdout (``--json``)."""
+    typer.echo(json.dumps(data, indent=2))
 
 
 class _Elapsed:
@@ -209,8 +104,70 @@ def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None
                 state["status"].stop()
 
 
-def _max_mean(values: tuple[int, ...] | list[int]) -> tuple[int, float]:
-    return max(values), sum(values) / len(values)
+# --- canzona models, canzona layout ----------------------------------------------------------
+
+
+def models_table(rows: list[dict]) -> None:
+    """The table of ``canzona models`` (rows: :func:`canzona.planner.report.model_rows`)."""
+    t = Table(title="Built-in models")
+    for col, just in (("model", "left"), ("params", "right"),
+                      ("layers", "right"), ("hidden", "right"), ("ffn", "right"),
+                      ("heads q/kv", "right"), ("experts", "right"), ("vocab", "right"),
+                      ("tied", "center")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for r in rows:
+        experts = f"{r['experts']}/top{r['experts_per_token']}" if r["experts"] else "-"
+        t.add_row(r["name"], f"{r['params']:,}", str(r["layers"]),
+                  str(r["hidden"]), str(r["ffn"]), f"{r['q_heads']}/{r['kv_heads']}", experts,
+                  str(r["vocab"]), "yes" if r["tied_embeddings"] else "no")
+    console.print(t)
+
+
+def layout_view(spec: ModelSpec, lay: PhysicalLayout, *, show_buckets: bool = False) -> None:
+    """Megatron's ZeRO-1 buffers (and, with ``show_buckets``, every bucket) and the split count."""
+    s = lay.sizes
+    split = lay.split_matrices()
+    split_names = {n for n, _ in split}
+    console.print(
+        f"[bold]{escape(spec.name)}[/]  {params_count(spec.total_params)} params  dp={s.dp} tp={s.tp}"
+        + (f" ep={s.ep} (expert dp={s.edp})" if s.ep > 1 or spec.config.is_moe else "")
+        + f"  bucket size: {lay.bucket_size:,} elements" if lay.bucket_size else
+        f"[bold]{escape(spec.name)}[/]  dp={s.dp} tp={s.tp}  one bucket per buffer (no overlap)")
+    t = Table(title="ZeRO-1 buffers (one TP rank)")
+    for col in ("buffer", "sharded over", "buckets", "elements", "padding", "params",
+                "matrices split"):
+        t.add_column(col, justify="left" if col == "buffer" else "right")
+    shown = [b for b in lay.buffers if not (b.expert and b.ep_rank)]  # EP ranks share shapes
+    for b in shown:
+        n_params = sum(len(k.slots) for k in b.buckets)
+        unpadded = sum(sum(x.numel for x in k.slots) for k in b.buckets)
+        n_split = sum(1 for k in b.buckets for x in k.slots if x.name in split_names)
+        key = (f"expert {b.dtype}/{b.grad_dtype} (each of {s.ep} EP ranks)" if b.expert
+               else b.key)
+        t.add_row(key, f"{b.dp_size} ranks", str(len(b.buckets)), f"{b.numel:,}",
+                  f"{b.numel - unpadded:,}", str(n_params), str(n_split))
+    console.print(t)
+    if show_buckets:
+        bt = Table(title="Buckets")
+        for col in ("buffer", "bucket", "start", "end", "elements", "per rank", "params",
+                    "split"):
+            bt.add_column(col, justify="right")
+        for b in lay.buffers:
+            for k in b.buckets:
+                bt.add_row(b.key, str(k.index), f"{k.start:,}", f"{k.end:,}", f"{k.numel:,}",
+                           f"{k.numel // b.dp_size:,}", str(len(k.slots)),
+                           str(sum(1 for x in k.slots if x.name in split_names)))
+        console.print(bt)
+    total = lay.matrix_count()
+    worst = max((r for _, r in split), default=0)
+    console.print(
+        f"ZeRO-1's equal chunks split [bold]{len(split)}[/] of {total} matrix-optimizer "
+        f"parameters across DP ranks" + (f" (up to {worst} ranks each)" if split else "")
+        + ": Muon, Shampoo and SOAP need each whole; canzona moves the cuts to parameter "
+        "boundaries.", highlight=False)
+
+
+# --- canzona plan ------------------------------------------------------------------------------
 
 
 def dp_scope(plan: Plan) -> str:
@@ -240,7 +197,7 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     if inp.cost_model != "flops":
         rows.insert(0, (f"load ({inp.cost_model})", m.dp_load, lambda v: load(v, inp.cost_model)))
     for label, vals, fmt in rows:
-        mx, mean = _max_mean(vals)
+        mx, mean = max_mean(vals)
         t.add_row(label, fmt(mx), fmt(mean), f"{mx / mean:.4f}" if mean else "-")
     console.print(t)
     console.print(
@@ -258,65 +215,14 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
 
 
-def human_flops(n: float) -> str:
-    return human(n, "FLOP")
-
-
 # --- canzona inspect ---------------------------------------------------------------------------
-
-
-def _task_name(param: str, part: str | None) -> str:
-    return f"{param}#{part}" if part else param
-
-
-def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -> dict:
-    """Everything ``canzona inspect`` shows, as plain data (``--json``)."""
-    inp, m = plan.inputs, plan.metrics
-    owned = [0] * inp.dp
-    for t in plan.tasks:
-        if t.owner is not None:
-            owned[t.owner] += 1
-    mx, mean = _max_mean(m.dp_load)
-    heavy = sorted(plan.tasks, key=lambda t: (-t.cost, t.id))[:top]
-    return {
-        "model": inp.model, "model_source": inp.model_source,
-        "dp": inp.dp, "tp": inp.tp, "ep": inp.ep,
-        "optimizer": inp.optimizer.name, "cost_model": inp.cost_model,
-        "strategy": inp.solver.strategy, "solver": inp.solver.solver, "alpha": inp.solver.alpha,
-        "bucket_size": inp.bucket_size, "fingerprint": plan.fingerprint,
-        "metrics": {
-            "max_load": mx, "mean_load": mean, "max_over_mean": m.max_over_mean,
-            "lower_bound": m.lower_bound, "certified_bound": m.certified_bound,
-            "gap_to_lower_bound": round(mx / m.lower_bound - 1, 6) if m.lower_bound else 0.0,
-            "gap_to_bound": m.gap_to_bound, "split_matrices": m.split_matrices,
-            "solver_status": m.solver_status,
-        },
-        "ranks": [
-            {"dp_index": d, "load": m.dp_load[d], "flops": m.dp_flops[d],
-             "state_bytes": m.dp_state_bytes[d],
-             "reduce_scatter_bytes": m.dp_reduce_scatter_bytes[d], "matrices": owned[d]}
-            for d in range(inp.dp)
-        ],
-        "heaviest_tasks": [
-            {"id": t.id, "name": _task_name(t.param, t.part), "shape": list(t.shape),
-             "optimizer": t.optimizer, "owner": t.owner, "cost": t.cost, "flops": t.flops,
-             "state_bytes": t.state_bytes}
-            for t in heavy
-        ],
-        "baselines": None if rows is None else [
-            {"name": r.name, "max_load": r.max_load, "mean_load": r.mean_load,
-             "max_over_mean": round(r.max_over_mean, 6), "gap_to_bound": round(r.gap_to_bound, 6),
-             "split_matrices": r.split_matrices, "grad_sync": r.grad_sync}
-            for r in rows
-        ],
-    }
 
 
 def _bar(value: int, top: int, width: int = 16) -> Bar:
     return Bar(size=float(top or 1), begin=0.0, end=float(value), width=width)
 
 
-def inspect_report(plan: Plan, report: dict) -> None:
+def inspect_view(plan: Plan, report: dict) -> None:
     """The rich report of ``canzona inspect``."""
     inp, m = plan.inputs, plan.metrics
     r = report["metrics"]
@@ -385,103 +291,23 @@ def inspect_report(plan: Plan, report: dict) -> None:
                       highlight=False, style="dim")
 
 
-def _figure_classes():
-    from canzona.planner import CanzonaError
-
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CanzonaError("--plot needs matplotlib: pip install 'canzona[plot]'.") from None
-    return Figure, FigureCanvasAgg
-
-
-def chart_paths(plan_file: Path, plot: Path, *, tp: bool) -> list[Path]:
-    """The files ``inspect --plot`` writes, checked before any work.
-
-    ``plot`` may be a file (its extension picks the format: png, pdf, svg, … as matplotlib writes
-    them; none means ``.png``) or an existing folder (the chart is named after the plan there).
-    With tp > 1 a second chart, the TP view, goes beside the first with ``-tp`` before the
-    extension.
-
-    Raises:
-        CanzonaError: matplotlib missing, a format it cannot write, or a folder that is not there.
-    """
-    from canzona.planner import CanzonaError
-
-    _, canvas = _figure_classes()
-    formats = sorted(canvas.get_supported_filetypes())
-    if plot.is_dir():
-        stem = plan_file.name.removesuffix(".json").removesuffix(".plan")
-        plot = plot / f"{stem}.png"
-    elif not plot.suffix:
-        plot = plot.with_name(plot.name + ".png")
-    fmt = plot.suffix[1:].lower()
-    if fmt not in formats:
-        raise CanzonaError(f"--plot: matplotlib cannot write '.{fmt}' charts ('{plot}'); use one "
-                           f"of: {', '.join('.' + f for f in formats)}.")
-    folder = plot.parent if str(plot.parent) else Path(".")
-    if not folder.is_dir():
-        raise CanzonaError(f"--plot: cannot write chart '{plot}': folder '{folder}' does not exist.")
-    return [plot] + ([plot.with_name(f"{plot.stem}-tp{plot.suffix}")] if tp else [])
-
-
-def _save(fig, path: Path) -> None:
-    from canzona.planner import CanzonaError
-
-    try:
-        fig.savefig(path, dpi=110, format=path.suffix[1:].lower())
-    except OSError as exc:
-        raise CanzonaError(f"cannot write chart to '{path}': {exc.strerror or exc}.") from None
-
-
-def plot_plan(plan: Plan, path: Path) -> None:
-    """A per-DP-index chart (FLOPs, optimizer state, reduce-scatter bytes)."""
-    Figure, FigureCanvasAgg = _figure_classes()
-    inp, m = plan.inputs, plan.metrics
-    d = list(range(inp.dp))
-    fig = Figure(figsize=(max(6.0, 0.18 * inp.dp + 3), 7.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(3, 1, sharex=True)
-    series = ((m.dp_flops, "optimizer FLOPs / step", 1e12, "TFLOP"),
-              (m.dp_state_bytes, "optimizer state", 2.0 ** 30, "GiB"),
-              (m.dp_reduce_scatter_bytes, "reduce-scatter grads", 2.0 ** 30, "GiB"))
-    for ax, (vals, label, scale, unit) in zip(axes, series):
-        ys = [v / scale for v in vals]
-        ax.bar(d, ys, color="#4878a8")
-        mean = sum(ys) / len(ys)
-        ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.4g}")
-        if label.startswith("optimizer FLOPs") and inp.cost_model == "flops":
-            ax.axhline(m.certified_bound / scale, color="#c44e52", linewidth=1,
-                       label=f"certified bound {m.certified_bound / scale:.4g}")
-        ax.set_ylabel(f"{label}\n({unit})")
-        ax.set_ylim(0, max(ys + [mean]) * 1.3 or 1.0)  # headroom for the legend
-        ax.legend(loc="upper left", ncol=2, fontsize="small")
-    axes[-1].set_xlabel("DP index" + ("" if inp.tp == 1 else f" (each bar: its {inp.tp} TP ranks summed)"))
-    fig.suptitle(f"{inp.model} dp={inp.dp} tp={inp.tp} {inp.optimizer.name}: "
-                 f"{inp.solver.strategy}, gap to bound {m.gap_to_bound:.2%}")
-    _save(fig, path)
-
-
 def wrote(what: str, path: Path) -> None:
     """``wrote chart FILE`` on stdout, after the report."""
     console.print(f"wrote {what} [bold]{escape(str(path))}[/]", highlight=False)
 
 
-def flush() -> None:
-    sys.stdout.flush()
+def wrote_charts(paths: list[Path], *, as_json: bool) -> None:
+    """Name the charts written (the first per DP index, then the TP view): after the report on
+    stdout, or on stderr beside ``--json``."""
+    for k, path in enumerate(paths):
+        what = "chart" if k == 0 else "TP chart"
+        if as_json:
+            info(f"wrote {what} {path}")
+        else:
+            wrote(what, path)
 
 
 # --- TP view (micro-groups) --------------------------------------------------------------------
-
-
-def busiest_index(grid) -> int:
-    """The DP index whose TP group holds the busiest GPU (lowest index on ties)."""
-    return max(range(len(grid)), key=lambda d: (max(grid[d]), -d))
-
-
-def _oversized_groups(plan: Plan) -> list:
-    return [g for ix in plan.tp.indices for g in ix.groups if g.oversized]  # type: ignore[union-attr]
 
 
 def tp_summary(plan: Plan) -> None:
@@ -494,9 +320,8 @@ def tp_summary(plan: Plan) -> None:
         f"per GPU (one DP index × one TP rank): max {load(m.max_gpu_load, cm)}, mean "
         f"{load(m.mean_gpu_load, cm)} (max/mean {m.max_over_mean:.3f}); LB_gpu = max(mean, "
         f"largest task) {load(m.lb_gpu, cm)}, gap [bold]{m.gap_to_lb_gpu:.2%}[/]", highlight=False)
-    over = _oversized_groups(plan)
-    within = max((g.peak_gathered_bytes for ix in plan.tp.indices for g in ix.groups
-                  if not g.oversized), default=0)
+    over = oversized_groups(plan)
+    within = peak_within_cmax(plan)
     line = (f"{m.micro_groups} micro-groups; peak gathered per host rank "
             f"{human_bytes(m.peak_gathered_bytes)}")
     if over:
@@ -506,39 +331,6 @@ def tp_summary(plan: Plan) -> None:
     else:
         line += f" ≤ C_max {human_bytes(cap)}"
     console.print(line, highlight=False)
-
-
-def tp_dict(plan: Plan, rows: list | None) -> dict | None:
-    """The TP schedule part of ``canzona inspect --json`` (under ``tp_schedule``)."""
-    if plan.tp is None:
-        return None
-    tp, m = plan.tp, plan.tp.metrics
-    over = _oversized_groups(plan)
-    return {
-        "cmax_bytes": tp.cmax_bytes, "comm_dtype": tp.comm_dtype, "solver": tp.solver,
-        "status": tp.status, "hardware": tp.hardware,
-        "metrics": {"max_gpu_load": m.max_gpu_load, "mean_gpu_load": m.mean_gpu_load,
-                    "max_over_mean": m.max_over_mean, "lb_gpu": m.lb_gpu,
-                    "gap_to_lb_gpu": m.gap_to_lb_gpu, "micro_groups": m.micro_groups,
-                    "peak_gathered_bytes": m.peak_gathered_bytes,
-                    "peak_gathered_bytes_within_cmax": max(
-                        (g.peak_gathered_bytes for ix in tp.indices for g in ix.groups
-                         if not g.oversized), default=0),
-                    "oversized_groups": len(over),
-                    "oversized_tasks": list(m.oversized_tasks),
-                    "modelled_step_s": m.modelled_step_s},
-        "gpu_load": [list(r) for r in m.gpu_load],
-        "all_to_all_bytes": [list(r) for r in m.all_to_all_bytes],
-        "groups": [
-            {"dp_index": ix.dp_index, "group": g.index, "tasks": len(g.tasks),
-             "peak_gathered_bytes": g.peak_gathered_bytes, "rank_load": list(g.rank_load),
-             "oversized": g.oversized, "timeline_s": list(g.timeline_s)}
-            for ix in tp.indices for g in ix.groups],
-        "baselines": None if rows is None else [
-            {"name": r.name, "max_gpu_load": r.max_gpu_load, "mean_gpu_load": r.mean_gpu_load,
-             "max_over_mean": round(r.max_over_mean, 6), "gap_to_lb_gpu": round(r.gap_to_lb_gpu, 6)}
-            for r in rows],
-    }
 
 
 def _gantt(ix, width: int = 60) -> list[str]:
@@ -563,7 +355,7 @@ def _gantt(ix, width: int = 60) -> list[str]:
     return ["comm    |" + "".join(comm) + "|", "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
 
 
-def tp_report(plan: Plan, tp_rep: dict) -> None:
+def tp_view(plan: Plan, tp_rep: dict) -> None:
     """The TP section of ``canzona inspect``."""
     tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
     cm = plan.inputs.cost_model
@@ -607,32 +399,3 @@ def tp_report(plan: Plan, tp_rep: dict) -> None:
         console.print("sc: every TP rank all-gathers and computes every matrix of its DP index "
                       "(Megatron's duplicated); canzona-greedy: the paper's DP greedy + TP greedy.",
                       style="dim", highlight=False)
-
-
-def plot_tp(plan: Plan, path: Path) -> None:
-    """Per-GPU load heat map and the busiest TP group's micro-group timeline."""
-    Figure, FigureCanvasAgg = _figure_classes()
-    tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
-    grid = m.gpu_load
-    fig = Figure(figsize=(10, 7), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(2, 1, height_ratios=[2, 1])
-    im = ax1.imshow([[x / m.lb_gpu for x in r] for r in grid], aspect="auto", cmap="viridis")
-    fig.colorbar(im, ax=ax1, label="load / LB_gpu")
-    ax1.set_xlabel("TP rank t")
-    ax1.set_ylabel("DP index d")
-    ax1.set_title(f"per-GPU load: max/LB_gpu {1 + m.gap_to_lb_gpu:.3f}, max/mean "
-                  f"{m.max_over_mean:.3f}")
-    d = busiest_index(grid)
-    for g in tp.indices[d].groups:
-        if not g.timeline_s:
-            continue
-        gs, ge, cs, ce, ss, se = (x * 1e3 for x in g.timeline_s)
-        ax2.barh(1, ge - gs, left=gs, color="#4878a8")
-        ax2.barh(1, se - ss, left=ss, color="#c44e52")
-        ax2.barh(0, ce - cs, left=cs, color="#55a868", edgecolor="black")
-        ax2.text((cs + ce) / 2, 0, str(g.index), ha="center", va="center", fontsize="small")
-    ax2.set_yticks([0, 1], ["compute", "gather / scatter"])
-    ax2.set_xlabel(f"modelled ms (hardware profile {tp.hardware}, not measured)")
-    ax2.set_title(f"micro-groups of d = {d} (C_max {human_bytes(tp.cmax_bytes)})")
-    _save(fig, path)

@@ -1,13 +1,15 @@
-"""The ``canzona`` command line: thin commands over the planner; rendering lives in ``_render``.
+"""The ``canzona`` command line: thin commands over the planner.
+
+Each command is a signature and one call into the library (:mod:`canzona.planner.pipeline`,
+:mod:`canzona.planner.report`); terminal output lives in ``_render``, charts in ``plots``.
 
 Domain errors (:class:`canzona.planner.CanzonaError`) become one readable line on stderr and exit
-status 1, in one place (:func:`main`).
+status 1, in one place (:func:`command`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 import warnings
@@ -66,6 +68,11 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Huggi
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel size.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE models).")]
+BucketSizeOpt = Annotated[Optional[int], typer.Option(
+    "--bucket-size", show_default="Megatron's max(40M, 1M·dp)", help="Elements per bucket.")]
+NoOverlapOpt = Annotated[bool, typer.Option(
+    "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
 #: The library's option fields as this CLI spells them (errors name the flag to change).
@@ -76,6 +83,7 @@ FLAGS = {
     "DPOptions.bucket_size": "--bucket-size", "TPOptions.cmax_mib": "--cmax",
     "TPOptions.solver": "--tp-solver", "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
     "ParallelSizes.ep": "--ep", "ParallelSizes.etp": "--etp",
+    "inspect_report.config": "--config",
 }
 
 
@@ -123,22 +131,13 @@ def _root(
 
 
 @command
-def models(
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
+def models(as_json: JsonOpt = False) -> None:
     """List the built-in models: parameters, layers, hidden size, heads, experts."""
-    from canzona.planner import PRESETS, build_inventory
+    from canzona.planner.report import model_rows
 
-    rows = []
-    for name, cfg in PRESETS.items():
-        spec = build_inventory(cfg)
-        rows.append({"name": name, "params": spec.total_params, "layers": cfg.layers,
-                     "hidden": cfg.hidden, "ffn": cfg.ffn or cfg.moe_ffn, "q_heads": cfg.q_heads,
-                     "kv_heads": cfg.kv_heads, "experts": cfg.num_experts,
-                     "experts_per_token": cfg.experts_per_token, "vocab": cfg.vocab,
-                     "tied_embeddings": cfg.tied_embeddings})
+    rows = model_rows()
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        _render.json_out(rows)
     else:
         _render.models_table(rows)
 
@@ -150,27 +149,23 @@ def layout(
     dp: DpOpt = 1,
     tp: TpOpt = 1,
     ep: EpOpt = 1,
-    bucket_size: Annotated[Optional[int], typer.Option(
-        "--bucket-size", help="Elements per bucket (default Megatron's max(40M, 1M·dp)).")] = None,
-    no_overlap: Annotated[bool, typer.Option(
-        "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")] = False,
+    bucket_size: BucketSizeOpt = None,
+    no_overlap: NoOverlapOpt = False,
     buckets: Annotated[bool, typer.Option("--buckets", help="List every bucket.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Show Megatron's ZeRO-1 buffers and buckets, and the matrices its equal chunks split."""
-    from canzona.planner import ParallelSizes, build_inventory, build_layout, resolve_model
+    from canzona.planner import ParallelSizes, resolve_model
+    from canzona.planner.report import layout_dict, layout_of
 
     cfg = resolve_model(model, config)
     with _render.progress(f"layout of {cfg.name} dp={dp} tp={tp}") as say:
-        say("model inventory")
-        spec = build_inventory(cfg)
-        say("buffers and buckets")
-        lay = build_layout(spec, ParallelSizes(dp=dp, tp=tp, ep=ep), bucket_size=bucket_size,
-                           overlap_grad_reduce=not no_overlap)
+        spec, lay = layout_of(cfg, ParallelSizes(dp=dp, tp=tp, ep=ep), bucket_size=bucket_size,
+                              overlap_grad_reduce=not no_overlap, progress=say)
     if as_json:
-        typer.echo(json.dumps(_render.layout_dict(spec, lay), indent=2))
+        _render.json_out(layout_dict(spec, lay))
     else:
-        _render.layout_report(spec, lay, show_buckets=buckets)
+        _render.layout_view(spec, lay, show_buckets=buckets)
 
 
 def _choice(value: str, allowed: tuple[str, ...], option: str) -> str:
@@ -223,11 +218,8 @@ def plan(
         "--split-qkv", help="Q, K and V as separate matrices.")] = False,
     split_gate_up: Annotated[bool, typer.Option(
         "--split-gate-up", help="gate and up projections as separate matrices.")] = False,
-    bucket_size: Annotated[Optional[int], typer.Option(
-        "--bucket-size", show_default="Megatron's max(40M, 1M·dp)",
-        help="Elements per bucket.")] = None,
-    no_overlap: Annotated[bool, typer.Option(
-        "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")] = False,
+    bucket_size: BucketSizeOpt = None,
+    no_overlap: NoOverlapOpt = False,
     cmax: Annotated[float, typer.Option(
         "--cmax", help="TP micro-group cap C_max: MiB of gathered full matrices per host rank "
                        "and group (tp > 1).")] = 512.0,
@@ -265,39 +257,6 @@ def plan(
     _render.plan_summary(result, out, wall)
 
 
-def _rebuild_problem(p: object, config: Optional[Path]):  # -> DPProblem | None
-    """The plan's :class:`DPProblem` rebuilt from its inputs, checked against its fingerprint.
-
-    Returns None when the inputs cannot be rebuilt (a live module, a custom cost model).
-    """
-    from canzona.planner import ParallelSizes, build_inventory, get_preset, load_hf_config
-    from canzona.planner.planning import make_problem
-
-    inp = p.inputs  # type: ignore[attr-defined]
-    from canzona.planner.options import COSTS
-
-    if inp.model_source == "module" or inp.cost_model not in COSTS:
-        return None
-    if inp.model_source == "hf_config":
-        if config is None:
-            raise CanzonaError(f"this plan was made from a Hugging Face config (model "
-                               f"'{inp.model}'); pass it again with --config PATH.")
-        cfg = load_hf_config(config)
-    else:
-        cfg = get_preset(inp.model)
-    spec = build_inventory(cfg)
-    if spec.fingerprint() != p.fingerprint:  # type: ignore[attr-defined]
-        src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"
-        raise CanzonaError(f"plan fingerprint {p.fingerprint[:19]}… does not match {src} "  # type: ignore[attr-defined]
-                           f"({spec.fingerprint()[:19]}…): the plan was made for other parameters.")
-    sizes = ParallelSizes(dp=inp.dp, tp=inp.tp, ep=inp.ep,
-                          etp=None if inp.etp == inp.tp else inp.etp)
-    return make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
-                        bucket_size=inp.bucket_size,
-                        overlap_grad_reduce=inp.bucket_size is not None,
-                        comm_dtype=inp.comm_dtype)
-
-
 @command
 def inspect(
     plan_file: Annotated[Path, typer.Argument(help="A plan written by 'canzona plan'.",
@@ -307,51 +266,31 @@ def inspect(
                                "(plans made with --config only).")] = None,
     top: Annotated[int, typer.Option("--top", help="How many of the heaviest tasks to list.",
                                      min=0)] = 10,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a per-DP-index chart to this file (.png, .pdf, .svg, …; a folder: "
                        "named after the plan) and, for tp > 1, the TP view beside it as "
                        "NAME-tp.EXT (needs matplotlib).")] = None,
 ) -> None:
     """Report a plan: per-DP-index loads, gap to the bound, heaviest tasks, every baseline."""
-    from canzona.planner.baselines import baselines
+    from canzona.planner.report import inspect_report
     from canzona.planner.validate import load_plan
+
+    from . import plots
 
     with _render.progress(f"inspecting {plan_file.name}") as say:
         say("reading the plan")
         p = load_plan(plan_file)
-        charts = _render.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
-        say("rebuilding the model's problem")
-        problem = _rebuild_problem(p, config)
-        say("baselines")
-        rows = baselines(problem, p) if problem is not None else None
-        report = _render.inspect_dict(p, rows, top=top)
-        tp_rows = None
-        if p.tp is not None and problem is not None:
-            from canzona.planner.planning import problem_for_plan
-            from canzona.planner.tp.baselines import TPBaselineRow, tp_baselines
-
-            say("TP baselines")
-            pr, cuts = problem_for_plan(problem, p)
-            tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
-            m = p.tp.metrics
-            flat = [x for r in m.gpu_load for x in r]
-            tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
-                                         m.max_over_mean, m.gap_to_lb_gpu))
-        tp_rep = _render.tp_dict(p, tp_rows)
-        report["tp_schedule"] = tp_rep
-        for k, path in enumerate(charts):
-            say(f"chart {path.name}")
-            (_render.plot_plan if k == 0 else _render.plot_tp)(p, path)
+        charts = plots.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
+        report = inspect_report(p, config=config, top=top, progress=say)
+        plots.write_charts(p, charts, progress=say)
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        _render.json_out(report)
     else:
-        _render.inspect_report(p, report)
-        if tp_rep is not None:
-            _render.tp_report(p, tp_rep)
-    for k, path in enumerate(charts):
-        what = "chart" if k == 0 else "TP chart"
-        _render.info(f"wrote {what} {path}") if as_json else _render.wrote(what, path)
+        _render.inspect_view(p, report)
+        if report["tp_schedule"] is not None:
+            _render.tp_view(p, report["tp_schedule"])
+    _render.wrote_charts(charts, as_json=as_json)
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from canzona.cli.main import app
+from canzona.planner import ParallelSizes, get_preset
 from canzona.planner.models import PRESETS
+from canzona.planner.report import layout_dict, layout_of, model_rows
 
 runner = CliRunner()
 
@@ -25,7 +27,9 @@ def test_models_table_lists_every_preset():
 
 def test_models_json():
     r = run("models", "--json")
+    assert r.exit_code == 0, r.output
     rows = json.loads(r.output)
+    assert rows == model_rows()
     assert [x["name"] for x in rows] == list(PRESETS)
     assert {x["name"]: x["params"] for x in rows}["qwen3-235b-a22b"] == 235_093_634_560
 
@@ -39,7 +43,9 @@ def test_layout_reports_buckets_and_split_count():
 
 def test_layout_json_and_buckets():
     r = run("layout", "--model", "qwen3-0.6b", "--dp", "8", "--json")
+    assert r.exit_code == 0, r.output
     data = json.loads(r.output)
+    assert data == layout_dict(*layout_of(get_preset("qwen3-0.6b"), ParallelSizes(dp=8, tp=1)))
     assert data["dp"] == 8 and data["matrices"] == 28 * 4
     assert sum(b["split_matrices"] for b in data["buffers"][0]["buckets"]) == data["split_matrices"]
     r = run("layout", "--model", "qwen3-0.6b", "--dp", "8", "--buckets")

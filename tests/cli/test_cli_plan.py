@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from canzona.cli.main import app
 from canzona.planner.plan import SCHEMA_VERSION, load_plan
+from canzona.planner.report import inspect_report
 
 runner = CliRunner()
 
@@ -169,6 +170,7 @@ def test_inspect_json(plan_file):
     ours = data["baselines"][-1]
     assert ours["max_load"] == max(p.metrics.dp_load) and ours["split_matrices"] == 0
     assert data["metrics"]["gap_to_bound"] == p.metrics.gap_to_bound
+    assert data == inspect_report(p, top=3)  # the command prints the library's report as it is
 
 
 def test_inspect_plot_writes_a_png(plan_file, tmp_path):

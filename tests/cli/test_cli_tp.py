@@ -42,4 +42,7 @@ def test_bad_cmax_and_tp_solver_are_one_line_errors(tmp_path):
     for args, needle in ((("--cmax", 0), "--cmax"), (("--tp-solver", "magic"), "--tp-solver")):
         r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "--tp", 2, *args, "-o",
                 tmp_path / "x.json")
-        assert r.exit_code == 1 and "error:" in r.output and needle in r.output, r.output
+        assert r.exit_code == 1, r.output
+        lines = [x for x in r.output.splitlines() if x.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.output
+        assert not (tmp_path / "x.json").exists()

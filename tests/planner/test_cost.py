@@ -5,6 +5,7 @@ import pytest
 from canzona.planner import (OptimizerSettings, ParallelSizes, build_inventory, build_tasks,
                              get_preset, load_hardware, task_cost)
 from canzona.planner.cost import FlopsCost, NumelCost, CalibratedCost, make_cost_model
+from canzona.planner import formulas
 from canzona.planner.errors import CanzonaError
 
 
@@ -56,12 +57,33 @@ def test_cost_vector(q32):
 
 
 @pytest.mark.parametrize("opt", ["muon", "shampoo", "soap"])
-def test_every_optimizer_has_positive_costs(q32, opt):
+def test_every_optimizer_costs_its_formulas(q32, opt):
+    """Matrices cost their optimizer's formulas (fp32 state), the rest AdamW's; all positive."""
     sizes = ParallelSizes(dp=8, tp=1)
     s = OptimizerSettings(name=opt)
-    for t in build_tasks(q32, s, sizes)[:12]:
+    matrix = {
+        "muon": lambda m, n: (formulas.muon_flops(m, n, ns_steps=s.ns_steps),
+                              formulas.muon_state_numel(m, n)),
+        "shampoo": lambda m, n: (
+            formulas.shampoo_flops(m, n, max_preconditioner_dim=s.max_preconditioner_dim,
+                                   precondition_frequency=s.shampoo_precondition_frequency),
+            formulas.shampoo_state_numel(m, n, max_preconditioner_dim=s.max_preconditioner_dim,
+                                         grafting=s.shampoo_grafting)),
+        "soap": lambda m, n: (
+            formulas.soap_flops(m, n, max_precond_dim=s.soap_max_precond_dim,
+                                precondition_frequency=s.soap_precondition_frequency),
+            formulas.soap_state_numel(m, n, max_precond_dim=s.soap_max_precond_dim)),
+    }[opt]
+    tasks = build_tasks(q32, s, sizes)[:12]
+    assert {t.optimizer for t in tasks} == {"adamw", "matrix"}
+    for t in tasks:
         c = task_cost(t, s, sizes)
-        assert c.flops > 0 and c.state_bytes > 0
+        if t.optimizer == "matrix":
+            flops, state = matrix(*t.shape)
+            assert state >= t.numel  # at least a momentum buffer
+        else:
+            flops, state = formulas.adamw_flops(t.numel), formulas.adamw_state_numel(t.numel)
+        assert flops > 0 and (c.flops, c.state_bytes, c.tp_comm_bytes) == (flops, 4 * state, 0)
 
 
 def test_cost_models():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from canzona.planner import CanzonaError, ParallelSizes, optimizers
 from canzona.planner.cost import Task, task_cost
@@ -33,7 +33,7 @@ def test_unknown_name_lists_the_registered_ones():
     with pytest.raises(CanzonaError,
                        match="unknown optimizer 'adam'; registered: muon, shampoo, soap"):
         optimizers.get("adam")
-    with pytest.raises(ValueError, match="registered: muon, shampoo, soap"):
+    with pytest.raises(ValidationError, match="registered: muon, shampoo, soap"):
         OptimizerSettings(name="adam")
 
 

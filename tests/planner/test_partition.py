@@ -1,12 +1,13 @@
 """DP partition: solver contracts and properties (hypothesis), bounds, baselines."""
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.planner import (CanzonaError, DPOptions, OptimizerSettings, OptionError, ParallelSizes,
+from canzona.planner import (DPOptions, OptimizerSettings, OptionError, ParallelSizes,
                              build_inventory, get_preset)
 from canzona.planner.baselines import baselines
 from canzona.planner.models import ModelConfig
@@ -128,8 +129,9 @@ def test_options_are_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         DPOptions("auto")  # type: ignore[misc]
     o = DPOptions()
-    with pytest.raises(AttributeError):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         o.alpha = 0.5  # type: ignore[misc]
+    assert o.alpha == 1.0
 
 
 def test_comm_limit_bounds_every_slice():
@@ -166,18 +168,36 @@ def test_baselines_compare_like_with_like():
     plan = plan_problem(pr)
     rows = {r.name: r for r in baselines(pr, plan)}
     assert set(rows) == {"zero1", "asc", "layerwise", "layerwise-lpt", "canzona-greedy", "canzona"}
-    assert rows["zero1"].split_matrices > 0 and rows["canzona"].split_matrices == 0
+    # zero1 splits exactly the matrices ZeRO-1's equal chunks cut; every other strategy none.
+    assert rows["zero1"].split_matrices == len(pr.layout.split_matrices()) == 60
+    assert all(r.split_matrices == 0 for name, r in rows.items() if name != "zero1")
     assert rows["canzona"].max_load <= rows["canzona-greedy"].max_load
-    assert rows["layerwise"].grad_sync == "all-reduce"
+    assert rows["canzona"].max_load == max(plan.metrics.dp_load)
+    assert rows["canzona"].gap_to_bound == pytest.approx(plan.metrics.gap_to_bound, abs=1e-6)
+    assert {r.grad_sync for n, r in rows.items() if n.startswith("layerwise")} == {"all-reduce"}
+    # Like with like: the same total work spread over the same DP indices, the same bound.
+    bound = max(pigeonhole_bound(pr), plan.metrics.certified_bound)
     for r in rows.values():
-        assert r.max_over_mean >= 1 - 1e-9 and r.gap_to_bound >= -1e-9
+        assert r.mean_load == pytest.approx(pr.total_load() / pr.dp, rel=1e-9)
+        assert r.max_over_mean == pytest.approx(r.max_load / r.mean_load, rel=1e-9)
+        assert r.gap_to_bound == pytest.approx(r.max_load / bound - 1, rel=1e-9)
+        assert r.max_load >= bound
 
 
 def test_moe_expert_buckets_map_to_dp_indices():
     pr = make_problem(build_inventory(get_preset("qwen3-30b-a3b")), ParallelSizes(8, 2, ep=4))
     sol = solve(pr, DPOptions(solver="greedy"))
     ev = _check_partition(sol.problem, sol.cuts)
-    assert len(ev.load) == 8 and min(ev.load) > 0
+    assert len(ev.load) == 8 and max(ev.load) >= sol.bound >= pr.lower_bound()
+    # EP rank e's expert buckets are sharded over DP indices e, e + ep, …: the 4 EP ranks' groups
+    # of 2 cover the 8 indices once, and every index computes expert matrices.
+    expert = [b for b in sol.problem.buckets if sol.problem.layout.buffers[b.buffer].expert]
+    groups = {(sol.problem.layout.buffers[b.buffer].ep_rank,
+               tuple(sol.problem.dp_index(b, r) for r in range(b.ranks))) for b in expert}
+    assert sorted(e for e, _ in groups) == [0, 1, 2, 3]
+    assert sorted(d for _, ix in groups for d in ix) == list(range(8))
+    experts = [t.id for t in sol.problem.tasks if t.expert is not None and t.optimizer == "matrix"]
+    assert {ev.owners[t] for t in experts} == set(range(8))
 
 
 @settings(max_examples=12, deadline=None)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
 from canzona.planner.plan import SCHEMA_VERSION, Plan, load_plan, parse_plan, save_plan
@@ -123,6 +124,9 @@ def test_malformed_files(tmp_path, good):
 
 def test_plan_is_frozen():
     p = _plan()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         p.metrics = None  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="frozen"):
+        p.inputs.dp = 4  # type: ignore[misc]
+    assert p.inputs.dp == 8 and p.metrics is not None
     assert parse_plan(p.to_json()) == p

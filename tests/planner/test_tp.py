@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.planner import OptimizerSettings, ParallelSizes, build_inventory, get_preset
+from canzona.planner import (OptimizerSettings, OversizedTaskWarning, ParallelSizes,
+                             build_inventory, get_preset)
 from canzona.planner.dp import greedy, solve
 from canzona.planner.plan import SolverOptions, parse_plan
-from canzona.planner.planning import build_plan, make_problem
+from canzona.planner.planning import build_plan, equal_cuts, make_problem
 from canzona.planner.tp import (MIB, TPContext, TPOptions, gpu_loads, index_gpu_max,
                                 joint_refine, lb_gpu, placements, schedule_tp, tp_plan)
 from canzona.planner.tp.baselines import tp_baselines
@@ -79,15 +80,21 @@ def test_schedule_properties(dp, tp, cmax, split, solver):
     assert bool(over) == any("exceed C_max" in str(x.message) for x in w)
     for g in over:
         assert pr.tasks[g.tasks[0]].name in sch.oversized
-    # The grid adds up to the work every schedule must do, and LB_gpu bounds its maximum.
+    # The grid adds up to the work every schedule must do, whatever the cuts (ZeRO-1's equal cuts
+    # give the same total), and LB_gpu, computed without the schedule, bounds its maximum.
     grid = sch.grid()
-    assert max(max(r) for r in grid) >= lb_gpu(pr, grid) - 1
-    assert abs(sum(map(sum, grid)) - sum(map(sum, gpu_loads(pr, cuts, ctx=ctx)))) <= dp * tp
+    equal = {(b.buffer, b.bucket): equal_cuts(b) for b in pr.buckets}
+    total = sum(map(sum, grid))
+    assert abs(total - sum(map(sum, gpu_loads(pr, cuts, ctx=ctx)))) <= dp * tp
+    assert abs(total - sum(map(sum, gpu_loads(pr, equal, ctx=ctx)))) <= dp * tp
+    largest = max(pr.loads[t.id] for t in pr.tasks if t.optimizer == "matrix")
+    assert max(max(r) for r in grid) >= largest - 1
+    assert max(max(r) for r in grid) >= lb_gpu(pr, ctx=ctx) - 1
 
 
 def test_oversized_task_warns_and_is_alone():
     pr, cuts, ctx = _problem()
-    with pytest.warns(UserWarning, match="exceed C_max"):
+    with pytest.warns(OversizedTaskWarning, match="exceed C_max"):
         sch = schedule_tp(pr, cuts, TPOptions(cmax_mib=0.5), ctx=ctx)
     assert sch.oversized
     _check(pr, ctx, sch, int(0.5 * MIB))
@@ -95,7 +102,8 @@ def test_oversized_task_warns_and_is_alone():
 
 def test_greedy_hosting_is_lpt_and_matches_index_gpu_max():
     pr, cuts, ctx = _problem(dp=2, tp=4)
-    sch = schedule_tp(pr, cuts, TPOptions(cmax_mib=4.0), ctx=ctx)
+    with pytest.warns(OversizedTaskWarning, match="exceed C_max = 4 MiB"):
+        sch = schedule_tp(pr, cuts, TPOptions(cmax_mib=4.0), ctx=ctx)
     # The rollback only closes groups; hosts are LPT's, so the DP side's fast view is exact.
     grid = sch.grid()
     fast = index_gpu_max(pr, cuts, ctx)
@@ -129,7 +137,13 @@ def test_plan_section_round_trips_and_is_deterministic():
                                                 group_time_limit_s=0.05))
     assert assemble(sch2).to_json() == a
     p = parse_plan(a)
-    assert p.tp is not None and p.tp.metrics.lb_gpu > 0
+    assert p.tp is not None
+    # LB_gpu as the plan records it: max(⌈mean of its per-GPU grid⌉, its largest matrix task).
+    m = p.tp.metrics
+    flat = [x for r in m.gpu_load for x in r]
+    largest = max(t.cost for t in p.tasks if t.optimizer == "matrix")
+    assert m.lb_gpu == max(-(-sum(flat) // len(flat)), largest) == lb_gpu(pr, ctx=ctx)
+    assert m.gap_to_lb_gpu == round(m.max_gpu_load / m.lb_gpu - 1, 6)
     hosted = {t.id: (t.host, t.micro_group) for t in p.tasks if t.host is not None}
     for ix in p.tp.indices:
         for g in ix.groups:

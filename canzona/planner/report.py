@@ -1,0 +1,281 @@
+"""Reports on models, layouts and plans as plain data (what ``canzona ... --json`` prints).
+
+Front ends render these dicts; nothing here prints. The main entry is :func:`inspect_report`: a
+saved plan's problem rebuilt from its inputs (fingerprint checked), its per-DP-index metrics,
+heaviest tasks, DP baselines and, for tp > 1, the TP schedule and its baselines.
+
+Torch-free, like the rest of the planner; the solvers and baselines are imported where they are
+used, so that importing this module (and the CLI) stays quick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import CanzonaError
+from .inventory import ModelSpec, build_inventory
+from .layout import ParallelSizes, PhysicalLayout, build_layout
+from .models import PRESETS, ModelConfig
+
+if TYPE_CHECKING:
+    from .baselines import BaselineRow
+    from .plan import MicroGroupPlan, Plan
+    from .planning import DPProblem
+    from .tp.baselines import TPBaselineRow
+
+__all__ = ["busiest_index", "inspect_dict", "inspect_report", "layout_dict", "layout_of",
+           "max_mean", "model_rows", "oversized_groups", "peak_within_cmax", "rebuild_problem",
+           "task_name", "tp_dict"]
+
+
+# --- small metrics shared by the reports and their renderers ---------------------------------
+
+
+def max_mean(values: Sequence[int]) -> tuple[int, float]:
+    """The largest value and the mean."""
+    return max(values), sum(values) / len(values)
+
+
+def task_name(param: str, part: str | None) -> str:
+    """A task's name: its parameter, with ``#part`` for a split matrix's part (``qkv#q``)."""
+    return f"{param}#{part}" if part else param
+
+
+def busiest_index(grid: Sequence[Sequence[int]]) -> int:
+    """The DP index whose TP group holds the busiest GPU (lowest index on ties)."""
+    return max(range(len(grid)), key=lambda d: (max(grid[d]), -d))
+
+
+def oversized_groups(plan: Plan) -> list[MicroGroupPlan]:
+    """The plan's micro-groups holding a single matrix larger than C_max (tp > 1 plans)."""
+    groups = (g for ix in plan.tp.indices for g in ix.groups)  # type: ignore[union-attr]
+    return [g for g in groups if g.oversized]
+
+
+def peak_within_cmax(plan: Plan) -> int:
+    """The peak gathered bytes per host rank over the groups that are not oversized (≤ C_max)."""
+    return max((g.peak_gathered_bytes for ix in plan.tp.indices  # type: ignore[union-attr]
+                for g in ix.groups if not g.oversized), default=0)
+
+
+# --- canzona models / canzona layout -----------------------------------------------------------
+
+
+def model_rows() -> list[dict]:
+    """One row per built-in model (``canzona models``): parameters, layers, widths, experts."""
+    rows = []
+    for name, cfg in PRESETS.items():
+        spec = build_inventory(cfg)
+        rows.append({"name": name, "params": spec.total_params, "layers": cfg.layers,
+                     "hidden": cfg.hidden, "ffn": cfg.ffn or cfg.moe_ffn, "q_heads": cfg.q_heads,
+                     "kv_heads": cfg.kv_heads, "experts": cfg.num_experts,
+                     "experts_per_token": cfg.experts_per_token, "vocab": cfg.vocab,
+                     "tied_embeddings": cfg.tied_embeddings})
+    return rows
+
+
+def layout_of(cfg: ModelConfig, sizes: ParallelSizes, *, bucket_size: int | None = None,
+              overlap_grad_reduce: bool = True,
+              progress: Callable[[str], None] | None = None) -> tuple[ModelSpec, PhysicalLayout]:
+    """The inventory of ``cfg`` and Megatron's ZeRO-1 layout of it at ``sizes``.
+
+    Args:
+        cfg: the model.
+        sizes: dp, tp, ep.
+        bucket_size: elements per bucket (None: Megatron's default).
+        overlap_grad_reduce: False gives one bucket per buffer.
+        progress: told the name of each stage as it starts.
+    """
+    say = progress or (lambda _phase: None)
+    say("model inventory")
+    spec = build_inventory(cfg)
+    say("buffers and buckets")
+    return spec, build_layout(spec, sizes, bucket_size=bucket_size,
+                              overlap_grad_reduce=overlap_grad_reduce)
+
+
+def layout_dict(spec: ModelSpec, lay: PhysicalLayout) -> dict:
+    """Buffers, buckets and the matrices ZeRO-1's equal chunks split (``canzona layout --json``)."""
+    split = lay.split_matrices()
+    return {
+        "model": spec.name,
+        "dp": lay.sizes.dp, "tp": lay.sizes.tp, "ep": lay.sizes.ep,
+        "bucket_size": lay.bucket_size,
+        "matrices": lay.matrix_count(),
+        "split_matrices": len(split),
+        "buffers": [
+            {"key": b.key, "dp_size": b.dp_size, "numel": b.numel,
+             "buckets": [{"index": k.index, "start": k.start, "end": k.end,
+                          "numel_unpadded": k.numel_unpadded, "params": len(k.slots),
+                          "split_matrices": sum(1 for s in k.slots if s.name in dict(split))}
+                         for k in b.buckets]}
+            for b in lay.buffers
+        ],
+        "split": [{"name": n, "ranks": r} for n, r in split],
+    }
+
+
+# --- canzona inspect ---------------------------------------------------------------------------
+
+
+def rebuild_problem(plan: Plan, config: Path | None = None) -> DPProblem | None:
+    """The plan's :class:`DPProblem` rebuilt from its inputs, checked against its fingerprint.
+
+    Args:
+        plan: a loaded plan.
+        config: the Hugging Face ``config.json`` the plan was made from (plans whose
+            ``model_source`` is ``hf_config`` only).
+
+    Returns:
+        None when the inputs cannot be rebuilt (a live module, a custom cost model).
+
+    Raises:
+        CanzonaError: an ``hf_config`` plan without ``config``, or a model whose parameters do
+            not match the plan's fingerprint.
+    """
+    from .models import get_preset, load_hf_config
+    from .options import COSTS
+    from .planning import make_problem
+
+    inp = plan.inputs
+    if inp.model_source == "module" or inp.cost_model not in COSTS:
+        return None
+    if inp.model_source == "hf_config":
+        if config is None:
+            raise CanzonaError(f"this plan was made from a Hugging Face config (model "
+                               f"'{inp.model}'); pass it again with {{inspect_report.config}} "
+                               f"PATH.", fields=("inspect_report.config",))
+        cfg = load_hf_config(config)
+    else:
+        cfg = get_preset(inp.model)
+    spec = build_inventory(cfg)
+    if spec.fingerprint() != plan.fingerprint:
+        src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"
+        raise CanzonaError(f"plan fingerprint {plan.fingerprint[:19]}… does not match {src} "
+                           f"({spec.fingerprint()[:19]}…): the plan was made for other "
+                           "parameters.")
+    sizes = ParallelSizes(dp=inp.dp, tp=inp.tp, ep=inp.ep,
+                          etp=None if inp.etp == inp.tp else inp.etp)
+    return make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
+                        bucket_size=inp.bucket_size,
+                        overlap_grad_reduce=inp.bucket_size is not None,
+                        comm_dtype=inp.comm_dtype)
+
+
+def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Everything ``canzona inspect`` shows, as plain data (``canzona inspect --json``).
+
+    Args:
+        plan: a loaded plan.
+        config: the Hugging Face ``config.json`` the plan was made from (``hf_config`` plans).
+        top: how many of the heaviest tasks to list.
+        progress: told the name of each stage as it starts.
+
+    Returns:
+        :func:`inspect_dict`'s report, with the TP part (:func:`tp_dict`, None for tp = 1) under
+        ``tp_schedule``. Baselines are None where the problem cannot be rebuilt.
+
+    Raises:
+        CanzonaError: see :func:`rebuild_problem`.
+    """
+    from .baselines import baselines
+
+    say = progress or (lambda _phase: None)
+    say("rebuilding the model's problem")
+    problem = rebuild_problem(plan, config)
+    say("baselines")
+    rows = baselines(problem, plan) if problem is not None else None
+    report = inspect_dict(plan, rows, top=top)
+    tp_rows = None
+    if plan.tp is not None and problem is not None:
+        from .planning import problem_for_plan
+        from .tp.baselines import TPBaselineRow, tp_baselines
+
+        say("TP baselines")
+        pr, cuts = problem_for_plan(problem, plan)
+        # The plan's own schedule is the "canzona" row, from its recorded metrics.
+        tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
+        m = plan.tp.metrics
+        flat = [x for r in m.gpu_load for x in r]
+        tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
+                                     m.max_over_mean, m.gap_to_lb_gpu))
+    report["tp_schedule"] = tp_dict(plan, tp_rows)
+    return report
+
+
+def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -> dict:
+    """The DP part of :func:`inspect_report`: inputs, metrics, per-DP-index rows, heaviest tasks
+    and the baselines ``rows`` (None: not available)."""
+    inp, m = plan.inputs, plan.metrics
+    owned = [0] * inp.dp
+    for t in plan.tasks:
+        if t.owner is not None:
+            owned[t.owner] += 1
+    mx, mean = max_mean(m.dp_load)
+    heavy = sorted(plan.tasks, key=lambda t: (-t.cost, t.id))[:top]
+    return {
+        "model": inp.model, "model_source": inp.model_source,
+        "dp": inp.dp, "tp": inp.tp, "ep": inp.ep,
+        "optimizer": inp.optimizer.name, "cost_model": inp.cost_model,
+        "strategy": inp.solver.strategy, "solver": inp.solver.solver, "alpha": inp.solver.alpha,
+        "bucket_size": inp.bucket_size, "fingerprint": plan.fingerprint,
+        "metrics": {
+            "max_load": mx, "mean_load": mean, "max_over_mean": m.max_over_mean,
+            "lower_bound": m.lower_bound, "certified_bound": m.certified_bound,
+            "gap_to_lower_bound": round(mx / m.lower_bound - 1, 6) if m.lower_bound else 0.0,
+            "gap_to_bound": m.gap_to_bound, "split_matrices": m.split_matrices,
+            "solver_status": m.solver_status,
+        },
+        "ranks": [
+            {"dp_index": d, "load": m.dp_load[d], "flops": m.dp_flops[d],
+             "state_bytes": m.dp_state_bytes[d],
+             "reduce_scatter_bytes": m.dp_reduce_scatter_bytes[d], "matrices": owned[d]}
+            for d in range(inp.dp)
+        ],
+        "heaviest_tasks": [
+            {"id": t.id, "name": task_name(t.param, t.part), "shape": list(t.shape),
+             "optimizer": t.optimizer, "owner": t.owner, "cost": t.cost, "flops": t.flops,
+             "state_bytes": t.state_bytes}
+            for t in heavy
+        ],
+        "baselines": None if rows is None else [
+            {"name": r.name, "max_load": r.max_load, "mean_load": r.mean_load,
+             "max_over_mean": round(r.max_over_mean, 6), "gap_to_bound": round(r.gap_to_bound, 6),
+             "split_matrices": r.split_matrices, "grad_sync": r.grad_sync}
+            for r in rows
+        ],
+    }
+
+
+def tp_dict(plan: Plan, rows: list[TPBaselineRow] | None) -> dict | None:
+    """The TP part of :func:`inspect_report` (``tp_schedule``; None for tp = 1): C_max, the
+    per-GPU grid, every micro-group and the TP baselines ``rows`` (None: not available)."""
+    if plan.tp is None:
+        return None
+    tp, m = plan.tp, plan.tp.metrics
+    return {
+        "cmax_bytes": tp.cmax_bytes, "comm_dtype": tp.comm_dtype, "solver": tp.solver,
+        "status": tp.status, "hardware": tp.hardware,
+        "metrics": {"max_gpu_load": m.max_gpu_load, "mean_gpu_load": m.mean_gpu_load,
+                    "max_over_mean": m.max_over_mean, "lb_gpu": m.lb_gpu,
+                    "gap_to_lb_gpu": m.gap_to_lb_gpu, "micro_groups": m.micro_groups,
+                    "peak_gathered_bytes": m.peak_gathered_bytes,
+                    "peak_gathered_bytes_within_cmax": peak_within_cmax(plan),
+                    "oversized_groups": len(oversized_groups(plan)),
+                    "oversized_tasks": list(m.oversized_tasks),
+                    "modelled_step_s": m.modelled_step_s},
+        "gpu_load": [list(r) for r in m.gpu_load],
+        "all_to_all_bytes": [list(r) for r in m.all_to_all_bytes],
+        "groups": [
+            {"dp_index": ix.dp_index, "group": g.index, "tasks": len(g.tasks),
+             "peak_gathered_bytes": g.peak_gathered_bytes, "rank_load": list(g.rank_load),
+             "oversized": g.oversized, "timeline_s": list(g.timeline_s)}
+            for ix in tp.indices for g in ix.groups],
+        "baselines": None if rows is None else [
+            {"name": r.name, "max_gpu_load": r.max_gpu_load, "mean_gpu_load": r.mean_gpu_load,
+             "max_over_mean": round(r.max_over_mean, 6), "gap_to_lb_gpu": round(r.gap_to_lb_gpu, 6)}
+            for r in rows],
+    }
