@@ -23,7 +23,7 @@ from torch import Tensor
 
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
-from canzona.runtime.introspect import inventory
+from canzona.runtime.introspect import dtype_name, inventory
 from canzona.runtime.optim import registry
 from canzona.runtime.schedule import Schedule
 
@@ -44,22 +44,69 @@ def check_main_params(main_params: Any) -> None:
                          "parts of bf16/fp16 parameters)")
 
 
-def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
-    """The plan is a Plan this runtime executes (tp = 1, ep = 1); ``grad_sync`` is known."""
+def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any,
+                     main_params: str | None = None) -> None:
+    """The plan is a Plan this runtime executes (ep = 1; tp > 1 with its TP schedule and a TP
+    group of that size); ``grad_sync`` is known."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a canzona Plan (canzona.load_plan), got {type(plan).__name__}")
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"grad_sync = {grad_sync!r} is not allowed; choose 'reduce_scatter' or "
                          "'external'")
-    if plan.inputs.tp != 1 or plan.rank_layout.tp != 1:
-        raise PlanMismatchError(f"the plan is for tp={plan.inputs.tp}; this runtime executes "
-                                "tp=1 (data-parallel) plans only.")
     if plan.inputs.ep != 1:
         raise PlanMismatchError(f"the plan is for ep={plan.inputs.ep}; this runtime executes "
                                 "ep=1 plans only (expert parallelism is not supported yet).")
-    if tp_group is not None and dist.get_world_size(tp_group) != 1:
-        raise PlanMismatchError("tp_group has more than one rank; this runtime executes tp=1 "
-                                "plans only.")
+    tp = plan.inputs.tp
+    size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if tp == 1:
+        if size != 1:
+            raise PlanMismatchError(f"tp_group has {size} ranks but the plan is for tp=1.")
+        return
+    if tp_group is None:
+        raise PlanMismatchError(f"the plan is for tp={tp}: pass tp_group= (the TP group of this "
+                                "rank's DP index) and dp_group= (this TP rank's DP group).")
+    if size != tp:
+        raise PlanMismatchError(f"the plan is for tp={tp} but tp_group has {size} ranks.")
+    if plan.tp is None:
+        raise PlanMismatchError(f"the plan is for tp={tp} but has no TP schedule (a DP-only "
+                                "plan); make it with 'canzona plan' or canzona.plan_model.")
+    if main_params is not None:
+        raise PlanMismatchError("main_params='fp32' is not supported with tp > 1 yet.")
+
+
+def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:
+    """Under TP (the live parameters are local shards): None if names, order, dtypes and local
+    sizes match the plan's buckets and every TP-split matrix has its layout's local shape, else
+    one line naming the first parameter that differs."""
+    slots = {s.name: (s.end - s.start, buf.dtype) for buf in plan.buffers for b in buf.buckets
+             for s in b.slots}
+    order = list(dict.fromkeys(t.param for t in plan.tasks))
+    live = [n for n, _ in pairs]
+    if live != order:
+        k = next((k for k, (a, b) in enumerate(zip(order, live)) if a != b), min(len(order), len(live)))
+        a = order[k] if k < len(order) else "nothing"
+        b = live[k] if k < len(live) else "nothing"
+        return (f"the plan does not match the model: parameter #{k} is '{a}' in the plan but "
+                f"'{b}' in the model.")
+    shapes: dict[str, tuple[int, ...]] = {}
+    if plan.tp is not None:
+        for ix in plan.tp.indices:
+            for g in ix.groups:
+                for gt in g.tasks:
+                    param = plan.tasks[gt.id].param
+                    shapes[param] = tuple(plan.tp.layouts[gt.layout].local_shape)
+    for name, p in pairs:
+        numel, dtype = slots[name]
+        got = dtype_name(p.dtype, name)
+        if got != dtype:
+            return (f"the plan does not match the model: parameter '{name}' is {dtype} in the "
+                    f"plan but {got} in the model.")
+        want = shapes.get(name)
+        if (want is not None and tuple(p.shape) != want) or p.numel() != numel:
+            what = list(want) if want is not None else f"{numel} elements"
+            return (f"the plan does not match the model: TP shard '{name}' should be {what} "
+                    f"but is {list(p.shape)} on this rank.")
+    return None
 
 
 def check_group_size(plan: Plan, dp: int) -> None:
@@ -122,26 +169,53 @@ def agree(plan: Plan, problem: str | None, *, dp: int, group: Any, device: torch
     One all-gather of (plan digest, fingerprint ok) per rank, so that a rank whose model differs
     and its peers all raise, each naming what it can see.
     """
-    if dp == 1:
-        if problem:
-            raise PlanMismatchError(problem)
-        return
+    message = _agreement(plan, problem, size=dp, group=group, device=device, label="DP")
+    if message:
+        raise PlanMismatchError(message)
+
+
+def agree_grid(plan: Plan, problem: str | None, *, dp: int, dp_group: Any, tp: int,
+               tp_group: Any, device: torch.device) -> None:
+    """:func:`agree` over the dp × tp grid: the DP group, then the TP group, then one flag
+    all-reduced over both, so that every rank of the grid raises when any rank found a problem
+    (two hops reach every rank)."""
+    messages = [_agreement(plan, problem, size=dp, group=dp_group, device=device, label="DP"),
+                _agreement(plan, problem, size=tp, group=tp_group, device=device, label="TP")]
+    flag = torch.tensor([1 if any(messages) else 0], dtype=torch.int64, device=device)
+    for size, group in ((dp, dp_group), (tp, tp_group)):
+        if size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    for message in messages:
+        if message:
+            raise PlanMismatchError(message)
+    if int(flag.item()):
+        raise PlanMismatchError("the plan does not match the model, or differs, on another rank "
+                                "of the dp × tp grid (see that rank's error).")
+
+
+def _agreement(plan: Plan, problem: str | None, *, size: int, group: Any, device: torch.device,
+               label: str) -> str | None:
+    """The line to raise after one all-gather of (plan digest, problem flag) over ``group``
+    (None: all agree). Every rank of the group calls it, whatever its own ``problem``."""
+    if size == 1:
+        return problem
     mine = torch.tensor(list(plan_digest(plan)) + [0 if problem else 1], dtype=torch.int64,
                         device=device)
-    everyone = torch.empty(dp * mine.numel(), dtype=torch.int64, device=device)
+    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
     _all_gather(everyone, mine, group=group)
-    rows = everyone.view(dp, -1).cpu().tolist()
+    rows = everyone.view(size, -1).cpu().tolist()
     digests = [bytes(r[:-1]).hex()[:12] for r in rows]
     if len(set(digests)) > 1:
         listed = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
-        raise PlanMismatchError(f"the DP ranks hold different plans (sha256 {listed}); load the "
-                                "same plan file on every rank.")
+        return (f"the {label} ranks hold different plans (sha256 {listed}); load the same plan "
+                "file on every rank.")
     if problem:
-        raise PlanMismatchError(problem)
+        return problem
     bad = [r for r, row in enumerate(rows) if row[-1] == 0]
     if bad:
-        raise PlanMismatchError(f"the plan does not match the model on DP rank(s) {bad} (see "
-                                "their error for the first differing parameter).")
+        return (f"the plan does not match the model on {label} rank(s) {bad} (see their error "
+                "for the first differing parameter).")
+    return None
 
 
 def check_work_order(schedule: Schedule, names: list[str]) -> None:
@@ -153,6 +227,8 @@ def check_work_order(schedule: Schedule, names: list[str]) -> None:
             size = schedule.buckets[bi].sizes[order.rank]
             items = [(t.param, t.name, t.lo, t.hi, t.row0 * t.shape[1]) for t in order.matrix[bi]]
             items += [(a.param, a.name, a.lo, a.hi, a.offset) for a in order.adamw[bi]]
+            if order.split:
+                items += [(x.param, x.name, x.lo, x.hi, 0) for x in order.split[bi]]
             for i, name, lo, hi, start in items:
                 if not 0 <= lo <= hi <= size:
                     raise PlanMismatchError(f"the plan's work order puts '{name}' outside DP rank "

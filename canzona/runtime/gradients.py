@@ -138,14 +138,24 @@ def held_back_message(schedule: Schedule, buffers: Sequence[BucketBuffers], buck
 
 @torch.no_grad()
 def clip_owned(owns: Sequence[Tensor], max_norm: float, norm_type: float, *, dp: int,
-               group: object) -> Tensor:
+               group: object, tp: int = 1, tp_group: object = None,
+               duplicates: Sequence[Sequence[tuple[int, int]]] = ()) -> Tensor:
     """Clip the averaged gradient slices by their global norm; each rank takes the norm of the
-    slices it owns (every element lies in exactly one slice), one all-reduce combines them.
-    Returns the total norm before clipping. ``norm_type``: 2.0 or inf (checked by the caller,
-    before the reduction)."""
+    slices it owns (every element lies in exactly one slice of its TP rank), all-reduces combine
+    them over DP (and TP). Returns the total norm before clipping. ``norm_type``: 2.0 or inf
+    (checked by the caller, before the reduction).
+
+    Under TP (``tp > 1``) every TP rank owns the same slices of its own shards; ``duplicates[b]``
+    lists the ranges of bucket b's own slice that hold parameters replicated over TP (identical
+    on every TP rank): they count 1/tp on each, so every element counts once (Megatron counts
+    them on TP rank 0 only)."""
     device = owns[0].device if owns else torch.device("cpu")
     if norm_type == 2.0:
         parts = [o.float().pow(2).sum() for o in owns]
+        if tp > 1:
+            for o, ranges in zip(owns, duplicates):
+                for lo, hi in ranges:
+                    parts.append(o[lo:hi].float().pow(2).sum() * (1.0 / tp - 1.0))
         total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
         op = dist.ReduceOp.SUM if dist.is_available() else None
     else:
@@ -154,8 +164,10 @@ def clip_owned(owns: Sequence[Tensor], max_norm: float, norm_type: float, *, dp:
         op = dist.ReduceOp.MAX
     if dp > 1:
         dist.all_reduce(total, op=op, group=group)
+    if tp > 1:
+        dist.all_reduce(total, op=op, group=tp_group)
     if norm_type == 2.0:
-        total = total.sqrt()
+        total = total.clamp(min=0).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for o in owns:
         o.mul_(coef.to(o.dtype))

@@ -52,12 +52,13 @@ from canzona.planner.plan import Plan
 from canzona.runtime import accounting, checkpoint, checks, update
 from canzona.runtime.buffers import build_buffers
 from canzona.runtime.collectives import make_collective
-from canzona.runtime.errors import UnusedParameterWarning
+from canzona.runtime.errors import PlanMismatchError, UnusedParameterWarning
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.gradients import GradientCollector, clip_owned, held_back_message
 from canzona.runtime.introspect import named_params
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.schedule import build_schedule
+from canzona.runtime.tp import MicroGroupRunner, build_tp_groups
 
 __all__ = ["CanzonaOptimizer"]
 
@@ -108,7 +109,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         dp_group: the data-parallel process group (default: the world, looked up at every
             collective so that the optimizer does not keep it alive; none when not initialised
             and the plan has dp = 1).
-        tp_group: must be None or of size 1: the runtime executes tp = 1 plans.
+        tp_group: for plans with tp > 1, the TP group of this rank's DP index (its size the
+            plan's tp; TP rank t of the group holds shard t of every split matrix, Megatron's
+            layout), and ``dp_group`` the DP group of this TP rank (required unless dp = 1).
+            None (default) for tp = 1 plans.
         grad_sync: ``"reduce_scatter"`` (canzona reduces the gradients) or ``"external"``
             (gradients are already averaged, e.g. by DDP; the owned parts are read from ``.grad``).
         optimizer, ns_steps: optional; when given they must agree with the plan.
@@ -156,7 +160,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
         checks.check_main_params(main_params)
-        checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
+        checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group,
+                                main_params=main_params)
         pairs = named_params(model)
         self._names = [n for n, _ in pairs]
         self._params: list[Tensor] = [p for _, p in pairs]
@@ -165,18 +170,32 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         # after dist.destroy_process_group(), into interpreter shutdown (issue 9).
         self._group = dp_group
         distributed = dp_group is not None or (dist.is_available() and dist.is_initialized())
+        if plan.inputs.tp > 1 and dp_group is None:
+            if plan.inputs.dp != 1:
+                raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} × tp="
+                                        f"{plan.inputs.tp}: pass dp_group= (the ranks with this "
+                                        "rank's TP rank) as well as tp_group=.")
+            distributed = False  # dp = 1: no DP collective; the world is the TP group
         self._dp = dist.get_world_size(dp_group) if distributed else 1
         self._rank = dist.get_rank(dp_group) if distributed else 0
         self._closed = False
         checks.check_group_size(plan, self._dp)
+        self._tp = plan.inputs.tp
+        self._tp_group = tp_group if self._tp > 1 else None
+        self._tp_rank = dist.get_rank(tp_group) if self._tp > 1 else 0
         if overlap_param_gather and not isinstance(model, nn.Module):
             raise ValueError("overlap_param_gather=True needs the nn.Module (its forward pre-hook "
                              "waits for the parameters)")
 
         # -- every rank agrees before it acts (plan hash + fingerprint, one collective) --------
         device = self._params[0].device if self._params else torch.device("cpu")
-        checks.agree(plan, checks.fingerprint_problem(plan, pairs), dp=self._dp,
-                     group=self._group, device=device)
+        problem = (checks.fingerprint_problem(plan, pairs) if self._tp == 1
+                   else checks.local_layout_problem(plan, pairs))
+        if self._tp == 1:
+            checks.agree(plan, problem, dp=self._dp, group=self._group, device=device)
+        else:
+            checks.agree_grid(plan, problem, dp=self._dp, dp_group=self._group, tp=self._tp,
+                              tp_group=self._tp_group, device=device)
         self._spec, self._matrix, self._recorded = checks.build_matrix_kernel(
             plan, optimizer=optimizer, options=matrix_options or {}, ns_dtype=ns_dtype,
             explicit={"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
@@ -210,6 +229,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._grads = GradientCollector(self._schedule, self._params, self._names, self._buffers)
         update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
                                 self._adamw, device)
+        self._micro = MicroGroupRunner(
+            build_tp_groups(plan, self._names, self._schedule.param_bucket,
+                            self._schedule.param_range,
+                            [b.cuts[self._rank] for b in self._schedule.buckets],
+                            self._rank, self._tp_rank),
+            tp_rank=self._tp_rank, tp=self._tp, comm_dtype=plan.inputs.comm_dtype,
+            buffers=self._buffers, params=self._params)
+        self._micro.init_state(self.state, self._matrix, device)
+        self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()
         self._hooks: list[Any] = []
         if not self._external:
             for i, p in enumerate(self._params):
@@ -218,6 +246,25 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                         functools.partial(self._on_grad, i)))
         if overlap_param_gather:
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self.wait_params()))
+
+    def _duplicate_ranges(self) -> list[list[tuple[int, int]]]:
+        """Per bucket, the ranges of this rank's own slice holding parameters replicated over TP:
+        neither a TP-split matrix of the plan nor marked ``tensor_model_parallel`` (Megatron)."""
+        split = {t.param for t in self._micro.tasks}
+        split |= {x.param for order in self._schedule.work for xs in order.split for x in xs}
+        out = []
+        for b in self._schedule.buckets:
+            c0, c1 = self._schedule.own_range(b.index)
+            ranges = []
+            for sl in b.slots:
+                p = self._params[sl.param]
+                if sl.param in split or getattr(p, "tensor_model_parallel", False):
+                    continue
+                lo, hi = max(sl.lo, c0), min(sl.hi, c1)
+                if lo < hi:
+                    ranges.append((lo - c0, hi - c0))
+            out.append(ranges)
+        return out
 
     # -- the step, in phases --------------------------------------------------------------------
 
@@ -274,10 +321,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                         self.state, self._matrix, self._grads.received_anywhere)
 
     def _run_tp_microgroups(self) -> None:
-        """Where TP execution goes (DESIGN.md "Runtime"): for each micro-group of this TP group,
-        in plan order, the all-to-all gather of the next group's gradient shards overlapping the
-        updates of the tasks hosted here, then the scatter of the updates. The constructor
-        refuses tp > 1 plans, so there is nothing to run yet."""
+        """Phase 3b (tp > 1): for each micro-group of this TP group, in plan order, the
+        all-to-all gather of the next group's gradient shards overlapping the updates of the
+        tasks hosted here, then the scatter of the updates and their application to this rank's
+        shards (``runtime.tp``)."""
+        self._micro.run(group=self._tp_group, state=self.state, matrix=self._matrix,
+                        received=self._grads.received_anywhere)
 
     def _apply_updates_and_gather(self, directions: dict[int, Tensor]) -> None:
         """Phase 4, bucket by bucket in order: apply the directions, AdamW on the owned elements,
@@ -344,7 +393,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type = {norm_type!r} is not supported; use 2.0 or inf")
         self._wait_reductions()
         return clip_owned([b.own for b in self._buffers], max_norm, norm_type, dp=self._dp,
-                          group=self._group)
+                          group=self._group, tp=self._tp, tp_group=self._tp_group,
+                          duplicates=self._tp_duplicates)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` and any gradient collected since the last step."""

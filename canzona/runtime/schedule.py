@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
 
-__all__ = ["AdamWSlice", "Bucket", "MatrixTask", "ParamSlot", "Schedule", "WorkOrder",
+__all__ = ["AdamWSlice", "Bucket", "MatrixTask", "ParamSlot", "Schedule", "SplitParam", "WorkOrder",
            "build_schedule", "collective_method"]
 
 #: Pad slices to the largest when that costs at most this factor over the bucket's size.
@@ -85,12 +85,25 @@ class AdamWSlice:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitParam:
+    """A TP-split matrix parameter this DP rank owns: its local shard at ``[lo, hi)`` of the
+    rank's own slice of bucket ``bucket``, updated by the TP micro-groups (``runtime.tp``)."""
+
+    param: int
+    name: str
+    bucket: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkOrder:
     """What one DP rank updates, per bucket in launch order (matrix tasks in plan order)."""
 
     rank: int
     matrix: tuple[tuple[MatrixTask, ...], ...]
     adamw: tuple[tuple[AdamWSlice, ...], ...]
+    split: tuple[tuple[SplitParam, ...], ...] = ()  # TP-split matrices (tp > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +154,8 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                                   buf.grad_dtype, collective_method(sizes)))
     matrix = [[[] for _ in buckets] for _ in range(dp)]
     adamw = [[[] for _ in buckets] for _ in range(dp)]
+    split: list[list[list[SplitParam]]] = [[[] for _ in buckets] for _ in range(dp)]
+    split_seen: set[int] = set()
     rows_done: dict[str, int] = defaultdict(int)
     matrix_params: dict[int, None] = {}  # ordered set
     for t in plan.tasks:
@@ -148,7 +163,19 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
         bi = param_bucket[i]
         cuts = buckets[bi].cuts
         lo, hi = param_range[i]
-        if t.optimizer == "matrix":
+        if t.optimizer == "matrix" and t.host is not None:
+            # TP-split: the whole local shard (every part) on its owner; runtime.tp updates it.
+            matrix_params[i] = None
+            holders = [r for r in range(dp) if cuts[r] < hi and lo < cuts[r + 1]]
+            if holders != [t.owner]:
+                raise PlanMismatchError(
+                    f"the plan cuts matrix '{t.param}' across DP ranks {holders} (owner "
+                    f"{t.owner}); the runtime needs whole-matrix ownership.")
+            if i not in split_seen:
+                split_seen.add(i)
+                c0 = cuts[t.owner]
+                split[t.owner][bi].append(SplitParam(i, t.param, bi, lo - c0, hi - c0))
+        elif t.optimizer == "matrix":
             rows, cols = t.shape
             row0 = rows_done[t.param]
             rows_done[t.param] += rows
@@ -171,7 +198,8 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                 if a < z:
                     adamw[r][bi].append(AdamWSlice(i, t.param, bi, a - cuts[r], z - cuts[r],
                                                    a - lo))
-    work = tuple(WorkOrder(r, tuple(map(tuple, matrix[r])), tuple(map(tuple, adamw[r])))
+    work = tuple(WorkOrder(r, tuple(map(tuple, matrix[r])), tuple(map(tuple, adamw[r])),
+                           tuple(map(tuple, split[r])))
                  for r in range(dp))
     return Schedule(dp, rank, tuple(buckets), work, tuple(param_bucket), tuple(param_range),
                     tuple(matrix_params))

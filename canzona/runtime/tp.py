@@ -1,0 +1,305 @@
+"""TP execution: the plan's micro-groups, gathered, computed by their host and scattered back.
+
+Under tensor parallelism every matrix is split over the TP group. After the DP reduce-scatter,
+each TP rank of DP index d holds, in its own slice of the bucket, *its shard* of the averaged
+gradient of every TP-split matrix task d owns. For each micro-group of d's TP schedule, in the
+plan's order:
+
+1. **gather** — one ``all_to_all_single`` over the TP group: rank t sends, for each task of the
+   group in wire order (by host, then id), its segments of the gradient (``ShardLayoutPlan``) to
+   the task's host; split sizes are the plan's ``gather_send``/``gather_recv``;
+2. **compute** — the host rebuilds each full (logical) gradient from the segments and runs the
+   matrix kernel on all of them in one call (same shapes batched); only the host holds a task's
+   optimizer state, which never moves;
+3. **scatter** — the reverse ``all_to_all_single``: each rank receives its segments of every
+   update;
+4. **apply** — each rank applies its shard of every update to its shard of the parameter
+   (``kernel.apply(..., full_shape=...)``: the learning-rate scale of the full matrix).
+
+The gather of group i+1 is started before group i is computed, and the scatter of group i runs
+while group i+1 is computed (two groups in flight: up to 2·C_max of gathered bytes). The
+collectives are async work handles on every backend: on CUDA/NCCL the collective runs on the
+communicator's stream and ``wait()`` makes the current stream wait for it, so the code is the same
+on CPU (gloo) and GPU.
+
+A task whose parameter received no gradient on any rank is skipped by every rank alike (its
+host sends zeros, which nobody applies). Where the kernel leaves a matrix untouched (``None``:
+SOAP's first step, a non-finite gradient under ``nonfinite="skip"``) the host sends NaN and
+every rank leaves its shard untouched. Under ``nonfinite="raise"`` the host raises after the
+scatter, and one small all-reduce over the TP group makes every TP rank raise with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.planner.plan import Plan
+from canzona.runtime.buffers import BucketBuffers
+from canzona.runtime.errors import PlanMismatchError
+
+__all__ = ["TPGroup", "TPTask", "MicroGroupRunner", "build_tp_groups", "COMM_DTYPES"]
+
+COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class TPTask:
+    """A TP-split matrix task of this DP index.
+
+    ``lo``/``hi``: the parameter's elements in its owner's own slice of bucket ``bucket`` (the
+    whole local shard, every part); ``segments``: (rank, local_start, full_start, length) along
+    ``dim``, in full_start order."""
+
+    id: int
+    param: int
+    name: str
+    part: str | None
+    host: int
+    bucket: int
+    lo: int
+    hi: int
+    dim: int
+    local_shape: tuple[int, int]
+    full_shape: tuple[int, int]
+    segments: tuple[tuple[int, int, int, int], ...]
+
+    def of(self, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+        """The segments TP rank ``rank`` holds, in wire order."""
+        return tuple(s for s in self.segments if s[0] == rank)
+
+    def numel(self, rank: int) -> int:
+        other = self.full_shape[1 - self.dim]
+        return sum(s[3] for s in self.of(rank)) * other
+
+
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    """One micro-group as this TP rank sees it."""
+
+    index: int
+    tasks: tuple[TPTask, ...]  # wire order
+    hosted: tuple[TPTask, ...]  # the tasks this rank computes, wire order
+    send: tuple[int, ...]  # gather: elements this rank sends to each TP rank
+    recv: tuple[int, ...]  # gather: elements this rank receives from each TP rank
+
+
+def build_tp_groups(plan: Plan, names: list[str], param_bucket: Sequence[int],
+                    param_range: Sequence[tuple[int, int]], own_start: Sequence[int],
+                    dp_rank: int, tp_rank: int) -> tuple[TPGroup, ...]:
+    """This rank's micro-groups (DP index ``dp_rank``, TP rank ``tp_rank``), checked against the
+    plan's split sizes. ``own_start[b]``: where this DP rank's own slice of bucket b starts."""
+    T = plan.tp
+    if T is None:
+        return ()
+    index = {n: i for i, n in enumerate(names)}
+    tasks = {t.id: t for t in plan.tasks}
+    tp = plan.inputs.tp
+    mine = next((ix for ix in T.indices if ix.dp_index == dp_rank), None)
+    if mine is None:
+        raise PlanMismatchError(f"the plan's TP section has no schedule for DP index {dp_rank}.")
+    groups = []
+    for g in mine.groups:
+        built = []
+        for gt in g.tasks:
+            t = tasks[gt.id]
+            lay = T.layouts[gt.layout]
+            i = index[t.param]
+            bi = param_bucket[i]
+            lo, hi = param_range[i]
+            if lay.dim is None or len(lay.local_shape) != 2:
+                raise PlanMismatchError(f"the plan's TP layout of '{t.param}' is not a split "
+                                        "matrix; the plan is inconsistent.")
+            name = t.param if t.part is None else f"{t.param}#{t.part}"
+            built.append(TPTask(t.id, i, name, t.part, gt.host, bi, lo - own_start[bi],
+                                hi - own_start[bi], lay.dim, tuple(lay.local_shape),  # type: ignore[arg-type]
+                                tuple(lay.full_shape), tuple(lay.segments)))  # type: ignore[arg-type]
+        send = tuple(sum(t.numel(tp_rank) for t in built if t.host == h) for h in range(tp))
+        recv = tuple(sum(t.numel(r) for t in built if t.host == tp_rank) for r in range(tp))
+        if send != tuple(g.gather_send[tp_rank]) or recv != tuple(g.gather_recv[tp_rank]):
+            raise PlanMismatchError(f"micro-group {g.index} of DP index {dp_rank}: the split "
+                                    f"sizes of TP rank {tp_rank} ({send}, {recv}) are not the "
+                                    "plan's; the plan is inconsistent.")
+        groups.append(TPGroup(g.index, tuple(built),
+                              tuple(t for t in built if t.host == tp_rank), send, recv))
+    return tuple(groups)
+
+
+def _piece(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+    return x[start:start + length] if dim == 0 else x[:, start:start + length]
+
+
+class MicroGroupRunner:
+    """Runs this TP rank's micro-groups for one step (see the module docstring)."""
+
+    def __init__(self, groups: Sequence[TPGroup], *, tp_rank: int, tp: int, comm_dtype: str,
+                 buffers: Sequence[BucketBuffers], params: list[Tensor]) -> None:
+        self.groups = tuple(groups)
+        self.tp_rank, self.tp = tp_rank, tp
+        self.comm_dtype = COMM_DTYPES[comm_dtype]
+        self._buffers = buffers
+        self._params = params
+        #: The largest gathered (received) buffer of a group, in elements: with two groups in
+        #: flight the runtime's scratch peaks at about twice this (``peak_scratch_bytes``).
+        self.max_recv = max((sum(g.recv) for g in self.groups), default=0)
+
+    @property
+    def tasks(self) -> tuple[TPTask, ...]:
+        return tuple(t for g in self.groups for t in g.tasks)
+
+    @property
+    def hosted(self) -> tuple[TPTask, ...]:
+        return tuple(t for g in self.groups for t in g.hosted)
+
+    def peak_scratch_bytes(self) -> int:
+        """Bytes of gathered full matrices held at once by this rank's pipeline, at most."""
+        size = torch.empty((), dtype=self.comm_dtype).element_size()
+        recv = sorted((sum(g.recv) for g in self.groups), reverse=True)
+        return sum(recv[:2]) * size
+
+    def init_state(self, state: MutableMapping[Tensor, Any], matrix: Any,
+                   device: torch.device) -> None:
+        """fp32 state of every task hosted here (full shape), under its parameter (and part)."""
+        for t in self.hosted:
+            st = matrix.init_state(t.full_shape, torch.float32, device)
+            if t.part is None:
+                state[self._params[t.param]] = st
+            else:
+                state[self._params[t.param]][t.part] = st
+
+    # -- one step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, *, group: Any, state: MutableMapping[Tensor, Any], matrix: Any,
+            received: Sequence[int], main: Sequence[Tensor | None] = ()) -> None:
+        """Gather → compute → scatter → apply, every group in order, pipelined."""
+        if not self.groups:
+            return
+        gathers: list[Any] = [None] * len(self.groups)
+        gathers[0] = self._start_gather(self.groups[0], group)
+        pending = None  # (group, its scatter)
+        error: Exception | None = None
+        for k, g in enumerate(self.groups):
+            recv, work = gathers[k]
+            if work is not None:
+                work.wait()
+            gathers[k] = None
+            if k + 1 < len(self.groups):
+                gathers[k + 1] = self._start_gather(self.groups[k + 1], group)
+            updates, failed = self._compute(g, recv, state, matrix, received)
+            error = error or failed
+            scatter = self._start_scatter(g, updates, group)
+            if pending is not None:
+                self._apply(*pending, matrix, received)
+            pending = (g, scatter)
+        self._apply(*pending, matrix, received)
+        if getattr(getattr(matrix, "config", None), "nonfinite", None) == "raise" and self.tp > 1:
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if error is None and int(flag.item()):
+                from canzona.runtime.optim import NonFiniteGradientError
+
+                error = NonFiniteGradientError(["a matrix hosted on another TP rank"])
+        if error is not None:
+            raise error
+
+    def _all_to_all(self, send: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                    group: Any) -> tuple[Tensor, Any]:
+        out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
+        if self.tp == 1:
+            out.copy_(send)
+            return out, None
+        work = dist.all_to_all_single(out, send, list(out_splits), list(in_splits), group=group,
+                                      async_op=True)
+        return out, work
+
+    def _start_gather(self, g: TPGroup, group: Any) -> tuple[Tensor, Any]:
+        """Launch the gather of group ``g``: this rank's segments of each task's gradient."""
+        pieces = []
+        for t in g.tasks:
+            grad = self._buffers[t.bucket].own[t.lo:t.hi].view(t.local_shape)
+            for _, ls, _, n in t.of(self.tp_rank):
+                pieces.append(_piece(grad, t.dim, ls, n).reshape(-1))
+        device = self._buffers[g.tasks[0].bucket].own.device
+        send = (torch.cat(pieces) if pieces else torch.empty(0, device=device)).to(self.comm_dtype)
+        return self._all_to_all(send, g.recv, g.send, group)
+
+    def _compute(self, g: TPGroup, recv: Tensor, state: MutableMapping[Tensor, Any], matrix: Any,
+                 received: Sequence[int]) -> tuple[dict[int, Tensor], Exception | None]:
+        """The host's full gradients from the received segments, and their updates (fp32)."""
+        offsets = [0]
+        for n in g.recv:
+            offsets.append(offsets[-1] + n)
+        ptr = list(offsets[:-1])  # per source rank, the next element of its chunk
+        fulls: dict[int, Tensor] = {}
+        for t in g.hosted:
+            full = torch.empty(t.full_shape, dtype=torch.float32, device=recv.device)
+            for r in range(self.tp):
+                for _, _, fs, n in t.of(r):
+                    shape = (n, t.full_shape[1]) if t.dim == 0 else (t.full_shape[0], n)
+                    size = shape[0] * shape[1]
+                    _piece(full, t.dim, fs, n).copy_(recv[ptr[r]:ptr[r] + size].view(shape))
+                    ptr[r] += size
+            fulls[t.id] = full
+        todo = [t for t in g.hosted if received[t.param]]
+        updates: dict[int, Tensor] = {t.id: torch.zeros_like(fulls[t.id]) for t in g.hosted}
+        error = None
+        if todo:
+            states = [_task_state(t, self._params, state) for t in todo]
+            try:
+                out = matrix.direction([fulls[t.id] for t in todo], states,
+                                       names=[t.name for t in todo])
+            except (ArithmeticError, ValueError) as exc:  # nonfinite="raise": after the scatter
+                out, error = [None] * len(todo), exc
+            for t, u in zip(todo, out):
+                updates[t.id] = u.float() if u is not None else torch.full_like(fulls[t.id],
+                                                                                float("nan"))
+        return updates, error
+
+    def _start_scatter(self, g: TPGroup, updates: dict[int, Tensor],
+                       group: Any) -> tuple[Tensor, Any]:
+        """Launch the scatter of group ``g``: to each rank, its segments of every update."""
+        pieces = []
+        for r in range(self.tp):
+            for t in g.hosted:
+                for _, _, fs, n in t.of(r):
+                    pieces.append(_piece(updates[t.id], t.dim, fs, n).reshape(-1))
+        device = self._buffers[g.tasks[0].bucket].own.device
+        send = (torch.cat(pieces) if pieces else torch.empty(0, device=device)).to(self.comm_dtype)
+        return self._all_to_all(send, g.send, g.recv, group)
+
+    def _apply(self, g: TPGroup, scatter: tuple[Tensor, Any], matrix: Any,
+               received: Sequence[int]) -> None:
+        """This rank's shard of every update of group ``g`` onto its shard of the parameter."""
+        recv, work = scatter
+        if work is not None:
+            work.wait()
+        offsets = [0]
+        for n in g.send:
+            offsets.append(offsets[-1] + n)
+        ptr = list(offsets[:-1])  # per host, the next element of its chunk
+        for t in g.tasks:
+            p = self._params[t.param]
+            chunks = []
+            for _, ls, _, n in t.of(self.tp_rank):
+                shape = (n, t.full_shape[1]) if t.dim == 0 else (t.full_shape[0], n)
+                size = shape[0] * shape[1]
+                chunks.append((ls, n, recv[ptr[t.host]:ptr[t.host] + size].view(shape)))
+                ptr[t.host] += size
+            if not received[t.param]:
+                continue
+            if any(not bool(torch.isfinite(u).all()) for *_, u in chunks):
+                continue  # the host's kernel left it untouched (see the module docstring)
+            for ls, n, u in chunks:
+                matrix.apply(_piece(p, t.dim, ls, n), u.to(torch.float32),
+                             full_shape=t.full_shape)
+
+
+def _task_state(t: TPTask, params: list[Tensor], state: MutableMapping[Tensor, Any]) -> Any:
+    st = state[params[t.param]]
+    return st if t.part is None else st[t.part]

@@ -1,0 +1,127 @@
+"""CanzonaOptimizer under tensor parallelism (gloo): dp 2 × tp 2 and dp 1 × tp 2, against one
+process updating the logical (single-device) matrices.
+
+The parameters are Megatron's TP shards (fused QKV grouped per KV group, fc1 held as
+[gate_r; up_r], vocabulary-parallel embedding and output layer with padding); the plans gather in
+fp32 and Newton–Schulz runs in fp32 on both sides, so the only differences are summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import dp_helpers as H
+import tp_helpers as T
+
+pytestmark = pytest.mark.slow
+
+CASES4 = {
+    "muon": dict(optimizer="muon"),
+    "muon_split": dict(optimizer="muon", split=True),
+    "shampoo": dict(optimizer="shampoo"),
+    "soap": dict(optimizer="soap"),
+    "muon_accum_clip": dict(optimizer="muon", accum=2, clip=0.05),
+    "muon_roundtrip": dict(optimizer="muon", roundtrip=True),
+}
+CASES2 = {
+    "muon": dict(optimizer="muon"),
+    "soap_split": dict(optimizer="soap", split=True),
+}
+
+
+def _case(rank, world, *, dp, tp, **kw):
+    return T.train_canzona(rank, world, dp=dp, tp=tp, **kw)
+
+
+def _refusals(rank, world):
+    """Each refusal, on every rank alike, before any gradient or parameter collective."""
+    import canzona
+    from canzona.runtime.errors import PlanMismatchError
+
+    dp_group, tp_group = T.groups(1, 2)
+    plan = T.plan_for(1, 2)
+    start = T.initial_full()
+    out = {}
+
+    def attempt(key, pairs, **kw):
+        try:
+            canzona.CanzonaOptimizer(pairs, plan, **kw)
+            out[key] = "no error"
+        except PlanMismatchError as exc:
+            out[key] = str(exc)
+
+    ps = T.spec().params
+    shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, rank), 2)) for p in ps]
+    # the unsharded fused QKV on rank 1 only: both ranks refuse (rank 0 names the other rank)
+    wrong = [(n, torch.nn.Parameter(start[n].clone())
+              if rank == 1 and n.endswith("layers.0.self_attention.linear_qkv.weight") else w)
+             for n, w in shards]
+    attempt("layout", wrong, tp_group=tp_group)
+    attempt("no_tp_group", shards)
+    attempt("dp_plan_needs_dp_group", shards, tp_group=tp_group, dp_group=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    cases = [(k, functools.partial(_case, dp=2, tp=2, **v)) for k, v in CASES4.items()]
+    return H.run_world(4, cases, str(tmp_path_factory.mktemp("tp4")))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    cases = [(k, functools.partial(_case, dp=1, tp=2, **v)) for k, v in CASES2.items()]
+    return H.run_world(2, cases + [("refusals", _refusals)], str(tmp_path_factory.mktemp("tp2")))
+
+
+def _results(ranks, case):
+    out = []
+    for r in ranks:
+        status, *rest = r[case]
+        assert status == "ok", rest[-1]
+        out.append(rest[0])
+    return out
+
+
+def _check(got, ref, tol=1e-5):
+    start = T.initial_full()
+    for res in got:
+        for name, want in ref["params"].items():
+            have = res["params"][name]
+            err = ((have - want).norm() / want.norm()).item()
+            assert err <= tol, f"{name}: relative error {err:.3g}"
+    # every parameter moved (the optimizer did run on every matrix and vector)
+    for name, want in ref["params"].items():
+        assert not torch.equal(got[0]["params"][name], start[name]), name
+
+
+@pytest.mark.parametrize("case", list(CASES4))
+def test_dp2_tp2_equals_one_process(world4, case):
+    kw = {k: v for k, v in CASES4[case].items() if k != "roundtrip"}
+    got = _results(world4, case)
+    ref = T.reference(2, **kw)
+    _check(got, ref)
+    if kw.get("clip"):
+        for res in got:
+            assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+            assert max(res["norms"]) > kw["clip"]  # clipping did act
+
+
+@pytest.mark.parametrize("case", list(CASES2))
+def test_dp1_tp2_equals_one_process(world2, case):
+    got = _results(world2, case)
+    _check(got, T.reference(1, **CASES2[case]))
+
+
+def test_refusals_before_any_collective(world2):
+    got = _results(world2, "refusals")
+    assert "TP shard 'decoder.layers.0.self_attention.linear_qkv.weight' should be [64, 64]" \
+        in got[1]["layout"]
+    assert "does not match the model on TP rank(s) [1]" in got[0]["layout"]
+    for res in got:
+        assert "pass tp_group=" in res["no_tp_group"]
+        # dp = 1: no DP group needed, the plan runs with the TP group alone
+        assert res["dp_plan_needs_dp_group"] == "no error"

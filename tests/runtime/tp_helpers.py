@@ -1,0 +1,238 @@
+"""Helpers of the TP runtime tests: a Megatron-style parameter set (fused QKV with KV groups, gated
+fc1 held as [gate_r; up_r], vocabulary-parallel embedding and output layer), a synthetic loss on
+the logical (single-device) matrices, the spawned dp × tp world and the one-process reference.
+
+Every rank keeps the whole logical model (rebuilt each step from the TP shards with the planner's
+shard maps), takes the gradient of its DP rank's data on it, and hands canzona its TP shard of that
+gradient through autograd (``torch.autograd.backward`` on the local shards fires the optimizer's
+gradient hooks exactly as a Megatron backward does). The optimizer never sees the full model:
+reduce-scatter over DP, micro-groups over TP, all-gather over DP.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions, build_inventory
+from canzona.planner.models import ModelConfig
+from canzona.planner.pipeline import plan as make_plan
+from canzona.planner.shards import concat_shards, shard_map, split_full
+
+CFG = ModelConfig(name="tiny-tp", arch="qwen3", hidden=64, ffn=96, layers=2, q_heads=4,
+                  kv_heads=2, head_dim=16, vocab=100, tied_embeddings=False, qk_norm=True,
+                  dtype="fp32")
+STEPS = 10
+ROWS = 96  # data rows per DP rank and step (SOAP: statistics of full rank, a unique eigenbasis)
+LR = {"muon": 0.02, "shampoo": 0.01, "soap": 3e-3}
+ADAMW_LR = 3e-3
+SHAMPOO_OPTIONS = {"eps": 1e-4}
+
+
+def spec():
+    return build_inventory(CFG)
+
+
+def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
+             cmax_mib: float = 0.05):
+    """The plan: fp32 gather/scatter (exactness), a C_max small enough for several groups."""
+    extra = {"shampoo": {"shampoo_precondition_frequency": 3},
+             "soap": {"soap_precondition_frequency": 3}}.get(optimizer, {})
+    settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
+    return make_plan(CFG, ParallelSizes(dp=dp, tp=tp), settings,
+                     dp_options=DPOptions(bucket_size=20_000),
+                     tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype="fp32"))
+
+
+def initial_full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for p in spec().params:
+        t = torch.randn(p.shape, generator=g) * (0.5 if len(p.shape) == 2 else 0.1)
+        out[p.name] = t + (1.0 if len(p.shape) == 1 else 0.0)
+    return out
+
+
+def data(step: int, dp_rank: int, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{step}/{dp_rank}/{name}".encode()))
+    cols = shape[-1]
+    x = torch.randn(ROWS, cols, generator=g)
+    y = torch.randn(ROWS, shape[0] if len(shape) == 2 else cols, generator=g)
+    return x, y
+
+
+def loss(full: dict[str, torch.Tensor], step: int, dp_rank: int) -> torch.Tensor:
+    """A smooth loss of every logical parameter on this DP rank's data."""
+    total = torch.zeros(())
+    for name, w in full.items():
+        x, y = data(step, dp_rank, name, tuple(w.shape))
+        pred = x @ w.T if w.dim() == 2 else x * w
+        total = total + torch.tanh(pred - y).pow(2).mean()
+    return total
+
+
+def local_of(p, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s shard of a logical tensor (Megatron's layout; vocabulary padding 0)."""
+    m = shard_map(p, tp, kv_groups=CFG.kv_heads)
+    if m.dim is None:
+        return full.clone()
+    out = torch.zeros(m.local_shape, dtype=full.dtype)
+    for ls, piece in split_full(m, full, rank):
+        n = piece.shape[m.dim]
+        (out[ls:ls + n] if m.dim == 0 else out[:, ls:ls + n]).copy_(piece)
+    return out
+
+
+def megatron_param(p, local: torch.Tensor, tp: int) -> torch.nn.Parameter:
+    """A parameter carrying Megatron's TP attributes (what clipping reads to count replicated
+    parameters once)."""
+    w = torch.nn.Parameter(local)
+    m = shard_map(p, tp, kv_groups=CFG.kv_heads)
+    w.tensor_model_parallel = m.dim is not None
+    w.partition_dim = m.dim if m.dim is not None else -1
+    w.partition_stride = 2 if p.tp_layout == "gate_up" else 1
+    return w
+
+
+def full_of(p, local: torch.Tensor, tp: int, group) -> torch.Tensor:
+    """The logical tensor from every TP rank's shard (an all-gather over the TP group)."""
+    m = shard_map(p, tp, kv_groups=CFG.kv_heads)
+    if m.dim is None or tp == 1:
+        return local.detach().clone() if m.dim is None else concat_shards(
+            m, [local.detach()], lambda xs, d: torch.cat(xs, d))
+    shards = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(shards, local.detach().contiguous(), group=group)
+    return concat_shards(m, shards, lambda xs, d: torch.cat(xs, d))
+
+
+def groups(dp: int, tp: int):
+    """(dp_group, tp_group) of this rank, Megatron's order (TP ranks adjacent)."""
+    rank = dist.get_rank()
+    dp_group = tp_group = None
+    for d in range(dp):
+        g = dist.new_group([d * tp + t for t in range(tp)])
+        if rank // tp == d:
+            tp_group = g
+    for t in range(tp):
+        g = dist.new_group([d * tp + t for d in range(dp)])
+        if rank % tp == t:
+            dp_group = g
+    return dp_group, tp_group
+
+
+def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
+                  split: bool = False, accum: int = 1, clip: float | None = None,
+                  steps: int = STEPS, roundtrip: bool = False) -> dict:
+    """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end."""
+    import canzona
+
+    assert world == dp * tp
+    dp_group, tp_group = groups(dp, tp)
+    dp_rank, tp_rank = rank // tp, rank % tp
+    plan = plan_for(dp, tp, optimizer, split=split)
+    ps = spec().params
+    start = initial_full()
+    local = [(p.name, megatron_param(p, local_of(p, start[p.name], tp, tp_rank), tp)) for p in ps]
+
+    def build():
+        return canzona.CanzonaOptimizer(
+            local, plan, lr=LR[optimizer], ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
+            adamw_weight_decay=0.01, dp_group=dp_group if dp > 1 else None, tp_group=tp_group,
+            matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None)
+
+    opt = build()
+    norms = []
+    for step in range(steps):
+        full = {p.name: full_of(p, w, tp, tp_group).requires_grad_(True)
+                for p, (_, w) in zip(ps, local)}
+        for micro in range(accum):
+            grads = torch.autograd.grad(loss(full, step * accum + micro, dp_rank) / accum,
+                                        list(full.values()))
+            shards = [local_of(p, g, tp, tp_rank) for p, g in zip(ps, grads)]
+            ctx = opt.no_sync() if micro < accum - 1 else _null()
+            with ctx:
+                torch.autograd.backward([w for _, w in local], shards)
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        opt.zero_grad()
+        if roundtrip and step == steps // 2:
+            sd = opt.state_dict()
+            opt.close()
+            opt = build()
+            opt.load_state_dict(sd)
+    out = {p.name: full_of(p, w, tp, tp_group) for p, (_, w) in zip(ps, local)}
+    opt.close()
+    return {"params": out, "norms": norms, "dp_rank": dp_rank, "tp_rank": tp_rank,
+            "peak_scratch": opt._micro.peak_scratch_bytes() if hasattr(opt, "_micro") else 0}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
+              clip: float | None = None, steps: int = STEPS) -> dict:
+    """One process, the logical matrices: the kernel per matrix task (per part when split),
+    torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
+    micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
+    non-square gradient are rank deficient, and LAPACK's basis of their null space depends on the
+    thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float | None,
+               steps: int) -> dict:
+    import dp_helpers as H
+
+    ps = spec().params
+    full = {n: t.clone().requires_grad_(True) for n, t in initial_full().items()}
+    kernel = H._matrix_kernel(optimizer, LR[optimizer])
+    tasks = []  # (parameter, first row, rows)
+    for p in ps:
+        if p.optimizer != "matrix":
+            continue
+        if split and p.parts:
+            row = 0
+            for part in p.parts:
+                tasks.append((p.name, row, part.rows))
+                row += part.rows
+        else:
+            tasks.append((p.name, 0, p.shape[0]))
+    states = [kernel.init_state((rows, full[n].shape[1])) for n, _, rows in tasks]
+    adamw = torch.optim.AdamW([full[p.name] for p in ps if p.optimizer != "matrix"],
+                              lr=ADAMW_LR, weight_decay=0.01)
+    names = list(full)
+    norms = []
+    for step in range(steps):
+        total = None
+        for d in range(dp):
+            mine = None
+            for micro in range(accum):
+                g = torch.autograd.grad(loss(full, step * accum + micro, d) / accum,
+                                        list(full.values()))
+                mine = list(g) if mine is None else [a + b for a, b in zip(mine, g)]
+            total = mine if total is None else [a + b for a, b in zip(total, mine)]
+        grads = {n: g / dp for n, g in zip(names, total)}
+        for n in names:
+            full[n].grad = grads[n]
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(full.values()), clip)))
+        with torch.no_grad():
+            for (n, r0, rows), st in zip(tasks, states):
+                w = full[n][r0:r0 + rows]
+                kernel.step([w], [full[n].grad[r0:r0 + rows]], [st], lr=LR[optimizer])
+        adamw.step()
+        adamw.zero_grad()
+    return {"params": {n: t.detach().clone() for n, t in full.items()}, "norms": norms}
