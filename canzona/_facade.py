@@ -12,7 +12,7 @@ from typing import Any
 from canzona.planner import optimizers, pipeline
 from canzona.planner.cost import OptimizerSettings
 from canzona.planner.layout import ParallelSizes
-from canzona.planner.options import DPOptions
+from canzona.planner.options import DPOptions, TPOptions
 from canzona.planner.plan import Plan
 
 __all__ = ["plan_model"]
@@ -36,6 +36,7 @@ def plan_model(
     name: str | None = None,
     matrix_globs: Sequence[str] = (),
     adamw_globs: Sequence[str] = (),
+    comm_dtype: str = "bf16",
     progress: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> Plan:
@@ -52,6 +53,8 @@ def plan_model(
             :class:`~canzona.planner.options.DPOptions` (``canzona plan``'s options).
         name: the model name in the plan (default: the module's class name).
         matrix_globs, adamw_globs: optimizer-route overrides by parameter name.
+        comm_dtype: dtype of the TP gather/scatter recorded in the plan (``TPOptions.comm_dtype``:
+            bf16, fp16 or fp32; fp32 for exact comparisons).
         **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
 
@@ -62,9 +65,10 @@ def plan_model(
     options = DPOptions(solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
                         comm_limit=comm_limit, reorder=reorder, cost=cost,
                         bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
+    tp_options = TPOptions(comm_dtype=comm_dtype)  # checked before the model is read
     from canzona.runtime.introspect import inventory
 
     spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
-                         progress=progress)
+                         tp_options=tp_options, progress=progress)

@@ -81,7 +81,7 @@ FLAGS = {
     "DPOptions.time_limit_s": "--time-limit", "DPOptions.comm_limit": "--comm-limit",
     "DPOptions.seed": "--seed", "DPOptions.reorder": "--reorder",
     "DPOptions.bucket_size": "--bucket-size", "TPOptions.cmax_mib": "--cmax",
-    "TPOptions.solver": "--tp-solver", "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
+    "TPOptions.solver": "--tp-solver", "TPOptions.comm_dtype": "--comm-dtype", "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
     "ParallelSizes.ep": "--ep", "ParallelSizes.etp": "--etp",
     "inspect_report.config": "--config",
 }
@@ -226,6 +226,9 @@ def plan(
     tp_solver: Annotated[str, typer.Option(
         "--tp-solver", help="TP hosting: greedy (the paper's LPT with rollback) or cpsat "
                             "(greedy, then CP-SAT per micro-group).")] = "greedy",
+    comm_dtype: Annotated[str, typer.Option(
+        "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
+                             "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically).")] = None,
@@ -241,7 +244,8 @@ def plan(
                            time_limit_s=time_limit, comm_limit=comm_limit, seed=seed,
                            reorder=reorder, bucket_size=bucket_size,
                            overlap_grad_reduce=not no_overlap)
-    tp_options = TPOptions(cmax_mib=cmax, solver=tp_solver.strip().lower())
+    tp_options = TPOptions(cmax_mib=cmax, solver=tp_solver.strip().lower(),
+                           comm_dtype=comm_dtype.strip().lower())
     settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
                                  split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)

@@ -128,6 +128,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             The copies count in ``state_bytes()`` (see :func:`predicted_state_bytes`) and travel
             in ``state_dict()``; after loading weights into the model call
             ``reload_main_params()``.
+        overlap_tp: tp > 1: gather the next micro-group while this one is computed and scatter
+            while the next is (default). False waits for each collective at once (to measure
+            what the overlap saves; results are identical).
 
     Raises:
         PlanMismatchError: the plan does not match the live parameters (naming the first differing
@@ -157,6 +160,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         matrix_options: dict[str, Any] | None = None,
         overlap_param_gather: bool = False,
         main_params: str | None = None,
+        overlap_tp: bool = True,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
         checks.check_main_params(main_params)
@@ -208,6 +212,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         checks.check_work_order(self._schedule, self._names)
         self._external = grad_sync == "external"
         self._main_params = main_params
+        self._overlap_tp = bool(overlap_tp)
         self._overlap_gather = overlap_param_gather
         self._warned_unused = False
         matrix_set = set(self._schedule.matrix_params)
@@ -326,7 +331,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         tasks hosted here, then the scatter of the updates and their application to this rank's
         shards (``runtime.tp``)."""
         self._micro.run(group=self._tp_group, state=self.state, matrix=self._matrix,
-                        received=self._grads.received_anywhere)
+                        received=self._grads.received_anywhere, overlap=self._overlap_tp)
+
+    def tp_scratch_bytes(self) -> int:
+        """Most bytes of gathered full matrices this rank's TP pipeline holds at once (two
+        micro-groups in flight; 0 for tp = 1). The plan bounds one group by C_max."""
+        return self._micro.peak_scratch_bytes()
 
     def _apply_updates_and_gather(self, directions: dict[int, Tensor]) -> None:
         """Phase 4, bucket by bucket in order: apply the directions, AdamW on the owned elements,

@@ -176,9 +176,21 @@ class MicroGroupRunner:
 
     @torch.no_grad()
     def run(self, *, group: Any, state: MutableMapping[Tensor, Any], matrix: Any,
-            received: Sequence[int], main: Sequence[Tensor | None] = ()) -> None:
-        """Gather → compute → scatter → apply, every group in order, pipelined."""
+            received: Sequence[int], overlap: bool = True) -> None:
+        """Gather → compute → scatter → apply, every group in order; pipelined unless
+        ``overlap`` is False (each collective waited for at once: for measuring the overlap)."""
         if not self.groups:
+            return
+        if not overlap:
+            error = None
+            for g in self.groups:
+                recv, work = self._start_gather(g, group)
+                if work is not None:
+                    work.wait()
+                updates, failed = self._compute(g, recv, state, matrix, received)
+                error = error or failed
+                self._apply(g, self._start_scatter(g, updates, group), matrix, received)
+            self._raise_together(error, matrix, group)
             return
         gathers: list[Any] = [None] * len(self.groups)
         gathers[0] = self._start_gather(self.groups[0], group)
@@ -198,8 +210,13 @@ class MicroGroupRunner:
                 self._apply(*pending, matrix, received)
             pending = (g, scatter)
         self._apply(*pending, matrix, received)
+        self._raise_together(error, matrix, group)
+
+    def _raise_together(self, error: Exception | None, matrix: Any, group: Any) -> None:
+        """Under ``nonfinite="raise"``: every TP rank raises when a host did."""
         if getattr(getattr(matrix, "config", None), "nonfinite", None) == "raise" and self.tp > 1:
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32,
+                                device=self._buffers[0].own.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             if error is None and int(flag.item()):
                 from canzona.runtime.optim import NonFiniteGradientError

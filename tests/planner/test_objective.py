@@ -102,10 +102,10 @@ def _empty(problem, cuts):
 def test_a_bucket_term_reaches_cpsat():
     pr = _problem()
     # Cuts for the max load alone leave some ranks with nothing in a bucket.
-    loaded, _, _ = solve_cpsat(pr, greedy(pr), time_limit_s=2.0, seed=0)
+    loaded, _, _ = solve_cpsat(pr, greedy(pr), time_limit_s=1.0, seed=0)
     unit_load = pr.total_load() / pr.dp / 1_000_000  # dp.cpsat's scale (SCALE_UNITS)
     obj = EmptySlices(beta=100_000 * unit_load)  # an empty slice outweighs 10 % of the mean load
-    cuts, status, bound = solve_cpsat(pr, loaded, time_limit_s=2.0, seed=0, objective=obj)
+    cuts, status, bound = solve_cpsat(pr, loaded, time_limit_s=1.0, seed=0, objective=obj)
     assert status.startswith("cpsat-") and bound == 0  # no load bound with g in the model
     assert _empty(pr, cuts) < _empty(pr, loaded)
     assert obj.score(pr, cuts) < obj.score(pr, loaded)

@@ -25,6 +25,7 @@ CASES4 = {
     "soap": dict(optimizer="soap"),
     "muon_accum_clip": dict(optimizer="muon", accum=2, clip=0.05),
     "muon_roundtrip": dict(optimizer="muon", roundtrip=True),
+    "muon_no_overlap": dict(optimizer="muon", overlap_tp=False),
 }
 CASES2 = {
     "muon": dict(optimizer="muon"),
@@ -100,7 +101,7 @@ def _check(got, ref, tol=1e-5):
 
 @pytest.mark.parametrize("case", list(CASES4))
 def test_dp2_tp2_equals_one_process(world4, case):
-    kw = {k: v for k, v in CASES4[case].items() if k != "roundtrip"}
+    kw = {k: v for k, v in CASES4[case].items() if k not in ("roundtrip", "overlap_tp")}
     got = _results(world4, case)
     ref = T.reference(2, **kw)
     _check(got, ref)
@@ -125,3 +126,20 @@ def test_refusals_before_any_collective(world2):
         assert "pass tp_group=" in res["no_tp_group"]
         # dp = 1: no DP group needed, the plan runs with the TP group alone
         assert res["dp_plan_needs_dp_group"] == "no error"
+
+
+def test_scratch_within_two_micro_groups_of_the_plan(world4):
+    for res in _results(world4, "muon"):
+        plan = res["plan"]
+        ix = plan.tp.indices[res["dp_rank"]]
+        hosted = sorted((sum(t.gathered_bytes for t in g.tasks if t.host == res["tp_rank"])
+                         for g in ix.groups), reverse=True)
+        assert res["scratch"] == sum(hosted[:2])  # the two largest groups this rank hosts
+        assert res["scratch"] <= 2 * plan.tp.metrics.peak_gathered_bytes
+        assert max(g.peak_gathered_bytes for g in ix.groups) <= plan.tp.cmax_bytes
+
+
+def test_overlap_off_gives_the_same_bits(world4):
+    on, off = _results(world4, "muon"), _results(world4, "muon_no_overlap")
+    for a, b in zip(on, off):
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])

@@ -124,7 +124,7 @@ def groups(dp: int, tp: int):
 
 def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
                   split: bool = False, accum: int = 1, clip: float | None = None,
-                  steps: int = STEPS, roundtrip: bool = False) -> dict:
+                  steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True) -> dict:
     """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end."""
     import canzona
 
@@ -140,7 +140,8 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
         return canzona.CanzonaOptimizer(
             local, plan, lr=LR[optimizer], ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
             adamw_weight_decay=0.01, dp_group=dp_group if dp > 1 else None, tp_group=tp_group,
-            matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None)
+            matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None,
+            overlap_tp=overlap_tp)
 
     opt = build()
     norms = []
@@ -166,7 +167,7 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
     out = {p.name: full_of(p, w, tp, tp_group) for p, (_, w) in zip(ps, local)}
     opt.close()
     return {"params": out, "norms": norms, "dp_rank": dp_rank, "tp_rank": tp_rank,
-            "peak_scratch": opt._micro.peak_scratch_bytes() if hasattr(opt, "_micro") else 0}
+            "scratch": opt.tp_scratch_bytes(), "plan": plan}
 
 
 class _null:
