@@ -6,7 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from canzona.cli.main import app
-from canzona.planner.plan import SCHEMA_VERSION, load_plan
+from canzona.planner.plan import SCHEMA_VERSION
+from canzona.planner.plan_load import load_plan
 from canzona.planner.report import inspect_report
 
 runner = CliRunner()

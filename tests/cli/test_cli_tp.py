@@ -5,7 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from canzona.cli.main import app
-from canzona.planner.plan import load_plan
+from canzona.planner.plan_load import load_plan
 
 runner = CliRunner()
 

@@ -15,7 +15,7 @@ import pytest
 import canzona
 from canzona.planner import OptimizerSettings, ParallelSizes, PlanFileError, build_inventory, get_preset
 from canzona.planner.plan import Plan, save_plan
-from canzona.planner.plan import load_plan as load_structure
+from canzona.planner.plan_load import load_plan as load_structure
 from canzona.planner.planning import baseline_plan, make_problem
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.validate import check_plan, load_plan

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
-from canzona.planner.plan import SCHEMA_VERSION, Plan, load_plan, parse_plan, save_plan
+from canzona.planner.plan import SCHEMA_VERSION, Plan, save_plan
+from canzona.planner.plan_load import load_plan, parse_plan
 from canzona.planner.planning import baseline_plan, make_problem
 
 

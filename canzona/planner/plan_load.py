@@ -1,0 +1,398 @@
+"""Reading a plan file: JSON, schema version, the pydantic schema (types, ranges, unknown
+fields), then :func:`check_structure` — the plan's internal consistency that needs no cost
+formulas (sizes against cuts, owners and hosts in range, ids, every parameter slot covered, the TP
+section's shape). Every failure is one :class:`~canzona.planner.errors.PlanFileError` line.
+
+:mod:`canzona.planner.validate` adds the arithmetic relations; ``canzona.load_plan`` runs both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .errors import PlanFileError
+from .plan import SCHEMA_VERSION, Plan, gc_paused
+from .settings import PARAM_ALIGN
+
+def parse_plan(text: str, source: str = "<plan>") -> Plan:
+    """Parse plan JSON text; every failure is one line naming the problem (and versions).
+
+    Checks the JSON, the schema version, the fields, then :func:`check_structure`.
+    """
+    with gc_paused():
+        return _parse_plan(text, source)
+
+
+def _parse_plan(text: str, source: str) -> Plan:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
+                            f"({exc.msg}).") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
+    found = data["schema_version"]
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise PlanFileError(f"{source}: schema_version must be an integer, found {found!r}.")
+    if found > SCHEMA_VERSION:
+        raise PlanFileError(f"{source}: plan schema version {found} is newer than this canzona "
+                            f"reads (version {SCHEMA_VERSION}); upgrade canzona.")
+    if found < SCHEMA_VERSION:
+        raise PlanFileError(f"{source}: plan schema version {found} is older than this canzona "
+                            f"reads (version {SCHEMA_VERSION}); regenerate it with 'canzona plan'.")
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        raise PlanFileError(_one_line(f"{source}: malformed plan (schema version {SCHEMA_VERSION}): "
+                                      f"field '{loc}': {err['msg']}{more}.")) from None
+    _check_structure(plan, source)
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file and check its schema and structure (:func:`check_structure`).
+
+    ``canzona.load_plan`` (:func:`canzona.planner.validate.load_plan`) also checks the task costs
+    and loads against the optimizer's formulas; use that one for files from elsewhere.
+
+    Raises:
+        PlanFileError: unreadable, not JSON, another schema version, fields that do not validate,
+            or an inconsistent structure.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PlanFileError(f"cannot read plan '{path}': {reason}.") from None
+    return parse_plan(text, str(path))
+
+
+# --- structural consistency --------------------------------------------------------------------
+
+#: The fix named by every consistency error: plans are written by the planner, never by hand.
+REGENERATE = "regenerate it with 'canzona plan'"
+#: Strategies without a TP schedule even for tp > 1 (ZeRO-1 equal-cut baselines).
+BASELINE_STRATEGIES = ("asc", "zero1")
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def inconsistency(source: str, field: str, problem: str, fix: str = REGENERATE) -> PlanFileError:
+    """The one-line error for a plan that parses but contradicts itself."""
+    return PlanFileError(_one_line(f"{source}: inconsistent plan: field '{field}': {problem}; "
+                                   f"{fix}."))
+
+
+def check_structure(plan: Plan, source: str = "<plan>") -> None:
+    """Check what a plan's fields say about each other, without cost formulas.
+
+    Sizes against cuts (each bucket has dp_size + 1 cuts; dense buffers are sharded over dp,
+    expert buffers over edp = dp·tp / (ep·etp); rank layout and per-DP-index metrics match
+    inputs.dp and tp), buckets tiling their buffer with 64-aligned, non-overlapping slots, every
+    parameter in one slot, task ids 0 … n-1, every task's parameter in a slot and every slot with
+    a task, owners (matrix tasks) in [0, dp), hosts in [0, tp), and the TP section: present iff
+    tp > 1 (plans of the ZeRO-1 baselines ``asc`` / ``zero1`` may omit it), one entry per DP
+    index, tp × tp split sizes, hosts and task ids in range, every hosted task scheduled once and
+    in agreement with its task's owner, host and micro-group. The arithmetic relations (costs,
+    loads, totals) are :func:`canzona.planner.validate.check_plan`'s.
+
+    Raises:
+        PlanFileError: one line naming the file, the field and the fix.
+    """
+
+    with gc_paused():
+        _check_structure(plan, source)
+
+
+def _check_structure(plan: Plan, source: str) -> None:
+    def bad(field: str, problem: str, fix: str = REGENERATE) -> PlanFileError:
+        return inconsistency(source, field, problem, fix)
+
+    inp = plan.inputs
+    dp, tp, ep, etp = inp.dp, inp.tp, inp.ep, inp.etp
+    rl = plan.rank_layout
+    if rl.dp != dp:
+        raise bad("rank_layout.dp", f"is {rl.dp} but inputs.dp is {dp}; they must agree")
+    if rl.tp != tp:
+        raise bad("rank_layout.tp", f"is {rl.tp} but inputs.tp is {tp}; they must agree")
+    if etp != tp:
+        raise bad("inputs.etp", f"is {etp} but inputs.tp is {tp}; canzona plans expert tensor "
+                                f"parallelism only with etp = tp")
+
+    # Buffers and buckets: the sizes their cuts are made for.
+    has_expert = any(b.expert for b in plan.buffers)
+    if ep > 1 and not has_expert:
+        raise bad("inputs.ep", f"is {ep} but the plan has no expert buffers (ep > 1 needs a "
+                               f"mixture-of-experts model)")
+    edp = None
+    if has_expert:
+        if (dp * tp) % (ep * etp):
+            raise bad("inputs.ep", f"ep·etp = {ep}·{etp} does not divide dp·tp = {dp}·{tp}")
+        edp = dp * tp // (ep * etp)
+    slot_of: dict[str, tuple[int, int, int]] = {}
+    seen_keys: dict[tuple[str, int | None], int] = {}
+    for i, buf in enumerate(plan.buffers):
+        f = f"buffers[{i}]"
+        if buf.grad_dtype != inp.grad_dtype:
+            raise bad(f"{f}.grad_dtype", f"is {buf.grad_dtype!r} but inputs.grad_dtype is "
+                                         f"{inp.grad_dtype!r}")
+        if buf.expert:
+            if buf.ep_rank is None or not 0 <= buf.ep_rank < ep:
+                raise bad(f"{f}.ep_rank", f"is {buf.ep_rank} but an expert buffer belongs to an "
+                                          f"EP rank in 0 … {ep - 1} (inputs.ep = {ep})")
+            if buf.dp_size != edp:
+                raise bad(f"{f}.dp_size", f"is {buf.dp_size} but expert buffers are sharded over "
+                                          f"the expert-data-parallel group, edp = dp·tp/(ep·etp) "
+                                          f"= {dp}·{tp}/({ep}·{etp}) = {edp}")
+            key = f"expert ep{buf.ep_rank} {buf.dtype}/{buf.grad_dtype}"
+        else:
+            if buf.ep_rank is not None:
+                raise bad(f"{f}.ep_rank", f"is {buf.ep_rank} but a dense buffer has none (null)")
+            if buf.dp_size != dp:
+                raise bad(f"{f}.dp_size", f"is {buf.dp_size} but dense buffers are sharded over "
+                                          f"the DP group, inputs.dp = {dp}")
+            key = f"dense {buf.dtype}/{buf.grad_dtype}"
+        if buf.key != key:
+            raise bad(f"{f}.key", f"is {buf.key!r} but its dtype, expert flag and EP rank make "
+                                  f"it {key!r}")
+        if (buf.dtype, buf.ep_rank) in seen_keys:
+            raise bad(f"{f}.key", f"{key!r} is also buffers[{seen_keys[buf.dtype, buf.ep_rank]}] "
+                                  f"(one buffer per dtype and EP rank)")
+        seen_keys[buf.dtype, buf.ep_rank] = i
+        div = math.lcm(buf.dp_size, 128)
+        end = 0
+        for j, b in enumerate(buf.buckets):
+            bf = f"{f}.buckets[{j}]"
+            if b.index != j:
+                raise bad(f"{bf}.index", f"is {b.index} but it is bucket {j} of its buffer")
+            if b.start != end:
+                raise bad(f"{bf}.start", f"is {b.start} but the previous bucket ends at {end} "
+                                         f"(buckets tile their buffer)")
+            if len(b.cuts) != buf.dp_size + 1:
+                raise bad(f"{bf}.cuts", f"has {len(b.cuts)} entries but the buffer is sharded over "
+                                        f"dp_size = {buf.dp_size} ranks, which needs dp_size + 1 "
+                                        f"= {buf.dp_size + 1}")
+            if b.end % div:
+                raise bad(f"{bf}.end", f"is {b.end}, not padded to a multiple of lcm(dp_size, "
+                                       f"128) = {div}")
+            pos = b.start
+            for k, sl in enumerate(b.slots):
+                if sl.start < pos:
+                    raise bad(f"{bf}.slots[{k}].start", f"is {sl.start} but the previous slot (or the "
+                                             f"bucket) ends at {pos}: slots must not overlap")
+                if sl.start % PARAM_ALIGN:
+                    raise bad(f"{bf}.slots[{k}].start", f"is {sl.start}, not aligned to {PARAM_ALIGN} "
+                                             f"elements")
+                if sl.end <= sl.start:
+                    raise bad(f"{bf}.slots[{k}].end", f"is {sl.end}, not after its start {sl.start}")
+                if sl.name in slot_of:
+                    raise bad(f"{bf}.slots[{k}].name", f"parameter '{sl.name}' already has a slot "
+                                            f"({_slot_field(slot_of[sl.name])})")
+                slot_of[sl.name] = (i, j, k)
+                pos = sl.end
+            if pos > b.end:
+                raise bad(f"{bf}.end", f"is {b.end} but its slots reach {pos}")
+            if b.numel_unpadded != pos - b.start:
+                raise bad(f"{bf}.numel_unpadded", f"is {b.numel_unpadded} but its slots span "
+                                                  f"{pos - b.start} elements")
+            end = b.end
+
+    m = plan.metrics
+    for name in ("dp_load", "dp_flops", "dp_state_bytes", "dp_reduce_scatter_bytes"):
+        k = len(getattr(m, name))
+        if k != dp:
+            raise bad(f"metrics.{name}", f"has {k} entries but inputs.dp is {dp} (one per DP "
+                                         f"index)")
+
+    # Tasks: ids, shapes, owners, hosts; every task in a slot and every slot with a task.
+    tasks = plan.tasks
+    n = len(tasks)
+    if n == 0:
+        raise bad("tasks", "is empty but a plan has one task per parameter (or per split part)")
+    tasks_of: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        if t.id != i:
+            raise bad(f"tasks[{i}].id", f"is {t.id} but task ids run 0 … {n - 1} in order (this one is "
+                                  f"{i})")
+        if t.shape and min(t.shape) < 1:
+            raise bad(f"tasks[{i}].shape", f"is {list(t.shape)}; every dimension must be positive")
+        if t.param not in slot_of:
+            raise bad(f"tasks[{i}].param", f"'{t.param}' is in no bucket's slots")
+        if t.optimizer == "matrix":
+            if t.owner is None:
+                raise bad(f"tasks[{i}].owner", "is null but a matrix task needs the DP index that "
+                                         "computes it")
+            if not 0 <= t.owner < dp:
+                raise bad(f"tasks[{i}].owner", f"is {t.owner} but DP indices run 0 … {dp - 1} "
+                                         f"(inputs.dp = {dp})")
+        elif t.owner is not None or t.host is not None or t.micro_group is not None:
+            attr = next(a for a in ("owner", "host", "micro_group") if getattr(t, a) is not None)
+            raise bad(f"tasks[{i}].{attr}", f"is {getattr(t, attr)} but an AdamW task has none (null): "
+                                      f"its elements follow the cuts")
+        if t.host is not None and not 0 <= t.host < tp:
+            raise bad(f"tasks[{i}].host", f"is {t.host} but TP ranks run 0 … {tp - 1} (inputs.tp = "
+                                    f"{tp})")
+        if (t.host is None) != (t.micro_group is None):
+            raise bad(f"tasks[{i}].micro_group", f"is {t.micro_group} with host {t.host}: a hosted "
+                                           f"task has both, other tasks neither")
+        if t.micro_group is not None and t.micro_group < 0:
+            raise bad(f"tasks[{i}].micro_group", f"is {t.micro_group}; micro-groups count from 0")
+        tasks_of.setdefault(t.param, []).append(i)
+    for name, ids in tasks_of.items():
+        if len(ids) > 1:
+            parts = [tasks[i].part for i in ids]
+            for i in ids:
+                if tasks[i].part is None or parts.count(tasks[i].part) > 1:
+                    raise bad(f"tasks[{i}].part", f"is {tasks[i].part!r} but parameter '{name}' "
+                                                  f"has {len(ids)} tasks, which need distinct "
+                                                  f"parts")
+                if tasks[i].optimizer != tasks[ids[0]].optimizer:
+                    raise bad(f"tasks[{i}].optimizer", f"is {tasks[i].optimizer!r} but another "
+                                                       f"part of '{name}' is "
+                                                       f"{tasks[ids[0]].optimizer!r}")
+    for name, where in slot_of.items():
+        if name not in tasks_of:
+            raise bad(f"{_slot_field(where)}.name", f"parameter '{name}' has no task (every parameter slot "
+                                       f"needs one)")
+
+    # The TP section.
+    strategy = inp.solver.strategy
+    if plan.tp is None:
+        if tp > 1 and strategy not in BASELINE_STRATEGIES:
+            raise bad("tp", f"is missing but inputs.tp is {tp}: a '{strategy}' plan for tp > 1 "
+                            f"holds its TP micro-group schedule")
+        for i, t in enumerate(tasks):
+            if t.host is not None:
+                raise bad(f"tasks[{i}].host", f"is {t.host} but the plan has no TP section")
+        return
+    if tp == 1:
+        raise bad("tp", "is present but inputs.tp is 1 (a TP schedule exists only for tp > 1)")
+    _check_tp_structure(plan, bad)
+
+
+def _slot_field(where: tuple[int, int, int]) -> str:
+    i, j, k = where
+    return f"buffers[{i}].buckets[{j}].slots[{k}]"
+
+
+def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
+    inp, T, tasks = plan.inputs, plan.tp, plan.tasks
+    assert T is not None
+    dp, tp, n = inp.dp, inp.tp, len(tasks)
+    if T.comm_dtype != inp.comm_dtype:
+        raise bad("tp.comm_dtype", f"is {T.comm_dtype!r} but inputs.comm_dtype is "
+                                   f"{inp.comm_dtype!r}")
+    for li, L in enumerate(T.layouts):
+        lf = f"tp.layouts[{li}]"
+        if len(L.local_shape) != len(L.full_shape) or any(x < 1 for x in L.full_shape):
+            raise bad(f"{lf}.local_shape", f"is {list(L.local_shape)} for full shape "
+                                           f"{list(L.full_shape)}")
+        if L.dim is None:
+            continue
+        if not 0 <= L.dim < len(L.full_shape):
+            raise bad(f"{lf}.dim", f"is {L.dim} for a {len(L.full_shape)}-D matrix")
+        pos = 0
+        for si, (rank, local_start, full_start, length) in enumerate(L.segments):
+            if (not 0 <= rank < tp or local_start < 0 or full_start != pos or length < 1
+                    or local_start + length > L.local_shape[L.dim]):
+                raise bad(f"{lf}.segments[{si}]", f"is {[rank, local_start, full_start, length]}: "
+                                                  f"segments tile the full matrix in order, "
+                                                  f"from TP ranks 0 … {tp - 1} and inside the "
+                                                  f"local shard")
+            pos += length
+        if pos != L.full_shape[L.dim]:
+            raise bad(f"{lf}.segments", f"cover {pos} of the {L.full_shape[L.dim]} rows/columns "
+                                        f"of dim {L.dim}")
+        held: list[list[tuple[int, int]]] = [[] for _ in range(tp)]
+        for rank, local_start, _, length in L.segments:
+            held[rank].append((local_start, local_start + length))
+        for rank, spans in enumerate(held):
+            spans.sort()
+            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                raise bad(f"{lf}.segments", f"overlap in the local shard of TP rank {rank}")
+        if len({sum(b - a for a, b in spans) for spans in held}) > 1:
+            raise bad(f"{lf}.segments", "give the TP ranks shards of different sizes (every "
+                                        "rank holds an equal shard)")
+    if len(T.indices) != dp:
+        raise bad("tp.indices", f"has {len(T.indices)} entries but inputs.dp is {dp} (one TP "
+                                f"group per DP index)")
+    seen: dict[int, str] = {}
+    groups = 0
+    for d, ix in enumerate(T.indices):
+        xf = f"tp.indices[{d}]"
+        if ix.dp_index != d:
+            raise bad(f"{xf}.dp_index", f"is {ix.dp_index} but it is entry {d}")
+        if len(ix.local_load) != tp:
+            raise bad(f"{xf}.local_load", f"has {len(ix.local_load)} entries but inputs.tp is "
+                                          f"{tp} (one per TP rank)")
+        if len(set(ix.local_load)) > 1:
+            raise bad(f"{xf}.local_load", f"is {list(ix.local_load)} but every TP rank of a DP "
+                                          f"index carries the same AdamW shards and replicated "
+                                          f"matrices")
+        for gi, g in enumerate(ix.groups):
+            gf = f"{xf}.groups[{gi}]"
+            groups += 1
+            if g.index != gi:
+                raise bad(f"{gf}.index", f"is {g.index} but it is group {gi} of DP index {d}")
+            if len(g.rank_load) != tp:
+                raise bad(f"{gf}.rank_load", f"has {len(g.rank_load)} entries but inputs.tp is "
+                                             f"{tp} (one per TP rank)")
+            for name in ("gather_send", "gather_recv", "scatter_send", "scatter_recv"):
+                mat = getattr(g, name)
+                if len(mat) != tp or any(len(row) != tp for row in mat):
+                    raise bad(f"{gf}.{name}", f"must be tp × tp = {tp} × {tp} split sizes")
+            if g.timeline_s and len(g.timeline_s) != 6:
+                raise bad(f"{gf}.timeline_s", f"has {len(g.timeline_s)} entries; it holds gather, "
+                                              f"compute and scatter start/end (6) or none")
+            prev = (-1, -1)
+            for k, gt in enumerate(g.tasks):
+                kf = f"{gf}.tasks[{k}]"
+                if not 0 <= gt.host < tp:
+                    raise bad(f"{kf}.host", f"is {gt.host} but TP ranks run 0 … {tp - 1} "
+                                            f"(inputs.tp = {tp})")
+                if not 0 <= gt.id < n:
+                    raise bad(f"{kf}.id", f"is {gt.id} but the plan's tasks are 0 … {n - 1}")
+                if gt.layout >= len(T.layouts):
+                    raise bad(f"{kf}.layout", f"is {gt.layout} but tp.layouts has "
+                                              f"{len(T.layouts)} entries")
+                if (gt.host, gt.id) <= prev:
+                    raise bad(f"{kf}", "is out of wire order: a group's tasks are sorted by "
+                                       "host, then id")
+                prev = (gt.host, gt.id)
+                task = tasks[gt.id]
+                if task.optimizer != "matrix":
+                    raise bad(f"{kf}.id", f"is {gt.id}, an AdamW task; only matrix tasks are "
+                                          f"hosted")
+                if gt.id in seen:
+                    raise bad(f"{kf}.id", f"task {gt.id} is scheduled twice (also {seen[gt.id]})")
+                seen[gt.id] = kf
+                if task.owner != d:
+                    raise bad(f"tasks[{gt.id}].owner", f"is {task.owner} but the TP schedule has "
+                                                       f"task {gt.id} in DP index {d}'s group "
+                                                       f"({kf})")
+                if task.host != gt.host or task.micro_group != gi:
+                    raise bad(f"tasks[{gt.id}].host", f"host {task.host}, micro-group "
+                                                      f"{task.micro_group} disagree with {kf} "
+                                                      f"(host {gt.host}, group {gi})")
+    for i, t in enumerate(tasks):
+        if t.host is not None and i not in seen:
+            raise bad(f"tasks[{i}].host", f"is {t.host} but task {i} is in no micro-group of the "
+                                          f"TP section")
+    M = T.metrics
+    for name in ("gpu_load", "all_to_all_bytes"):
+        mat = getattr(M, name)
+        if len(mat) != dp or any(len(row) != tp for row in mat):
+            raise bad(f"tp.metrics.{name}", f"must be dp × tp = {dp} × {tp} (one entry per GPU)")
+    if M.micro_groups != groups:
+        raise bad("tp.metrics.micro_groups", f"is {M.micro_groups} but tp.indices hold {groups} "
+                                             f"groups")
