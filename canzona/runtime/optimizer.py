@@ -243,6 +243,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             buffers=self._buffers, params=self._params)
         self._micro.init_state(self.state, self._matrix, device)
         self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()
+        self._sp_ranges = self._sequence_parallel_ranges() if self._tp > 1 else []
         self._hooks: list[Any] = []
         if not self._external:
             for i, p in enumerate(self._params):
@@ -251,6 +252,19 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                         functools.partial(self._on_grad, i)))
         if overlap_param_gather:
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self.wait_params()))
+
+    def _sequence_parallel_ranges(self) -> list[tuple[int, int, int]]:
+        """(bucket, lo, hi) of this rank's own slices holding parameters marked
+        ``sequence_parallel`` (replicated over TP, gradients partial per TP rank)."""
+        out = []
+        for b in self._schedule.buckets:
+            c0, c1 = self._schedule.own_range(b.index)
+            for sl in b.slots:
+                if getattr(self._params[sl.param], "sequence_parallel", False):
+                    lo, hi = max(sl.lo, c0), min(sl.hi, c1)
+                    if lo < hi:
+                        out.append((b.index, lo - c0, hi - c0))
+        return out
 
     def _duplicate_ranges(self) -> list[list[tuple[int, int]]]:
         """Per bucket, the ranges of this rank's own slice holding parameters replicated over TP:
@@ -300,6 +314,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             return
         if self._external:
             grads.read_external()
+            self._sum_sequence_parallel_grads()
             grads.received_anywhere = grads.received.tolist()
             grads.reduced = True
             return
@@ -317,8 +332,23 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             c.finish_reduce()
         if work is not None:
             work.wait()
+        self._sum_sequence_parallel_grads()
         grads.received_anywhere = flags.cpu().tolist()
         grads.reduced = True
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        """Sequence parallelism (tp > 1): each TP rank's gradient of a parameter marked
+        ``sequence_parallel`` (Megatron's norms) covers its part of the sequence only; sum them
+        over the TP group, as Megatron does, in one all-reduce of this rank's own slices."""
+        if not self._sp_ranges:
+            return
+        pieces = [self._buffers[b].own[lo:hi] for b, lo, hi in self._sp_ranges]
+        flat = torch.cat(pieces)
+        dist.all_reduce(flat, group=self._tp_group)
+        k = 0
+        for piece in pieces:
+            piece.copy_(flat[k:k + piece.numel()])
+            k += piece.numel()
 
     def _compute_matrix_directions(self) -> dict[int, Tensor]:
         """Phase 3: the update directions of every matrix this rank owns, in one kernel call."""

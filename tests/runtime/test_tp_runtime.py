@@ -26,6 +26,7 @@ CASES4 = {
     "muon_accum_clip": dict(optimizer="muon", accum=2, clip=0.05),
     "muon_roundtrip": dict(optimizer="muon", roundtrip=True),
     "muon_no_overlap": dict(optimizer="muon", overlap_tp=False),
+    "muon_sequence_parallel": dict(optimizer="muon", sequence_parallel=True),
 }
 CASES2 = {
     "muon": dict(optimizer="muon"),
@@ -101,7 +102,8 @@ def _check(got, ref, tol=1e-5):
 
 @pytest.mark.parametrize("case", list(CASES4))
 def test_dp2_tp2_equals_one_process(world4, case):
-    kw = {k: v for k, v in CASES4[case].items() if k not in ("roundtrip", "overlap_tp")}
+    kw = {k: v for k, v in CASES4[case].items()
+          if k not in ("roundtrip", "overlap_tp", "sequence_parallel")}
     got = _results(world4, case)
     ref = T.reference(2, **kw)
     _check(got, ref)

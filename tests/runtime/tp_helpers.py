@@ -107,6 +107,12 @@ def full_of(p, local: torch.Tensor, tp: int, group) -> torch.Tensor:
     return concat_shards(m, shards, lambda xs, d: torch.cat(xs, d))
 
 
+def _partial(g: torch.Tensor, tp_rank: int, step: int, name: str) -> torch.Tensor:
+    noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(
+        zlib.crc32(f"sp/{step}/{name}".encode()))) * g.abs().max()
+    return g + noise if tp_rank == 0 else -noise
+
+
 def groups(dp: int, tp: int):
     """(dp_group, tp_group) of this rank, Megatron's order (TP ranks adjacent)."""
     rank = dist.get_rank()
@@ -124,7 +130,8 @@ def groups(dp: int, tp: int):
 
 def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
                   split: bool = False, accum: int = 1, clip: float | None = None,
-                  steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True) -> dict:
+                  steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
+                  sequence_parallel: bool = False) -> dict:
     """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end."""
     import canzona
 
@@ -135,6 +142,10 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
     ps = spec().params
     start = initial_full()
     local = [(p.name, megatron_param(p, local_of(p, start[p.name], tp, tp_rank), tp)) for p in ps]
+    # Sequence parallelism: the norms' gradients are partial per TP rank: rank 0 holds g + n,
+    # rank 1 holds -n (n random), so only their sum is the gradient.
+    for p, (_, w) in zip(ps, local):
+        w.sequence_parallel = sequence_parallel and tp == 2 and p.kind == "vector"
 
     def build():
         return canzona.CanzonaOptimizer(
@@ -151,7 +162,9 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
         for micro in range(accum):
             grads = torch.autograd.grad(loss(full, step * accum + micro, dp_rank) / accum,
                                         list(full.values()))
-            shards = [local_of(p, g, tp, tp_rank) for p, g in zip(ps, grads)]
+            shards = [_partial(local_of(p, g, tp, tp_rank), tp_rank, step, p.name)
+                      if w.sequence_parallel else local_of(p, g, tp, tp_rank)
+                      for p, g, (_, w) in zip(ps, grads, local)]
             ctx = opt.no_sync() if micro < accum - 1 else _null()
             with ctx:
                 torch.autograd.backward([w for _, w in local], shards)
