@@ -127,6 +127,16 @@ def run_world(world: int, cases: list[tuple[str, Callable]], out: str) -> list[d
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def results(ranks: list[dict], case: str) -> list:
+    """Per rank, what ``case`` returned (failing with the rank's traceback if it raised)."""
+    out = []
+    for r, res in enumerate(ranks):
+        status, *rest = res[case]
+        assert status == "ok", f"rank {r}, case {case}: {rest[0]}\n{rest[1]}"
+        out.append(rest[0])
+    return out
+
+
 def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in a)

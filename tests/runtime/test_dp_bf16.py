@@ -83,13 +83,7 @@ def world2(tmp_path_factory):
     return H.run_world(2, list(CASES.items()), str(tmp_path_factory.mktemp("bf16")))
 
 
-def result(ranks: list[dict], case: str) -> list:
-    out = []
-    for r, res in enumerate(ranks):
-        status, *rest = res[case]
-        assert status == "ok", f"rank {r}, case {case}: {rest[0]}\n{rest[1]}"
-        out.append(rest[0])
-    return out
+result = H.results
 
 
 @functools.cache

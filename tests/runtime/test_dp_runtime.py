@@ -131,13 +131,7 @@ def reference(world: int, case: str) -> dict:
     return H.train_reference(world, **REFERENCE[case])
 
 
-def result(ranks: list[dict], case: str) -> list:
-    out = []
-    for r, res in enumerate(ranks):
-        status, *rest = res[case]
-        assert status == "ok", f"rank {r}, case {case}: {rest[0]}\n{rest[1]}"
-        out.append(rest[0])
-    return out
+result = H.results
 
 
 # --- exactness --------------------------------------------------------------------------------

@@ -79,13 +79,7 @@ def world2(tmp_path_factory):
     return H.run_world(2, cases + [("refusals", _refusals)], str(tmp_path_factory.mktemp("tp2")))
 
 
-def _results(ranks, case):
-    out = []
-    for r in ranks:
-        status, *rest = r[case]
-        assert status == "ok", rest[-1]
-        out.append(rest[0])
-    return out
+_results = H.results
 
 
 def _check(got, ref, tol=1e-5):
