@@ -44,7 +44,11 @@ def plan_model(
 
     Args:
         model: an ``nn.Module`` or its ``named_parameters()``.
-        dp: data-parallel size. tp: tensor-parallel size (only 1 for live modules yet).
+        dp: data-parallel size. tp: tensor-parallel size: > 1 for a model whose TP-split
+            parameters are DTensors placed ``Shard(0)`` (column) or ``Shard(1)`` (row) on the
+            mesh dim ``tp`` (``parallelize_module`` with ``ColwiseParallel`` /
+            ``RowwiseParallel``); fused layouts (qkv, gate_up, vocab) need a model config
+            (``canzona.planner.pipeline.plan``).
         optimizer: a name in the optimizer registry, ``canzona.planner.optimizers`` (built in:
             ``muon``, ``shampoo``, ``soap``); another raises ``CanzonaError`` listing them.
         bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).

@@ -134,13 +134,31 @@ def _check_positive(sizes: ParallelSizes) -> None:
 
 
 def _validate_configless(spec: ModelSpec, sizes: ParallelSizes) -> None:
-    """Sizes for an inventory without a model config (a live module): DP only."""
+    """Sizes for an inventory without a model config (a live module, DTensor TP included): ep = 1;
+    tp > 1 only with plain column/row splits (fused layouts need the config), each split dim
+    divisible by tp."""
     _check_positive(sizes)
-    if sizes.tp != 1 or sizes.ep != 1 or (sizes.etp or 1) != 1:
+    if sizes.ep != 1 or (sizes.etp or 1) not in (1, sizes.tp):
         raise SizeError(f"{spec.name} has no model config (read from a live module), so only "
-                        f"tp=1 and ep=1 can be planned; got tp={sizes.tp}, ep={sizes.ep}.")
+                        f"ep=1 (and no separate expert tp) can be planned; got ep={sizes.ep}, "
+                        f"etp={sizes.etp}.")
     if any(p.is_expert for p in spec.params):
         raise SizeError(f"{spec.name}: expert parameters need a model config (number of experts).")
+    if sizes.tp == 1:
+        return
+    problems = []
+    for p in spec.params:
+        if p.tp_layout in ("qkv", "gate_up", "vocab"):
+            problems.append(f"'{p.name}' has the fused layout '{p.tp_layout}', which needs a "
+                            "model config")
+        elif p.tp_layout in ("column", "row"):
+            dim = 0 if p.tp_layout == "column" else 1
+            if len(p.shape) <= dim or p.shape[dim] % sizes.tp:
+                problems.append(f"'{p.name}' ({p.tp_layout}-parallel, shape {list(p.shape)}) "
+                                f"does not split evenly over tp={sizes.tp}")
+    if problems:
+        raise SizeError(f"{spec.name} (no model config) cannot be planned at tp={sizes.tp}: "
+                        + "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "") + ".")
 
 
 def local_shape(p: ParamSpec, sizes: ParallelSizes) -> tuple[int, ...]:

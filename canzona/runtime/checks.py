@@ -109,6 +109,17 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | N
     return None
 
 
+def mesh_groups(mesh: Any, dp_group: Any, tp_group: Any) -> tuple[Any, Any]:
+    """(dp_group, tp_group) of a 2-D ``DeviceMesh`` with dims named ``dp`` and ``tp``."""
+    if dp_group is not None or tp_group is not None:
+        raise ValueError("pass either device_mesh= or dp_group=/tp_group=, not both")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if getattr(mesh, "ndim", None) != 2 or set(names) != {"dp", "tp"}:
+        raise ValueError(f"device_mesh must be a 2-D DeviceMesh with dims named 'dp' and 'tp', got "
+                         f"{getattr(mesh, 'ndim', '?')}-D with names {names}")
+    return mesh.get_group("dp"), mesh.get_group("tp")
+
+
 def check_group_size(plan: Plan, dp: int) -> None:
     if dp != plan.inputs.dp:
         raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} but the data-parallel "

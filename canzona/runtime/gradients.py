@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.buffers import BucketBuffers
+from canzona.runtime.introspect import local_grad
 from canzona.runtime.schedule import Schedule
 
 
@@ -69,7 +70,7 @@ class GradientCollector:
             raise RuntimeError(
                 f"the gradient of '{self._names[i]}' arrived after its bucket was reduced; run "
                 "all but the last backward of an accumulation under opt.no_sync().")
-        g = p.grad
+        g = local_grad(p)
         if g is not None:
             lo, hi = self._schedule.param_range[i]
             self._buffers[bi].grads[lo:hi].add_(g.reshape(-1))
@@ -118,10 +119,11 @@ class GradientCollector:
             for sl in b.slots:
                 p = self._params[sl.param]
                 a, z = max(sl.lo, c0), min(sl.hi, c1)
-                if p.grad is not None:
+                g = local_grad(p)
+                if g is not None:
                     self.received[sl.param] = 1
                     if a < z:
-                        own[a - c0:z - c0].copy_(p.grad.reshape(-1)[a - sl.lo:z - sl.lo])
+                        own[a - c0:z - c0].copy_(g.reshape(-1)[a - sl.lo:z - sl.lo])
 
 
 def held_back_message(schedule: Schedule, buffers: Sequence[BucketBuffers], bucket: int,

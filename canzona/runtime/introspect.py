@@ -16,7 +16,9 @@ them) and, when a module is given, from the module types:
 Each rule is a list of name globs the caller can replace, and ``matrix_globs``/``adamw_globs``
 override the final route exactly as for presets (``canzona.planner.inventory.route``). The TP layout
 is read from Megatron's ``tensor_model_parallel``/``partition_dim`` attributes when present (so a
-live Megatron model fingerprints like the preset inventory of the same model) and is
+live Megatron model fingerprints like the preset inventory of the same model), from a DTensor's
+placement on its ``tp`` mesh dim (``Shard(0)`` → ``column``, ``Shard(1)`` → ``row``,
+``Replicate`` → ``replicated``; the recorded shape is the DTensor's global one), and is
 ``replicated`` otherwise.
 """
 
@@ -37,6 +39,9 @@ __all__ = [
     "DEFAULT_ROUTER_GLOBS",
     "dtype_name",
     "inventory",
+    "is_tp_split",
+    "local_grad",
+    "local_tensor",
     "named_params",
 ]
 
@@ -86,7 +91,75 @@ def _embedding_names(model: nn.Module) -> set[str]:
     return out
 
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    return _DTensor is not None and isinstance(p, _DTensor)
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds: a DTensor's local shard (the very object the DTensor wraps, so
+    that setting its ``.data`` re-points the DTensor), any other tensor itself."""
+    return p._local_tensor if _is_dtensor(p) else p  # type: ignore[attr-defined]
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` as this rank holds it: for a DTensor parameter the local shard of its gradient,
+    redistributed first to the parameter's placements if autograd left it otherwise (a
+    ``Partial`` gradient is summed over its mesh dim)."""
+    g = p.grad
+    if g is None or not _is_dtensor(g):
+        return g
+    if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+        g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    return g._local_tensor  # type: ignore[attr-defined]
+
+
+def _dtensor_layout(name: str, p: torch.Tensor) -> TPLayout:
+    """``column``/``row``/``replicated`` from the placement on the ``tp`` mesh dim (the only dim of
+    a 1-D mesh); every other mesh dim must be ``Replicate`` (data parallelism is canzona's)."""
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    names = mesh.mesh_dim_names or ()
+    if all(pl.is_replicate() for pl in placements):
+        return "replicated"
+    if "tp" in names:
+        tp_dim = names.index("tp")
+    elif mesh.ndim == 1 and not names:
+        tp_dim = 0
+    else:
+        raise ModelError(f"parameter '{name}' is a DTensor sharded on a mesh without a dim named "
+                         f"'tp' (dims {names or mesh.ndim}); name the mesh dims ('dp', 'tp').")
+    for k, pl in enumerate(placements):
+        if k != tp_dim and not pl.is_replicate():
+            raise ModelError(f"parameter '{name}' is a DTensor placed {pl!r} on mesh dim "
+                             f"{names[k] if k < len(names) else k}; canzona needs Replicate there "
+                             "(it shards optimizer state over DP itself).")
+    pl = placements[tp_dim]
+    if pl.is_replicate():
+        return "replicated"
+    if pl.is_shard() and len(p.shape) == 2 and pl.dim in (0, 1):  # type: ignore[attr-defined]
+        return "column" if pl.dim == 0 else "row"  # type: ignore[attr-defined]
+    if pl.is_shard(0) and len(p.shape) == 1:
+        return "column"  # a column-parallel bias
+    raise ModelError(f"parameter '{name}' (shape {list(p.shape)}) is a DTensor placed {pl!r} on "
+                     "the tp mesh dim; canzona reads Shard(0) (column), Shard(1) (row) of a matrix, "
+                     "Shard(0) of a vector, or Replicate.")
+
+
+def is_tp_split(p: torch.Tensor) -> bool:
+    """The live tensor is a TP shard (Megatron's ``tensor_model_parallel``, a sharded DTensor)."""
+    if _is_dtensor(p):
+        return _dtensor_layout("?", p) != "replicated"
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
 def _tp_layout(name: str, p: torch.Tensor) -> TPLayout:
+    if _is_dtensor(p):
+        return _dtensor_layout(name, p)
     if not getattr(p, "tensor_model_parallel", False):
         return "replicated"
     for key, layout in _MEGATRON_FUSED:
@@ -111,7 +184,8 @@ def inventory(
     output_globs: Sequence[str] = DEFAULT_OUTPUT_GLOBS,
     router_globs: Sequence[str] = DEFAULT_ROUTER_GLOBS,
 ) -> ModelSpec:
-    """Read a model's parameters into a planner ``ModelSpec`` (no model config; tp = 1 only).
+    """Read a model's parameters into a planner ``ModelSpec`` (no model config; tp > 1 for
+    DTensor or Megatron column/row shards, whose global shapes are recorded).
 
     Args:
         model: an ``nn.Module`` or its ``named_parameters()``.

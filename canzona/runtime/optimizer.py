@@ -55,7 +55,7 @@ from canzona.runtime.collectives import make_collective
 from canzona.runtime.errors import PlanMismatchError, UnusedParameterWarning
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.gradients import GradientCollector, clip_owned, held_back_message
-from canzona.runtime.introspect import named_params
+from canzona.runtime.introspect import is_tp_split, local_tensor, named_params
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.schedule import build_schedule
 from canzona.runtime.tp import MicroGroupRunner, build_tp_groups
@@ -112,7 +112,13 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         tp_group: for plans with tp > 1, the TP group of this rank's DP index (its size the
             plan's tp; TP rank t of the group holds shard t of every split matrix, Megatron's
             layout), and ``dp_group`` the DP group of this TP rank (required unless dp = 1).
-            None (default) for tp = 1 plans.
+            None (default) for tp = 1 plans. DTensor models (``parallelize_module`` with
+            ``ColwiseParallel``/``RowwiseParallel``, planned by ``canzona.plan_model(model, dp=,
+            tp=)``) work the same way: canzona works on each DTensor's local shard (its buffers
+            hold that shard; the DTensor keeps pointing at them), parameters that are not
+            DTensors are replicated over TP and updated identically on every TP rank.
+        device_mesh: instead of ``dp_group``/``tp_group``: a 2-D ``DeviceMesh`` with dims named
+            ``"dp"`` and ``"tp"`` (``init_device_mesh(..., mesh_dim_names=("dp", "tp"))``).
         grad_sync: ``"reduce_scatter"`` (canzona reduces the gradients) or ``"external"``
             (gradients are already averaged, e.g. by DDP; the owned parts are read from ``.grad``).
         optimizer, ns_steps: optional; when given they must agree with the plan.
@@ -154,6 +160,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         adamw_weight_decay: float = 1e-2,
         dp_group: Any = None,
         tp_group: Any = None,
+        device_mesh: Any = None,
         grad_sync: str = "reduce_scatter",
         optimizer: str | None = None,
         ns_steps: int | None = None,
@@ -163,12 +170,18 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         overlap_tp: bool = True,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
+        if device_mesh is not None:
+            dp_group, tp_group = checks.mesh_groups(device_mesh, dp_group, tp_group)
         checks.check_main_params(main_params)
         checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group,
                                 main_params=main_params)
         pairs = named_params(model)
         self._names = [n for n, _ in pairs]
-        self._params: list[Tensor] = [p for _, p in pairs]
+        #: The model's parameters (hooks, ``.grad``, TP attributes) and the tensors canzona works
+        #: on: the same, except a DTensor's local shard for each DTensor parameter.
+        self._live: list[Tensor] = [p for _, p in pairs]
+        self._params: list[Tensor] = [local_tensor(p) for p in self._live]
+        local_pairs = list(zip(self._names, self._params))
         # None stands for the default group and is resolved by every collective: holding the
         # default ProcessGroup object would keep it (and its backend's worker threads) alive
         # after dist.destroy_process_group(), into interpreter shutdown (issue 9).
@@ -193,8 +206,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
         # -- every rank agrees before it acts (plan hash + fingerprint, one collective) --------
         device = self._params[0].device if self._params else torch.device("cpu")
-        problem = (checks.fingerprint_problem(plan, pairs) if self._tp == 1
-                   else checks.local_layout_problem(plan, pairs))
+        global_check = functools.partial(checks.fingerprint_problem, plan, pairs)
+        local_check = functools.partial(checks.local_layout_problem, plan, local_pairs)
+        problem = global_check() if self._tp == 1 else local_check()
+        if problem is None and any(p is not q for p, q in zip(self._live, self._params)):
+            # DTensors: global shapes and layouts (fingerprint) and local shards, both checked
+            problem = local_check() if self._tp == 1 else global_check()
         if self._tp == 1:
             checks.agree(plan, problem, dp=self._dp, group=self._group, device=device)
         else:
@@ -231,7 +248,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._collectives = [make_collective(b, self._rank, self._dp, buf,
                                              reduce=not self._external)
                              for b, buf in zip(self._schedule.buckets, self._buffers)]
-        self._grads = GradientCollector(self._schedule, self._params, self._names, self._buffers)
+        self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
         update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
                                 self._adamw, device)
         self._micro = MicroGroupRunner(
@@ -246,7 +263,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._sp_ranges = self._sequence_parallel_ranges() if self._tp > 1 else []
         self._hooks: list[Any] = []
         if not self._external:
-            for i, p in enumerate(self._params):
+            for i, p in enumerate(self._live):
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         functools.partial(self._on_grad, i)))
@@ -260,7 +277,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         for b in self._schedule.buckets:
             c0, c1 = self._schedule.own_range(b.index)
             for sl in b.slots:
-                if getattr(self._params[sl.param], "sequence_parallel", False):
+                if getattr(self._live[sl.param], "sequence_parallel", False):
                     lo, hi = max(sl.lo, c0), min(sl.hi, c1)
                     if lo < hi:
                         out.append((b.index, lo - c0, hi - c0))
@@ -268,7 +285,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def _duplicate_ranges(self) -> list[list[tuple[int, int]]]:
         """Per bucket, the ranges of this rank's own slice holding parameters replicated over TP:
-        neither a TP-split matrix of the plan nor marked ``tensor_model_parallel`` (Megatron)."""
+        neither a TP-split matrix of the plan nor a TP shard (Megatron's ``tensor_model_parallel``,
+        a sharded DTensor)."""
         split = {t.param for t in self._micro.tasks}
         split |= {x.param for order in self._schedule.work for xs in order.split for x in xs}
         out = []
@@ -276,8 +294,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             c0, c1 = self._schedule.own_range(b.index)
             ranges = []
             for sl in b.slots:
-                p = self._params[sl.param]
-                if sl.param in split or getattr(p, "tensor_model_parallel", False):
+                if sl.param in split or is_tp_split(self._live[sl.param]):
                     continue
                 lo, hi = max(sl.lo, c0), min(sl.hi, c1)
                 if lo < hi:
@@ -438,7 +455,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` and any gradient collected since the last step."""
-        for p in self._params:
+        for p in self._live:
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None

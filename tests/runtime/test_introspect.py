@@ -68,11 +68,18 @@ def test_megatron_module_fingerprints_like_the_preset_inventory():
     assert [p.optimizer for p in live.params] == [p.optimizer for p in preset.params]
 
 
-def test_configless_spec_plans_dp_only():
+def test_configless_spec_sizes():
     spec = inventory(H.TinyGPT())
     make_problem(spec, ParallelSizes(dp=4, tp=1))
-    with pytest.raises(SizeError, match="only tp=1 and ep=1"):
-        make_problem(spec, ParallelSizes(dp=2, tp=2))
+    with pytest.raises(SizeError, match="only ep=1"):
+        make_problem(spec, ParallelSizes(dp=2, tp=1, ep=2))
+    # tp > 1 needs plain column/row splits that divide evenly (fused layouts need a config)
+    pairs = [(n, p) for n, p in H.TinyGPT().named_parameters()]
+    name, w = next((n, p) for n, p in pairs if p.dim() == 2 and "emb" not in n and "wte" not in n)
+    w.tensor_model_parallel, w.partition_dim = True, 0
+    make_problem(inventory(pairs), ParallelSizes(dp=1, tp=2))
+    with pytest.raises(SizeError, match="does not split evenly"):
+        make_problem(inventory(pairs), ParallelSizes(dp=1, tp=w.shape[0] + 1))
 
 
 def test_plan_model_whole_matrices_and_options():

@@ -44,7 +44,7 @@ class TPContext:
                                f"{', '.join(DTYPE_BYTES)}.")
         spec, sizes = problem.spec, problem.sizes
         ctx = cls(problem, comm_dtype, [], [], [], [], [])
-        kv = spec.config.kv_heads
+        kv = spec.config.kv_heads if spec.config is not None else None  # qkv layouts only
         for t in problem.tasks:
             p = spec[t.param]
             tp = sizes.expert_tp if p.is_expert else sizes.tp
