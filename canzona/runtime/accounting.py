@@ -39,13 +39,15 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, main_params: str | None =
     cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
 
     Raises:
-        ValueError: ``main_params`` or ``dp_rank`` is not allowed, or the plan has tp > 1.
+        ValueError: ``main_params`` or ``dp_rank`` is not allowed, or the plan has tp > 1 (not
+            predicted per TP rank yet).
     """
     check_main_params(main_params)
     if plan.inputs.tp != 1:
-        raise ValueError(f"predicted_state_bytes predicts the runtime's state, and the runtime "
-                         f"executes tp = 1 plans; this plan is for tp={plan.inputs.tp} (its "
-                         f"planned state per DP index is plan.metrics.dp_state_bytes).")
+        raise ValueError(f"predicted_state_bytes predicts one rank's state for tp = 1 plans; "
+                         f"this plan is for tp={plan.inputs.tp}, where the state of a matrix "
+                         f"lives on its TP host (not predicted per TP rank yet; the planned "
+                         f"state per DP index is plan.metrics.dp_state_bytes).")
     if (isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral)
             or not 0 <= dp_rank < plan.inputs.dp):
         raise ValueError(f"dp_rank = {dp_rank!r} is not allowed; choose 0 … {plan.inputs.dp - 1}")

@@ -44,8 +44,7 @@ def check_main_params(main_params: Any) -> None:
                          "parts of bf16/fp16 parameters)")
 
 
-def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any,
-                     main_params: str | None = None) -> None:
+def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
     """The plan is a Plan this runtime executes (ep = 1; tp > 1 with its TP schedule and a TP
     group of that size); ``grad_sync`` is known."""
     if not isinstance(plan, Plan):
@@ -70,8 +69,6 @@ def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any,
     if plan.tp is None:
         raise PlanMismatchError(f"the plan is for tp={tp} but has no TP schedule (a DP-only "
                                 "plan); make it with 'canzona plan' or canzona.plan_model.")
-    if main_params is not None:
-        raise PlanMismatchError("main_params='fp32' is not supported with tp > 1 yet.")
 
 
 def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:

@@ -1,4 +1,5 @@
-"""``CanzonaOptimizer``: executes a DP plan (tp = 1) inside ``optimizer.step()``.
+"""``CanzonaOptimizer``: executes a plan (ZeRO-1 DP, and TP micro-groups for tp > 1) inside
+``optimizer.step()``.
 
 ZeRO-1 with whole-matrix ownership (Canzona, arXiv 2602.06079, §3): the planner moved every
 bucket's cut points to parameter boundaries, so DP rank r's slice [cuts[r], cuts[r+1]) of a
@@ -173,8 +174,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if device_mesh is not None:
             dp_group, tp_group = checks.mesh_groups(device_mesh, dp_group, tp_group)
         checks.check_main_params(main_params)
-        checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group,
-                                main_params=main_params)
+        checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
         pairs = named_params(model)
         self._names = [n for n, _ in pairs]
         #: The model's parameters (hooks, ``.grad``, TP attributes) and the tensors canzona works

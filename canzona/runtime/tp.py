@@ -301,7 +301,11 @@ class MicroGroupRunner:
             offsets.append(offsets[-1] + n)
         ptr = list(offsets[:-1])  # per host, the next element of its chunk
         for t in g.tasks:
-            p = self._params[t.param]
+            buf = self._buffers[t.bucket]
+            # With fp32 main copies (main_params="fp32") the update goes to the main copy of the
+            # shard, then into the parameter buffer (what the DP all-gather sends).
+            p = (self._params[t.param] if buf.main is None
+                 else buf.main[t.lo:t.hi].view(t.local_shape))
             chunks = []
             for _, ls, _, n in t.of(self.tp_rank):
                 shape = (n, t.full_shape[1]) if t.dim == 0 else (t.full_shape[0], n)
@@ -315,6 +319,8 @@ class MicroGroupRunner:
             for ls, n, u in chunks:
                 matrix.apply(_piece(p, t.dim, ls, n), u.to(torch.float32),
                              full_shape=t.full_shape)
+            if buf.main is not None:
+                buf.own_params[t.lo:t.hi].copy_(buf.main[t.lo:t.hi])
 
 
 def _task_state(t: TPTask, params: list[Tensor], state: MutableMapping[Tensor, Any]) -> Any:

@@ -156,5 +156,5 @@ def test_predicted_state_bytes_bad_input():
         with pytest.raises(ValueError, match=r"dp_rank = .* is not allowed; choose 0 … 1"):
             predicted_state_bytes(plan, bad)
     tp_plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"tp": 2})})
-    with pytest.raises(ValueError, match=r"executes tp = 1 plans; this plan is for tp=2"):
+    with pytest.raises(ValueError, match=r"for tp = 1 plans; this plan is for tp=2, where the state of a matrix lives on its TP host"):
         predicted_state_bytes(tp_plan, 0)

@@ -27,6 +27,7 @@ CASES4 = {
     "muon_roundtrip": dict(optimizer="muon", roundtrip=True),
     "muon_no_overlap": dict(optimizer="muon", overlap_tp=False),
     "muon_sequence_parallel": dict(optimizer="muon", sequence_parallel=True),
+    "muon_bf16_main_fp32": dict(optimizer="muon", bf16=True),
 }
 CASES2 = {
     "muon": dict(optimizer="muon"),

@@ -36,12 +36,12 @@ def spec():
 
 
 def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
-             cmax_mib: float = 0.05):
+             cmax_mib: float = 0.05, dtype: str = "fp32"):
     """The plan: fp32 gather/scatter (exactness), a C_max small enough for several groups."""
     extra = {"shampoo": {"shampoo_precondition_frequency": 3},
              "soap": {"soap_precondition_frequency": 3}}.get(optimizer, {})
     settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
-    return make_plan(CFG, ParallelSizes(dp=dp, tp=tp), settings,
+    return make_plan(CFG.model_copy(update={"dtype": dtype}), ParallelSizes(dp=dp, tp=tp), settings,
                      dp_options=DPOptions(bucket_size=20_000),
                      tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype="fp32"))
 
@@ -131,17 +131,20 @@ def groups(dp: int, tp: int):
 def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
                   split: bool = False, accum: int = 1, clip: float | None = None,
                   steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
-                  sequence_parallel: bool = False) -> dict:
-    """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end."""
+                  sequence_parallel: bool = False, bf16: bool = False) -> dict:
+    """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end.
+    ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``)."""
     import canzona
 
     assert world == dp * tp
     dp_group, tp_group = groups(dp, tp)
     dp_rank, tp_rank = rank // tp, rank % tp
-    plan = plan_for(dp, tp, optimizer, split=split)
+    plan = plan_for(dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32")
+    low = torch.bfloat16 if bf16 else torch.float32
     ps = spec().params
     start = initial_full()
-    local = [(p.name, megatron_param(p, local_of(p, start[p.name], tp, tp_rank), tp)) for p in ps]
+    local = [(p.name, megatron_param(p, local_of(p, start[p.name], tp, tp_rank).to(low), tp))
+             for p in ps]
     # Sequence parallelism: the norms' gradients are partial per TP rank: rank 0 holds g + n,
     # rank 1 holds -n (n random), so only their sum is the gradient.
     for p, (_, w) in zip(ps, local):
@@ -152,18 +155,18 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
             local, plan, lr=LR[optimizer], ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
             adamw_weight_decay=0.01, dp_group=dp_group if dp > 1 else None, tp_group=tp_group,
             matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None,
-            overlap_tp=overlap_tp)
+            overlap_tp=overlap_tp, main_params="fp32" if bf16 else None)
 
     opt = build()
     norms = []
     for step in range(steps):
-        full = {p.name: full_of(p, w, tp, tp_group).requires_grad_(True)
+        full = {p.name: full_of(p, w, tp, tp_group).float().requires_grad_(True)
                 for p, (_, w) in zip(ps, local)}
         for micro in range(accum):
             grads = torch.autograd.grad(loss(full, step * accum + micro, dp_rank) / accum,
                                         list(full.values()))
-            shards = [_partial(local_of(p, g, tp, tp_rank), tp_rank, step, p.name)
-                      if w.sequence_parallel else local_of(p, g, tp, tp_rank)
+            shards = [(_partial(local_of(p, g, tp, tp_rank), tp_rank, step, p.name)
+                       if w.sequence_parallel else local_of(p, g, tp, tp_rank)).to(low)
                       for p, g, (_, w) in zip(ps, grads, local)]
             ctx = opt.no_sync() if micro < accum - 1 else _null()
             with ctx:
@@ -177,7 +180,7 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
             opt.close()
             opt = build()
             opt.load_state_dict(sd)
-    out = {p.name: full_of(p, w, tp, tp_group) for p, (_, w) in zip(ps, local)}
+    out = {p.name: full_of(p, w, tp, tp_group).float() for p, (_, w) in zip(ps, local)}
     opt.close()
     return {"params": out, "norms": norms, "dp_rank": dp_rank, "tp_rank": tp_rank,
             "scratch": opt.tp_scratch_bytes(), "plan": plan}
@@ -192,7 +195,7 @@ class _null:
 
 
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
-              clip: float | None = None, steps: int = STEPS) -> dict:
+              clip: float | None = None, steps: int = STEPS, bf16: bool = False) -> dict:
     """One process, the logical matrices: the kernel per matrix task (per part when split),
     torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
     micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
@@ -201,17 +204,21 @@ def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps)
+        return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps,
+                          bf16=bf16)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float | None,
-               steps: int) -> dict:
+               steps: int, bf16: bool = False) -> dict:
+    """``bf16``: the fp32 master (the main copies) starts as the bf16 parameters; every step's
+    gradient is taken at the bf16 parameters and rounded to bf16 as the ranks hand it over."""
     import dp_helpers as H
 
     ps = spec().params
-    full = {n: t.clone().requires_grad_(True) for n, t in initial_full().items()}
+    low = torch.bfloat16 if bf16 else torch.float32
+    full = {n: t.to(low).float().requires_grad_(True) for n, t in initial_full().items()}
     kernel = H._matrix_kernel(optimizer, LR[optimizer])
     tasks = []  # (parameter, first row, rows)
     for p in ps:
@@ -234,8 +241,11 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
         for d in range(dp):
             mine = None
             for micro in range(accum):
-                g = torch.autograd.grad(loss(full, step * accum + micro, d) / accum,
-                                        list(full.values()))
+                at = full if not bf16 else {n: t.detach().to(low).float().requires_grad_(True)
+                                            for n, t in full.items()}
+                g = torch.autograd.grad(loss(at, step * accum + micro, d) / accum,
+                                        list(at.values()))
+                g = [x.to(low).float() for x in g]
                 mine = list(g) if mine is None else [a + b for a, b in zip(mine, g)]
             total = mine if total is None else [a + b for a, b in zip(total, mine)]
         grads = {n: g / dp for n, g in zip(names, total)}
@@ -249,4 +259,4 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
                 kernel.step([w], [full[n].grad[r0:r0 + rows]], [st], lr=LR[optimizer])
         adamw.step()
         adamw.zero_grad()
-    return {"params": {n: t.detach().clone() for n, t in full.items()}, "norms": norms}
+    return {"params": {n: t.detach().to(low).float() for n, t in full.items()}, "norms": norms}
