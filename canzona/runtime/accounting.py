@@ -19,7 +19,8 @@ __all__ = ["predicted_state_bytes"]
 STATE_BYTES = 4
 
 
-def predicted_state_bytes(plan: Plan, dp_rank: int, *, main_params: str | None = None) -> int:
+def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
+                          main_params: str | None = None) -> int:
     """Optimizer bytes DP rank ``dp_rank`` holds under ``plan``: exactly what ``state_bytes()``
     measures when the matrix kernel keeps the state layout the plan records (always for Muon and
     SOAP; for Shampoo unless ``momentum > 0`` or ``betas[0] = 0``, which add or drop an m×n
@@ -38,22 +39,24 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, main_params: str | None =
     planner shares the step counter of a cut AdamW tensor among its pieces by element count: per
     cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
 
+    Under TP (``tp_rank`` of DP index ``dp_rank``): a TP-split matrix task's (full-matrix) state
+    counts on its host only, a replicated matrix task's on every TP rank, and the AdamW
+    fragments are those of the rank's own local slices.
+
     Raises:
-        ValueError: ``main_params`` or ``dp_rank`` is not allowed, or the plan has tp > 1 (not
-            predicted per TP rank yet).
+        ValueError: ``main_params``, ``dp_rank`` or ``tp_rank`` is not allowed.
     """
     check_main_params(main_params)
-    if plan.inputs.tp != 1:
-        raise ValueError(f"predicted_state_bytes predicts one rank's state for tp = 1 plans; "
-                         f"this plan is for tp={plan.inputs.tp}, where the state of a matrix "
-                         f"lives on its TP host (not predicted per TP rank yet; the planned "
-                         f"state per DP index is plan.metrics.dp_state_bytes).")
+    if (isinstance(tp_rank, bool) or not isinstance(tp_rank, numbers.Integral)
+            or not 0 <= tp_rank < plan.inputs.tp):
+        raise ValueError(f"tp_rank = {tp_rank!r} is not allowed; choose 0 … {plan.inputs.tp - 1}")
     if (isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral)
             or not 0 <= dp_rank < plan.inputs.dp):
         raise ValueError(f"dp_rank = {dp_rank!r} is not allowed; choose 0 … {plan.inputs.dp - 1}")
     dp_rank = int(dp_rank)
     matrix = {t.param for t in plan.tasks if t.optimizer == "matrix"}
-    total = sum(t.state_bytes for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank)
+    total = sum(t.state_bytes for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
+                and (t.host is None or t.host == tp_rank))
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
 
 

@@ -576,6 +576,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         matrix = {self._names[i] for i in self._schedule.matrix_params}
         total = sum(accounting.STATE_BYTES * self._matrix.state_numel(t.shape)
                     for ts in self._schedule.mine.matrix for t in ts)
+        total += sum(accounting.STATE_BYTES * self._matrix.state_numel(t.full_shape)
+                     for t in self._micro.hosted)  # tp > 1: the full matrices hosted here
         return total + accounting.adamw_and_main_bytes(self.plan, self._rank, matrix,
                                                        self._main_params)
 

@@ -155,6 +155,6 @@ def test_predicted_state_bytes_bad_input():
     for bad in (-1, 2, 1.0, True, "0"):
         with pytest.raises(ValueError, match=r"dp_rank = .* is not allowed; choose 0 … 1"):
             predicted_state_bytes(plan, bad)
-    tp_plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"tp": 2})})
-    with pytest.raises(ValueError, match=r"for tp = 1 plans; this plan is for tp=2, where the state of a matrix lives on its TP host"):
-        predicted_state_bytes(tp_plan, 0)
+    for bad in (-1, 1, 0.0, False):
+        with pytest.raises(ValueError, match=r"tp_rank = .* is not allowed; choose 0 … 0"):
+            predicted_state_bytes(plan, 0, tp_rank=bad)

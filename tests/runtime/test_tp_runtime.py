@@ -140,3 +140,13 @@ def test_overlap_off_gives_the_same_bits(world4):
     on, off = _results(world4, "muon"), _results(world4, "muon_no_overlap")
     for a, b in zip(on, off):
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+@pytest.mark.parametrize("case", ["muon", "shampoo", "soap", "muon_split", "muon_bf16_main_fp32"])
+def test_state_bytes_equal_the_prediction(world4, case):
+    got = _results(world4, case)
+    for res in got:
+        st = res["state"]
+        assert st["measured"] == st["predicted"] == st["from_plan"], (res["tp_rank"], st)
+    # every split matrix's state is on exactly one TP rank: the TP ranks of an index differ
+    assert len({r["state"]["measured"] for r in got if r["dp_rank"] == 0}) == 2

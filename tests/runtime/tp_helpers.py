@@ -181,9 +181,14 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
             opt = build()
             opt.load_state_dict(sd)
     out = {p.name: full_of(p, w, tp, tp_group).float() for p, (_, w) in zip(ps, local)}
+    from canzona.runtime.accounting import predicted_state_bytes
+
+    state = {"measured": opt.state_bytes(), "predicted": opt.predicted_state_bytes(),
+             "from_plan": predicted_state_bytes(plan, dp_rank, tp_rank=tp_rank,
+                                                main_params="fp32" if bf16 else None)}
     opt.close()
     return {"params": out, "norms": norms, "dp_rank": dp_rank, "tp_rank": tp_rank,
-            "scratch": opt.tp_scratch_bytes(), "plan": plan}
+            "scratch": opt.tp_scratch_bytes(), "plan": plan, "state": state}
 
 
 class _null:
