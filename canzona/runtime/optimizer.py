@@ -39,10 +39,11 @@ the byte counts) must live on the class; each public method delegates to a room 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -135,6 +136,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             The copies count in ``state_bytes()`` (see :func:`predicted_state_bytes`) and travel
             in ``state_dict()``; after loading weights into the model call
             ``reload_main_params()``.
+        tp_sum_grads: tp > 1: name globs of replicated parameters whose gradient each TP rank
+            holds only in part, summed over the TP group before the update (as parameters marked
+            ``sequence_parallel`` are). Megatron with ``qk_layernorm``: the q/k norms see only
+            the rank's heads, so ``("*q_layernorm.weight", "*k_layernorm.weight")``.
         overlap_tp: tp > 1: gather the next micro-group while this one is computed and scatter
             while the next is (default). False waits for each collective at once (to measure
             what the overlap saves; results are identical).
@@ -169,6 +174,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         overlap_param_gather: bool = False,
         main_params: str | None = None,
         overlap_tp: bool = True,
+        tp_sum_grads: Sequence[str] = (),
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
         if device_mesh is not None:
@@ -260,6 +266,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             buffers=self._buffers, params=self._params)
         self._micro.init_state(self.state, self._matrix, device)
         self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()
+        self._sum_globs = tuple(tp_sum_grads)
         self._sp_ranges = self._sequence_parallel_ranges() if self._tp > 1 else []
         self._hooks: list[Any] = []
         if not self._external:
@@ -272,12 +279,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def _sequence_parallel_ranges(self) -> list[tuple[int, int, int]]:
         """(bucket, lo, hi) of this rank's own slices holding parameters marked
-        ``sequence_parallel`` (replicated over TP, gradients partial per TP rank)."""
+        ``sequence_parallel`` or named by ``tp_sum_grads`` (replicated over TP, gradients
+        partial per TP rank)."""
         out = []
         for b in self._schedule.buckets:
             c0, c1 = self._schedule.own_range(b.index)
             for sl in b.slots:
-                if getattr(self._live[sl.param], "sequence_parallel", False):
+                name = self._names[sl.param]
+                if (getattr(self._live[sl.param], "sequence_parallel", False)
+                        or any(fnmatch.fnmatchcase(name, g) for g in self._sum_globs)):
                     lo, hi = max(sl.lo, c0), min(sl.hi, c1)
                     if lo < hi:
                         out.append((b.index, lo - c0, hi - c0))

@@ -265,3 +265,82 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
         adamw.step()
         adamw.zero_grad()
     return {"params": {n: t.detach().to(low).float() for n, t in full.items()}, "norms": norms}
+
+
+# --- a real TP forward (tests/runtime/megatron_forward.py) ----------------------------------------
+
+FORWARD_STEPS = 5
+
+
+def tokens(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(zlib.crc32(f"tokens/{step}/{dp_rank}".encode()))
+    data = torch.randint(0, CFG.vocab, (4, 9), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def train_forward(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
+                  steps: int = FORWARD_STEPS) -> dict:
+    """Megatron-style TP forward and backward on the shards; CanzonaOptimizer updates them."""
+    import canzona
+    import megatron_forward as M
+    from canzona.planner.layout import padded_vocab
+
+    dp_group, tp_group = groups(dp, tp)
+    dp_rank, tp_rank = rank // tp, rank % tp
+    plan = plan_for(dp, tp, optimizer)
+    ps = spec().params
+    start = initial_full()
+    local = {p.name: megatron_param(p, local_of(p, start[p.name], tp, tp_rank), tp) for p in ps}
+    opt = canzona.CanzonaOptimizer(
+        list(local.items()), plan, lr=LR[optimizer], ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
+        adamw_weight_decay=0.01, dp_group=dp_group if dp > 1 else None, tp_group=tp_group,
+        matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None,
+        tp_sum_grads=("*q_layernorm.weight", "*k_layernorm.weight"))  # per-head norms: partial
+    vpad = padded_vocab(CFG.vocab, tp)
+    losses = []
+    for step in range(steps):
+        idx, target = tokens(step, dp_rank)
+        loss_value = M.tp_loss(CFG, local, idx, target, tp_group, vpad)
+        loss_value.backward()
+        losses.append(float(loss_value.detach()))
+        opt.step()
+        opt.zero_grad()
+    out = {p.name: full_of(p, local[p.name], tp, tp_group) for p in ps}
+    opt.close()
+    return {"params": out, "losses": losses}
+
+
+def reference_forward(dp: int, optimizer: str = "muon", steps: int = FORWARD_STEPS) -> dict:
+    """One process, the single-device forward on the logical weights, the DP ranks' batches."""
+    import dp_helpers as H
+    import megatron_forward as M
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ps = spec().params
+        full = {n: t.clone().requires_grad_(True) for n, t in initial_full().items()}
+        kernel = H._matrix_kernel(optimizer, LR[optimizer])
+        mats = [p.name for p in ps if p.optimizer == "matrix"]
+        states = [kernel.init_state(full[n].shape) for n in mats]
+        adamw = torch.optim.AdamW([full[p.name] for p in ps if p.optimizer != "matrix"],
+                                  lr=ADAMW_LR, weight_decay=0.01)
+        losses = []
+        for step in range(steps):
+            total = None
+            for d in range(dp):
+                idx, target = tokens(step, d)
+                value = M.full_loss(CFG, full, idx, target)
+                g = torch.autograd.grad(value, list(full.values()))
+                total = list(g) if total is None else [a + b for a, b in zip(total, g)]
+                losses.append(float(value.detach()))
+            for (n, t), g in zip(full.items(), total):
+                t.grad = g / dp
+            with torch.no_grad():
+                for n, st in zip(mats, states):
+                    kernel.step([full[n]], [full[n].grad], [st], lr=LR[optimizer])
+            adamw.step()
+            adamw.zero_grad()
+        return {"params": {n: t.detach().clone() for n, t in full.items()}, "losses": losses}
+    finally:
+        torch.set_num_threads(threads)
