@@ -130,6 +130,22 @@ def build_tp_groups(plan: Plan, names: list[str], param_bucket: Sequence[int],
     return tuple(groups)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """An all-to-all in flight: its output, its work handle and its send buffer, kept alive
+    until the collective completes (on NCCL it runs on the communicator's stream)."""
+
+    out: Tensor
+    work: Any
+    send: Tensor | None
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            self.work.wait()  # on CUDA: the current stream waits for the collective
+        self.work = self.send = None
+        return self.out
+
+
 def _piece(x: Tensor, dim: int, start: int, length: int) -> Tensor:
     return x[start:start + length] if dim == 0 else x[:, start:start + length]
 
@@ -184,9 +200,7 @@ class MicroGroupRunner:
         if not overlap:
             error = None
             for g in self.groups:
-                recv, work = self._start_gather(g, group)
-                if work is not None:
-                    work.wait()
+                recv = self._start_gather(g, group).wait()
                 updates, failed = self._compute(g, recv, state, matrix, received)
                 error = error or failed
                 self._apply(g, self._start_scatter(g, updates, group), matrix, received)
@@ -197,9 +211,7 @@ class MicroGroupRunner:
         pending = None  # (group, its scatter)
         error: Exception | None = None
         for k, g in enumerate(self.groups):
-            recv, work = gathers[k]
-            if work is not None:
-                work.wait()
+            recv = gathers[k].wait()
             gathers[k] = None
             if k + 1 < len(self.groups):
                 gathers[k + 1] = self._start_gather(self.groups[k + 1], group)
@@ -226,16 +238,16 @@ class MicroGroupRunner:
             raise error
 
     def _all_to_all(self, send: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                    group: Any) -> tuple[Tensor, Any]:
+                    group: Any) -> _InFlight:
         out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
         if self.tp == 1:
             out.copy_(send)
-            return out, None
+            return _InFlight(out, None, None)
         work = dist.all_to_all_single(out, send, list(out_splits), list(in_splits), group=group,
                                       async_op=True)
-        return out, work
+        return _InFlight(out, work, send)
 
-    def _start_gather(self, g: TPGroup, group: Any) -> tuple[Tensor, Any]:
+    def _start_gather(self, g: TPGroup, group: Any) -> _InFlight:
         """Launch the gather of group ``g``: this rank's segments of each task's gradient."""
         pieces = []
         for t in g.tasks:
@@ -279,7 +291,7 @@ class MicroGroupRunner:
         return updates, error
 
     def _start_scatter(self, g: TPGroup, updates: dict[int, Tensor],
-                       group: Any) -> tuple[Tensor, Any]:
+                       group: Any) -> _InFlight:
         """Launch the scatter of group ``g``: to each rank, its segments of every update."""
         pieces = []
         for r in range(self.tp):
@@ -290,32 +302,38 @@ class MicroGroupRunner:
         send = (torch.cat(pieces) if pieces else torch.empty(0, device=device)).to(self.comm_dtype)
         return self._all_to_all(send, g.send, g.recv, group)
 
-    def _apply(self, g: TPGroup, scatter: tuple[Tensor, Any], matrix: Any,
+    def _apply(self, g: TPGroup, scatter: _InFlight, matrix: Any,
                received: Sequence[int]) -> None:
         """This rank's shard of every update of group ``g`` onto its shard of the parameter."""
-        recv, work = scatter
-        if work is not None:
-            work.wait()
+        recv = scatter.wait()
         offsets = [0]
         for n in g.send:
             offsets.append(offsets[-1] + n)
         ptr = list(offsets[:-1])  # per host, the next element of its chunk
+        todo = []  # (task, its chunks: (local start, length, update segment))
         for t in g.tasks:
-            buf = self._buffers[t.bucket]
-            # With fp32 main copies (main_params="fp32") the update goes to the main copy of the
-            # shard, then into the parameter buffer (what the DP all-gather sends).
-            p = (self._params[t.param] if buf.main is None
-                 else buf.main[t.lo:t.hi].view(t.local_shape))
             chunks = []
             for _, ls, _, n in t.of(self.tp_rank):
                 shape = (n, t.full_shape[1]) if t.dim == 0 else (t.full_shape[0], n)
                 size = shape[0] * shape[1]
                 chunks.append((ls, n, recv[ptr[t.host]:ptr[t.host] + size].view(shape)))
                 ptr[t.host] += size
-            if not received[t.param]:
+            if received[t.param] and chunks:
+                todo.append((t, chunks))
+        if not todo:
+            return
+        # NaN marks what the host's kernel left untouched (see the module docstring): one
+        # device-to-host read for the whole group.
+        finite = torch.stack([torch.stack([torch.isfinite(u).all() for *_, u in chunks]).all()
+                              for _, chunks in todo]).tolist()
+        for (t, chunks), ok in zip(todo, finite):
+            if not ok:
                 continue
-            if any(not bool(torch.isfinite(u).all()) for *_, u in chunks):
-                continue  # the host's kernel left it untouched (see the module docstring)
+            buf = self._buffers[t.bucket]
+            # With fp32 main copies (main_params="fp32") the update goes to the main copy of the
+            # shard, then into the parameter buffer (what the DP all-gather sends).
+            p = (self._params[t.param] if buf.main is None
+                 else buf.main[t.lo:t.hi].view(t.local_shape))
             for ls, n, u in chunks:
                 matrix.apply(_piece(p, t.dim, ls, n), u.to(torch.float32),
                              full_shape=t.full_shape)
