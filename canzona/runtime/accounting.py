@@ -96,15 +96,20 @@ def measured_state_bytes(state: Mapping[Any, Mapping[str, Any]],
 def comm_bytes(methods: Sequence[str], sizes: Sequence[tuple[int, ...]], rank: int, *,
                grad_bytes: Sequence[int], param_bytes: Sequence[int],
                external: bool) -> dict[str, int]:
-    """Bytes one rank sends per step, per bucket's collective method (padding included):
-    equal/padded calls send (R−1)·max, all_to_all sends the other ranks' slices (reduce) or its
-    own slice to each other rank (gather). ``grad_bytes``/``param_bytes``: element sizes."""
+    """Bytes one rank sends per step, per bucket's collective method (padding included; ring
+    algorithms for the stock calls, direct sends for the rest): equal/padded calls send (R−1)·max;
+    all_to_all and per_root send the other ranks' slices (reduce) and the own slice to each other
+    rank (gather); all_reduce sends 2(R−1)/R of the bucket, then gathers as per_root.
+    ``grad_bytes``/``param_bytes``: element sizes."""
     R = len(sizes[0]) if sizes else 1
     if R == 1:
         return {"reduce_scatter": 0, "all_gather": 0}
     rs = ag = 0
     for method, s, ge, pe in zip(methods, sizes, grad_bytes, param_bytes):
         equal_calls = method in ("equal", "padded")
-        rs += ((R - 1) * max(s) if equal_calls else sum(s) - s[rank]) * ge
+        if method == "all_reduce":
+            rs += 2 * (R - 1) * sum(s) // R * ge
+        else:
+            rs += ((R - 1) * max(s) if equal_calls else sum(s) - s[rank]) * ge
         ag += (R - 1) * (max(s) if equal_calls else s[rank]) * pe
     return {"reduce_scatter": 0 if external else rs, "all_gather": ag}

@@ -9,7 +9,14 @@ takes (DESIGN.md "Runtime"). The method is fixed per bucket by ``schedule.collec
     all_to_all  all_to_all_single with split sizes; reduce: every rank sends rank r its slice r
                 and r sums the R copies it received; gather: the own slice sent to every rank,
                 received straight into the parameter buffer
+    per_root    one reduce to each owner of its slice and one broadcast from it (NCCL has no
+                ReduceScatterV/AllGatherV); owners with an empty slice are skipped by every rank
+    all_reduce  the reduce: one all-reduce of the whole bucket, each rank keeps its slice; the
+                gather: per root, as per_root
     local       dp = 1: the reduce is a copy, the gather nothing
+
+``per_root`` calls are issued per backend: on NCCL inside ``_coalescing_manager`` (one fused
+launch; written for CUDA, not run here), on gloo as async calls, one handle each.
 
 Every call is asynchronous (``async_op=True``) and works on gloo and NCCL. Scratch is allocated
 once at construction and reused: a bucket's next launch always follows the wait of its previous
@@ -29,7 +36,7 @@ import torch.distributed as dist
 from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.schedule import Bucket
 
-__all__ = ["BucketCollective", "make_collective"]
+__all__ = ["METHODS", "BucketCollective", "make_collective"]
 
 # torch ≥ 2.10 renamed the tensor collectives (the old names warn).
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -215,11 +222,83 @@ class AllToAllCollective(BucketCollective):
                                       async_op=True)
 
 
-_METHODS = {c.method: c for c in (EqualCollective, PaddedCollective, AllToAllCollective)}
+class _Works:
+    """Several async handles waited for as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+
+
+def _per_root(group: Any, device: torch.device, calls: list) -> Any:
+    """Issue ``calls`` (functions taking ``async_op``) as one unit: coalesced on NCCL, async
+    handles on gloo (its coalescing manager runs the calls synchronously)."""
+    if device.type == "cuda" and dist.get_backend(group) == "nccl":
+        with dist._coalescing_manager(group, device=device, async_ops=True) as cm:
+            for call in calls:
+                call(async_op=True)
+        return cm
+    return _Works([call(async_op=True) for call in calls])
+
+
+class PerRootCollective(BucketCollective):
+    """Unequal slices: one reduce to, and one broadcast from, every owner of a non-empty slice."""
+
+    method = "per_root"
+
+    def _owners(self) -> list[int]:
+        return [r for r, n in enumerate(self.bucket.sizes) if n > 0]
+
+    def _start_reduce(self, group: Any) -> Any:
+        g, cuts = self.buffers.grads, self.bucket.cuts
+        calls = [lambda async_op, r=r: dist.reduce(g[cuts[r]:cuts[r + 1]], group=group,
+                                                   group_dst=r, async_op=async_op)
+                 for r in self._owners()]
+        return _per_root(group, g.device, calls)
+
+    def _unpack_reduce(self) -> None:
+        c = self.bucket.cuts
+        self.buffers.own.copy_(self.buffers.grads[c[self.rank]:c[self.rank + 1]])
+
+    def _start_gather(self, group: Any) -> Any:
+        p, cuts = self.buffers.params, self.bucket.cuts
+        calls = [lambda async_op, r=r: dist.broadcast(p[cuts[r]:cuts[r + 1]], group=group,
+                                                      group_src=r, async_op=async_op)
+                 for r in self._owners()]
+        return _per_root(group, p.device, calls)
+
+
+class AllReduceCollective(PerRootCollective):
+    """The reduce as one all-reduce of the whole bucket (each rank keeps its slice); the gather
+    per root."""
+
+    method = "all_reduce"
+
+    def _start_reduce(self, group: Any) -> Any:
+        return dist.all_reduce(self.buffers.grads, group=group, async_op=True)
+
+
+#: Every method, by its name in plans and in ``CanzonaOptimizer(collective=...)``.
+_METHODS = {c.method: c for c in (EqualCollective, PaddedCollective, AllToAllCollective,
+                                  PerRootCollective, AllReduceCollective)}
+METHODS = tuple(_METHODS)
 
 
 def make_collective(bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, *,
-                    reduce: bool) -> BucketCollective:
-    """The bucket's collective object: its plan method, or ``local`` when dp = 1."""
-    cls = LocalCollective if dp == 1 else _METHODS[bucket.method]
+                    reduce: bool, method: str | None = None) -> BucketCollective:
+    """The bucket's collective object: ``method`` if given (``equal`` only for equal slices),
+    else the schedule's, or ``local`` when dp = 1."""
+    name = method or bucket.method
+    if name not in _METHODS:
+        raise ValueError(f"collective = {method!r} is not a method; choose one of: "
+                         f"{', '.join(METHODS)}")
+    if name == "equal" and len(set(bucket.sizes)) > 1:
+        raise ValueError(f"collective = 'equal' cannot move bucket {bucket.index}'s unequal "
+                         f"slices {list(bucket.sizes)}; choose padded, per_root, all_reduce or "
+                         "all_to_all")
+    cls = LocalCollective if dp == 1 else _METHODS[name]
     return cls(bucket, rank, dp, buffers, reduce=reduce)

@@ -136,6 +136,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             The copies count in ``state_bytes()`` (see :func:`predicted_state_bytes`) and travel
             in ``state_dict()``; after loading weights into the model call
             ``reload_main_params()``.
+        collective: the DP collective method of every bucket instead of the schedule's rule
+            (``equal`` for equal slices, ``padded`` within 12.5 % of them, else ``all_to_all``):
+            ``padded``, ``per_root`` (one reduce and one broadcast per owner), ``all_reduce``,
+            ``all_to_all``, or ``equal`` (equal slices only). The results are the same.
         tp_sum_grads: tp > 1: name globs of replicated parameters whose gradient each TP rank
             holds only in part, summed over the TP group before the update (as parameters marked
             ``sequence_parallel`` are). Megatron with ``qk_layernorm``: the q/k norms see only
@@ -175,6 +179,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         main_params: str | None = None,
         overlap_tp: bool = True,
         tp_sum_grads: Sequence[str] = (),
+        collective: str | None = None,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
         if device_mesh is not None:
@@ -252,7 +257,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._buffers = build_buffers(self._schedule, self._params, self._names,
                                       external=self._external, main_params=main_params)
         self._collectives = [make_collective(b, self._rank, self._dp, buf,
-                                             reduce=not self._external)
+                                             reduce=not self._external, method=collective)
                              for b, buf in zip(self._schedule.buckets, self._buffers)]
         self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
         update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
@@ -570,7 +575,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     @property
     def collective_methods(self) -> tuple[str, ...]:
         """Per bucket, in launch order, the collective method it uses (``equal``, ``padded``,
-        ``all_to_all``; ``local`` when dp = 1)."""
+        ``all_to_all``, ``per_root``, ``all_reduce``; ``local`` when dp = 1)."""
         return tuple(c.method for c in self._collectives)
 
     def state_bytes(self) -> int:
@@ -605,7 +610,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         constructor chose; padding included)."""
         buckets = self._schedule.buckets
         return accounting.comm_bytes(
-            [b.method for b in buckets], [b.sizes for b in buckets], self._rank,
+            [c.method for c in self._collectives], [b.sizes for b in buckets], self._rank,
             grad_bytes=[4 if self._external else buf.grads.element_size() for buf in self._buffers],
             param_bytes=[buf.params.element_size() for buf in self._buffers],
             external=self._external)

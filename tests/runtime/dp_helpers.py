@@ -182,7 +182,8 @@ def plan_settings(optimizer: str) -> dict:
 def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int = 1,
                   clip: float | None = None, grad_sync: str = "reduce_scatter",
                   bucket_size: int = 3000, steps: int = STEPS, plan=None,
-                  overlap_param_gather: bool = False, spare: bool = True):
+                  overlap_param_gather: bool = False, spare: bool = True,
+                  collective: str | None = None):
     """Train TinyGPT with CanzonaOptimizer on this rank's share of each batch."""
     import canzona
 
@@ -194,6 +195,7 @@ def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int 
                                    ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
                                    adamw_weight_decay=0.01, grad_sync=grad_sync,
                                    overlap_param_gather=overlap_param_gather,
+                                   collective=collective,
                                    matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     mine = rows(rank, world)
@@ -217,7 +219,8 @@ def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int 
         opt.zero_grad()
     opt.wait_params()
     return {"params": params_of(model), "norms": norms, "state_bytes": opt.state_bytes(),
-            "plan": plan, "opt_state_numel": _state_layout(opt)}
+            "plan": plan, "opt_state_numel": _state_layout(opt),
+            "methods": opt.collective_methods}
 
 
 def _state_layout(opt) -> dict:

@@ -104,14 +104,25 @@ CASES = {
     "errors": _errors,
     "state_dict": _state_dict,
 }
+#: Every collective method forced on every bucket (the default picks per bucket).
+METHODS = ("padded", "per_root", "all_reduce", "all_to_all")
+METHOD_RUN = {"accum": 2, "clip": 0.2, "steps": 4}
+CASES.update({f"method_{m}": functools.partial(H.train_canzona, collective=m, **METHOD_RUN)
+              for m in METHODS})
 CASES4 = {
     "muon": H.train_canzona,
     "accum_clip": functools.partial(H.train_canzona, accum=2, clip=0.2),
     "shampoo": functools.partial(H.train_canzona, optimizer="shampoo"),
 }
+#: At dp 4 the methods the default rule does not pick for this model (it picks all_to_all for
+#: every bucket; padded runs at dp 2).
+METHODS4 = ("per_root", "all_reduce", "padded")
+CASES4.update({f"method_{m}": functools.partial(H.train_canzona, collective=m, **METHOD_RUN)
+               for m in METHODS4})
 REFERENCE = {
     "muon": {}, "accum": {"accum": 2}, "clip": {"clip": 0.2}, "shampoo": {"optimizer": "shampoo"},
-    "soap": {"optimizer": "soap", "sharded": True}, "external": {}, "overlap": {}, "accum_clip": {"accum": 2, "clip": 0.2},
+    "soap": {"optimizer": "soap", "sharded": True}, "external": {}, "overlap": {},
+    "accum_clip": {"accum": 2, "clip": 0.2},
 }
 
 
@@ -231,3 +242,23 @@ def test_refuses_tp_plans_without_groups_and_wrong_dp():
     ep_plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"ep": 2})})
     with pytest.raises(PlanMismatchError, match="ep=2; this runtime executes ep=1"):
         CanzonaOptimizer(model, ep_plan)
+
+
+@functools.cache
+def _method_reference(world: int) -> dict:
+    torch.set_num_threads(1)
+    return H.train_reference(world, **METHOD_RUN)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_collective_method_gives_the_same_training(world2, world4, method):
+    """Each method, forced on every bucket (accumulation and clipping on), trains as one
+    process does, at dp 2 and dp 4."""
+    for world, ranks in ((2, world2), (4, world4)):
+        if world == 4 and method not in METHODS4:
+            continue
+        ref = _method_reference(world)
+        for res in result(ranks, f"method_{method}"):
+            assert set(res["methods"]) == {method}
+            assert H.rel_err(res["params"], ref["params"]) <= 1e-5
+            assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
