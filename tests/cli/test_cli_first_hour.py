@@ -9,29 +9,16 @@ import time
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
 
 from canzona.cli import _render
-from canzona.cli.main import app
+from cli_helpers import plan_files, run
 
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """A tp = 1 plan and a tp = 2 plan of qwen3-0.6b."""
-    folder = tmp_path_factory.mktemp("plans")
-    out = {}
-    for tp in (1, 2):
-        path = folder / f"q-tp{tp}.plan.json"
-        r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "--tp", tp, "-o", path)
-        assert r.exit_code == 0, r.output
-        out[tp] = (path, r.stdout)
-    return out
+    return plan_files(tmp_path_factory.mktemp("plans"), dp=2)
 
 
 def error_only(r, *needles):

@@ -3,18 +3,12 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from canzona.cli.main import app
 from canzona.planner import ParallelSizes, get_preset
 from canzona.planner.models import PRESETS
 from canzona.planner.report import layout_dict, layout_of, model_rows
+from cli_helpers import run
 
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, list(args))
 
 
 def test_models_table_lists_every_preset():

@@ -7,28 +7,16 @@ import copy
 import json
 
 import pytest
-from typer.testing import CliRunner
-
-from canzona.cli.main import app
-
-runner = CliRunner()
+from cli_helpers import plan_files, run
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """qwen3-0.6b at dp = 8, tp = 1 and tp = 2, as JSON."""
-    folder = tmp_path_factory.mktemp("plans")
-    out = {}
-    for tp in (1, 2):
-        path = folder / f"q-tp{tp}.plan.json"
-        r = run("plan", "--model", "qwen3-0.6b", "--dp", 8, "--tp", tp, "-o", path)
-        assert r.exit_code == 0, r.output
-        out[tp] = json.loads(path.read_text())
-    return out
+    files = plan_files(tmp_path_factory.mktemp("plans"), dp=8)
+    return {tp: json.loads(path.read_text()) for tp, (path, _) in files.items()}
 
 
 def _matrix(data):

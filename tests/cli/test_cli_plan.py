@@ -3,18 +3,12 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from canzona.cli.main import app
 from canzona.planner.plan import SCHEMA_VERSION
 from canzona.planner.plan_load import load_plan
 from canzona.planner.report import inspect_report
+from cli_helpers import run
 
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def one_error_line(r, *needles):

@@ -2,16 +2,10 @@
 
 import json
 
-from typer.testing import CliRunner
 
-from canzona.cli.main import app
 from canzona.planner.plan_load import load_plan
+from cli_helpers import run
 
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_plan_writes_tp_section_and_inspect_shows_it(tmp_path):
