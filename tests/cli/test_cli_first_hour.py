@@ -14,7 +14,6 @@ from canzona.cli import _render
 from cli_helpers import plan_files, run
 
 
-
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """A tp = 1 plan and a tp = 2 plan of qwen3-0.6b."""

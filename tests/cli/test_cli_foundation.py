@@ -10,7 +10,6 @@ from canzona.planner.report import layout_dict, layout_of, model_rows
 from cli_helpers import run
 
 
-
 def test_models_table_lists_every_preset():
     r = run("models")
     assert r.exit_code == 0

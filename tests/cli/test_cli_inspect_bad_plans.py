@@ -10,8 +10,6 @@ import pytest
 from cli_helpers import plan_files, run
 
 
-
-
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """qwen3-0.6b at dp = 8, tp = 1 and tp = 2, as JSON."""

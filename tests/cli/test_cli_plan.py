@@ -10,7 +10,6 @@ from canzona.planner.report import inspect_report
 from cli_helpers import run
 
 
-
 def one_error_line(r, *needles):
     """Exit 1 and exactly one 'error:' line mentioning every needle."""
     assert r.exit_code == 1, r.output

@@ -7,7 +7,6 @@ from canzona.planner.plan_load import load_plan
 from cli_helpers import run
 
 
-
 def test_plan_writes_tp_section_and_inspect_shows_it(tmp_path):
     out = tmp_path / "p.json"
     r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "--tp", 4, "--cmax", 64,
