@@ -28,12 +28,14 @@ The rooms: ``schedule`` (the plan as frozen records and every rank's work order)
 and scratch), ``update`` (the owned updates), ``groups`` (param groups), ``accounting``
 (bytes), ``checkpoint`` (state dicts). This class wires them and runs
 :meth:`CanzonaOptimizer.step` as labelled phases: wait for the reductions, the matrix
-directions, the TP micro-groups (a placeholder), apply and all-gather bucket by bucket.
+directions, the TP micro-groups (``tp``), apply and all-gather bucket by bucket.
 
-Why this module is longer than 400 lines: about 130 of them are the user-facing documentation
-(this diagram, the class's arguments, ``finish``/``close``), and the ``torch.optim`` surface
-(``step``, ``zero_grad``, ``state_dict``, ``no_sync``, ``clip_grad_norm_``, ``finish``, ``close``,
-the byte counts) must live on the class; each public method delegates to a room in a few lines.
+Why this module is longer than 400 lines: about 200 of them are the user-facing documentation
+(this diagram, the class's arguments for DP and TP, ``finish``/``close``), and the
+``torch.optim`` surface (``step``, ``zero_grad``, ``state_dict``, ``no_sync``,
+``clip_grad_norm_``, ``finish``, ``close``, the byte counts) and the construction-time wiring of
+the rooms (TP groups, duplicated and sequence-parallel ranges) must live on the class; each
+public method delegates to a room in a few lines.
 """
 
 from __future__ import annotations
