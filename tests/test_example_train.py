@@ -1,8 +1,8 @@
 """examples/train_gpt.py end to end under torchrun (2 gloo ranks), as the README runs it.
 
 Issue 9: the example ended about one run in four with "terminate called without an active
-exception" (SIGABRT, torchrun's ChildFailedError) after all its steps. Three runs, every
-optimizer and gradient accumulation, must each exit 0 with a falling loss (the abort was
+exception" (SIGABRT, torchrun's ChildFailedError) after all its steps. Two runs (Muon with
+gradient accumulation, SOAP without) must each exit 0 with a falling loss (the abort was
 measured at 6 in 22 runs before the fix and 0 in 120 after; the runs by hand before a release
 repeat it more often). About 5 s a run, almost all of it process start-up.
 """
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
-RUNS = [("muon", 2), ("shampoo", 1), ("soap", 2)]
+RUNS = [("muon", 2), ("soap", 1)]
 
 
 @pytest.mark.parametrize(("optimizer", "accum"), RUNS, ids=[f"{o}-accum{a}" for o, a in RUNS])
