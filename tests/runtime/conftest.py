@@ -3,3 +3,17 @@ from pathlib import Path
 
 # dp_helpers must be importable by name in the spawned ranks too (they unpickle its functions).
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tp_world4(tmp_path_factory):
+    """Every 4-rank TP case (Megatron-style shards and DTensor models) in ONE spawn."""
+    import dp_helpers as H
+    import test_tp_dtensor
+    import test_tp_runtime
+
+    cases = test_tp_runtime.cases4() + test_tp_dtensor.cases()
+    return H.run_world(4, cases, str(tmp_path_factory.mktemp("tp4")))

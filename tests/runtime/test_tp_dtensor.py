@@ -166,17 +166,21 @@ def _reference(dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     return H.params_of(model), norms
 
 
+def cases() -> list:
+    """This module's 4-rank cases (run with test_tp_runtime's: conftest's ``tp_world4``)."""
+    return ([(f"dtensor_{g}", functools.partial(_train, g)) for g in GRIDS]
+            + [("dtensor_refusals", _refusals)])
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("tp_dtensor"))
-    cases = [(g, functools.partial(_train, g)) for g in GRIDS] + [("refusals", _refusals)]
-    return H.run_world(WORLD, cases, out)
+def world(tp_world4):
+    return tp_world4
 
 
 @pytest.mark.parametrize("grid", list(GRIDS))
 def test_dtensor_tp_matches_unsharded_reference(world, grid):
     dp, tp = GRIDS[grid]
-    res = H.results(world, grid)
+    res = H.results(world, f"dtensor_{grid}")
     layouts = res[0]["layouts"]
     assert layouts["blocks.0.q_proj.weight"] == "column"
     assert layouts["blocks.0.o_proj.weight"] == "row"
@@ -201,7 +205,7 @@ def test_dtensor_tp_matches_unsharded_reference(world, grid):
 
 
 def test_dtensor_placements_read_or_refused(world):
-    for got in H.results(world, "refusals"):
+    for got in H.results(world, "dtensor_refusals"):
         shard_dp, row, shard2, mesh = got
         assert shard_dp.startswith("ModelError") and "'w'" in shard_dp and "Replicate" in shard_dp
         assert row == "row [4, 8]"  # the global shape

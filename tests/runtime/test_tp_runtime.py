@@ -74,12 +74,16 @@ def _refusals(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
+def cases4() -> list:
+    """This module's dp 2 × tp 2 cases (run with the DTensor ones: conftest's ``tp_world4``)."""
     cases = [(k, functools.partial(_case, dp=2, tp=2, **v)) for k, v in CASES4.items()]
-    cases += [(f"forward_{o}", functools.partial(_forward, dp=2, tp=2, optimizer=o))
-              for o in FORWARD]
-    return H.run_world(4, cases, str(tmp_path_factory.mktemp("tp4")))
+    return cases + [(f"forward_{o}", functools.partial(_forward, dp=2, tp=2, optimizer=o))
+                    for o in FORWARD]
+
+
+@pytest.fixture(scope="module")
+def world4(tp_world4):
+    return tp_world4
 
 
 @pytest.fixture(scope="module")
