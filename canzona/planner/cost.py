@@ -12,15 +12,12 @@ so numel under-balances it) or ``calibrated`` (measured seconds per shape).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from importlib import resources
 from typing import Literal, Protocol
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from . import formulas, optimizers
 from .errors import CanzonaError
+from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware  # noqa: F401
 from .inventory import ModelSpec, ParamSpec
 from .layout import ParallelSizes
 from .settings import OptimizerName, OptimizerSettings  # noqa: F401  (re-exported)
@@ -168,44 +165,3 @@ def make_cost_model(name: str, settings: OptimizerSettings, sizes: ParallelSizes
     if name == "numel":
         return NumelCost()
     raise CanzonaError(f"unknown cost model '{name}'; choose one of: flops, numel.")
-
-
-# --- hardware profiles -----------------------------------------------------------------------
-
-
-class LinkProfile(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    busbw: float = Field(gt=0, description="achieved NCCL bus bandwidth, bytes/s")
-    latency_s: float = Field(ge=0, description="per-collective latency α, seconds")
-
-
-class HardwareProfile(BaseModel):
-    """A GPU (or this CPU) and its links, as data (``canzona/planner/hardware/*.json``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    description: str
-    gpus_per_node: int = Field(gt=0)
-    peak_flops: dict[str, float]
-    compute_efficiency: float = Field(gt=0, le=1)
-    memory_bytes: float = Field(gt=0)
-    memory_bandwidth: float = Field(gt=0)
-    intra_node: LinkProfile
-    inter_node: LinkProfile
-
-    def seconds(self, flops: float, dtype: str = "bf16") -> float:
-        return flops / (self.peak_flops[dtype] * self.compute_efficiency)
-
-
-def hardware_names() -> list[str]:
-    files = resources.files("canzona.planner").joinpath("hardware")
-    return sorted(f.name.removesuffix(".json") for f in files.iterdir() if f.name.endswith(".json"))
-
-
-def load_hardware(name: str) -> HardwareProfile:
-    """A built-in hardware profile by name (h100, h800, cpu)."""
-    names = hardware_names()
-    if name.lower() not in names:
-        raise CanzonaError(f"unknown hardware profile '{name}'; choose one of: {', '.join(names)}.")
-    text = resources.files("canzona.planner").joinpath("hardware").joinpath(f"{name.lower()}.json").read_text()
-    return HardwareProfile.model_validate(json.loads(text))

@@ -19,6 +19,7 @@ from pathlib import Path
 from .cost import OptimizerSettings
 from .dp import solve
 from .errors import CanzonaError
+from .hardware import load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
@@ -114,6 +115,7 @@ def plan_problem(
     if t.comm_dtype != problem.comm_dtype:
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
+    hw = load_hardware(t.hardware)
     say("DP partition")
     sol = solve(problem, o, progress=progress)
     tp_section = hosts = None
@@ -128,4 +130,4 @@ def plan_problem(
                              seed=o.seed, workers=o.workers, reorder=sol.problem is not problem)
     return build_plan(sol.problem, sol.cuts, solver=recorded, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status, tp=tp_section,
-                      placements=hosts)
+                      placements=hosts, hardware=hw)

@@ -7,7 +7,9 @@ byte-identical file in any process. The runtime reads plans through this module,
 only ``errors`` and ``settings`` of the planner (never the cost model, inventory or layout).
 
 Versioning: ``schema_version`` is checked before anything else; a newer file asks the user to
-upgrade canzona, an older one to regenerate the plan (converters arrive with the first change).
+upgrade canzona; an older one is converted on load (:mod:`canzona.planner.plan_load`): version 1
+had no collective method per bucket and no ``comm`` section, so the converter chooses the methods
+with the default hardware profile and records ``comm.converted_from = 1``.
 
 Reading a file is :mod:`canzona.planner.plan_load` (JSON, version, schema, then the structural
 consistency that needs no cost formulas); :mod:`canzona.planner.validate` adds the arithmetic
@@ -31,7 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .errors import PlanFileError
 from .settings import OptimizerSettings
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+#: Bucket collective methods (``canzona.planner.comm``; the runtime's spelling).
+CollectiveMethod = Literal["equal", "padded", "per_root", "all_reduce", "all_to_all"]
 
 
 class _Frozen(BaseModel):
@@ -48,6 +53,8 @@ class SolverOptions(_Frozen):
     seed: int = 0
     workers: int = Field(default=1, ge=1)
     reorder: bool = Field(default=False, description="parameters reordered inside buckets.")
+    objective: str = Field(default="max-load", description="what the DP solvers minimised: "
+                                                           "step-time | max-load.")
 
 
 class PlanInputs(_Frozen):
@@ -103,6 +110,8 @@ class BucketPlan(_Frozen):
     numel_unpadded: int = Field(ge=0)
     cuts: tuple[int, ...]
     slots: tuple[SlotPlan, ...]
+    method: CollectiveMethod = Field(description="the collective pair that moves the slices "
+                                                 "(the fastest under the plan's comm model).")
 
     @model_validator(mode="after")
     def _check(self) -> BucketPlan:
@@ -247,10 +256,31 @@ class TPPlan(_Frozen):
     metrics: TPMetrics
 
 
-class Plan(_Frozen):
-    """A canzona plan (schema version 1)."""
+class CommPlan(_Frozen):
+    """The communication model the bucket methods were chosen with (``canzona.planner.comm``)
+    and what it predicts, against ZeRO-1's even collectives on the same buckets."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    hardware: str = Field(description="hardware profile name.")
+    hardware_version: int = Field(ge=1, description="revision of the profile's numbers.")
+    gpus_per_node: int = Field(ge=1)
+    link: Literal["intra_node", "inter_node"] = Field(description="link of the DP groups.")
+    busbw: float = Field(gt=0, description="that link's bus bandwidth, bytes/s.")
+    latency_s: float = Field(ge=0, description="that link's per-call latency α, seconds.")
+    predicted_s: float = Field(ge=0, description="collective time per iteration, busiest DP "
+                                                 "index (reduce + gather of every bucket).")
+    zero1_s: float = Field(ge=0, description="the same for ZeRO-1's even collectives.")
+    max_sent_bytes: int = Field(ge=0, description="most bytes any rank sends per iteration.")
+    zero1_max_sent_bytes: int = Field(ge=0)
+    methods: dict[str, int] = Field(description="buckets per method.")
+    converted_from: int | None = Field(
+        default=None, description="schema version of the file this plan was converted from "
+                                  "(methods then chosen with the default profile).")
+
+
+class Plan(_Frozen):
+    """A canzona plan (schema version 2)."""
+
+    schema_version: Literal[2] = SCHEMA_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
@@ -259,6 +289,7 @@ class Plan(_Frozen):
     tasks: tuple[TaskPlan, ...]
     metrics: Metrics
     tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
+    comm: CommPlan
 
     def to_json(self) -> str:
         """Canonical text: fields in schema order, two-space indent, trailing newline."""

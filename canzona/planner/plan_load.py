@@ -41,9 +41,11 @@ def _parse_plan(text: str, source: str) -> Plan:
     if found > SCHEMA_VERSION:
         raise PlanFileError(f"{source}: plan schema version {found} is newer than this canzona "
                             f"reads (version {SCHEMA_VERSION}); upgrade canzona.")
+    if found < 1:
+        raise PlanFileError(f"{source}: plan schema version {found} does not exist (versions "
+                            f"1 to {SCHEMA_VERSION}); regenerate it with 'canzona plan'.")
     if found < SCHEMA_VERSION:
-        raise PlanFileError(f"{source}: plan schema version {found} is older than this canzona "
-                            f"reads (version {SCHEMA_VERSION}); regenerate it with 'canzona plan'.")
+        data = _convert(data, source)
     try:
         plan = Plan.model_validate(data)
     except ValidationError as exc:
@@ -54,6 +56,43 @@ def _parse_plan(text: str, source: str) -> Plan:
                                       f"field '{loc}': {err['msg']}{more}.")) from None
     _check_structure(plan, source)
     return plan
+
+
+def _convert(data: dict, source: str) -> dict:
+    """An older plan's fields in the current schema (one step per version).
+
+    1 → 2: buckets gain their collective ``method`` and the plan its ``comm`` section, chosen
+    with the default hardware profile's communication model; ``comm.converted_from`` records
+    the conversion, ``inputs.solver.objective`` that the cuts were made for the max load.
+    """
+    from . import comm as comm_model
+    from .hardware import DEFAULT_HARDWARE, load_hardware
+    from .plan import BufferPlan
+
+    out = dict(data)
+    try:
+        inputs, layout = dict(out["inputs"]), out["rank_layout"]
+        dp, tp = int(layout["dp"]), int(layout["tp"])
+        ep = int(inputs.get("ep", 1))
+        buffers = [BufferPlan.model_validate({**buf, "buckets": [
+            {**b, "method": "padded"} for b in buf["buckets"]]}) for buf in out["buffers"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanFileError(_one_line(f"{source}: malformed plan (schema version 1, converting "
+                                      f"to {SCHEMA_VERSION}): {exc}.")) from None
+    hw = load_hardware(DEFAULT_HARDWARE)
+    _, link = comm_model.plan_link(hw, dp, tp)
+    slices = comm_model.buffer_slices(buffers, ep)
+    methods = [comm_model.choose(s.sizes, grad_bytes=s.grad_bytes, param_bytes=s.param_bytes,
+                                 link=link).method for s in slices]
+    it = iter(methods)
+    out["buffers"] = [{**buf, "buckets": [{**b, "method": next(it)} for b in buf["buckets"]]}
+                      for buf in out["buffers"]]
+    inputs["solver"] = {**inputs["solver"], "objective": "max-load"}
+    out["inputs"] = inputs
+    out["comm"] = comm_model.comm_section(slices, methods, hw, dp=dp, tp=tp,
+                                          converted_from=1).model_dump(mode="json")
+    out["schema_version"] = SCHEMA_VERSION
+    return out
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
                    task_cost)
+from . import comm as comm_model
 from .errors import SizeError
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .plan import (BucketPlan, BufferPlan, Metrics, Plan, PlanInputs, RankLayout, SlotPlan,
@@ -229,22 +231,41 @@ def build_plan(
     split_mode: str = "owner",
     tp: TPPlan | None = None,
     placements: Mapping[int, tuple[int, int]] | None = None,
+    hardware: HardwareProfile | None = None,
 ) -> Plan:
     """Assemble the plan file from a problem and its cut points (the one place a Plan is built).
 
     Args:
         tp: the plan's TP section (``tp.assemble.tp_plan``), for tp > 1.
         placements: task id → (host TP rank, micro-group) of every TP-split matrix task.
+        hardware: the profile whose communication model picks each bucket's collective method
+            (None: the default, ``h100``).
     """
     ev = evaluate(problem, cuts, split_mode=split_mode)
     sizes = problem.sizes
+    hw = hardware or load_hardware(DEFAULT_HARDWARE)
+    _, link = comm_model.plan_link(hw, sizes.dp, sizes.tp)
     buffers = []
+    slices: list[comm_model.BucketSlices] = []
+    methods: list[str] = []
     for bi, buf in enumerate(problem.layout.buffers):
-        buckets = tuple(
-            BucketPlan(index=b.index, start=b.start, end=b.end, numel_unpadded=b.numel_unpadded,
-                       cuts=cuts[(bi, b.index)],
-                       slots=tuple(SlotPlan(name=s.name, start=s.start, end=s.end) for s in b.slots))
-            for b in buf.buckets)
+        buckets = []
+        for b in buf.buckets:
+            c = cuts[(bi, b.index)]
+            sl = comm_model.BucketSlices(
+                tuple(y - x for x, y in zip(c, c[1:])), comm_model.ELEMENT_BYTES[buf.grad_dtype],
+                comm_model.ELEMENT_BYTES[buf.dtype],
+                tuple(r * sizes.ep + buf.ep_rank if buf.expert else r  # type: ignore[operator]
+                      for r in range(len(c) - 1)))
+            method = comm_model.choose(sl.sizes, grad_bytes=sl.grad_bytes,
+                                       param_bytes=sl.param_bytes, link=link).method
+            slices.append(sl)
+            methods.append(method)
+            buckets.append(BucketPlan(
+                index=b.index, start=b.start, end=b.end, numel_unpadded=b.numel_unpadded, cuts=c,
+                slots=tuple(SlotPlan(name=s.name, start=s.start, end=s.end) for s in b.slots),
+                method=method))  # type: ignore[arg-type]
+        buckets = tuple(buckets)
         buffers.append(BufferPlan(key=buf.key, dtype=buf.dtype, grad_dtype=buf.grad_dtype,
                                   expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
                                   buckets=buckets))
@@ -273,7 +294,8 @@ def build_plan(
         comm_dtype=problem.comm_dtype, solver=solver)
     return Plan(inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                 fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
-                buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp)
+                buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
+                comm=comm_model.comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp))
 
 
 def _placement(placements: Mapping[int, tuple[int, int]] | None, task: int) -> dict[str, int]:

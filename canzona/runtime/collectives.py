@@ -1,10 +1,11 @@
 """One object per bucket that owns the bucket's collective method and its scratch buffers.
 
 A bucket's reduce-scatter and all-gather have variable slice sizes, which no stock primitive
-takes (DESIGN.md "Runtime"). The method is fixed per bucket by ``schedule.collective_method``::
+takes (DESIGN.md "Runtime"). The plan fixes the method per bucket (the fastest under the planner's
+communication model, ``canzona.planner.comm``, which counts each method's bytes and time)::
 
     equal       reduce_scatter_tensor / all_gather_into_tensor on the buffers themselves
-    padded      the same calls on slices padded to the largest (R·max ≤ 1.125·size); the reduce
+    padded      the same calls on slices padded to the largest (R·max elements); the reduce
                 packs the slices into ``R·max`` scratch, the gather unpacks from it
     all_to_all  all_to_all_single with split sizes; reduce: every rank sends rank r its slice r
                 and r sums the R copies it received; gather: the own slice sent to every rank,

@@ -16,21 +16,7 @@ from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
 
 __all__ = ["AdamWSlice", "Bucket", "MatrixTask", "ParamSlot", "Schedule", "SplitParam", "WorkOrder",
-           "build_schedule", "collective_method"]
-
-#: Pad slices to the largest when that costs at most this factor over the bucket's size.
-PAD_SLACK = 1.125
-
-
-def collective_method(sizes: tuple[int, ...]) -> str:
-    """The collective pair a bucket with these slice sizes uses (DESIGN.md "Runtime"):
-    ``"equal"`` (the stock calls on the buffers), ``"padded"`` (the stock calls on slices padded
-    to the largest, when R·max ≤ 1.125·size) or ``"all_to_all"`` (exact split sizes)."""
-    if len(set(sizes)) == 1:
-        return "equal"
-    if len(sizes) * max(sizes) <= PAD_SLACK * sum(sizes):
-        return "padded"
-    return "all_to_all"
+           "build_schedule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +38,7 @@ class Bucket:
     sizes: tuple[int, ...]  # dp slice sizes
     slots: tuple[ParamSlot, ...]
     grad_dtype: str  # the plan's name: "fp32" | "bf16" | "fp16"
-    method: str  # collective_method(sizes)
+    method: str  # the plan's collective method (canzona.planner.comm.METHODS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +137,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
             cuts = tuple(c - b.start for c in b.cuts)
             sizes = tuple(y - x for x, y in zip(cuts, cuts[1:]))
             buckets.append(Bucket(len(buckets), b.end - b.start, cuts, sizes, tuple(slots),
-                                  buf.grad_dtype, collective_method(sizes)))
+                                  buf.grad_dtype, b.method))
     matrix = [[[] for _ in buckets] for _ in range(dp)]
     adamw = [[[] for _ in buckets] for _ in range(dp)]
     split: list[list[list[SplitParam]]] = [[[] for _ in buckets] for _ in range(dp)]

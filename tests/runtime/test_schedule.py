@@ -1,5 +1,5 @@
 """The runtime's records and checks on one process: bucket boundaries as the runtime receives
-them, the work order's coverage, the collective rule, the fingerprint's dtype, keyword-only
+them, the work order's coverage, the plan's collective methods, the fingerprint's dtype, keyword-only
 arguments."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dp_helpers as H
 from canzona.runtime import checks
 from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
 from canzona.runtime.introspect import inventory
-from canzona.runtime.schedule import build_schedule, collective_method
+from canzona.runtime.schedule import build_schedule
 
 
 def _schedule(model, plan, rank: int = 0):
@@ -57,10 +57,21 @@ def test_the_work_order_covers_every_parameter_exactly_once():
         checks.check_work_order(broken, names)
 
 
-def test_collective_rule():
-    assert collective_method((128, 128)) == "equal"
-    assert collective_method((128, 144)) == "padded"  # 2·144 = 288 ≤ 1.125·272
-    assert collective_method((100, 200)) == "all_to_all"
+def test_each_bucket_moves_with_the_plans_method():
+    """The schedule takes each bucket's collective method from the plan, whatever it is."""
+    model = H.TinyGPT()
+    plan = canzona.plan_model(model, dp=2, bucket_size=model.lm_head.weight.numel())
+    chosen = [b.method for buf in plan.buffers for b in buf.buckets]
+    _, s = _schedule(model, plan)
+    assert [b.method for b in s.buckets] == chosen
+    other = {"per_root": "all_to_all", "all_to_all": "per_root", "padded": "all_reduce",
+             "equal": "per_root", "all_reduce": "padded"}
+    edited = plan.model_copy(update={"buffers": tuple(
+        buf.model_copy(update={"buckets": tuple(b.model_copy(update={"method": other[b.method]})
+                                                for b in buf.buckets)})
+        for buf in plan.buffers)})
+    _, s = _schedule(model, edited)
+    assert [b.method for b in s.buckets] == [other[m] for m in chosen]
 
 
 def test_a_dtype_change_changes_the_fingerprint():
