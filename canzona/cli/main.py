@@ -81,7 +81,9 @@ FLAGS = {
     "DPOptions.time_limit_s": "--time-limit", "DPOptions.comm_limit": "--comm-limit",
     "DPOptions.seed": "--seed", "DPOptions.reorder": "--reorder",
     "DPOptions.bucket_size": "--bucket-size", "TPOptions.cmax_mib": "--cmax",
-    "TPOptions.solver": "--tp-solver", "TPOptions.comm_dtype": "--comm-dtype", "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
+    "TPOptions.solver": "--tp-solver", "TPOptions.comm_dtype": "--comm-dtype",
+    "TPOptions.hardware": "--hardware", "DPOptions.objective": "--objective",
+    "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
     "ParallelSizes.ep": "--ep", "ParallelSizes.etp": "--etp",
     "inspect_report.config": "--config",
 }
@@ -229,6 +231,14 @@ def plan(
     comm_dtype: Annotated[str, typer.Option(
         "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
                              "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",
+    objective: Annotated[str, typer.Option(
+        "--objective", help="step-time (the busiest compute, then the bucket cuts and "
+                            "collective methods that lower the predicted collective time, the "
+                            "compute gap growing by at most 0.5 points) or max-load (compute "
+                            "only).")] = "step-time",
+    hardware: Annotated[str, typer.Option(
+        "--hardware", help="Hardware profile of the communication model and the TP timeline: "
+                           "h100, h800, cpu, or a profile file (.json).")] = "h100",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically).")] = None,
@@ -243,9 +253,10 @@ def plan(
     dp_options = DPOptions(solver=solver.strip().lower(), alpha=alpha, cost=cost.strip().lower(),
                            time_limit_s=time_limit, comm_limit=comm_limit, seed=seed,
                            reorder=reorder, bucket_size=bucket_size,
-                           overlap_grad_reduce=not no_overlap)
+                           overlap_grad_reduce=not no_overlap,
+                           objective=objective.strip().lower())
     tp_options = TPOptions(cmax_mib=cmax, solver=tp_solver.strip().lower(),
-                           comm_dtype=comm_dtype.strip().lower())
+                           comm_dtype=comm_dtype.strip().lower(), hardware=hardware.strip())
     settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
                                  split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)

@@ -2,7 +2,7 @@
 construction (a value out of range raises :class:`~canzona.planner.errors.OptionError` naming the
 field, e.g. ``DPOptions.alpha``; the CLI shows its flag instead).
 
-A leaf module (it imports only the errors), so the pipeline, the solvers and every front end share
+A leaf module (it imports only the errors and the hardware profiles' names), so the pipeline, the solvers and every front end share
 one definition of each option and its default.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import OptionError
+from .hardware import hardware_names
 
 #: DP solvers (``DPOptions.solver``).
 SOLVERS = ("auto", "greedy", "cpsat")
@@ -20,6 +21,11 @@ SOLVERS = ("auto", "greedy", "cpsat")
 COSTS = ("flops", "numel")
 #: TP hosting solvers (``TPOptions.solver``).
 TP_SOLVERS = ("greedy", "cpsat")
+#: Objectives by name (``DPOptions.objective``); an ``Objective`` object is accepted too.
+OBJECTIVES = ("step-time", "max-load")
+#: How far (percentage points of the certified bound) the communication stage of the
+#: ``step-time`` objective may raise the busiest DP index's compute.
+STEP_TIME_GAP_PP = 0.5
 #: Communication dtypes (``TPOptions.comm_dtype``).
 COMM_DTYPES = ("bf16", "fp16", "fp32")
 MIB = 1 << 20
@@ -62,8 +68,10 @@ class DPOptions:
             ``CostModel`` object.
         bucket_size: elements per bucket (None: Megatron's max(40M, 1M·dp)).
         overlap_grad_reduce: False puts each buffer in one bucket (Megatron without overlap).
-        objective: what the DP solvers minimise, a ``canzona.planner.objective.Objective``
-            (None: today's, the busiest DP index's load).
+        objective: what the DP solvers minimise: ``step-time`` (the default: the busiest
+            compute, then a communication stage that lowers the predicted collective time while
+            the compute gap grows by at most STEP_TIME_GAP_PP points), ``max-load`` (the
+            busiest DP index's load only), or a ``canzona.planner.objective.Objective``.
     """
 
     solver: str = "auto"
@@ -76,7 +84,7 @@ class DPOptions:
     cost: Any = "flops"
     bucket_size: int | None = None
     overlap_grad_reduce: bool = True
-    objective: Any = None
+    objective: Any = "step-time"
 
     def __post_init__(self) -> None:
         c = "DPOptions"
@@ -102,8 +110,11 @@ class DPOptions:
                     or self.bucket_size < 1:
                 raise _err(c, "bucket_size", f"must be a positive number of elements, got "
                                              f"{self.bucket_size!r}.")
-        if self.objective is not None and not callable(getattr(self.objective, "score", None)):
-            raise _err(c, "objective", f"must be a canzona.planner.objective.Objective, got "
+        if isinstance(self.objective, str):
+            _one_of(c, "objective", self.objective, OBJECTIVES)
+        elif self.objective is not None and not callable(getattr(self.objective, "score", None)):
+            raise _err(c, "objective", f"must be one of: {', '.join(OBJECTIVES)}, or a "
+                                       f"canzona.planner.objective.Objective; got "
                                        f"{self.objective!r}.")
 
 
@@ -119,7 +130,8 @@ class TPOptions:
             greedy once it is spent).
         seed: CP-SAT random seed.
         workers: CP-SAT worker count (fixed, so plans are reproducible).
-        hardware: hardware profile for the modelled timeline (compute rate, TP link bandwidth).
+        hardware: hardware profile (a built-in name or a profile file's path) of the modelled
+            timeline and of the DP communication model (compute rate, link bandwidths).
         comm_dtype: dtype of the gathered matrices (the gather/scatter bytes).
     """
 
@@ -142,6 +154,11 @@ class TPOptions:
             raise _err(c, "seed", f"must be an integer, got {self.seed!r}.")
         _positive_int(c, "workers", self.workers)
         _one_of(c, "comm_dtype", self.comm_dtype, COMM_DTYPES)
+        hw = self.hardware
+        if not isinstance(hw, str) or not (hw.endswith(".json") or "/" in hw
+                                           or hw.lower() in hardware_names()):
+            raise _err(c, "hardware", f"must be one of: {', '.join(hardware_names())}, or a "
+                                      f"profile file (.json); got {hw!r}.")
 
     @property
     def cmax_bytes(self) -> int:

@@ -117,7 +117,7 @@ def plan_problem(
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
     say("DP partition")
-    sol = solve(problem, o, progress=progress)
+    sol = solve(problem, o, progress=progress, hardware=hw)
     tp_section = hosts = None
     if problem.sizes.tp > 1 and not dp_only:
         say("tp micro-groups")
@@ -127,7 +127,15 @@ def plan_problem(
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
                              solver=o.solver, alpha=o.alpha,
                              time_limit_s=o.time_limit_s if o.solver == "cpsat" else None,
-                             seed=o.seed, workers=o.workers, reorder=sol.problem is not problem)
+                             seed=o.seed, workers=o.workers, reorder=sol.problem is not problem,
+                             objective=_objective_name(o.objective))
     return build_plan(sol.problem, sol.cuts, solver=recorded, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status, tp=tp_section,
                       placements=hosts, hardware=hw)
+
+
+def _objective_name(objective: object) -> str:
+    """The name a plan records for ``DPOptions.objective``."""
+    if isinstance(objective, str):
+        return objective
+    return getattr(objective, "name", "max-load") if objective is not None else "max-load"

@@ -1,5 +1,6 @@
-"""The one objective hook: today's objective is the max load, and a per-bucket term g reaches
-every DP solver (per-bucket DP, CP-SAT) and the joint DP × TP refinement."""
+"""The one objective hook: ``max-load`` is the busiest DP index's load, a per-bucket term g
+reaches every DP solver (per-bucket DP, CP-SAT) and the joint DP × TP refinement, and the
+default ``step-time`` objective lowers the predicted collective time within its bounds."""
 
 import numpy as np
 import pytest
@@ -43,9 +44,9 @@ def _excess(problem, cuts):
     return total
 
 
-def test_todays_objective_is_the_max_load_and_the_default():
+def test_the_max_load_objective_by_name_and_by_object():
     pr = _problem()
-    sol = solve(pr)
+    sol = solve(pr, DPOptions(objective="max-load"))
     ev = evaluate(sol.problem, sol.cuts)
     assert MAX_LOAD.score(sol.problem, sol.cuts) == max(ev.load)
     assert MAX_LOAD.bucket_terms(sol.problem, sol.cuts) == 0
@@ -56,7 +57,7 @@ def test_todays_objective_is_the_max_load_and_the_default():
 @pytest.mark.parametrize("reorder", [False, True])
 def test_a_bucket_term_reaches_the_per_bucket_dp(reorder):
     pr = _problem()
-    plain = solve(pr, DPOptions(reorder=reorder))
+    plain = solve(pr, DPOptions(reorder=reorder, objective="max-load"))
     # β so large that one element above the even slice outweighs any load difference.
     obj = ExcessSlice(beta=float(pr.total_load()))
     sol = solve(pr, DPOptions(reorder=reorder, objective=obj))
@@ -71,7 +72,7 @@ def test_a_bucket_term_reaches_the_per_bucket_dp(reorder):
 
 def test_the_score_adds_g_to_f():
     pr = _problem()
-    sol = solve(pr)
+    sol = solve(pr, DPOptions(objective="max-load"))
     obj = ExcessSlice(beta=2.0)
     expected = max(evaluate(sol.problem, sol.cuts).load) + 2.0 * _excess(sol.problem, sol.cuts)
     assert obj.score(sol.problem, sol.cuts) == pytest.approx(expected)
@@ -114,7 +115,7 @@ def test_a_bucket_term_reaches_cpsat():
 
 def test_the_joint_refinement_is_judged_by_the_objective():
     pr = _problem(dp=4, tp=2)
-    sol = solve(pr)
+    sol = solve(pr, DPOptions(objective="max-load"))
     ctx = TPContext.build(sol.problem)
     obj = ExcessSlice(beta=float(pr.total_load()))
     out = joint_refine(sol.problem, sol.cuts, ctx=ctx, objective=obj)
@@ -128,3 +129,49 @@ def test_an_objective_that_is_not_one_is_refused():
 
     with pytest.raises(OptionError, match="DPOptions.objective"):
         DPOptions(objective="max")
+
+
+@pytest.mark.parametrize("dp,tp", [(4, 1), (8, 1), (4, 2)])
+def test_step_time_lowers_the_predicted_collectives_within_its_bounds(dp, tp):
+    """The default objective: never a slower predicted step than the max-load cuts, the busiest
+    compute at most STEP_TIME_GAP_PP points of the bound above theirs, the busiest state under
+    the target or hardly worse than theirs, every matrix whole."""
+    from canzona.planner.dp.solve import state_target
+    from canzona.planner.hardware import load_hardware
+    from canzona.planner.objective import StepTime
+    from canzona.planner.options import STEP_TIME_GAP_PP
+
+    pr = _problem(dp=dp, tp=tp)
+    base = solve(pr, DPOptions(objective="max-load"))
+    sol = solve(pr, DPOptions())  # the default: step-time
+    assert sol.problem.buckets == base.problem.buckets  # the stage re-cuts, it does not reorder
+    obj = StepTime(sol.problem, load_hardware("h100"))
+    assert obj.bucket_terms(sol.problem, sol.cuts) <= obj.bucket_terms(base.problem, base.cuts)
+    ev, ev0 = evaluate(sol.problem, sol.cuts), evaluate(base.problem, base.cuts)
+    assert max(ev.load) <= max(ev0.load) + STEP_TIME_GAP_PP / 100 * base.bound + 1
+    # a bounded secondary term: under the target, or within 1 % of where it was
+    assert max(ev.state_bytes) <= max(state_target(sol.problem), 1.01 * max(ev0.state_bytes))
+    assert ev.split_matrices == 0
+
+
+def test_step_time_in_load_units():
+    """A bucket's term is its fastest method's predicted seconds at the problem's own rate
+    (its compute seconds over its load), and a slice's separable part is 2α when non-empty."""
+    from canzona.planner import comm
+    from canzona.planner.hardware import load_hardware
+    from canzona.planner.objective import StepTime
+
+    pr = _problem(dp=4)
+    hw = load_hardware("h800")
+    obj = StepTime(pr, hw)
+    rate = sum(hw.seconds(c.flops) for c in pr.costs) / pr.total_load()
+    b = pr.buckets[0]
+    sizes = [b.end - b.start, 0, 0, 0]
+    _, link = comm.plan_link(hw, 4, 1)  # 4 GPUs: inside one node
+    assert link == hw.intra_node
+    buf = pr.layout.buffers[b.buffer]
+    want = comm.choose(sizes, grad_bytes=comm.ELEMENT_BYTES[buf.grad_dtype],
+                       param_bytes=comm.ELEMENT_BYTES[buf.dtype], link=link).seconds / rate
+    assert obj.bucket_term(pr, b, sizes) == pytest.approx(want)
+    assert obj.slice_term(pr, b, 5) == pytest.approx(2 * link.latency_s / rate)
+    assert obj.slice_term(pr, b, 0) == 0.0

@@ -16,7 +16,8 @@ _POWERS = {"ssq": 2, "p8": 8}
 
 
 def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
-               slice_cost: np.ndarray | None = None) -> list[int]:
+               slice_cost: np.ndarray | None = None,
+               limit: tuple[np.ndarray, np.ndarray, float] | None = None) -> list[int]:
     """Optimal cut indices for one bucket given the other buckets' loads ``base`` per rank.
 
     Rank r receives units [c_r, c_{r+1}); minimise Σ (base_r + x_r)^p + Σ h(s_r) or
@@ -38,8 +39,12 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     choice = np.zeros((R, m + 1), dtype=np.int64)
     g = np.full(m + 1, inf)
     g[0] = 0.0
+    if limit is not None:
+        lblk = limit[0][None, :] - limit[0][:, None]
     for r in range(R):
         rank_cost = base[r] + blk
+        if limit is not None:
+            rank_cost = np.where(limit[1][r] + lblk <= limit[2], rank_cost, inf)
         if phase == "max":
             tot = np.maximum(g[:, None], rank_cost)
         else:
@@ -91,38 +96,61 @@ def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, phase: str) 
     return idx[::-1]
 
 
-def _loads_by_bucket(problem: DPProblem, units: dict, cuts_idx: dict) -> np.ndarray:
+def _loads_by_bucket(problem: DPProblem, units: dict, cuts_idx: dict,
+                     what: str = "load") -> np.ndarray:
+    """Per DP index: the load (or optimizer-state bytes) of its slices."""
     load = np.zeros(problem.dp)
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         u, idx = units[key], cuts_idx[key]
+        p = u.prefix if what == "load" else u.state
         for r in range(b.ranks):
-            load[problem.dp_index(b, r)] += u.prefix[idx[r + 1]] - u.prefix[idx[r]]
+            load[problem.dp_index(b, r)] += p[idx[r + 1]] - p[idx[r]]
     return load
 
 
 def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
            max_rounds: int = 30, pieces: int | None = None,
-           objective: Objective = MAX_LOAD) -> Cuts:
+           objective: Objective = MAX_LOAD, phases: tuple[str, ...] | None = None) -> Cuts:
     """Block coordinate descent: re-cut one bucket at a time, optimally given the others.
 
     Each bucket's DP balances the loads (the objective's F: smooth powers, then the maximum)
-    plus the objective's per-slice term h_b (its g), when it has one.
+    plus the objective's per-slice term h_b (its g), when it has one. In the max phase, a bucket
+    is also cut under each of the objective's ``slice_caps`` (largest slices worth trying for
+    g's max-type parts), and the cut with the lowest ``load_term(max load) + g_b`` stays.
+    ``phases``: a subset of ("ssq", "p8", "max") to run (default all, in that order).
     """
-    units = {(b.buffer, b.bucket): bucket_units(b, pieces or 4 * b.ranks, piece_grain(problem))
+    sg = objective.state_grain(problem) if objective.has_state_term else None
+    units = {(b.buffer, b.bucket): bucket_units(b, pieces or 4 * b.ranks, piece_grain(problem), sg)
              for b in problem.buckets}
+    if pieces is not None:
+        # Coarse pieces: keep the given cuts representable, so the descent starts from them.
+        units = {k: _with_cuts(u, cuts[k]) for k, u in units.items()}
     idx: dict[tuple[int, int], list[int]] = {}
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         u = units[key]
         idx[key] = [int(np.searchsorted(u.bounds, c)) for c in cuts[key]]  # start: next boundary
     load = _loads_by_bucket(problem, units, idx)
+    state = _loads_by_bucket(problem, units, idx, "state")
+    widest = {(b.buffer, b.bucket): max((it.end - it.start for it in b.items if it.atomic),
+                                        default=0) for b in problem.buckets}
+    # Buckets whose divisible items hold state worth balancing (an AdamW embedding).
+    heavy = {(b.buffer, b.bucket) for b in problem.buckets if sg and any(
+        not it.atomic and it.state_bytes > 4 * sg for it in b.items)}
     scale = max(1.0, float(load.max()))
+
+    def total() -> float:
+        return (objective.load_term(float(load.max())) + sum(gvals.values())
+                + objective.state_term(float(state.max())))
+
     order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
-    for phase in (*_POWERS, "max"):
+    gvals = {(b.buffer, b.bucket): _g(objective, problem, b, units[(b.buffer, b.bucket)],
+                                      idx[(b.buffer, b.bucket)]) for b in problem.buckets}
+    for phase in phases or (*_POWERS, "max"):
         power = _POWERS.get(phase, 2)
         for _ in range(max_rounds):
-            before = (float(load.max()), float(((load / scale) ** power).sum()))
+            before = (total(), float(((load / scale) ** power).sum()))
             for b in order:
                 key = (b.buffer, b.bucket)
                 u = units[key]
@@ -133,19 +161,76 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                 cap = None
                 if comm_limit is not None:
                     cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
-                new = _bucket_dp(_scaled(u, scale), base / scale, cap, phase,
-                                 _slice_costs(objective, problem, b, u, scale))
-                new_mine = np.array([u.prefix[new[r + 1]] - u.prefix[new[r]]
-                                     for r in range(b.ranks)])
-                if phase == "max" and (base + new_mine).max() + _g(objective, problem, b, u, new) \
-                        > (base + mine).max() + _g(objective, problem, b, u, idx[key]):
-                    continue  # keep the old cut on ties broken the wrong way
+                costs = _slice_costs(objective, problem, b, u, scale)
+                new = _bucket_dp(_scaled(u, scale), base / scale, cap, phase, costs)
+                new_mine = _mine(u, new)
+                sbase = state[ds] - _mine(u, idx[key], "state")
+                if phase == "max":
+                    rest = len(ds) < len(load)
+                    others = float(np.delete(load, ds).max()) if rest else 0.0
+                    others_s = float(np.delete(state, ds).max()) if rest else 0.0
+
+                    def value(t: list[int], g: float) -> float:
+                        return (objective.load_term(max(others, float((base + _mine(u, t)).max())))
+                                + g + objective.state_term(
+                                    max(others_s, float((sbase + _mine(u, t, "state")).max()))))
+
+                    g_new = _g(objective, problem, b, u, new)
+                    best = (value(new, g_new), new, g_new)
+                    if value(idx[key], gvals[key]) < best[0]:  # ties go to the new cut
+                        best = (value(idx[key], gvals[key]), idx[key], gvals[key])
+                    tries = []
+                    for c in objective.slice_caps(problem, b):
+                        c = c if cap is None else min(c, cap)
+                        if c < widest[key]:
+                            continue  # a matrix is wider than the cap: no such cut
+                        try:
+                            tries.append(_bucket_dp(_scaled(u, scale), base / scale, c, phase,
+                                                    costs))
+                        except OptionError:
+                            continue  # no cut at parameter boundaries that fine
+                    if key in heavy:
+                        # The state balanced, every rank's load kept under the ceiling.
+                        ceil = objective.load_ceiling
+                        ss = max(1.0, float(state.max()))
+                        try:
+                            tries.append(_bucket_dp(
+                                Units(u.bounds, u.state / ss, 0.0), sbase / ss, cap, phase, None,
+                                None if ceil is None else (u.prefix / scale, base / scale,
+                                                           max(ceil, float(load.max())) / scale)))
+                        except OptionError:
+                            pass  # no cut keeps every load under the ceiling
+                    for t in tries:
+                        g = _g(objective, problem, b, u, t)
+                        if value(t, g) < best[0]:
+                            best = (value(t, g), t, g)
+                    _, new, gvals[key] = best
+                    new_mine = _mine(u, new)
                 idx[key] = new
                 load[ds] = base + new_mine
-            after = (float(load.max()), float(((load / scale) ** power).sum()))
+                state[ds] = sbase + _mine(u, new, "state")
+            after = (total(), float(((load / scale) ** power).sum()))
             if after >= before if phase == "max" else after[1] >= before[1] * (1 - 1e-12):
                 break
     return {k: cuts_from_indices(units[k], v) for k, v in idx.items()}
+
+
+def _with_cuts(u: Units, cuts: tuple[int, ...]) -> Units:
+    """``u`` with every cut position among its bounds (loads and state interpolated linearly
+    inside the unit a cut falls in: the cuts of our plans fall inside divisible pieces only)."""
+    extra = np.setdiff1d(np.asarray(cuts, dtype=np.int64), u.bounds)
+    if not len(extra):
+        return u
+    bounds = np.union1d(u.bounds, extra)
+    prefix = np.interp(bounds, u.bounds, u.prefix)
+    state = None if u.state is None else np.interp(bounds, u.bounds, u.state)
+    return Units(bounds, prefix, u.piece_load, state)
+
+
+def _mine(u: Units, idx: list[int], what: str = "load") -> np.ndarray:
+    """Load (or optimizer-state bytes) of every rank's slice under cut indices ``idx``."""
+    p = u.prefix if what == "load" else u.state
+    return np.array([p[idx[r + 1]] - p[idx[r]] for r in range(len(idx) - 1)])
 
 
 def _slice_costs(objective: Objective, problem: DPProblem, b: BucketProblem, u: Units,
@@ -167,7 +252,7 @@ def _g(objective: Objective, problem: DPProblem, b: BucketProblem, u: Units,
 
 
 def _scaled(u: Units, scale: float) -> Units:
-    return Units(u.bounds, u.prefix / scale, u.piece_load / scale)
+    return Units(u.bounds, u.prefix / scale, u.piece_load / scale, u.state)
 
 
 def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
@@ -306,3 +391,17 @@ def improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None,
             break
         best, best_score = cand, cand_score
     return best
+
+
+def improve_comm(problem: DPProblem, cuts: Cuts, comm_limit: float | None, *,
+                 objective: Objective, max_rounds: int = 2) -> Cuts:
+    """The max phase of :func:`polish` alone, from cuts already balanced for the compute: each
+    bucket re-cut where the objective's communication term falls by more than its load
+    term grows."""
+    return polish(problem, cuts, comm_limit=comm_limit, max_rounds=max_rounds,
+                  objective=objective, phases=("max",), pieces=COMM_PIECES)
+
+
+#: Pieces per divisible item in the communication stage (coarser than the compute stages'
+#: 4·R: its moves are whole matrices and slice counts, and R² pieces would dominate at R = 256).
+COMM_PIECES = 16

@@ -7,15 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..objective import MAX_LOAD, Objective
-from ..options import SOLVERS, DPOptions
+from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
+from ..objective import MAX_LOAD, Objective, StepTime
+from ..options import SOLVERS, STEP_TIME_GAP_PP, DPOptions
 from ..planning import DPProblem, evaluate
 from ..tp.context import TPContext, index_gpu_max, lb_gpu
 from ..tp.joint import joint_refine
 from .bounds import packing_bound, pigeonhole_bound
 from .cpsat import solve_cpsat
 from .greedy import greedy
-from .polish import improve, rebalance_divisible
+from .polish import improve, improve_comm, rebalance_divisible
 from .reorder import assign_free, reorder_problem
 from .units import Cuts, owners_to_cuts
 
@@ -54,7 +55,8 @@ class _Run:
 
 
 def solve(problem: DPProblem, options: DPOptions | None = None, *,
-          progress: Callable[[str], None] | None = None) -> Solution:
+          progress: Callable[[str], None] | None = None,
+          hardware: HardwareProfile | None = None) -> Solution:
     """Choose every bucket's cut points.
 
     ``options`` (:class:`~canzona.planner.options.DPOptions`): the solver (``auto``: greedy +
@@ -66,10 +68,12 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
     (cost, bucket size) belong to ``make_problem``. ``progress`` is told each stage's name.
 
     Stages: greedy → search (reordered candidate, Megatron-order polish) → joint DP × TP
-    (tp > 1) → CP-SAT (``cpsat``) → bounds.
+    (tp > 1) → CP-SAT (``cpsat``) → bounds → communication (the ``step-time`` objective, with
+    ``hardware``'s communication model; None: the default profile).
     """
     o = options or DPOptions()
-    run = _Run(problem, o, o.objective or MAX_LOAD, progress or (lambda _msg: None),
+    custom = o.objective if isinstance(o.objective, Objective) else None
+    run = _Run(problem, o, custom or MAX_LOAD, progress or (lambda _msg: None),
                bound=pigeonhole_bound(problem))
     run.say("greedy")
     start = greedy(problem, alpha=o.alpha)
@@ -95,7 +99,43 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
         run.bound = max(run.bound, packing_bound(used, load))
     if load <= run.bound:
         status = "optimal"
+    if o.objective == "step-time":
+        cuts = _communication(run, used, cuts, hardware or load_hardware(DEFAULT_HARDWARE))
     return Solution(cuts, status, run.bound, used)
+
+
+#: The optimizer-state balance the ``step-time`` stage aims at: max/mean ≤ this, unless one
+#: matrix's state alone is larger.
+STATE_BALANCE = 1.10
+
+
+def state_target(problem: DPProblem) -> float:
+    """max(STATE_BALANCE × the mean state per DP index, the largest single matrix's state)."""
+    total = sum(it.state_bytes for b in problem.buckets for it in b.items)
+    largest = max((it.state_bytes for b in problem.buckets for it in b.items if it.atomic),
+                  default=0)
+    return max(STATE_BALANCE * total / problem.dp, float(largest))
+
+
+def _communication(run: _Run, problem: DPProblem, cuts: Cuts, hw: HardwareProfile) -> Cuts:
+    """The ``step-time`` stage: re-cut buckets where the predicted collective time falls by
+    more than the compute grows (:class:`~canzona.planner.objective.StepTime`), the busiest
+    DP index's load held within STEP_TIME_GAP_PP points of the certified bound of where it
+    was (and, under TP, the busiest GPU's likewise of LB_gpu), and the busiest optimizer
+    state brought under :func:`state_target` where the cuts allow."""
+    load = _max_load(problem, cuts)
+    ceiling = load + STEP_TIME_GAP_PP / 100 * run.bound
+    obj = StepTime(problem, hw, ceiling=ceiling, state_cap=state_target(problem))
+    run.say("communication")
+    cand = improve_comm(problem, cuts, run.options.comm_limit, objective=obj)
+    if obj.score(problem, cand) >= obj.score(problem, cuts) or _max_load(problem, cand) > ceiling:
+        return cuts
+    if problem.sizes.tp > 1:
+        ctx = TPContext.build(problem)
+        slack = STEP_TIME_GAP_PP / 100 * lb_gpu(problem, ctx=ctx)
+        if max(index_gpu_max(problem, cand, ctx)) > max(index_gpu_max(problem, cuts, ctx)) + slack:
+            return cuts
+    return cand
 
 
 def _max_load(problem: DPProblem, cuts: Cuts) -> int:

@@ -26,13 +26,18 @@ class Units:
     bounds: np.ndarray  # int64, len m+1
     prefix: np.ndarray  # float64, len m+1 (load)
     piece_load: float   # largest load of a divisible piece (0 if none)
+    state: np.ndarray | None = None  # float64, len m+1: optimizer-state bytes before each cut
 
 
-def bucket_units(b: BucketProblem, pieces: int, grain: float) -> Units:
+def bucket_units(b: BucketProblem, pieces: int, grain: float,
+                 state_grain: float | None = None) -> Units:
     """``pieces``: most pieces per divisible item; ``grain``: target load of one piece (items
-    lighter than that, such as norms under the FLOPs cost, stay one unit)."""
+    lighter than that, such as norms under the FLOPs cost, stay one unit); ``state_grain``:
+    target optimizer-state bytes of one piece, so that state-heavy, nearly free items (an
+    AdamW embedding) are cut finely too (None: by load only)."""
     bounds = [b.start]
     loads: list[float] = []
+    states: list[float] = []
     max_piece = 0.0
     items = b.items
     for k, it in enumerate(items):
@@ -40,20 +45,25 @@ def bucket_units(b: BucketProblem, pieces: int, grain: float) -> Units:
         if it.atomic or it.end - it.start <= 1:
             bounds.append(end)
             loads.append(float(it.load))
+            states.append(float(it.state_bytes))
             continue
         n = it.end - it.start
         k = max(1, min(pieces, math.ceil(it.load / grain) if grain > 0 else pieces))
+        if state_grain:
+            k = max(k, min(pieces, math.ceil(it.state_bytes / state_grain)))
         step = max(1, -(-n // k))
         pos = it.start
         while pos < it.end:
             nxt = min(it.end, pos + step)
             load = it.load * (nxt - pos) / n
             max_piece = max(max_piece, load)
+            states.append(it.state_bytes * (nxt - pos) / n)
             pos = nxt
             bounds.append(end if pos >= it.end else pos)
             loads.append(load)
     prefix = np.concatenate([[0.0], np.cumsum(loads)]) if loads else np.zeros(1)
-    return Units(np.asarray(bounds, dtype=np.int64), prefix, max_piece)
+    state = np.concatenate([[0.0], np.cumsum(states)]) if states else np.zeros(1)
+    return Units(np.asarray(bounds, dtype=np.int64), prefix, max_piece, state)
 
 
 def piece_grain(problem: DPProblem) -> float:
