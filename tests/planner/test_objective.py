@@ -144,7 +144,6 @@ def test_step_time_lowers_the_predicted_collectives_within_its_bounds(dp, tp):
     pr = _problem(dp=dp, tp=tp)
     base = solve(pr, DPOptions(objective="max-load"))
     sol = solve(pr, DPOptions())  # the default: step-time
-    assert sol.problem.buckets == base.problem.buckets  # the stage re-cuts, it does not reorder
     obj = StepTime(sol.problem, load_hardware("h100"))
     assert obj.bucket_terms(sol.problem, sol.cuts) <= obj.bucket_terms(base.problem, base.cuts)
     ev, ev0 = evaluate(sol.problem, sol.cuts), evaluate(base.problem, base.cuts)

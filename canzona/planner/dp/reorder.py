@@ -99,17 +99,51 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000) -> dict[tuple[in
             count[top][c2] += 1
             load[d2] -= weights[c2]
             load[top] += weights[c2]
-    # Materialise: hand each class's items to DP indices by their counts, in a fixed order.
+    # Materialise: hand each class's items to DP indices by their counts, in a fixed order —
+    # first the matrices of buckets that hold a state-heavy AdamW tensor, onto the DP indices at
+    # the ends (0, R-1, 1, R-2, …), so they leave the widest range of ranks to share it.
     by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
     rank: dict[tuple[int, int], list[int]] = {k: [0] * len(b.items) for k, b in by_key.items()}
+    class_of = {(w, e): ci for ci, (w, e) in enumerate(classes)}
+    left = [row[:] for row in count]
+    done: set[tuple[tuple[int, int], int]] = set()
+    ends = [d for pair in zip(range(dp), range(dp - 1, -1, -1)) for d in pair][:dp]
+    for b in _state_heavy(problem):
+        key = (b.buffer, b.bucket)
+        for k, it in enumerate(b.items):
+            if not it.atomic:
+                continue
+            ci = class_of[(it.load, ep_class(b))]
+            d = next(d for d in ends if left[d][ci])
+            left[d][ci] -= 1
+            rank[key][k] = d
+            done.add((key, k))
     for ci, cls in enumerate(classes):
-        items = iter(members[cls])
+        items = (m for m in members[cls] if m not in done)
         for d in range(dp):
-            for _ in range(count[d][ci]):
+            for _ in range(left[d][ci]):
                 key, k = next(items)
                 buf = buffers[key[0]]
                 rank[key][k] = d if not buf.expert else (d - buf.ep_rank) // ep
     return rank
+
+
+#: A divisible item is state-heavy above this share of the mean state per DP index.
+HEAVY_STATE = 1 / 16
+
+
+def _state_heavy(problem: DPProblem) -> list[BucketProblem]:
+    """Dense buckets holding an AdamW tensor with more than HEAVY_STATE of the mean optimizer
+    state per DP index (a tied embedding, an output layer), heaviest first."""
+    total = sum(it.state_bytes for b in problem.buckets for it in b.items)
+    grain = HEAVY_STATE * total / problem.dp
+
+    def heavy(b: BucketProblem) -> int:
+        return max((it.state_bytes for it in b.items if not it.atomic), default=0)
+
+    out = [b for b in problem.buckets
+           if not problem.layout.buffers[b.buffer].expert and heavy(b) > grain]
+    return sorted(out, key=lambda b: (-heavy(b), b.buffer, b.bucket))
 
 
 def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]]

@@ -4,6 +4,7 @@ turns them into a plan). Under TP it judges cuts per GPU with the TP side's join
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +47,8 @@ class _Run:
     say: Callable[[str], None]
     bound: int = 0  # certified lower bound on the max load so far
     greedy_score: float = 0.0  # the paper's greedy, the score no result may exceed
+    state_aware: bool = False  # step-time: the optimizer state breaks near-ties of the load
+    reference_load: float | None = None  # the best max load seen, when a heavier one was kept
 
     def score(self, problem: DPProblem, cuts: Cuts) -> float:
         return self.objective.score(problem, cuts)
@@ -74,7 +77,7 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
     o = options or DPOptions()
     custom = o.objective if isinstance(o.objective, Objective) else None
     run = _Run(problem, o, custom or MAX_LOAD, progress or (lambda _msg: None),
-               bound=pigeonhole_bound(problem))
+               bound=pigeonhole_bound(problem), state_aware=o.objective == "step-time")
     run.say("greedy")
     start = greedy(problem, alpha=o.alpha)
     run.greedy_score = run.score(problem, start)
@@ -117,13 +120,18 @@ def state_target(problem: DPProblem) -> float:
     return max(STATE_BALANCE * total / problem.dp, float(largest))
 
 
+def _state_excess(problem: DPProblem, cuts: Cuts) -> float:
+    """How far the busiest optimizer state is above :func:`state_target` (0 when under)."""
+    return max(0.0, max(evaluate(problem, cuts).state_bytes) - state_target(problem))
+
+
 def _communication(run: _Run, problem: DPProblem, cuts: Cuts, hw: HardwareProfile) -> Cuts:
     """The ``step-time`` stage: re-cut buckets where the predicted collective time falls by
     more than the compute grows (:class:`~canzona.planner.objective.StepTime`), the busiest
     DP index's load held within STEP_TIME_GAP_PP points of the certified bound of where it
     was (and, under TP, the busiest GPU's likewise of LB_gpu), and the busiest optimizer
     state brought under :func:`state_target` where the cuts allow."""
-    load = _max_load(problem, cuts)
+    load = min(_max_load(problem, cuts), run.reference_load or math.inf)
     ceiling = load + STEP_TIME_GAP_PP / 100 * run.bound
     obj = StepTime(problem, hw, ceiling=ceiling, state_cap=state_target(problem))
     run.say("communication")
@@ -183,6 +191,10 @@ def _search(run: _Run, start: Cuts) -> tuple[DPProblem, Cuts, bool]:
     best = _rebalance(run, problem, best)
     best_score = run.score(problem, best)
     if reordered is not None:
+        if run.state_aware and reordered.score <= best_score + STEP_TIME_GAP_PP / 100 * run.bound \
+                and _state_excess(reordered.problem, reordered.cuts) < _state_excess(problem, best):
+            run.reference_load = min(best_score, reordered.score)
+            return reordered.problem, reordered.cuts, True  # the optimizer state decides
         if best_score <= reordered.score:
             return problem, best, True  # reordering did not help: keep Megatron's order
         return reordered.problem, reordered.cuts, True
@@ -212,6 +224,8 @@ def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
         # Only for a real gain: per-GPU maxima are often flat (the largest matrix), and a tie
         # broken by a sliver of AdamW work must not bring back a badly balanced DP partition.
         gctx = ctx if used is original else TPContext.build(original)
-        if run.gpu_score(original, greedy_cuts, gctx) < gpu * (1 - JOINT_TP_MARGIN):
+        if run.gpu_score(original, greedy_cuts, gctx) < gpu * (1 - JOINT_TP_MARGIN) and not (
+                run.state_aware
+                and _state_excess(original, greedy_cuts) > _state_excess(used, cuts)):
             return original, greedy_cuts
     return used, cuts
