@@ -20,6 +20,10 @@ chain reduce to root r runs r+1 → r+2 → … → r, so every rank but r sends
 the head r+1 receives it; a chain broadcast from r runs r → r+1 → … → r-1, so every rank but the
 tail r-1 sends s_r and every rank but r receives it; a ring all-reduce moves 2(R-1)/R·S.
 
+``all_to_all`` is never faster than ``padded`` here: its busiest rank, the owner of the largest
+slice, receives (R-1)·max — padded's bytes, in one call too — and the incast on that owner makes
+it slower in practice, which this model does not charge; it stays for the runtime's comparisons.
+
 Time is α–β (REFERENCE.md §5): ``calls · α + busiest rank's bytes / busbw``, where the busiest
 rank is the one that sends or receives the most, and the link is NVLink when the group's ranks
 fit in one node, InfiniBand otherwise (:meth:`HardwareProfile.link`). For the stock collectives
@@ -156,11 +160,9 @@ def bucket_comm(method: str, sizes: Sequence[int], *, grad_bytes: int, param_byt
 
 
 def methods_for(sizes: Sequence[int]) -> tuple[str, ...]:
-    """The methods that can move these slices (``equal`` only when they are equal, and then
-    ``padded`` is the same calls and is left out)."""
-    if len(set(sizes)) == 1:
-        return ("equal", "per_root", "all_reduce", "all_to_all")
-    return METHODS[1:]
+    """The methods that can move these slices (``equal`` only when they are equal; ``padded``
+    then makes the same calls and loses the tie)."""
+    return METHODS if len(set(sizes)) == 1 else METHODS[1:]
 
 
 def choose(sizes: Sequence[int], *, grad_bytes: int, param_bytes: int, link: LinkProfile,

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from canzona.planner import comm as comm_model
 from canzona.planner import formulas
 from canzona.planner.plan import Plan
 from canzona.runtime.checks import check_main_params
@@ -96,20 +97,18 @@ def measured_state_bytes(state: Mapping[Any, Mapping[str, Any]],
 def comm_bytes(methods: Sequence[str], sizes: Sequence[tuple[int, ...]], rank: int, *,
                grad_bytes: Sequence[int], param_bytes: Sequence[int],
                external: bool) -> dict[str, int]:
-    """Bytes one rank sends per step, per bucket's collective method (padding included; ring
-    algorithms for the stock calls, direct sends for the rest): equal/padded calls send (R−1)·max;
-    all_to_all and per_root send the other ranks' slices (reduce) and the own slice to each other
-    rank (gather); all_reduce sends 2(R−1)/R of the bucket, then gathers as per_root.
-    ``grad_bytes``/``param_bytes``: element sizes."""
-    R = len(sizes[0]) if sizes else 1
-    if R == 1:
-        return {"reduce_scatter": 0, "all_gather": 0}
+    """Bytes one rank sends per step: per bucket (its collective method and slice sizes), what
+    the planner's communication model has rank ``rank`` send in the reduce
+    (:func:`canzona.planner.comm.reduce_traffic`, ring for equal/padded — padding included —,
+    chain per root for per_root, ring all-reduce for all_reduce, direct sends for all_to_all)
+    and in the gather (:func:`~canzona.planner.comm.gather_traffic`), summed over the buckets.
+    ``grad_bytes``/``param_bytes``: element sizes per bucket. ``external``: the gradients are
+    reduced outside the optimizer (no reduce). One rank (``local``) sends nothing."""
     rs = ag = 0
     for method, s, ge, pe in zip(methods, sizes, grad_bytes, param_bytes):
-        equal_calls = method in ("equal", "padded")
-        if method == "all_reduce":
-            rs += 2 * (R - 1) * sum(s) // R * ge
-        else:
-            rs += ((R - 1) * max(s) if equal_calls else sum(s) - s[rank]) * ge
-        ag += (R - 1) * (max(s) if equal_calls else s[rank]) * pe
-    return {"reduce_scatter": 0 if external else rs, "all_gather": ag}
+        if len(s) == 1:  # dp = 1 ("local"): nothing moves
+            continue
+        if not external:
+            rs += comm_model.reduce_traffic(method, s, ge).sent[rank]
+        ag += comm_model.gather_traffic(method, s, pe).sent[rank]
+    return {"reduce_scatter": rs, "all_gather": ag}

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import canzona
 import dp_helpers as H
+from canzona.planner import comm as comm_model
 from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
 
 pytestmark = pytest.mark.slow
@@ -93,6 +94,138 @@ def _state_dict(rank: int, world: int) -> dict:
             "wrong_rank": wrong}
 
 
+class _Stack(torch.nn.Module):
+    """Four 64×64 matrices: the planner gives each rank whole, equal slices (method ``equal``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _stack_loss(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(H.GLOBAL_BATCH, 64, generator=g)
+    t = torch.randn(H.GLOBAL_BATCH, 64, generator=g)
+    mine = H.rows(rank, world)
+    return torch.nn.functional.mse_loss(model(x[mine]), t[mine])
+
+
+def _tiny_loss(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
+    x, y = H.batch(0, 0, world)
+    mine = H.rows(rank, world)
+    return H.loss_fn(model, x[mine], y[mine])
+
+
+#: The torch.distributed calls of canzona.runtime.collectives and what each one's payload is.
+_SPIED = ("all_to_all_single", "reduce", "broadcast", "all_reduce")
+
+
+def _payload(op: str, args: tuple, kw: dict) -> dict:
+    if op in ("reduce_scatter", "all_gather"):  # (output, input)
+        return {"out": args[0].numel(), "in": args[1].numel()}
+    if op == "all_to_all_single":
+        return {"out": args[0].numel(), "in": args[1].numel(),
+                "out_splits": list(kw["output_split_sizes"]),
+                "in_splits": list(kw["input_split_sizes"])}
+    if op == "reduce":
+        return {"numel": args[0].numel(), "root": kw["group_dst"]}
+    if op == "broadcast":
+        return {"numel": args[0].numel(), "root": kw["group_src"]}
+    return {"numel": args[0].numel()}  # all_reduce
+
+
+class _DistSpy:
+    """Stands in for ``torch.distributed`` inside ``canzona.runtime.collectives`` only: records
+    the payload of every collective that module launches (tagged with the bucket and phase being
+    launched), then makes the real call."""
+
+    def __init__(self, real, log: list, where: list) -> None:
+        self._real, self._log, self._where = real, log, where
+
+    def record(self, op: str, fn):
+        def call(*args, **kw):
+            self._log.append({"bucket": self._where[0], "phase": self._where[1], "op": op,
+                              **_payload(op, args, kw)})
+            return fn(*args, **kw)
+        return call
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._real, name)
+        return self.record(name, attr) if name in _SPIED else attr
+
+
+def _spied_step(model, plan, method, loss_of, rank: int, world: int) -> dict:
+    """One optimizer step with every collective of ``canzona.runtime.collectives`` recorded;
+    each bucket's reduced (averaged) gradient slice and gathered parameter buffer kept."""
+    from canzona.runtime import collectives as C
+
+    opt = CanzonaOptimizer(model, plan, lr=0.02, ns_dtype=torch.float32, collective=method)
+    log: list = []
+    where = [None, None]
+    spy = _DistSpy(dist, log, where)
+    own: dict[int, torch.Tensor] = {}
+    for k, c in enumerate(opt._collectives):
+        def tagged(fn, phase, k=k):
+            def start(group):
+                where[:] = [k, phase]
+                try:
+                    return fn(group)
+                finally:
+                    where[:] = [None, None]
+            return start
+
+        def finish(fn=c.finish_reduce, buf=c.buffers, k=k):
+            fn()
+            own[k] = buf.own.clone()
+
+        c._start_reduce = tagged(c._start_reduce, "reduce")
+        c._start_gather = tagged(c._start_gather, "gather")
+        c.finish_reduce = finish
+    saved = C.dist, C._reduce_scatter, C._all_gather
+    C.dist = spy
+    C._reduce_scatter = spy.record("reduce_scatter", saved[1])
+    C._all_gather = spy.record("all_gather", saved[2])
+    try:
+        loss_of(model, rank, world).backward()
+        opt.step()
+        opt.wait_params()
+    finally:
+        C.dist, C._reduce_scatter, C._all_gather = saved
+    opt.finish()
+    return {"calls": log, "methods": opt.collective_methods,
+            "own": [own[k] for k in range(len(opt._collectives))],
+            "params": [c.buffers.params.clone() for c in opt._collectives]}
+
+
+#: Methods forced on every bucket in the payload case (None: each bucket's plan method).
+PAYLOAD_METHODS = (None, "padded", "per_root", "all_reduce", "all_to_all")
+
+
+def _payloads(rank: int, world: int) -> dict:
+    """One step per method on TinyGPT's plan (uneven slices: padded and, at dp 4, per_root by
+    the plan) and on ``_Stack``'s (equal slices: equal by the plan), every collective recorded."""
+    out: dict = {}
+    for kind, make, loss_of, bucket_size in (("tiny", lambda: H.TinyGPT(spare=False), _tiny_loss,
+                                              3000),
+                                             ("stack", _Stack, _stack_loss, None)):
+        plan = canzona.plan_model(make(), dp=world, bucket_size=bucket_size)
+        out[kind, "plan"] = plan
+        for method in PAYLOAD_METHODS:
+            out[kind, method] = _spied_step(make(), plan, method, loss_of, rank, world)
+    try:
+        CanzonaOptimizer(H.TinyGPT(spare=False), out["tiny", "plan"], collective="equal")
+        out["equal_refused"] = "no error"
+    except ValueError as exc:
+        out["equal_refused"] = str(exc)
+    return out
+
+
 CASES = {
     "muon": H.train_canzona,
     "accum": functools.partial(H.train_canzona, accum=2),
@@ -103,6 +236,7 @@ CASES = {
     "overlap": functools.partial(H.train_canzona, overlap_param_gather=True),
     "errors": _errors,
     "state_dict": _state_dict,
+    "payloads": _payloads,
 }
 #: Every collective method forced on every bucket (the default picks per bucket).
 METHODS = ("padded", "per_root", "all_reduce", "all_to_all")
@@ -113,10 +247,11 @@ CASES4 = {
     "muon": H.train_canzona,
     "accum_clip": functools.partial(H.train_canzona, accum=2, clip=0.2),
     "shampoo": functools.partial(H.train_canzona, optimizer="shampoo"),
+    "payloads": _payloads,
 }
-#: At dp 4 the methods the default rule does not pick for this model (it picks all_to_all for
-#: every bucket; padded runs at dp 2).
-METHODS4 = ("per_root", "all_reduce", "padded")
+#: At dp 4 the methods this model's plan does not pick (its buckets move by padded, per_root and
+#: equal in the dp 4 cases above; the "payloads" case checks every method's calls).
+METHODS4 = ("all_reduce", "all_to_all")
 CASES4.update({f"method_{m}": functools.partial(H.train_canzona, collective=m, **METHOD_RUN)
                for m in METHODS4})
 REFERENCE = {
@@ -262,3 +397,96 @@ def test_every_collective_method_gives_the_same_training(world2, world4, method)
             assert set(res["methods"]) == {method}
             assert H.rel_err(res["params"], ref["params"]) <= 1e-5
             assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+
+
+# --- payloads: what each method hands torch.distributed ------------------------------------------
+
+
+def _plan_sizes(plan) -> list[tuple[int, ...]]:
+    return [tuple(y - x for x, y in zip(b.cuts, b.cuts[1:]))
+            for buf in plan.buffers for b in buf.buckets]
+
+
+def _expected_calls(method: str, sizes: tuple[int, ...], rank: int) -> list[dict]:
+    """The calls one bucket's reduce and gather must make on ``rank``, from its slice sizes."""
+    R, S, n, big = len(sizes), sum(sizes), sizes[rank], max(sizes)
+    owners = [r for r, s in enumerate(sizes) if s > 0]
+    roots = {"reduce": [{"phase": "reduce", "op": "reduce", "numel": sizes[r], "root": r}
+                        for r in owners],
+             "gather": [{"phase": "gather", "op": "broadcast", "numel": sizes[r], "root": r}
+                        for r in owners]}
+    if method == "equal":
+        assert len(set(sizes)) == 1
+        return [{"phase": "reduce", "op": "reduce_scatter", "in": S, "out": n},
+                {"phase": "gather", "op": "all_gather", "in": n, "out": S}]
+    if method == "padded":
+        return [{"phase": "reduce", "op": "reduce_scatter", "in": R * big, "out": big},
+                {"phase": "gather", "op": "all_gather", "in": big, "out": R * big}]
+    if method == "per_root":
+        return roots["reduce"] + roots["gather"]
+    if method == "all_reduce":
+        return [{"phase": "reduce", "op": "all_reduce", "numel": S}] + roots["gather"]
+    assert method == "all_to_all"
+    return [{"phase": "reduce", "op": "all_to_all_single", "in": S, "out": R * n,
+             "in_splits": list(sizes), "out_splits": [n] * R},
+            {"phase": "gather", "op": "all_to_all_single", "in": R * n, "out": S,
+             "in_splits": [n] * R, "out_splits": list(sizes)}]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, world: int, rel: float) -> bool:
+    """Bitwise at dp 2 (a sum of two terms has one order), else within ``rel`` of the norm."""
+    if world == 2:
+        return torch.equal(a, b)
+    return bool((a - b).norm() <= rel * b.norm().clamp(min=1e-30))
+
+
+def test_collective_payloads_are_the_plan_slices(world2, world4):
+    """One step per method (each bucket's plan method, then each forced on every bucket), on a
+    plan with uneven slices and one with equal slices, at dp 2 and dp 4: every bucket makes
+    exactly the calls its slice sizes imply — padded: R·max; per_root (and all_reduce's
+    gather): one reduce / broadcast per non-empty owner of exactly its slice; all_to_all: the
+    slices as split sizes; all_reduce: the whole bucket; equal (the stock calls) only where the
+    slices are equal — and no other."""
+    seen_methods = set()
+    for world, ranks in ((2, world2), (4, world4)):
+        for rank, res in enumerate(result(ranks, "payloads")):
+            assert "cannot move bucket" in res["equal_refused"]
+            for kind in ("tiny", "stack"):
+                sizes = _plan_sizes(res[kind, "plan"])
+                plan_methods = [b.method for buf in res[kind, "plan"].buffers
+                                for b in buf.buckets]
+                assert all(len(s) == world for s in sizes)
+                # The stack's slices are equal; TinyGPT's mostly not (dp 4 has an equal bucket).
+                unequal = sum(len(set(s)) > 1 for s in sizes)
+                assert unequal == 0 if kind == "stack" else unequal >= len(sizes) - 1
+                for method in PAYLOAD_METHODS:
+                    got = res[kind, method]
+                    used = plan_methods if method is None else [method] * len(sizes)
+                    assert list(got["methods"]) == used
+                    seen_methods.update(used)
+                    for k, (m, s) in enumerate(zip(used, sizes)):
+                        calls = [{key: v for key, v in c.items() if key != "bucket"}
+                                 for c in got["calls"] if c["bucket"] == k]
+                        assert calls == _expected_calls(m, s, rank), (world, kind, method, k)
+                    assert all(c["bucket"] is not None for c in got["calls"])
+    # Both plans' own methods and the forced ones cover every method.
+    assert seen_methods == set(comm_model.METHODS)
+
+
+def test_every_method_reduces_and_gathers_the_same_values(world2, world4):
+    """Per bucket, every method's averaged gradient slice and gathered parameter buffer equal
+    those of the stock calls (equal on the equal-slice plan, padded on the other): bitwise at
+    dp 2, to 1e-6 at dp 4 (the sums' order differs); the gathered parameters are bitwise the
+    same on every rank."""
+    for world, ranks in ((2, world2), (4, world4)):
+        got = result(ranks, "payloads")
+        for kind, ref_method in (("tiny", "padded"), ("stack", None)):
+            for method in PAYLOAD_METHODS:
+                for rank, res in enumerate(got):
+                    ref, run = res[kind, ref_method], res[kind, method]
+                    for k, (a, b) in enumerate(zip(run["own"], ref["own"], strict=True)):
+                        assert a.shape == b.shape and _close(a, b, world, 1e-6), \
+                            (world, kind, method, rank, k)
+                    for k, (a, b) in enumerate(zip(run["params"], ref["params"], strict=True)):
+                        assert _close(a, b, world, 1e-5), (world, kind, method, rank, k)
+                        assert torch.equal(a, got[0][kind, method]["params"][k])
