@@ -395,11 +395,79 @@ def improve(problem: DPProblem, cuts: Cuts, comm_limit: float | None,
 
 def improve_comm(problem: DPProblem, cuts: Cuts, comm_limit: float | None, *,
                  objective: Objective, max_rounds: int = 2) -> Cuts:
-    """The max phase of :func:`polish` alone, from cuts already balanced for the compute: each
-    bucket re-cut where the objective's communication term falls by more than its load
-    term grows."""
+    """From cuts already balanced for the compute: identical buckets re-cut together
+    (:func:`even_out_twins`), then the max phase of :func:`polish` alone, each bucket re-cut
+    where the objective's communication term falls by more than its load term grows."""
+    cuts = even_out_twins(problem, cuts, comm_limit, objective=objective)
     return polish(problem, cuts, comm_limit=comm_limit, max_rounds=max_rounds,
                   objective=objective, phases=("max",), pieces=COMM_PIECES)
+
+
+def even_out_twins(problem: DPProblem, cuts: Cuts, comm_limit: float | None, *,
+                   objective: Objective) -> Cuts:
+    """Buckets with the same items in the same order (the expert layers of an MoE, repeated
+    blocks) re-cut R at a time under the objective's slice cap, so their slices are nearly
+    even — the stock collectives' layout — while together they leave every rank the load it
+    had: a move no single bucket can make, since one bucket cut evenly shifts load onto ranks
+    that the next one must relieve. Kept, R buckets at a time, where the objective's load and
+    communication terms fall."""
+    grain = piece_grain(problem)
+    units = {(b.buffer, b.bucket): _with_cuts(bucket_units(b, COMM_PIECES, grain),
+                                              cuts[(b.buffer, b.bucket)])
+             for b in problem.buckets}
+    idx = {k: [int(np.searchsorted(u.bounds, c)) for c in cuts[k]] for k, u in units.items()}
+    load = _loads_by_bucket(problem, units, idx)
+    scale = max(1.0, float(load.max()))
+    twins: dict[tuple, list[BucketProblem]] = {}
+    for b in problem.buckets:
+        sig = tuple((it.atomic, it.end - it.start, it.load) for it in b.items)
+        twins.setdefault((b.buffer, b.ranks, b.end - b.start, sig), []).append(b)
+    changed = False
+    for (_, ranks, _, _), group in sorted(twins.items(), key=lambda kv: kv[0][:3]):
+        if len(group) < 2 or ranks < 2:
+            continue
+        # Chunks of R twins each wholly owned by a different rank: cut evenly together, they
+        # give every rank one bucket's load again.
+        whole: dict[int, list[BucketProblem]] = {}
+        for b in group:
+            i = idx[(b.buffer, b.bucket)]
+            owners = [r for r in range(b.ranks) if i[r + 1] > i[r]]
+            if len(owners) == 1:
+                whole.setdefault(owners[0], []).append(b)
+        chunks = list(zip(*(whole[r] for r in range(ranks)))) if len(whole) == ranks else []
+        for chunk in chunks:
+            trial = load.copy()
+            for b in chunk:
+                k = (b.buffer, b.bucket)
+                trial[[problem.dp_index(b, r) for r in range(b.ranks)]] -= _mine(units[k], idx[k])
+            new: dict[tuple[int, int], list[int]] = {}
+            for b in chunk:
+                k, u = (b.buffer, b.bucket), units[(b.buffer, b.bucket)]
+                caps = objective.slice_caps(problem, b)
+                cap = min(caps[0], comm_limit * (b.end - b.start) / b.ranks) if caps and \
+                    comm_limit is not None else (caps[0] if caps else None)
+                if cap is None:
+                    break
+                ds = [problem.dp_index(b, r) for r in range(b.ranks)]
+                try:
+                    new[k] = _bucket_dp(_scaled(u, scale), trial[ds] / scale, cap, "max")
+                except OptionError:
+                    break  # a matrix wider than the cap: these buckets stay as they are
+                trial[ds] += _mine(u, new[k])
+            if len(new) < len(chunk):
+                continue
+            old_g = sum(_g(objective, problem, b, units[(b.buffer, b.bucket)],
+                           idx[(b.buffer, b.bucket)]) for b in chunk)
+            new_g = sum(_g(objective, problem, b, units[(b.buffer, b.bucket)],
+                           new[(b.buffer, b.bucket)]) for b in chunk)
+            if objective.load_term(float(trial.max())) + new_g \
+                    < objective.load_term(float(load.max())) + old_g:
+                load = trial
+                idx.update(new)
+                changed = True
+    if not changed:
+        return cuts
+    return {k: cuts_from_indices(units[k], v) for k, v in idx.items()}
 
 
 #: Pieces per divisible item in the communication stage (coarser than the compute stages'
