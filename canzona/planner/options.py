@@ -59,7 +59,8 @@ class DPOptions:
     Attributes:
         solver: ``auto`` (greedy + exact per-bucket polish), ``greedy`` (the paper) or ``cpsat``.
         alpha: the paper's α ∈ [0, 1] for the greedy start (0: even split, 1: fill deficits).
-        time_limit_s: CP-SAT's deterministic time limit (``cpsat`` only).
+        time_limit_s: CP-SAT's deterministic time limit per phase (``cpsat`` only: the busiest
+            load, then the optimizer state and slice sizes with that load held).
         seed: CP-SAT's random seed (recorded in the plan).
         workers: CP-SAT worker count (fixed, so plans are reproducible).
         comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).

@@ -174,3 +174,18 @@ def test_step_time_in_load_units():
     assert obj.bucket_term(pr, b, sizes) == pytest.approx(want)
     assert obj.slice_term(pr, b, 5) == pytest.approx(2 * link.latency_s / rate)
     assert obj.slice_term(pr, b, 0) == 0.0
+
+
+def test_cpsat_keeps_the_secondary_balances_of_auto():
+    """A Shampoo plan by CP-SAT holds its optimizer state and reduce-scatter slices as evenly as
+    the default solver's: its second phase balances them with the busiest load held (under
+    max-load; step-time then trades slice sizes for fewer calls, alike after either)."""
+    def balance(sol):
+        ev = evaluate(sol.problem, sol.cuts)
+        return [max(v) / (sum(v) / len(v)) for v in (ev.state_bytes, ev.rs_bytes)]
+
+    pr = make_problem(build_inventory(SMALL), ParallelSizes(4, 1), OptimizerSettings(name="shampoo"),
+                      bucket_size=200_000)
+    auto = balance(solve(pr, DPOptions(objective="max-load")))
+    cpsat = balance(solve(pr, DPOptions(solver="cpsat", time_limit_s=1.0, objective="max-load")))
+    assert all(c <= max(1.10, a) + 1e-9 for c, a in zip(cpsat, auto)), (cpsat, auto)

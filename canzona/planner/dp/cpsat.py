@@ -11,7 +11,8 @@ constraints:
   * M ≥ Σ w_u x[b, u, r] over every (b, u, r) that belongs to DP index d, for every d
     (the objective's F, ``Objective.cpsat_index_term``).
 objective: minimise M (+ the objective's per-slice terms h_b(Σ_u n_u x[b, u, r]) when it has
-them, ``Objective.cpsat_slice_term``).
+them, ``Objective.cpsat_slice_term``); then, M held, the busiest DP index's optimizer state
+plus its slice elements (the secondary balances), from the first answer.
 The search is warm-started with a hint, limited in deterministic time with a fixed worker count
 (so the same inputs give the same plan) and every status is checked.
 """
@@ -38,6 +39,12 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
     unit_load = mean / SCALE_UNITS if mean > 0 else 1.0
     model = cp_model.CpModel()
     loads: list[list] = [[] for _ in range(problem.dp)]
+    states: list[list] = [[] for _ in range(problem.dp)]  # scaled optimizer state per index
+    elems: list[list] = [[] for _ in range(problem.dp)]  # scaled slice elements per index
+    total_state = sum(it.state_bytes for b in problem.buckets for it in b.items)
+    total_elems = sum(b.end - b.start for b in problem.buckets)
+    unit_state = max(1.0, total_state / problem.dp / SCALE_UNITS)
+    unit_elems = max(1.0, total_elems / problem.dp / SCALE_UNITS)
     owner_vars: dict = {}
     slice_terms: list = []
     units_by_key = {}
@@ -60,10 +67,17 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
             own = model.new_int_var(0, R - 1, f"o_{b.buffer}_{b.bucket}_{k}")
             model.add(own == sum(r * lit for r, lit in enumerate(lits)))
             owners.append(own)
+            st = int((u.state[k + 1] - u.state[k]) / unit_state) if u.state is not None else 0
+            ne = int((u.bounds[k + 1] - u.bounds[k]) / unit_elems)
             for r, lit in enumerate(lits):
                 x[k, r] = lit
+                d = problem.dp_index(b, r)
                 if w:
-                    loads[problem.dp_index(b, r)].append(w * lit)
+                    loads[d].append(w * lit)
+                if st:
+                    states[d].append(st * lit)
+                if ne:
+                    elems[d].append(ne * lit)
         # Slices are contiguous and in rank order.
         for a, c in zip(owners, owners[1:]):
             model.add(a <= c)
@@ -100,6 +114,26 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
                               "raise it.", fields=("DPOptions.comm_limit",))
         # UNKNOWN: no solution in time; keep the warm start.
         return hint, "cpsat-unknown", 0
+    phase1 = status
+    bound = int(solver.best_objective_bound * unit_load - 2 * max_piece)
+    if not slice_terms:
+        # Second phase: the busiest load held, balance the optimizer state and the slices'
+        # elements (what ``auto``'s smooth phases do), from the first phase's answer.
+        model.clear_hints()
+        for key, owners in owner_vars.items():
+            for o in owners:
+                model.add_hint(o, solver.value(o))
+        model.add(M <= solver.value(M))
+        ms = model.new_int_var(0, SCALE_UNITS * problem.dp, "max_state")
+        me = model.new_int_var(0, SCALE_UNITS * problem.dp, "max_elems")
+        for d in range(problem.dp):
+            model.add(ms >= sum(states[d]))  # the busiest state
+            model.add(me >= sum(elems[d]))  # the largest slices
+        model.minimize(ms + me)
+        # (the same deterministic budget as the first phase)
+        second = solver.solve(model)
+        if second not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise AssertionError("CP-SAT lost its own hint")  # pragma: no cover
     cuts = {}
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
@@ -115,10 +149,9 @@ def solve_cpsat(problem: DPProblem, hint: dict, *, time_limit_s: float, seed: in
     # Keep the better of the warm start and CP-SAT's answer, judged on the exact loads.
     if objective.score(problem, cuts) > objective.score(problem, hint):
         cuts = hint
+    name = "optimal" if phase1 == cp_model.OPTIMAL else "feasible"
     if slice_terms:
-        return cuts, f"cpsat-{'optimal' if status == cp_model.OPTIMAL else 'feasible'}", 0
-    bound = int(solver.best_objective_bound * unit_load - 2 * max_piece)
-    name = "optimal" if status == cp_model.OPTIMAL else "feasible"
+        return cuts, f"cpsat-{name}", 0
     return cuts, f"cpsat-{name}", max(0, bound)
 
 

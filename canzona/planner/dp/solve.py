@@ -66,7 +66,8 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
     exact per-bucket polish; ``greedy``: the paper; ``cpsat``), α for the greedy start, CP-SAT's
     time limit, seed and workers, the comm limit, the objective, and ``reorder``: parameters
     may change places inside their bucket (see ``dp.reorder``); the result keeps Megatron's
-    order when that is at least as good. Never worse than the paper's greedy; within
+    order when that is at least as good. The compute stages are never worse than the paper's
+    greedy (the ``step-time`` stage may then add STEP_TIME_GAP_PP points of the bound); within
     PACKING_BOUND_ABOVE of the bound, the Megatron-order search is skipped. Its layout fields
     (cost, bucket size) belong to ``make_problem``. ``progress`` is told each stage's name.
 
