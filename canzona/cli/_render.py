@@ -24,10 +24,9 @@ from rich.text import Text
 
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
-from canzona.planner.planning import collective_elements
 from canzona.planner.report import busiest_index, max_mean, oversized_groups, peak_within_cmax
 
-from ._units import gpus, human_bytes, human_flops, load, params_count
+from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
 if TYPE_CHECKING:
     from canzona.planner.plan import Plan
@@ -204,10 +203,13 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
         f"gap to the certified bound: [bold]{m.gap_to_bound:.2%}[/] "
         f"(bound {load(m.certified_bound, inp.cost_model)}; LB = max(mean, largest task) "
         f"{load(m.lower_bound, inp.cost_model)})", highlight=False)
-    even, padded = collective_elements(plan)
+    c = plan.comm
     console.print(
-        f"uneven slices: padded reduce-scatter/all-gather would move {padded / even:.2f}× ZeRO-1's "
-        "bytes (per-rank reduce/broadcast: 1.00×, in dp calls per bucket)", highlight=False)
+        f"collectives ({c.hardware}@{c.hardware_version}, {c.link.replace('_', '-')}, α–β model): "
+        f"predicted {seconds(c.predicted_s)} per iteration vs ZeRO-1's {seconds(c.zero1_s)} "
+        f"({_ratio(c.predicted_s, c.zero1_s)}); most bytes a rank sends "
+        f"{human_bytes(c.max_sent_bytes)} ({_ratio(c.max_sent_bytes, c.zero1_max_sent_bytes)}); "
+        "methods: " + ", ".join(f"{k} {n}" for k, n in c.methods.items()), highlight=False)
     console.print(
         f"matrices split across DP ranks: {m.split_matrices}   solver status: {m.solver_status}   "
         f"wall time: {wall_s:.2f} s", highlight=False)
@@ -222,8 +224,71 @@ def _bar(value: int, top: int, width: int = 16) -> Bar:
     return Bar(size=float(top or 1), begin=0.0, end=float(value), width=width)
 
 
-def inspect_view(plan: Plan, report: dict) -> None:
-    """The rich report of ``canzona inspect``."""
+def seconds(s: float) -> str:
+    """A modelled duration: ``12.34 ms`` under a second, ``1.234 s`` above."""
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.2f} ms"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}×" if b else "-"
+
+
+def comm_view(c: dict, *, top: int = 10) -> None:
+    """The plan's collectives (``report["comm"]``): the profile, predicted time and bytes against
+    ZeRO-1, and the ``top`` most costly buckets with a totals line."""
+    tot = c["totals"]
+    console.rule("DP collectives (α–β model, not measured)")
+    console.print(
+        f"profile [bold]{escape(c['hardware'])}@{c['hardware_version']}[/] "
+        f"({c['gpus_per_node']} GPUs per node): DP groups on {c['link'].replace('_', '-')} links, "
+        f"bus bandwidth {human_bytes(c['busbw'])}/s, α {c['latency_s'] * 1e6:.1f} µs",
+        highlight=False)
+    if c["converted_from"] is not None:
+        console.print(f"[yellow]converted from schema {c['converted_from']}[/]: the methods were "
+                      "chosen on load with this profile", highlight=False)
+    console.print(
+        f"predicted per iteration (busiest DP index): [bold]{seconds(c['predicted_s'])}[/] vs "
+        f"ZeRO-1's even collectives {seconds(c['zero1_s'])} ({c['time_ratio']:.3f}×); most bytes "
+        f"a rank sends {human_bytes(c['max_sent_bytes'])} vs "
+        f"{human_bytes(c['zero1_max_sent_bytes'])} ({c['bytes_ratio']:.3f}×)", highlight=False)
+    console.print("methods: " + ", ".join(f"{m} {n}" for m, n in c["methods"].items())
+                  + f" bucket{'s' if tot['buckets'] != 1 else ''}; {tot['calls']} calls per "
+                  f"iteration (ZeRO-1: {tot['zero1_calls']})", highlight=False)
+    shown = sorted(c["buckets"], key=lambda b: -b["seconds"])[:top]
+    if not shown:
+        return
+    keys = {b["buffer"] for b in c["buckets"]}
+    dtypes = {k.rsplit(" ", 1)[-1] for k in keys}
+    one = len(dtypes) == 1  # one dtype pair: name buffers without it
+
+    def name(b: dict) -> str:
+        key = b["buffer"].rsplit(" ", 1)[0] if one else b["buffer"]
+        return f"{key} #{b['bucket']}"
+
+    t = Table(title=f"The {len(shown)} most costly of {tot['buckets']} buckets by predicted "
+                    f"reduce + gather time{' (' + next(iter(dtypes)) + ')' if one else ''}; "
+                    "--json lists every bucket")
+    for col in ("bucket", "elements", "method", "slices min–max", "max/even", "calls",
+                "max sent", "predicted", "ZeRO-1"):
+        t.add_column(col, justify="left" if col in ("bucket", "method") else "right")
+    for b in shown:
+        t.add_row(escape(name(b)), human(b["numel"]), b["method"],
+                  f"{human(b['slice_min'])}–{human(b['slice_max'])}", f"{b['max_over_even']:.2f}",
+                  str(b["calls"]), human_bytes(b["max_sent_bytes"]), seconds(b["seconds"]),
+                  f"{seconds(b['zero1_seconds'])} {_ratio(b['seconds'], b['zero1_seconds'])}")
+    t.add_section()
+    t.add_row(f"all {tot['buckets']}", human(sum(b["numel"] for b in c["buckets"])), "", "", "",
+              str(tot["calls"]), human_bytes(tot["max_sent_bytes"]), seconds(tot["predicted_s"]),
+              f"{seconds(tot['zero1_s'])} {_ratio(tot['predicted_s'], tot['zero1_s'])}",
+              style="bold")
+    console.print(t)
+    console.print("totals: the busiest DP index's sum over the buckets it joins; max sent: the "
+                  "most bytes one rank sends (reduce + gather).", style="dim", highlight=False)
+
+
+def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
+    """The rich report of ``canzona inspect`` (``top_buckets``: how many of the most costly
+    buckets to list)."""
     inp, m = plan.inputs, plan.metrics
     r = report["metrics"]
     cm = inp.cost_model
@@ -240,23 +305,25 @@ def inspect_view(plan: Plan, report: dict) -> None:
         f"{load(m.certified_bound, cm)}: [bold]{m.gap_to_bound:.2%}[/]", highlight=False)
 
     ranks = report["ranks"]
-    tops = {k: max(x[k] for x in ranks) for k in ("flops", "state_bytes", "reduce_scatter_bytes")}
+    tops = {k: max(x[k] for x in ranks) for k in ("flops", "sent_bytes")}
     scope = dp_scope(plan)
-    t = Table(title=f"{scope[0].upper()}{scope[1:]} (bars relative to the busiest)")
-    t.add_column("d", justify="right")
-    t.add_column("matrices", justify="right")
-    for label in ("optimizer FLOPs", "optimizer state", "reduce-scatter"):
-        t.add_column(label, justify="left")
-        t.add_column("", justify="right")
+    t = Table(title=f"{scope[0].upper()}{scope[1:]} (bars relative to the busiest; bytes sent "
+                    "and collectives per iteration)")
+    for col, just in (("d", "right"), ("matrices", "right"), ("optimizer FLOPs", "left"),
+                      ("", "right"), ("state", "right"), ("reduce-scatter", "right"),
+                      ("bytes sent", "left"), (" ", "right"), ("collectives", "right")):
+        width = len(col) if len(col) < 15 else None  # no "reduce-scatt…"
+        t.add_column(col, justify=just, min_width=width)  # type: ignore[arg-type]
     for x in ranks:
         busiest = x["load"] == r["max_load"]
         t.add_row(
             f"[bold]{x['dp_index']}[/]" if busiest else str(x["dp_index"]), str(x["matrices"]),
-            _bar(x["flops"], tops["flops"]), human_flops(x["flops"]),
-            _bar(x["state_bytes"], tops["state_bytes"]), human_bytes(x["state_bytes"]),
-            _bar(x["reduce_scatter_bytes"], tops["reduce_scatter_bytes"]),
-            human_bytes(x["reduce_scatter_bytes"]))
+            _bar(x["flops"], tops["flops"], 10), human_flops(x["flops"]),
+            human_bytes(x["state_bytes"]), human_bytes(x["reduce_scatter_bytes"]),
+            _bar(x["sent_bytes"], tops["sent_bytes"], 10), human_bytes(x["sent_bytes"]),
+            seconds(x["collective_s"]))
     console.print(t)
+    comm_view(report["comm"], top=top_buckets)
 
     if report["heaviest_tasks"]:
         h = Table(title=f"Heaviest {len(report['heaviest_tasks'])} tasks")
@@ -276,19 +343,27 @@ def inspect_view(plan: Plan, report: dict) -> None:
         b = Table(title=f"Against the baselines (same model and sizes; bound "
                         f"{load(m.certified_bound, cm)}; {dp_scope(plan)})")
         for col in ("strategy", "max load", "max/mean", "gap to bound", "split matrices",
-                    "grad sync"):
+                    "grad sync", "max sent", "collectives"):
             b.add_column(col, justify="left" if col in ("strategy", "grad sync") else "right")
         for x in report["baselines"]:
             style = "bold" if x["name"] == "canzona" else None
             b.add_row(x["name"], load(x["max_load"], cm), f"{x['max_over_mean']:.4f}",
                       f"{x['gap_to_bound']:.2%}", str(x["split_matrices"]), x["grad_sync"],
+                      "-" if x["max_sent_bytes"] is None else human_bytes(x["max_sent_bytes"]),
+                      "-" if x["collective_s"] is None else seconds(x["collective_s"]),
                       style=style)
         console.print(b)
         console.print("zero1 charges split matrices by fragments (not the exact optimizer); asc "
                       "computes each whole on the rank holding its start; layerwise all-reduces "
-                      "gradients; layerwise-lpt balances Megatron's proxy max·min², not the "
-                      "plan's cost, so it can lose to layerwise (README: Reading the reports).",
-                      highlight=False, style="dim")
+                      "gradients and all-gathers uneven per-rank lists; layerwise-lpt balances "
+                      "Megatron's proxy max·min², not the plan's cost, so it can lose to "
+                      "layerwise; megatron-packed is Megatron's 2026 layout: whole matrices in "
+                      "shards padded to the largest, in its own buckets"
+                      + "".join(f" (padding {x['padding']:.1%} of the matrix elements)"
+                                for x in report["baselines"] if x.get("padding") is not None)
+                      + " (README: Reading the reports). max sent: bytes one rank sends per "
+                      "iteration; collectives: predicted on the plan's link.", highlight=False,
+                      style="dim")
 
 
 def wrote(what: str, path: Path) -> None:

@@ -206,7 +206,8 @@ def plan(
         "--solver", help="auto (greedy + exact per-bucket polish), greedy (the paper) or "
                          "cpsat (OR-Tools, proves a bound).")] = "auto",
     time_limit: Annotated[float, typer.Option(
-        "--time-limit", help="CP-SAT time limit in seconds (cpsat only).")] = 10.0,
+        "--time-limit", help="CP-SAT time limit in seconds per phase (cpsat only: the busiest load, "
+                            "then the state and slice balances with it held).")] = 10.0,
     comm_limit: Annotated[Optional[float], typer.Option(
         "--comm-limit", show_default="no cap",
         help="Cap every DP slice at this multiple (≥ 1) of the even slice S/R (bounds the padded "
@@ -281,13 +282,17 @@ def inspect(
                                "(plans made with --config only).")] = None,
     top: Annotated[int, typer.Option("--top", help="How many of the heaviest tasks to list.",
                                      min=0)] = 10,
+    top_buckets: Annotated[int, typer.Option(
+        "--top-buckets", min=0, help="How many of the most costly buckets (predicted collective "
+                                     "time) to list; --json lists every bucket.")] = 10,
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a per-DP-index chart to this file (.png, .pdf, .svg, …; a folder: "
                        "named after the plan) and, for tp > 1, the TP view beside it as "
                        "NAME-tp.EXT (needs matplotlib).")] = None,
 ) -> None:
-    """Report a plan: per-DP-index loads, gap to the bound, heaviest tasks, every baseline."""
+    """Report a plan: per-DP-index loads and collectives, the costliest buckets, gap to the bound,
+    heaviest tasks, every baseline."""
     from canzona.planner.report import inspect_report
     from canzona.planner.validate import load_plan
 
@@ -302,7 +307,7 @@ def inspect(
     if as_json:
         _render.json_out(report)
     else:
-        _render.inspect_view(p, report)
+        _render.inspect_view(p, report, top_buckets=top_buckets)
         if report["tp_schedule"] is not None:
             _render.tp_view(p, report["tp_schedule"])
     _render.wrote_charts(charts, as_json=as_json)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile, LinkProfile
-from .plan import CommPlan
+from .plan import CommPlan, Plan
 
 #: Every method, in the order ties are broken (the stock collectives first).
 METHODS = ("equal", "padded", "per_root", "all_reduce", "all_to_all")
@@ -308,3 +308,11 @@ def comm_section(slices: Sequence[BucketSlices], methods: Sequence[str], hw: Har
                     max_sent_bytes=s.max_sent, zero1_max_sent_bytes=s.zero1_max_sent,
                     methods={m: counts[m] for m in METHODS if m in counts},
                     converted_from=converted_from)
+
+
+def plan_summary(plan: Plan, link: LinkProfile | None = None) -> CommSummary:
+    """Every bucket of ``plan`` under its recorded method, on ``link`` (default: the link the
+    plan recorded)."""
+    link = link or LinkProfile(busbw=plan.comm.busbw, latency_s=plan.comm.latency_s)
+    methods = [b.method for buf in plan.buffers for b in buf.buckets]
+    return summarise(buffer_slices(plan.buffers, plan.inputs.ep), plan.inputs.dp, link, methods)

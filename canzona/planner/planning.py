@@ -333,23 +333,6 @@ def baseline_plan(problem: DPProblem, strategy: str = "asc", model_source: str =
                       split_mode="owner" if strategy == "asc" else "fragments")
 
 
-def collective_elements(plan: Plan) -> tuple[int, int]:
-    """Elements one reduce-scatter (or all-gather) of every bucket moves per rank group.
-
-    Returns (even, padded): ``even`` is what ZeRO-1's equal chunks move (the bucket sizes);
-    ``padded`` what the stock equal-size collectives move when every slice is padded to the
-    bucket's largest (R · max slice) — the price of uneven cuts that ``--comm-limit`` bounds.
-    Per-rank reduce/broadcast or all-to-all variants move about ``even`` in R calls.
-    """
-    even = padded = 0
-    for buf in plan.buffers:
-        for b in buf.buckets:
-            sizes = [y - x for x, y in zip(b.cuts, b.cuts[1:])]
-            even += b.end - b.start
-            padded += len(sizes) * max(sizes)
-    return even, padded
-
-
 def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str) -> str:
     ep = f"-ep{sizes.ep}" if sizes.ep > 1 else ""
     return f"{model}-dp{sizes.dp}-tp{sizes.tp}{ep}-{optimizer}.plan.json"

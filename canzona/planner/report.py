@@ -21,13 +21,14 @@ from .models import PRESETS, ModelConfig
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
+    from .comm import CommSummary
     from .plan import MicroGroupPlan, Plan
     from .planning import DPProblem
     from .tp.baselines import TPBaselineRow
 
-__all__ = ["busiest_index", "inspect_dict", "inspect_report", "layout_dict", "layout_of",
-           "max_mean", "model_rows", "oversized_groups", "peak_within_cmax", "rebuild_problem",
-           "task_name", "tp_dict"]
+__all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
+           "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",
+           "rebuild_problem", "task_name", "tp_dict"]
 
 
 # --- small metrics shared by the reports and their renderers ---------------------------------
@@ -175,8 +176,9 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
         progress: told the name of each stage as it starts.
 
     Returns:
-        :func:`inspect_dict`'s report, with the TP part (:func:`tp_dict`, None for tp = 1) under
-        ``tp_schedule``. Baselines are None where the problem cannot be rebuilt.
+        :func:`inspect_dict`'s report (with the collectives, :func:`comm_dict`, under ``comm``),
+        with the TP part (:func:`tp_dict`, None for tp = 1) under ``tp_schedule``. Baselines are
+        None where the problem cannot be rebuilt.
 
     Raises:
         CanzonaError: see :func:`rebuild_problem`.
@@ -207,9 +209,14 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
 
 
 def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -> dict:
-    """The DP part of :func:`inspect_report`: inputs, metrics, per-DP-index rows, heaviest tasks
-    and the baselines ``rows`` (None: not available)."""
+    """The DP part of :func:`inspect_report`: inputs, metrics, per-DP-index rows (compute, state,
+    bytes sent and predicted collective seconds), heaviest tasks, the collectives
+    (:func:`comm_dict`) and the baselines ``rows`` (None: not available)."""
+    from .comm import plan_summary
+
     inp, m = plan.inputs, plan.metrics
+    summary = plan_summary(plan)
+    sent, secs = summary.index_sent, summary.index_seconds
     owned = [0] * inp.dp
     for t in plan.tasks:
         if t.owner is not None:
@@ -232,9 +239,11 @@ def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -
         "ranks": [
             {"dp_index": d, "load": m.dp_load[d], "flops": m.dp_flops[d],
              "state_bytes": m.dp_state_bytes[d],
-             "reduce_scatter_bytes": m.dp_reduce_scatter_bytes[d], "matrices": owned[d]}
+             "reduce_scatter_bytes": m.dp_reduce_scatter_bytes[d], "matrices": owned[d],
+             "sent_bytes": sent[d], "collective_s": round(secs[d], 9)}
             for d in range(inp.dp)
         ],
+        "comm": comm_dict(plan, summary),
         "heaviest_tasks": [
             {"id": t.id, "name": task_name(t.param, t.part), "shape": list(t.shape),
              "optimizer": t.optimizer, "owner": t.owner, "cost": t.cost, "flops": t.flops,
@@ -244,9 +253,57 @@ def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -
         "baselines": None if rows is None else [
             {"name": r.name, "max_load": r.max_load, "mean_load": r.mean_load,
              "max_over_mean": round(r.max_over_mean, 6), "gap_to_bound": round(r.gap_to_bound, 6),
-             "split_matrices": r.split_matrices, "grad_sync": r.grad_sync}
+             "split_matrices": r.split_matrices, "grad_sync": r.grad_sync,
+             "max_sent_bytes": r.max_sent_bytes,
+             "collective_s": None if r.collective_s is None else round(r.collective_s, 9),
+             "padding": None if r.padding is None else round(r.padding, 6)}
             for r in rows
         ],
+    }
+
+
+def comm_dict(plan: Plan, summary: CommSummary) -> dict:
+    """The plan's collectives: its ``comm`` section with the ratios to ZeRO-1, every bucket (plan
+    order) and the totals, as :func:`canzona.planner.comm.summarise` computes them under the
+    plan's methods and recorded link (``summary``: :func:`canzona.planner.comm.plan_summary`).
+
+    Per bucket: its method, slices (min, max, max over the even slice), calls, the most bytes a
+    rank sends (reduce + gather), the busiest rank's bytes of the α–β time (the larger of sent
+    and received, per collective, summed), and the predicted seconds, each against ZeRO-1's even
+    collectives of the same bucket."""
+    c = plan.comm
+    buckets = []
+    lines = iter(summary.lines)
+    for buf in plan.buffers:
+        for b in buf.buckets:
+            ln = next(lines)
+            sizes = ln.slices.sizes
+            even = sum(sizes) / len(sizes)
+            buckets.append({
+                "buffer": buf.key, "bucket": b.index, "numel": b.end - b.start,
+                "method": ln.comm.method, "slice_min": min(sizes), "slice_max": max(sizes),
+                "max_over_even": round(max(sizes) / even, 6) if even else 1.0,
+                "calls": ln.comm.calls, "max_sent_bytes": max(ln.comm.sent),
+                "busiest_bytes": ln.comm.reduce.busiest + ln.comm.gather.busiest,
+                "seconds": round(ln.comm.seconds, 9),
+                "zero1_max_sent_bytes": max(ln.zero1.sent),
+                "zero1_seconds": round(ln.zero1.seconds, 9)})
+    return {
+        "hardware": c.hardware, "hardware_version": c.hardware_version,
+        "gpus_per_node": c.gpus_per_node, "link": c.link, "busbw": c.busbw,
+        "latency_s": c.latency_s, "predicted_s": c.predicted_s, "zero1_s": c.zero1_s,
+        "time_ratio": round(c.predicted_s / c.zero1_s, 6) if c.zero1_s else 1.0,
+        "max_sent_bytes": c.max_sent_bytes, "zero1_max_sent_bytes": c.zero1_max_sent_bytes,
+        "bytes_ratio": (round(c.max_sent_bytes / c.zero1_max_sent_bytes, 6)
+                        if c.zero1_max_sent_bytes else 1.0),
+        "methods": dict(c.methods), "converted_from": c.converted_from,
+        "totals": {"buckets": len(buckets), "predicted_s": round(summary.seconds, 9),
+                   "zero1_s": round(summary.zero1_seconds, 9),
+                   "max_sent_bytes": summary.max_sent,
+                   "zero1_max_sent_bytes": summary.zero1_max_sent,
+                   "calls": sum(ln.comm.calls for ln in summary.lines),
+                   "zero1_calls": sum(ln.zero1.calls for ln in summary.lines)},
+        "buckets": buckets,
     }
 
 

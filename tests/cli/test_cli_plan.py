@@ -160,7 +160,8 @@ def test_inspect_json(plan_file):
     assert [x["flops"] for x in data["ranks"]] == list(p.metrics.dp_flops)
     assert len(data["heaviest_tasks"]) == 3
     names = [b["name"] for b in data["baselines"]]
-    assert names == ["zero1", "asc", "layerwise", "layerwise-lpt", "canzona-greedy", "canzona"]
+    assert names == ["zero1", "asc", "layerwise", "layerwise-lpt", "megatron-packed",
+                     "canzona-greedy", "canzona"]
     ours = data["baselines"][-1]
     assert ours["max_load"] == max(p.metrics.dp_load) and ours["split_matrices"] == 0
     assert data["metrics"]["gap_to_bound"] == p.metrics.gap_to_bound

@@ -78,3 +78,147 @@ def test_model_rows_and_busiest_index():
     assert [r["name"] for r in model_rows()] == list(PRESETS)
     assert busiest_index([[1, 5], [5, 2], [3, 3]]) == 0  # ties: the lowest DP index
     assert busiest_index([[1, 2], [3, 6], [6, 1]]) == 1
+
+
+# --- collectives: per bucket, per DP index, the comm section -----------------------------------
+
+
+def _summary(p):
+    from canzona.planner import comm
+    from canzona.planner.hardware import LinkProfile
+
+    link = LinkProfile(busbw=p.comm.busbw, latency_s=p.comm.latency_s)
+    methods = [b.method for buf in p.buffers for b in buf.buckets]
+    return comm.summarise(comm.buffer_slices(p.buffers, p.inputs.ep), p.inputs.dp, link, methods)
+
+
+def test_inspect_report_buckets_and_ranks_are_comm_summarise_numbers(tp2_plan):
+    p = tp2_plan
+    rep = inspect_report(p, top=0)
+    s = _summary(p)
+    c = rep["comm"]
+    buckets = [(buf, b) for buf in p.buffers for b in buf.buckets]
+    assert len(c["buckets"]) == len(s.lines) == len(buckets) == c["totals"]["buckets"]
+    for row, line, (buf, b) in zip(c["buckets"], s.lines, buckets, strict=True):
+        sizes = line.slices.sizes
+        assert (row["buffer"], row["bucket"], row["numel"]) == (buf.key, b.index, b.end - b.start)
+        assert row["method"] == b.method == line.comm.method
+        assert (row["slice_min"], row["slice_max"]) == (min(sizes), max(sizes))
+        assert row["calls"] == line.comm.calls
+        assert row["max_sent_bytes"] == max(line.comm.sent)
+        assert row["busiest_bytes"] == line.comm.reduce.busiest + line.comm.gather.busiest
+        assert row["seconds"] == round(line.comm.seconds, 9)
+        assert row["zero1_seconds"] == round(line.zero1.seconds, 9)
+        assert row["zero1_max_sent_bytes"] == max(line.zero1.sent)
+    assert [r["sent_bytes"] for r in rep["ranks"]] == list(s.index_sent)
+    assert [r["collective_s"] for r in rep["ranks"]] == [round(x, 9) for x in s.index_seconds]
+    t = c["totals"]
+    assert (t["predicted_s"], t["zero1_s"]) == (round(s.seconds, 9), round(s.zero1_seconds, 9))
+    assert (t["max_sent_bytes"], t["zero1_max_sent_bytes"]) == (s.max_sent, s.zero1_max_sent)
+    # The plan's comm section, restated, and what the recomputation gives agree.
+    assert {k: c[k] for k in p.comm.model_dump()} == p.comm.model_dump()
+    assert t["predicted_s"] == p.comm.predicted_s and t["max_sent_bytes"] == p.comm.max_sent_bytes
+    assert c["time_ratio"] == round(p.comm.predicted_s / p.comm.zero1_s, 6)
+    assert c["bytes_ratio"] == round(p.comm.max_sent_bytes / p.comm.zero1_max_sent_bytes, 6)
+    # Every baseline has its communication figures; canzona's are the plan's.
+    rows = {r["name"]: r for r in rep["baselines"]}
+    assert all(r["max_sent_bytes"] > 0 and r["collective_s"] > 0 for r in rows.values())
+    assert rows["canzona"]["collective_s"] == p.comm.predicted_s
+    assert rows["canzona"]["max_sent_bytes"] == p.comm.max_sent_bytes
+    assert rows["zero1"]["collective_s"] == rows["asc"]["collective_s"] == p.comm.zero1_s
+    assert rows["zero1"]["max_sent_bytes"] == p.comm.zero1_max_sent_bytes
+    assert rows["layerwise"]["max_sent_bytes"] > 1.3 * rows["zero1"]["max_sent_bytes"]
+    assert rows["megatron-packed"]["padding"] >= 0
+    assert all(r["padding"] is None for n, r in rows.items() if n != "megatron-packed")
+
+
+# --- megatron-packed ---------------------------------------------------------------------------
+
+
+def _packed_problems():
+    from canzona.planner import build_inventory
+    from canzona.planner.models import ModelConfig
+    from canzona.planner.planning import make_problem
+
+    moe = ModelConfig(name="tiny-moe", arch="qwen3_moe", hidden=256, ffn=0, layers=4, q_heads=4,
+                      kv_heads=2, head_dim=64, vocab=1000, tied_embeddings=False, qk_norm=True,
+                      num_experts=8, experts_per_token=2, moe_ffn=128)
+    q = build_inventory(get_preset("qwen3-0.6b"))
+    return [make_problem(q, ParallelSizes(8, 1)),  # Megatron's default bucket size
+            make_problem(q, ParallelSizes(6, 2), bucket_size=7_000_000),
+            make_problem(q, ParallelSizes(4, 1), overlap_grad_reduce=False),
+            make_problem(build_inventory(moe), ParallelSizes(4, 1, ep=2), bucket_size=100_000)]
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_megatron_packed_places_every_matrix_whole_in_padded_even_shards(k):
+    import math
+
+    from canzona.planner.baselines import PADDING_FLOOR, megatron_packed
+
+    problem = _packed_problems()[k]
+    packed = megatron_packed(problem)
+    assert packed == megatron_packed(problem)  # deterministic
+    mats = {(bi, ii) for bi, b in enumerate(problem.buckets) for ii, it in enumerate(b.items)
+            if it.atomic}
+    placed = [ref for b in packed.buckets for shard in b.shards for ref in shard]
+    assert sorted(placed) == sorted(mats)  # every matrix exactly once, whole
+    last, largest = {}, {}
+    for n, b in enumerate(packed.buckets):
+        buf = problem.layout.buffers[b.buffer]
+        assert b.ranks == buf.dp_size and len(b.fill) == b.ranks
+        assert packed.slices[n].sizes == (b.shard,) * b.ranks  # even collectives
+        # a valid Megatron bucket: R·shard divisible by lcm(R, 128), shard starts 64-aligned
+        assert b.numel % math.lcm(b.ranks, 128) == 0 and b.shard % 64 == 0
+        assert max(b.fill) <= b.shard
+        if not b.matrix:
+            assert b.shards == () and b.unpadded <= b.numel
+            continue
+        last[b.buffer] = n
+        sizes = []
+        for r, shard in enumerate(b.shards):
+            end = 0
+            for bi, ii in shard:
+                it = problem.buckets[bi].items[ii]
+                assert problem.buckets[bi].buffer == b.buffer  # stays in its buffer
+                end = -(-end // 64) * 64 + it.end - it.start
+                sizes.append(it.end - it.start)
+            assert end == b.fill[r]
+        assert b.unpadded == sum(sizes)
+        largest[n] = max(sizes)
+    # Megatron's padding floor: every bucket but a buffer's last holds ≥ 0.9·R·its largest
+    # matrix, so the padding that matrix forces is ≤ 1/0.9 - 1 ≈ 11 %.
+    checked = 0
+    for n, b in enumerate(packed.buckets):
+        if b.matrix and n != last[b.buffer] and problem.layout.bucket_size is not None:
+            checked += 1
+            assert b.unpadded >= int(PADDING_FLOOR * b.ranks * largest[n])
+            assert b.ranks * largest[n] <= b.unpadded / PADDING_FLOOR + b.ranks
+    assert checked or problem.layout.bucket_size is None
+    unpadded = sum(b.unpadded for b in packed.buckets if b.matrix)
+    assert packed.padding == pytest.approx(
+        sum(b.numel for b in packed.buckets if b.matrix) / unpadded - 1)
+    # The same total work over the same DP indices.
+    assert sum(packed.load) == problem.total_load()
+    assert sum(packed.flops) == sum(c.flops for c in problem.costs)
+    assert len(packed.load) == problem.dp
+
+
+def test_megatron_packed_row_uses_even_collectives_over_the_padded_buckets():
+    from canzona.planner import comm
+    from canzona.planner.baselines import baselines, megatron_packed, problem_link
+
+    problem = _packed_problems()[1]
+    rows = {r.name: r for r in baselines(problem)}
+    link = problem_link(problem)
+    packed = megatron_packed(problem)
+    per_bucket = [comm.bucket_comm("equal", s.sizes, grad_bytes=s.grad_bytes,
+                                   param_bytes=s.param_bytes, link=link) for s in packed.slices]
+    row = rows["megatron-packed"]
+    assert row.max_sent_bytes == sum(c.sent[0] for c in per_bucket)
+    assert row.collective_s == pytest.approx(sum(c.seconds for c in per_bucket))
+    assert row.load == packed.load and row.padding == packed.padding
+    assert row.split_matrices == 0 and row.grad_sync == "reduce-scatter"
+    # ZeRO-1's even collectives move the fewest bytes of all.
+    assert row.max_sent_bytes >= rows["zero1"].max_sent_bytes
+    assert rows["layerwise"].max_sent_bytes > rows["zero1"].max_sent_bytes
