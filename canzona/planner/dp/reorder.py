@@ -28,9 +28,13 @@ def _pad(x: int, d: int) -> int:
     return -(-x // d) * d
 
 
-def assign_free(problem: DPProblem, *, max_moves: int = 20_000) -> dict[tuple[int, int], list[int]]:
+def assign_free(problem: DPProblem, *, max_moves: int = 20_000,
+                spread_heavy: bool = False) -> dict[tuple[int, int], list[int]]:
     """Rank (in the bucket's group) of every item when order does not matter: LPT on loads,
     then a move/swap search on the busiest index. Returns per bucket the rank of each item.
+    ``spread_heavy``: the matrices of buckets holding a state-heavy AdamW tensor go to the DP
+    indices at the ends, so that tensor can be shared by the ranks between (equal-load items
+    change places; no index's load changes).
 
     Items of equal load that may go to the same DP indices (dense, or experts of one EP rank)
     are interchangeable, so the search works on per-index counts of such *classes*: a move or
@@ -108,7 +112,7 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000) -> dict[tuple[in
     left = [row[:] for row in count]
     done: set[tuple[tuple[int, int], int]] = set()
     ends = [d for pair in zip(range(dp), range(dp - 1, -1, -1)) for d in pair][:dp]
-    for b in _state_heavy(problem):
+    for b in _state_heavy(problem) if spread_heavy else ():
         key = (b.buffer, b.bucket)
         for k, it in enumerate(b.items):
             if not it.atomic:

@@ -168,14 +168,22 @@ def _reordered(run: _Run) -> _Candidate | None:
     """Parameters placed freely inside their buckets (``dp.reorder``), then polished; None when
     that is worse than the paper's greedy."""
     run.say("reordering")
-    rp, owners = reorder_problem(run.problem, assign_free(run.problem))
-    rcuts = owners_to_cuts(rp, owners)
-    if run.options.comm_limit is not None or _max_load(rp, rcuts) > run.bound * 1.001:
-        # The free assignment is nearly balanced: a few polish rounds finish it.
-        rcuts = improve(rp, rcuts, run.options.comm_limit, max_rounds=2, objective=run.objective)
-    rcuts = _rebalance(run, rp, rcuts)
-    rscore = run.score(rp, rcuts)
-    return _Candidate(rp, rcuts, rscore) if rscore <= run.greedy_score else None
+    best: _Candidate | None = None
+    # step-time also tries the heavy AdamW tensors' buckets' matrices at the ends (dp.reorder)
+    for spread in (False, True) if run.state_aware else (False,):
+        rp, owners = reorder_problem(run.problem, assign_free(run.problem, spread_heavy=spread))
+        rcuts = owners_to_cuts(rp, owners)
+        if run.options.comm_limit is not None or _max_load(rp, rcuts) > run.bound * 1.001:
+            # The free assignment is nearly balanced: a few polish rounds finish it.
+            rcuts = improve(rp, rcuts, run.options.comm_limit, max_rounds=2,
+                            objective=run.objective)
+        rcuts = _rebalance(run, rp, rcuts)
+        cand = _Candidate(rp, rcuts, run.score(rp, rcuts))
+        if best is None or cand.score < best.score or (
+                cand.score <= best.score + STEP_TIME_GAP_PP / 100 * run.bound
+                and _state_excess(rp, rcuts) < _state_excess(best.problem, best.cuts)):
+            best = cand
+    return best if best is not None and best.score <= run.greedy_score else None
 
 
 def _search(run: _Run, start: Cuts) -> tuple[DPProblem, Cuts, bool]:
@@ -219,7 +227,11 @@ def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
         run.say("joint DP×TP refinement")
         refined = joint_refine(used, cuts, ctx=ctx, objective=run.objective)
         refined_gpu = run.gpu_score(used, refined, ctx)
-        if refined_gpu < gpu:
+        # step-time: a refinement that piles optimizer state up must gain more than
+        # STEP_TIME_GAP_PP points of LB_gpu
+        slack = STEP_TIME_GAP_PP / 100 * lb_gpu(used, ctx=ctx) if run.state_aware and \
+            _state_excess(used, refined) > _state_excess(used, cuts) else 0.0
+        if refined_gpu < gpu - slack:
             cuts, gpu = refined, refined_gpu
     if greedy_cuts is not None:
         # Only for a real gain: per-GPU maxima are often flat (the largest matrix), and a tie
