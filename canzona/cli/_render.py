@@ -268,22 +268,23 @@ def comm_view(c: dict, *, top: int = 10) -> None:
     t = Table(title=f"The {len(shown)} most costly of {tot['buckets']} buckets by predicted "
                     f"reduce + gather time{' (' + next(iter(dtypes)) + ')' if one else ''}; "
                     "--json lists every bucket")
-    for col in ("bucket", "elements", "method", "slices min–max", "max/even", "calls",
-                "max sent", "predicted", "ZeRO-1"):
+    for col in ("bucket", "elements", "compute", "method", "slices min–max", "max/even", "calls",
+                "max sent", "predicted", "/ ZeRO-1"):
         t.add_column(col, justify="left" if col in ("bucket", "method") else "right")
     for b in shown:
-        t.add_row(escape(name(b)), human(b["numel"]), b["method"],
+        t.add_row(escape(name(b)), human(b["numel"]), human_flops(b["max_rank_flops"]), b["method"],
                   f"{human(b['slice_min'])}–{human(b['slice_max'])}", f"{b['max_over_even']:.2f}",
                   str(b["calls"]), human_bytes(b["max_sent_bytes"]), seconds(b["seconds"]),
-                  f"{seconds(b['zero1_seconds'])} {_ratio(b['seconds'], b['zero1_seconds'])}")
+                  _ratio(b["seconds"], b["zero1_seconds"]))
     t.add_section()
-    t.add_row(f"all {tot['buckets']}", human(sum(b["numel"] for b in c["buckets"])), "", "", "",
+    t.add_row(f"all {tot['buckets']}", human(sum(b["numel"] for b in c["buckets"])), "", "", "", "",
               str(tot["calls"]), human_bytes(tot["max_sent_bytes"]), seconds(tot["predicted_s"]),
-              f"{seconds(tot['zero1_s'])} {_ratio(tot['predicted_s'], tot['zero1_s'])}",
+              _ratio(tot["predicted_s"], tot["zero1_s"]),
               style="bold")
     console.print(t)
-    console.print("totals: the busiest DP index's sum over the buckets it joins; max sent: the "
-                  "most bytes one rank sends (reduce + gather).", style="dim", highlight=False)
+    console.print("compute: the busiest DP index's matrix FLOPs in the bucket; totals: the "
+                  "busiest DP index's sum over the buckets it joins; max sent: the most bytes one "
+                  "rank sends (reduce + gather).", style="dim", highlight=False)
 
 
 def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:

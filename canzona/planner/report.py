@@ -267,20 +267,32 @@ def comm_dict(plan: Plan, summary: CommSummary) -> dict:
     order) and the totals, as :func:`canzona.planner.comm.summarise` computes them under the
     plan's methods and recorded link (``summary``: :func:`canzona.planner.comm.plan_summary`).
 
-    Per bucket: its method, slices (min, max, max over the even slice), calls, the most bytes a
+    Per bucket: the FLOPs of the matrices it holds (all, and the busiest DP index's share), its
+    method, slices (min, max, max over the even slice), calls, the most bytes a
     rank sends (reduce + gather), the busiest rank's bytes of the α–β time (the larger of sent
     and received, per collective, summed), and the predicted seconds, each against ZeRO-1's even
     collectives of the same bucket."""
     c = plan.comm
+    # Matrix FLOPs per bucket and owning DP index (a task names its parameter, which lies in one
+    # bucket; an expert parameter's name is its own expert's).
+    where = {s.name: (bi, k) for bi, buf in enumerate(plan.buffers)
+             for k, b in enumerate(buf.buckets) for s in b.slots}
+    flops: dict[tuple[int, int], dict[int, int]] = {}
+    for t in plan.tasks:
+        if t.owner is not None and t.param in where:
+            per = flops.setdefault(where[t.param], {})
+            per[t.owner] = per.get(t.owner, 0) + t.flops
     buckets = []
     lines = iter(summary.lines)
-    for buf in plan.buffers:
-        for b in buf.buckets:
+    for bi, buf in enumerate(plan.buffers):
+        for k, b in enumerate(buf.buckets):
             ln = next(lines)
             sizes = ln.slices.sizes
             even = sum(sizes) / len(sizes)
+            per = flops.get((bi, k), {})
             buckets.append({
                 "buffer": buf.key, "bucket": b.index, "numel": b.end - b.start,
+                "matrix_flops": sum(per.values()), "max_rank_flops": max(per.values(), default=0),
                 "method": ln.comm.method, "slice_min": min(sizes), "slice_max": max(sizes),
                 "max_over_even": round(max(sizes) / even, 6) if even else 1.0,
                 "calls": ln.comm.calls, "max_sent_bytes": max(ln.comm.sent),

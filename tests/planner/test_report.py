@@ -110,6 +110,11 @@ def test_inspect_report_buckets_and_ranks_are_comm_summarise_numbers(tp2_plan):
         assert row["seconds"] == round(line.comm.seconds, 9)
         assert row["zero1_seconds"] == round(line.zero1.seconds, 9)
         assert row["zero1_max_sent_bytes"] == max(line.zero1.sent)
+    # Each bucket's compute: the matrices it holds, all of them once, per owner.
+    assert sum(r["matrix_flops"] for r in c["buckets"]) == sum(
+        t.flops for t in p.tasks if t.owner is not None)
+    assert all(0 < r["max_rank_flops"] <= r["matrix_flops"] or r["matrix_flops"] == 0
+               for r in c["buckets"])
     assert [r["sent_bytes"] for r in rep["ranks"]] == list(s.index_sent)
     assert [r["collective_s"] for r in rep["ranks"]] == [round(x, 9) for x in s.index_seconds]
     t = c["totals"]
