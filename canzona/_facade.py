@@ -37,6 +37,8 @@ def plan_model(
     matrix_globs: Sequence[str] = (),
     adamw_globs: Sequence[str] = (),
     comm_dtype: str = "bf16",
+    objective: str = "step-time",
+    hardware: str = "h100",
     progress: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> Plan:
@@ -59,6 +61,10 @@ def plan_model(
         matrix_globs, adamw_globs: optimizer-route overrides by parameter name.
         comm_dtype: dtype of the TP gather/scatter recorded in the plan (``TPOptions.comm_dtype``:
             bf16, fp16 or fp32; fp32 for exact comparisons).
+        objective: ``step-time`` (the compute, then the predicted collectives) or ``max-load``
+            (``DPOptions.objective``).
+        hardware: the profile whose communication model picks each bucket's collective method
+            (``h100``, ``h800``, ``cpu`` or a profile file; ``TPOptions.hardware``).
         **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
 
@@ -68,8 +74,10 @@ def plan_model(
     optimizers.get(optimizer)  # an unknown name fails here, naming the registered ones
     options = DPOptions(solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,
                         comm_limit=comm_limit, reorder=reorder, cost=cost,
-                        bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce)
-    tp_options = TPOptions(comm_dtype=comm_dtype)  # checked before the model is read
+                        bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
+                        objective=objective)
+    # checked before the model is read
+    tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware)
     from canzona.runtime.introspect import inventory
 
     spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import canzona
+from canzona.planner import CanzonaError
 import dp_helpers as H
 from canzona.runtime import checks
 from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
@@ -102,3 +103,14 @@ def test_plan_mismatch_is_a_canzona_error():
 
     assert issubclass(PlanMismatchError, CanzonaError)
     assert issubclass(PlanMismatchError, ValueError)
+
+
+def test_plan_model_takes_the_objective_and_the_hardware_profile():
+    """plan_model records the profile its methods were chosen with and the objective, and
+    refuses an unknown profile naming the option."""
+    model = H.TinyGPT()
+    plan = canzona.plan_model(model, dp=2, hardware="cpu", objective="max-load")
+    assert plan.comm.hardware == "cpu" and plan.inputs.solver.objective == "max-load"
+    assert canzona.plan_model(model, dp=2).comm.hardware == "h100"
+    with pytest.raises(CanzonaError, match="TPOptions.hardware"):
+        canzona.plan_model(model, dp=2, hardware="a100")
