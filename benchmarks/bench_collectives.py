@@ -67,6 +67,7 @@ FIGURE_CASES = (("qwen3-32b", 32, 8), ("qwen3-8b", 64, 1), ("qwen3-1.7b", 8, 1))
 #: Sweep targets: bytes ratio by dp (≥ 16: 1.10, 8: 1.20), time ratio.
 BYTES_TARGET = {8: 1.20}
 BYTES_TARGET_DEFAULT = 1.10
+STATE_TARGET = 1.10
 TIME_TARGET = 1.2
 
 
@@ -150,10 +151,20 @@ def sweep(hardware: str, progress: bool = True) -> dict:
                 target = BYTES_TARGET.get(dp, BYTES_TARGET_DEFAULT)
                 br = c.max_sent_bytes / c.zero1_max_sent_bytes if c.zero1_max_sent_bytes else 1.0
                 tr = c.predicted_s / c.zero1_s if c.zero1_s else 1.0
+                st = p.metrics.dp_state_bytes
+                mean_state = sum(st) / len(st)
+                # the state target: max(1.10, the largest single matrix's state / mean)
+                largest = max((t.state_bytes for t in p.tasks if t.optimizer == "matrix"),
+                              default=0)
+                state_target = max(STATE_TARGET, largest / mean_state if mean_state else 0.0)
+                sr = max(st) / mean_state if mean_state else 1.0
                 cases.append({"model": model, "dp": dp, "tp": tp, "link": c.link,
                               "bytes_ratio": br, "time_ratio": tr, "bytes_target": target,
                               "bytes_ok": br <= target + 1e-12,
-                              "time_ok": tr <= TIME_TARGET + 1e-12, "methods": dict(c.methods)})
+                              "time_ok": tr <= TIME_TARGET + 1e-12, "methods": dict(c.methods),
+                              "state_ratio": sr, "state_target": state_target,
+                              "state_ok": sr <= state_target + 1e-9,
+                              "gap": p.metrics.gap_to_bound})
                 if progress and sys.stderr.isatty():
                     print(f"\r{len(cases)} plans, {time.perf_counter() - t0:.0f} s", end="",
                           file=sys.stderr, flush=True)
@@ -174,6 +185,11 @@ def sweep(hardware: str, progress: bool = True) -> dict:
             "bytes_ok": sum(c["bytes_ok"] for c in cases),
             "time_ok": sum(c["time_ok"] for c in cases),
             "both_ok": sum(c["bytes_ok"] and c["time_ok"] for c in cases),
+            "state_median": statistics.median(c["state_ratio"] for c in cases),
+            "state_max": max(c["state_ratio"] for c in cases),
+            "state_ok": sum(c["state_ok"] for c in cases),
+            "gap_median": statistics.median(c["gap"] for c in cases),
+            "gap_max": max(c["gap"] for c in cases),
             "bucket_methods": methods, "worst": worst}
 
 
@@ -384,6 +400,10 @@ def sweep_tables(s: dict) -> tuple[str, list[tuple[str, list[str], list[list[str
                f"{s['time_ok']}/{n} (≤ 1.2×), both {s['both_ok']}/{n}. Buckets per method over "
                "the sweep: " + ", ".join(f"{m} {k}" for m, k in sorted(
                    s["bucket_methods"].items(), key=lambda kv: -kv[1])) + ".")
+    summary += (f" Optimizer state max/mean median {s['state_median']:.2f}, max "
+                f"{s['state_max']:.2f}, within max(1.10, largest matrix / mean) in "
+                f"{s['state_ok']}/{n}; compute gap to the bound median "
+                f"{100 * s['gap_median']:.2f} %, max {100 * s['gap_max']:.2f} %.")
     if s["skipped"]:
         summary += f" Skipped (invalid sizes): {', '.join(s['skipped'])}."
     head = ["model", "dp", "tp", "link", "bytes / ZeRO-1", "target", "time / ZeRO-1", "methods"]
@@ -392,8 +412,14 @@ def sweep_tables(s: dict) -> tuple[str, list[tuple[str, list[str], list[list[str
              f"≤ {c['bytes_target']:.2f}×",
              _x(c["time_ratio"]) + ("" if c["time_ok"] else " ✗"),
              ", ".join(f"{m} {k}" for m, k in c["methods"].items())] for c in s["worst"]]
+    over = [c for c in s["cases"] if not c["state_ok"]]
+    state_rows = [[c["model"], str(c["dp"]), str(c["tp"]), f"{c['state_ratio']:.2f}",
+                   f"{c['state_target']:.2f}", f"{100 * c['gap']:.2f} %"] for c in over]
     return summary, [("worst 10 cases (by ratio / target, the larger of bytes and time)", head,
-                      rows)]
+                      rows),
+                     (f"optimizer state over its target ({len(over)} of {n})",
+                      ["model", "dp", "tp", "state max/mean", "target", "compute gap"],
+                      state_rows)]
 
 
 def _spread(v: list[float]) -> str:
