@@ -313,6 +313,39 @@ def inspect(
     _render.wrote_charts(charts, as_json=as_json)
 
 
+@command
+def simulate(
+    plan_file: Annotated[Path, typer.Argument(help="A plan written by 'canzona plan'.",
+                                              metavar="PLAN_FILE", show_default=False)],
+    hardware: Annotated[Optional[str], typer.Option(
+        "--hardware", show_default="the profile the plan records",
+        help="Hardware profile: h800, h100, cpu, or a profile file (.json).")] = None,
+    backward: Annotated[float, typer.Option(
+        "--backward", min=0.0, help="Backward duration in seconds; the bucket reduce-scatters "
+                                    "hide behind it (0: nothing hidden).")] = 0.0,
+    overlap_param_gather: Annotated[bool, typer.Option(
+        "--overlap-param-gather", help="All-gathers run into the next forward (taken as half "
+                                       "of --backward).")] = False,
+    top: Annotated[int, typer.Option("--top", min=0, help="How many ranks to list.")] = 5,
+    as_json: JsonOpt = False,
+) -> None:
+    """Predict a plan's optimizer step on a cluster: compute, TP gather/scatter, DP reduce and
+    all-gather, what overlaps what, and the critical rank."""
+    from canzona.planner.simulate import plan_hardware, simulate_plan
+    from canzona.planner.validate import load_plan
+
+    from . import _simulate_render
+
+    p = load_plan(plan_file)
+    hw = plan_hardware(p, hardware)
+    sim = simulate_plan(p, hw, backward_s=backward, overlap_param_gather=overlap_param_gather,
+                        forward_s=backward / 2)
+    if as_json:
+        _render.json_out(_simulate_render.simulate_json(sim, hw, str(plan_file)))
+    else:
+        _simulate_render.simulate_view(sim, hw, top=top)
+
+
 def main() -> None:
     """Console entry point."""
     app()

@@ -1,0 +1,87 @@
+"""Terminal output of ``canzona simulate``: the step's breakdown, the critical rank, the ranks
+done last (the simulation itself is :mod:`canzona.planner.simulate`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+from rich.table import Table
+
+from ._render import console
+
+if TYPE_CHECKING:
+    from canzona.planner.hardware import HardwareProfile
+    from canzona.planner.simulate import StepSim
+
+_LABELS = {
+    "compute": "compute (critical rank)",
+    "tp_gather_scatter": "TP gather/scatter (exposed, incl. waiting)",
+    "dp_reduce": "DP reduce (not hidden by backward)",
+    "dp_gather": "DP all-gather (exposed)",
+}
+_HIDDEN = {
+    "dp_reduce_behind_backward": "DP reduce behind backward",
+    "tp_behind_compute": "TP all-to-alls behind compute",
+    "dp_gather_behind_forward": "DP all-gather behind next forward",
+}
+
+
+def ms(x: float) -> str:
+    """Seconds as milliseconds, three decimals."""
+    return f"{x * 1e3:,.3f} ms"
+
+
+def simulate_json(sim: StepSim, hw: HardwareProfile, plan_file: str) -> dict:
+    """What ``--json`` prints: the plan, the profile and the whole simulation."""
+    return {"plan": plan_file,
+            "hardware": {"name": hw.name, "version": hw.version,
+                         "gpus_per_node": hw.gpus_per_node},
+            "simulation": sim.to_dict()}
+
+
+def simulate_view(sim: StepSim, hw: HardwareProfile, *, top: int = 5) -> None:
+    """The breakdown table, what is hidden, the critical rank and the ranks done last."""
+    step = sim.step_s
+    console.print(f"[bold]{escape(sim.label)}[/] on [bold]{escape(hw.name)}[/] "
+                  f"v{hw.version}: predicted optimizer step [bold]{ms(step)}[/] "
+                  f"(end of backward → parameters ready; backward {ms(sim.backward_s)})",
+                  highlight=False)
+    t = Table(title="Critical path", title_justify="left")
+    t.add_column("part")
+    t.add_column("time", justify="right")
+    t.add_column("share", justify="right")
+    for k, v in sim.breakdown().items():
+        t.add_row(_LABELS[k], ms(v), f"{100 * v / step:.1f} %" if step > 0 else "–")
+    t.add_row("[bold]optimizer step[/]", f"[bold]{ms(step)}[/]", "100.0 %" if step > 0 else "–")
+    console.print(t)
+
+    h = Table(title="Overlapped (hidden) communication", title_justify="left")
+    h.add_column("what")
+    h.add_column("hidden", justify="right")
+    h.add_column("of total", justify="right")
+    totals = {"dp_reduce_behind_backward": sim.dp_reduce_total,
+              "tp_behind_compute": sim.ranks[sim.critical_rank].tp_comm_s,
+              "dp_gather_behind_forward": sim.dp_gather_total}
+    for k, v in sim.hidden().items():
+        h.add_row(_HIDDEN[k], ms(v), ms(totals[k]))
+    console.print(h)
+
+    c = sim.ranks[sim.critical_rank]
+    console.print(f"critical rank: [bold]{c.rank}[/] (DP index {c.dp_index}, TP rank "
+                  f"{c.tp_rank}), done {ms(c.done - sim.backward_s)} after backward",
+                  highlight=False)
+    r = Table(title=f"Ranks done last (top {min(top, len(sim.ranks))} of {len(sim.ranks)})",
+              title_justify="left")
+    for col in ("rank", "dp", "tp"):
+        r.add_column(col, justify="right")
+    for col in ("waits reduces", "TP groups", "matrices", "AdamW", "TP comm", "idle", "done"):
+        r.add_column(col, justify="right")
+    for x in sim.top_ranks(top):
+        r.add_row(str(x.rank), str(x.dp_index), str(x.tp_rank),
+                  ms(x.step_start - sim.backward_s), ms(x.group_compute_s), ms(x.matrix_s),
+                  ms(x.adamw_s), ms(x.tp_comm_s), ms(x.span - x.compute_s),
+                  ms(x.done - sim.backward_s))
+    console.print(r)
+    for n in sim.notes:
+        console.print(f"[dim]{escape(n)}[/]", highlight=False)
