@@ -178,15 +178,16 @@ def _choice(value: str, allowed: tuple[str, ...], option: str) -> str:
     return v
 
 
-def _check_output(path: Path) -> None:
-    """Fail before solving if the plan could not be written there."""
+def _check_output(path: Path, what: str = "plan") -> None:
+    """Fail before any work if the file could not be written there."""
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        raise CanzonaError(f"cannot write plan to '{path}': it is a folder; give a file name.")
+        raise CanzonaError(f"cannot write {what} to '{path}': it is a folder; give a file name.")
     if not folder.is_dir():
-        raise CanzonaError(f"cannot write plan to '{path}': folder '{folder}' does not exist.")
+        raise CanzonaError(f"cannot write {what} to '{path}': folder '{folder}' does not exist.")
     if not os.access(folder, os.W_OK):
-        raise CanzonaError(f"cannot write plan to '{path}': folder '{folder}' is not writable.")
+        raise CanzonaError(f"cannot write {what} to '{path}': folder '{folder}' is not "
+                           "writable.")
 
 
 @command
@@ -344,6 +345,41 @@ def simulate(
         _render.json_out(_simulate_render.simulate_json(sim, hw, str(plan_file)))
     else:
         _simulate_render.simulate_view(sim, hw, top=top)
+
+
+@command
+def calibrate(
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Profile file to write (atomically).")] = Path("hardware.json"),
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="Tiny shapes, few repetitions: seconds, rough figures (for tests).")] = False,
+    name: Annotated[Optional[str], typer.Option(
+        "--name", show_default="calibrated-HOSTNAME", help="The profile's name.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure this machine (matmul, Newton–Schulz, eigh/QR, memory, a 2-process collective
+    link) and write a hardware profile for 'canzona plan --hardware FILE' and 'simulate'."""
+    try:
+        from canzona.runtime.calibrate import calibrate as measure
+    except ImportError as exc:
+        raise CanzonaError(f"canzona calibrate needs torch ({exc.msg}); install it with: "
+                           "python -m pip install 'canzona[runtime]'") from None
+    from canzona.planner.plan import write_atomically
+
+    _check_output(output, "hardware profile")
+    with _render.progress("calibrating this machine") as say:
+        profile = measure(quick=quick, name=name, progress=say)
+        write_atomically(output, profile.model_dump_json(indent=2) + "\n",
+                         what="hardware profile", error=CanzonaError)
+    if as_json:
+        _render.json_out(profile.model_dump(mode="json"))
+        return
+    link = profile.intra_node
+    rates = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in profile.peak_flops.items())
+    _render.console.print(
+        f"{profile.name}: matmul {rates}; memory {profile.memory_bandwidth / 1e9:.1f} GB/s; "
+        f"link busbw {link.busbw / 1e9:.2f} GB/s, α {link.latency_s * 1e6:.1f} µs\n"
+        f"wrote {output}; use it with: canzona plan ... --hardware {output}", highlight=False)
 
 
 def main() -> None:

@@ -47,6 +47,9 @@ class HardwareProfile(BaseModel):
     memory_bandwidth: float = Field(gt=0)
     intra_node: LinkProfile
     inter_node: LinkProfile
+    calibration: dict[str, float] = Field(
+        default_factory=dict, description="further measurements of `canzona calibrate` "
+                                          "(kernel rates and times by shape, link timings)")
 
     def seconds(self, flops: float, dtype: str = "bf16") -> float:
         """Compute time of ``flops`` at the achieved rate."""

@@ -321,14 +321,21 @@ def save_plan(plan: Plan, path: str | Path) -> Path:
     Raises:
         PlanFileError: the folder does not exist or is not writable.
     """
+    return write_atomically(path, plan.to_json(), what="plan")
+
+
+def write_atomically(path: str | Path, text: str, *, what: str = "plan",
+                     error: type[Exception] = PlanFileError) -> Path:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, rename
+    (a reader sees the old file or the new one, never a part). ``error`` (named for ``what``)
+    is raised when the folder does not exist or is not writable."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    text = plan.to_json()
     try:
         fd, tmp = _open_temp(folder, path.name)
     except OSError as exc:
-        raise PlanFileError(f"cannot write plan to '{path}': {exc.strerror or exc} "
-                            f"(folder '{folder}').") from None
+        raise error(f"cannot write {what} to '{path}': {exc.strerror or exc} "
+                    f"(folder '{folder}').") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -337,7 +344,7 @@ def save_plan(plan: Plan, path: str | Path) -> Path:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise PlanFileError(f"cannot write plan to '{path}': {exc.strerror or exc}.") from None
+        raise error(f"cannot write {what} to '{path}': {exc.strerror or exc}.") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
