@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from ..objective import MAX_LOAD, Objective, StepTime
-from ..options import SOLVERS, STEP_TIME_GAP_PP, DPOptions
+from ..options import SOLVERS, STEP_TIME_GAP_PP, DPOptions  # noqa: F401
 from ..planning import DPProblem, evaluate
 from ..tp.context import TPContext, index_gpu_max, lb_gpu
 from ..tp.joint import joint_refine
@@ -104,8 +104,42 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
     if load <= run.bound:
         status = "optimal"
     if o.objective == "step-time":
-        cuts = _communication(run, used, cuts, hardware or load_hardware(DEFAULT_HARDWARE))
+        hw = hardware or load_hardware(DEFAULT_HARDWARE)
+        cuts = _communication(run, used, cuts, hw)
+        if o.solver != "greedy" and o.comm_limit is None:
+            # The paper's greedy cuts through the same stage: kept if their step is shorter.
+            run.reference_load = None
+            paper = _communication(run, problem, _rebalance(run, problem, start), hw)
+            if _within_compute_slack(run, problem, paper, used, cuts) and \
+                    _modelled_step(problem, paper, hw) < _modelled_step(used, cuts, hw):
+                used, cuts = problem, paper
+                status = "optimal" if _max_load(used, cuts) <= run.bound else "heuristic"
     return Solution(cuts, status, run.bound, used)
+
+
+def _within_compute_slack(run: _Run, problem: DPProblem, cuts: Cuts, used: DPProblem,
+                          ours: Cuts) -> bool:
+    """Whether ``cuts``' busiest compute is within STEP_TIME_GAP_PP points of ``ours``: of the
+    certified bound for the busiest DP index (tp = 1), of LB_gpu for the busiest GPU (tp > 1,
+    where the GPU is what the step waits for)."""
+    if problem.sizes.tp > 1:
+        ctx = TPContext.build(problem)
+        slack = STEP_TIME_GAP_PP / 100 * lb_gpu(problem, ctx=ctx)
+        return max(index_gpu_max(problem, cuts, ctx)) <= \
+            max(index_gpu_max(used, ours, TPContext.build(used))) + slack
+    return _max_load(problem, cuts) <= _max_load(used, ours) + STEP_TIME_GAP_PP / 100 * run.bound
+
+
+def _modelled_step(problem: DPProblem, cuts: Cuts, hw: HardwareProfile) -> float:
+    """The step the ``step-time`` objective models, without its state term or ceiling: the
+    busiest DP index's compute (under TP, the busiest GPU's) plus the predicted collectives,
+    in load units. The last stage keeps the paper's greedy cuts (through the communication
+    stage too) when this is lower for them: the optimizer state may not cost step time against
+    the paper's method."""
+    obj = StepTime(problem, hw)
+    if problem.sizes.tp > 1:
+        return obj.gpu_score(index_gpu_max(problem, cuts), problem, cuts)
+    return max(evaluate(problem, cuts).load) + obj.bucket_terms(problem, cuts)
 
 
 #: The optimizer-state balance the ``step-time`` stage aims at: max/mean ≤ this, unless one
