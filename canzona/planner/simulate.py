@@ -105,6 +105,9 @@ class BucketWork:
     method: str = ""
     reduce_bytes: int = 0  # busiest rank's bytes
     gather_bytes: int = 0
+    #: Whether ``overlap_param_gather`` may run the gather into the next forward (False: the
+    #: optimizer waits for it, as the layer-wise optimizer's all-gather inside ``step``).
+    overlappable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,9 @@ class Workload:
     groups: tuple[tuple[GroupWork, ...], ...] = ()
     label: str = ""
     notes: tuple[str, ...] = ()
+    #: False: a micro-group's gather waits until the previous group's compute and scatter have
+    #: ended on every rank (no prefetch; Megatron's ``duplicated`` TP Muon, one matrix at a time).
+    tp_pipelined: bool = True
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.dp * self.tp:
@@ -256,7 +262,7 @@ class StepSim:
     def breakdown(self) -> dict[str, float]:
         """The critical path, summing to :attr:`step_s`."""
         c = self.ranks[self.critical_rank]
-        return {"compute": c.compute_s, "tp_gather_scatter": c.span - c.compute_s,
+        return {"compute": c.compute_s, "tp_gather_scatter": _clip(c.span - c.compute_s),
                 "dp_reduce": self.dp_reduce_exposed, "dp_gather": self.dp_gather_exposed}
 
     def hidden(self) -> dict[str, float]:
@@ -322,6 +328,11 @@ class StepSim:
         return out
 
 
+def _clip(x: float) -> float:
+    """0 for float noise below a picosecond (a span equal to its compute)."""
+    return 0.0 if abs(x) < 1e-12 else x
+
+
 def _lateness(r: RankSim) -> tuple[float, float, int]:
     """Sort key of the critical rank: done last; on ties (a TP group's ranks end together at its
     last scatter) the one computing the most, then the lowest rank."""
@@ -378,7 +389,7 @@ def simulate(work: Workload, *, backward_s: float = 0.0, overlap_param_gather: b
                 for t in range(tp):
                     stages[t].append(Stage(f"gather g{k}", "tp", g_start, g_end))
                 starts = [max(g_end, cfree[t]) for t in range(tp)]
-                if k + 1 < len(groups):  # issued once every rank has started group k
+                if k + 1 < len(groups) and work.tp_pipelined:  # once every rank started group k
                     n_start = max(comm, max(starts))
                     n_end = n_start + groups[k + 1].gather_s
                     comm = n_end
@@ -394,9 +405,14 @@ def simulate(work: Workload, *, backward_s: float = 0.0, overlap_param_gather: b
                 s_end = s_start + g.scatter_s
                 comm = s_end
                 last_scatter = s_end
+                if k + 1 < len(groups) and not work.tp_pipelined:
+                    n_start = s_end
+                    n_end = n_start + groups[k + 1].gather_s
+                    comm = n_end
                 tp_comm += g.gather_s + g.scatter_s
-                for t in range(tp):
-                    stages[t].append(Stage(f"scatter g{k}", "tp", s_start, s_end))
+                if g.scatter_s > 0:
+                    for t in range(tp):
+                        stages[t].append(Stage(f"scatter g{k}", "tp", s_start, s_end))
                 if k + 1 < len(groups):
                     g_start, g_end = n_start, n_end
         for t in range(tp):
@@ -417,6 +433,7 @@ def simulate(work: Workload, *, backward_s: float = 0.0, overlap_param_gather: b
     # 3. All-gathers per TP rank's DP group, forward order (reverse of the reduce order).
     gathers: list[tuple[Stage, ...]] = []
     gather_end = 0.0
+    must_end = 0.0  # gathers the step waits for, whatever overlap_param_gather says
     for t in range(tp):
         gfree = [max(free[d], ranks[d * tp + t].done) for d in range(dp)]
         out = []
@@ -430,11 +447,13 @@ def simulate(work: Workload, *, backward_s: float = 0.0, overlap_param_gather: b
                 gfree[d] = end
             out.append(Stage(f"gather {b.name}", "dp", start, end, tuple(b.dp_indices)))
             gather_end = max(gather_end, end)
+            if not (overlap_param_gather and b.overlappable):
+                must_end = max(must_end, end)
         gathers.append(tuple(out))
     all_done = max((r.done for r in ranks), default=B)
-    params_ready = max(all_done, gather_end)
+    params_ready = max(all_done, gather_end, must_end)
     if overlap_param_gather:
-        params_ready = max(all_done, gather_end - forward_s)
+        params_ready = max(all_done, gather_end - forward_s, must_end)
     critical = min(ranks, key=_lateness).rank if ranks else 0
     return StepSim(work.label, dp, tp, B, float(forward_s), overlap_param_gather, tuple(ranks),
                    tuple(reduces), tuple(gathers), params_ready, critical, work.notes)
