@@ -372,11 +372,12 @@ def wrote(what: str, path: Path) -> None:
     console.print(f"wrote {what} [bold]{escape(str(path))}[/]", highlight=False)
 
 
-def wrote_charts(paths: list[Path], *, as_json: bool) -> None:
-    """Name the charts written (the first per DP index, then the TP view): after the report on
-    stdout, or on stderr beside ``--json``."""
+def wrote_charts(paths: list[Path], *, as_json: bool,
+                 labels: tuple[str, ...] = ("chart", "TP chart")) -> None:
+    """Name the charts written (``labels``: by default the per-DP-index chart, then the TP
+    view): after the report on stdout, or on stderr beside ``--json``."""
     for k, path in enumerate(paths):
-        what = "chart" if k == 0 else "TP chart"
+        what = labels[min(k, len(labels) - 1)]
         if as_json:
             info(f"wrote {what} {path}")
         else:

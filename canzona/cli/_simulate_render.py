@@ -85,3 +85,58 @@ def simulate_view(sim: StepSim, hw: HardwareProfile, *, top: int = 5) -> None:
     console.print(r)
     for n in sim.notes:
         console.print(f"[dim]{escape(n)}[/]", highlight=False)
+
+
+# --- canzona compare ------------------------------------------------------------------------------
+
+
+def _n(x: float) -> str:
+    """Seconds as milliseconds in a table cell."""
+    v = x * 1e3
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 1 else f"{v:.2f}"
+
+
+def compare_json(comp) -> dict:
+    """What ``compare --json`` prints: every strategy's simulation (per-rank rows included)."""
+    return comp.to_dict(stages=False)
+
+
+def compare_view(comp) -> None:
+    """Every strategy: predicted step and iteration, the critical path's parts, what is hidden,
+    bytes, balance, the critical rank."""
+    from canzona.planner.strategies import DESCRIPTIONS
+
+    ep = f" ep={comp.ep}" if comp.ep > 1 else ""
+    ov = ("all-gathers overlap the next forward" if comp.overlap_param_gather
+          else "all-gathers not overlapped")
+    console.print(f"[bold]{escape(comp.model)}[/] dp={comp.dp} tp={comp.tp}{ep} on "
+                  f"[bold]{escape(comp.hardware)}[/]: forward+backward "
+                  f"{ms(comp.forward_backward_s)} "
+                  + ("(given)" if comp.forward_backward_given else
+                     f"(6·N_active·{comp.tokens:,} tokens at MFU {comp.mfu:g})")
+                  + f"; {ov}", highlight=False)
+    base = next((r for r in comp.runs if r.name == "canzona"), None)
+    t = Table(title="Predicted per iteration, ms (modelled, not measured); the step's critical "
+                    "path = compute + TP + DP reduce + DP gather", title_justify="left")
+    for col in ("strategy", "step", "iter", "×cz", "compute", "TP", "DP red", "DP gath",
+                "hidden", "MB", "FLOPs", "state", "crit"):
+        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for r in comp.runs:
+        b = r.sim.breakdown()
+        name = r.name if r.exact else f"{r.name} [red]✗[/]"
+        rel = f"{r.step_s / base.step_s:.2f}" if base is not None and base.step_s > 0 else "–"
+        t.add_row(name, _n(r.step_s), _n(r.iteration_s), rel, _n(b["compute"]),
+                  _n(b["tp_gather_scatter"]), _n(b["dp_reduce"]), _n(b["dp_gather"]),
+                  _n(r.sim.hidden()["dp_reduce_behind_backward"]),
+                  f"{r.sent_bytes / 1e6:,.0f}", f"{r.flops_balance:.2f}",
+                  f"{r.state_balance:.2f}", str(r.sim.critical_rank))
+    console.print(t)
+    console.print("[dim]×cz: step / canzona's; hidden: DP reduce behind backward; MB: DP "
+                  "bytes the busiest rank sends per iteration; FLOPs, state: max/mean over DP "
+                  "indices; crit: the rank done last; ✗: not the exact optimizer[/]",
+                  highlight=False)
+    for r in comp.runs:
+        console.print(f"[dim]{r.name}: {escape(DESCRIPTIONS[r.name])}[/]", highlight=False)
+    if comp.runs:
+        for n in comp.runs[-1].sim.notes[:2]:
+            console.print(f"[dim]{escape(n)}[/]", highlight=False)

@@ -329,22 +329,130 @@ def simulate(
                                        "of --backward).")] = False,
     top: Annotated[int, typer.Option("--top", min=0, help="How many ranks to list.")] = 5,
     as_json: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Write the per-rank timeline (the critical rank and the ranks done last) "
+                       "to this file (.png, .pdf, .svg, …; a folder: named after the plan; needs "
+                       "matplotlib).")] = None,
 ) -> None:
     """Predict a plan's optimizer step on a cluster: compute, TP gather/scatter, DP reduce and
     all-gather, what overlaps what, and the critical rank."""
     from canzona.planner.simulate import plan_hardware, simulate_plan
     from canzona.planner.validate import load_plan
 
-    from . import _simulate_render
+    from . import _simulate_render, plots
 
     p = load_plan(plan_file)
     hw = plan_hardware(p, hardware)
+    chart = None
+    if plot is not None:
+        chart = plots.resolve_chart(plot, plan_file.name.removesuffix(".json")
+                                    .removesuffix(".plan") + "-timeline")
     sim = simulate_plan(p, hw, backward_s=backward, overlap_param_gather=overlap_param_gather,
                         forward_s=backward / 2)
+    if chart is not None:
+        plots.plot_timeline(sim, chart)
     if as_json:
         _render.json_out(_simulate_render.simulate_json(sim, hw, str(plan_file)))
     else:
         _simulate_render.simulate_view(sim, hw, top=top)
+    if chart is not None:
+        _render.wrote_charts([chart], as_json=as_json, labels=("timeline",))
+
+
+@command
+def compare(
+    model: ModelOpt = None,
+    config: ConfigOpt = None,
+    plan_file: Annotated[Optional[Path], typer.Option(
+        "--plan", help="Compare this plan (as the canzona row) instead of planning "
+                       "--model/--config.")] = None,
+    dp: DpOpt = 1,
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    optimizer: Annotated[str, typer.Option(
+        "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
+    hardware: Annotated[Optional[str], typer.Option(
+        "--hardware", show_default="h100, or the profile --plan records",
+        help="Hardware profile: h800, h100, cpu, or a profile file (.json); canzona's plans "
+             "choose their collectives for it.")] = None,
+    strategies: Annotated[str, typer.Option(
+        "--strategies", help="Comma-separated: sc, layerwise, megatron-packed, zero1, "
+                             "canzona-greedy, canzona.")] = "all",
+    mfu: Annotated[float, typer.Option(
+        "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
+                      "(0, 1].")] = 0.4,
+    seq: Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")] = 4096,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", min=1, show_default="dp · seq (one sequence per DP rank)",
+        help="Global batch in tokens.")] = None,
+    forward_backward: Annotated[Optional[float], typer.Option(
+        "--forward-backward", min=0.0, show_default="from --mfu",
+        help="Forward + backward seconds (a measured value), instead of --mfu.")] = None,
+    overlap_param_gather: Annotated[bool, typer.Option(
+        "--overlap-param-gather", help="ZeRO-1 all-gathers run into the next forward (the "
+                                       "layer-wise optimizer's own all-gather cannot).")] = False,
+    bucket_size: BucketSizeOpt = None,
+    as_json: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Write a stacked bar per strategy to this file (.png, .pdf, .svg, …; a "
+                       "folder: a name is made) and canzona's per-rank timeline beside it as "
+                       "NAME-timeline.EXT (needs matplotlib).")] = None,
+) -> None:
+    """Predict the optimizer step and iteration of every strategy (sc, layer-wise, Megatron's
+    packed layout, zero1, the paper's greedy, canzona) on one model, sizes and cluster."""
+    from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, resolve_model
+    from canzona.planner.strategies import STRATEGIES, compare as run_compare, compare_plan
+
+    from . import _simulate_render, plots
+
+    if not 0.0 < mfu <= 1.0:
+        raise CanzonaError(f"--mfu must be in (0, 1], got {mfu:g}.")
+    picked = STRATEGIES if strategies.strip().lower() == "all" else tuple(
+        _choice(s, STRATEGIES, "--strategies") for s in strategies.split(",") if s.strip())
+    chosen = tuple(s for s in STRATEGIES if s in picked)  # the table's order
+    if not chosen:
+        raise CanzonaError("--strategies: name at least one of: " + ", ".join(STRATEGIES) + ".")
+    kw = dict(strategies=chosen, mfu=mfu, seq=seq, tokens=tokens,
+              forward_backward_s=forward_backward, overlap_param_gather=overlap_param_gather)
+    if plan_file is not None:
+        if model is not None:
+            raise CanzonaError("give --plan or --model, not both (--config goes with --plan only "
+                               "for plans made from a config.json).")
+        from canzona.planner.validate import load_plan
+        title = plan_file.name
+    else:
+        cfg = resolve_model(model, config)
+        title = f"{cfg.name} dp={dp} tp={tp}"
+    chart = None
+    if plot is not None:
+        stem = (plan_file.name.removesuffix(".json").removesuffix(".plan") if plan_file
+                else f"{title.split()[0]}-dp{dp}-tp{tp}" + (f"-ep{ep}" if ep > 1 else "")) \
+            + "-compare"
+        chart = plots.resolve_chart(plot, stem)
+    with _render.progress(f"comparing {title}") as say:
+        if plan_file is not None:
+            p = load_plan(plan_file)
+            comp = compare_plan(p, hardware, config=config, progress=say, **kw)
+        else:
+            settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(),  # type: ignore[arg-type]
+                                                      "--optimizer"))
+            comp = run_compare(model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings,
+                               hardware=(hardware or "h100").strip(),
+                               dp_options=DPOptions(bucket_size=bucket_size), progress=say, **kw)
+        if chart is not None:
+            say("charts")
+            plots.plot_compare(comp, chart)
+            focus = next((r for r in comp.runs if r.name == "canzona"), comp.runs[-1])
+            plots.plot_timeline(focus.sim, plots.timeline_path(chart),
+                                title=f"{comp.model} dp={comp.dp} tp={comp.tp}: {focus.name}, "
+                                      f"optimizer step {focus.step_s * 1e3:.3g} ms (simulated)")
+    if as_json:
+        _render.json_out(_simulate_render.compare_json(comp))
+    else:
+        _simulate_render.compare_view(comp)
+    if chart is not None:
+        _render.wrote_charts([chart, plots.timeline_path(chart)], as_json=as_json,
+                             labels=("chart", "timeline"))
 
 
 @command

@@ -35,10 +35,21 @@ def chart_paths(plan_file: Path, plot: Path, *, tp: bool) -> list[Path]:
     Raises:
         CanzonaError: matplotlib missing, a format it cannot write, or a folder that is not there.
     """
+    stem = plan_file.name.removesuffix(".json").removesuffix(".plan")
+    plot = resolve_chart(plot, stem)
+    return [plot] + ([plot.with_name(f"{plot.stem}-tp{plot.suffix}")] if tp else [])
+
+
+def resolve_chart(plot: Path, stem: str) -> Path:
+    """The file a ``--plot`` value names: itself (no extension: ``.png``), or ``stem.png`` in an
+    existing folder; checked before any work.
+
+    Raises:
+        CanzonaError: matplotlib missing, a format it cannot write, or a folder that is not there.
+    """
     _, canvas = _figure_classes()
     formats = sorted(canvas.get_supported_filetypes())
     if plot.is_dir():
-        stem = plan_file.name.removesuffix(".json").removesuffix(".plan")
         plot = plot / f"{stem}.png"
     elif not plot.suffix:
         plot = plot.with_name(plot.name + ".png")
@@ -49,7 +60,12 @@ def chart_paths(plan_file: Path, plot: Path, *, tp: bool) -> list[Path]:
     folder = plot.parent if str(plot.parent) else Path(".")
     if not folder.is_dir():
         raise CanzonaError(f"--plot: cannot write chart '{plot}': folder '{folder}' does not exist.")
-    return [plot] + ([plot.with_name(f"{plot.stem}-tp{plot.suffix}")] if tp else [])
+    return plot
+
+
+def timeline_path(chart: Path) -> Path:
+    """The per-rank timeline beside a chart: NAME-timeline.EXT."""
+    return chart.with_name(f"{chart.stem}-timeline{chart.suffix}")
 
 
 def write_charts(plan: Plan, paths: list[Path],
@@ -122,4 +138,81 @@ def plot_tp(plan: Plan, path: Path) -> None:
     ax2.set_yticks([0, 1], ["compute", "gather / scatter"])
     ax2.set_xlabel(f"modelled ms (hardware profile {tp.hardware}, not measured)")
     ax2.set_title(f"micro-groups of d = {d} (C_max {human_bytes(tp.cmax_bytes)})")
+    _save(fig, path)
+
+
+# --- simulate / compare -----------------------------------------------------------------------
+
+#: Colours of the critical-path parts (stacked bars) and of the streams (timelines).
+_PARTS = (("compute", "compute", "#55a868"), ("tp_gather_scatter", "TP gather/scatter", "#8172b2"),
+          ("dp_reduce", "DP reduce (exposed)", "#4878a8"),
+          ("dp_gather", "DP all-gather (exposed)", "#c44e52"))
+_STREAMS = {"backward": "#cccccc", "compute": "#55a868", "tp": "#8172b2", "dp": "#4878a8",
+            "wait": "#eeeeee"}
+
+
+def plot_compare(comp, path: Path) -> None:
+    """One stacked bar per strategy: the optimizer step's critical path (compute, exposed TP and
+    DP communication); inexact strategies hatched."""
+    Figure, FigureCanvasAgg = _figure_classes()
+    runs = comp.runs
+    fig = Figure(figsize=(max(6.0, 1.3 * len(runs) + 2), 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    x = list(range(len(runs)))
+    bottom = [0.0] * len(runs)
+    for key, label, colour in _PARTS:
+        ys = [max(0.0, r.sim.breakdown()[key]) * 1e3 for r in runs]
+        bars = ax.bar(x, ys, bottom=bottom, color=colour, label=label)
+        for b, r in zip(bars, runs):
+            if not r.exact:
+                b.set_hatch("//")
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    for k, r in enumerate(runs):
+        ax.text(k, bottom[k], f"{r.step_s * 1e3:.3g} ms", ha="center", va="bottom",
+                fontsize="small")
+    ax.set_xticks(x, [r.name + ("" if r.exact else "\n(not exact)") for r in runs])
+    ax.set_ylabel("predicted optimizer step (ms)")
+    ax.set_ylim(0, max(bottom + [1e-9]) * 1.15)
+    ax.legend(loc="upper right", fontsize="small")
+    ep = f" ep={comp.ep}" if comp.ep > 1 else ""
+    ax.set_title(f"{comp.model} dp={comp.dp} tp={comp.tp}{ep} on {comp.hardware}: forward+backward "
+                 f"{comp.forward_backward_s * 1e3:.3g} ms (modelled, not measured)", fontsize="medium")
+    _save(fig, path)
+
+
+def plot_timeline(sim, path: Path, *, ranks: int = 8, title: str = "") -> None:
+    """The ranks done last (critical first), each a row per stream: backward, DP collectives,
+    TP all-to-alls, compute and waiting, on the simulated clock."""
+    Figure, FigureCanvasAgg = _figure_classes()
+    chosen = [sim.ranks[sim.critical_rank]] + [r for r in sim.top_ranks(ranks)
+                                                if r.rank != sim.critical_rank][:ranks - 1]
+    rows = ("compute", "tp", "dp")
+    fig = Figure(figsize=(11, 1.0 + 0.75 * len(chosen)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ticks, labels = [], []
+    for i, r in enumerate(chosen):
+        base = (len(chosen) - 1 - i) * (len(rows) + 1)
+        for j, stream in enumerate(rows):
+            y = base + len(rows) - 1 - j
+            ticks.append(y)
+            labels.append(f"rank {r.rank} {stream}" + (" (critical)" if i == 0 and j == 0 else ""))
+        for st in sim.rank_timeline(r.rank):
+            row = {"backward": "compute", "wait": "compute"}.get(st.stream, st.stream)
+            if row not in rows or st.seconds <= 0:
+                continue
+            y = base + len(rows) - 1 - rows.index(row)
+            ax.barh(y, st.seconds * 1e3, left=st.start * 1e3, height=0.8,
+                    color=_STREAMS.get(st.name if st.name == "backward" else st.stream, "#999999"),
+                    edgecolor="white", linewidth=0.3)
+    ax.axvline(sim.backward_s * 1e3, color="black", linewidth=0.8, linestyle="--")
+    ax.axvline(sim.params_ready * 1e3, color="#c44e52", linewidth=0.8)
+    ax.set_yticks(ticks, labels, fontsize="x-small")
+    ax.set_xlabel("simulated ms from the start of backward (dashed: backward ends; red: "
+                  "parameters ready)")
+    handles = [ax.barh(0, 0, color=c, label=k) for k, c in _STREAMS.items()]
+    ax.legend(handles=handles, loc="lower right", fontsize="x-small", ncol=5)
+    ax.set_title(title or f"{sim.label}: optimizer step {sim.step_s * 1e3:.3g} ms",
+                 fontsize="medium")
     _save(fig, path)

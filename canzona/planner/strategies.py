@@ -435,6 +435,7 @@ class Comparison:
     overlap_param_gather: bool
     runs: tuple[StrategyRun, ...]
     plan: Plan | None = None  # canzona's
+    forward_backward_given: bool = False  # True: a given time, not 6·N·tokens at the MFU
 
     def run(self, name: str) -> StrategyRun:
         for r in self.runs:
@@ -455,6 +456,7 @@ class Comparison:
         return {"model": self.model, "dp": self.dp, "tp": self.tp, "ep": self.ep,
                 "hardware": self.hardware, "tokens": self.tokens, "mfu": self.mfu,
                 "forward_backward_s": round(self.forward_backward_s, 9),
+                "forward_backward_given": self.forward_backward_given,
                 "overlap_param_gather": self.overlap_param_gather,
                 "strategies": [row(r) for r in self.runs]}
 
@@ -504,6 +506,7 @@ def compare_problem(problem: DPProblem, hardware: str | HardwareProfile = "h100"
     o = dp_options or DPOptions()
     sizes = problem.sizes
     tokens = tokens if tokens is not None else sizes.dp * seq
+    given = forward_backward_s is not None
     if forward_backward_s is None:
         forward_backward_s = forward_backward_seconds(active_params(problem.spec), tokens, hw,
                                                       world=sizes.dp * sizes.tp, mfu=mfu)
@@ -529,7 +532,8 @@ def compare_problem(problem: DPProblem, hardware: str | HardwareProfile = "h100"
         sim = simulate(w, backward_s=bwd, forward_s=fwd, overlap_param_gather=overlap_param_gather)
         runs.append(StrategyRun(name, name in EXACT, sim, forward_backward_s, _sent(w), fl, st))
     return Comparison(problem.spec.name, sizes.dp, sizes.tp, sizes.ep, f"{hw.name} v{hw.version}",
-                      tokens, mfu, forward_backward_s, overlap_param_gather, tuple(runs), plan)
+                      tokens, mfu, forward_backward_s, overlap_param_gather, tuple(runs), plan,
+                      given)
 
 
 def compare(source, sizes: ParallelSizes, optimizer: OptimizerSettings | str = "muon", *,
