@@ -203,6 +203,9 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
         f"gap to the certified bound: [bold]{m.gap_to_bound:.2%}[/] "
         f"(bound {load(m.certified_bound, inp.cost_model)}; LB = max(mean, largest task) "
         f"{load(m.lower_bound, inp.cost_model)})", highlight=False)
+    if plan.tp is not None and m.gap_to_bound > 0.05 and plan.tp.metrics.gap_to_lb_gpu < 0.01:
+        console.print("[dim]  (per DP index, its TP ranks summed: under TP the step waits for the "
+                      "busiest GPU, whose gap is below)[/]", highlight=False)
     c = plan.comm
     console.print(
         f"collectives ({c.hardware}@{c.hardware_version}, {c.link.replace('_', '-')}, α–β model): "
