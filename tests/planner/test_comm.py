@@ -365,15 +365,9 @@ def test_plan_comm_section_agrees_with_summarise(qwen_plan):
     assert p.comm == comm.comm_section(slices, methods, hw, dp=p.inputs.dp, tp=p.inputs.tp)
 
 
-def test_version_1_plan_is_converted_on_load(qwen_plan, tmp_path):
+def test_version_1_plan_is_converted_on_load(qwen_plan, tmp_path, as_version_1):
     p = qwen_plan
-    data = json.loads(p.to_json())
-    data["schema_version"] = 1
-    del data["comm"]
-    del data["inputs"]["solver"]["objective"]
-    for buf in data["buffers"]:
-        for b in buf["buckets"]:
-            del b["method"]
+    data = as_version_1(p.to_json())
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(data))
 
