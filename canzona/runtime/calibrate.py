@@ -78,10 +78,14 @@ def _matmul_rates(device: torch.device, quick: bool, reps: int) -> dict[str, flo
     return rates
 
 
-def _kernels(device: torch.device, quick: bool, reps: int) -> dict[str, float]:
+def _kernels(device: torch.device, quick: bool, reps: int,
+             ns_shapes: list[tuple[int, int]] | None = None) -> dict[str, float]:
     """Newton–Schulz achieved FLOP/s per shape; eigh and QR seconds per size."""
     out = {}
     ns = [(128, 256)] if quick else [(512, 512), (1024, 2048), (2048, 2048)]
+    for m, n in ns_shapes or ():
+        if (m, n) not in ns:
+            ns.append((m, n))
     for m, n in ns:
         x = torch.randn(m, n, device=device)
         schedule = [DEFAULT_COEFFICIENTS] * 5
@@ -173,7 +177,8 @@ def _link(backend: str, quick: bool, reps: int) -> tuple[LinkProfile, dict[str, 
 
 
 def calibrate(*, quick: bool = False, name: str | None = None, backend: str | None = None,
-              progress: Callable[[str], None] | None = None) -> HardwareProfile:
+              progress: Callable[[str], None] | None = None,
+              ns_shapes: list[tuple[int, int]] | None = None) -> HardwareProfile:
     """Measure this machine and return its hardware profile (see the module docstring).
 
     Args:
@@ -181,6 +186,8 @@ def calibrate(*, quick: bool = False, name: str | None = None, backend: str | No
         name: the profile's name (default ``calibrated-<hostname>``).
         backend: collectives backend for the link (default: nccl with two GPUs, else gloo).
         progress: told each stage's name.
+        ns_shapes: more (m, n) shapes to time Newton–Schulz at (e.g. a model's own matrices);
+            each adds ``newton_schulz_fp32_MxN_flops_per_s`` to ``calibration``.
     """
     say = progress or (lambda _msg: None)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -190,7 +197,7 @@ def calibrate(*, quick: bool = False, name: str | None = None, backend: str | No
     say("matmul")
     rates = _matmul_rates(device, quick, reps)
     say("Newton–Schulz, eigh, QR")
-    extra = _kernels(device, quick, reps)
+    extra = _kernels(device, quick, reps, ns_shapes)
     say("memory bandwidth")
     bandwidth = _memory_bandwidth(device, quick, reps)
     say(f"collectives ({backend}, 2 processes)")
