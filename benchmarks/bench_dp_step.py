@@ -151,15 +151,14 @@ def layerwise_owners(named, route, world) -> dict[str, int]:
     return owner
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+def strategies(rank: int, world: int, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """Per strategy (sync, layerwise, canzona): its model, its optimizer, and the module the
+    forward runs (DDP for the first two)."""
     import canzona
     from canzona.runtime.introspect import inventory
 
     route = {p.name: p.optimizer for p in inventory(Model(args.dim, args.layers)).params}
-    models, opts, ddp = {}, {}, {}
+    models, opts, fwd = {}, {}, {}
     for name in ("sync", "layerwise", "canzona"):
         model = Model(args.dim, args.layers)
         named = list(model.named_parameters())
@@ -168,29 +167,50 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             plan = canzona.plan_model(model, dp=world, bucket_size=args.bucket_size)
             opts[name] = canzona.CanzonaOptimizer(model, plan, lr=0.02, ns_dtype=torch.float32,
                                                   adamw_lr=3e-3)
-            ddp[name] = model
+            fwd[name] = model
         else:
             owner = ({n: rank for n, _ in named} if name == "sync"
                      else layerwise_owners(named, route, world))
-            ddp[name] = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_size * 4 / 2**20)
-            opts[name] = LocalOptimizer(model, route, owner, rank, world, gather=name == "layerwise")
+            fwd[name] = nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=args.bucket_size * 4 / 2**20)
+            opts[name] = LocalOptimizer(model, route, owner, rank, world,
+                                        gather=name == "layerwise")
+    return models, opts, fwd
+
+
+def timed_iteration(fwd: nn.Module, opt, x: torch.Tensor) -> tuple[float, float]:
+    """One iteration after a barrier: (forward + backward seconds, ``opt.step()`` seconds);
+    ``opt`` None times forward + backward alone."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = F.cross_entropy(fwd(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+    loss.backward()
+    t1 = time.perf_counter()
+    if opt is not None:
+        opt.step()
+    t2 = time.perf_counter()
+    if opt is not None:
+        opt.zero_grad()
+    else:
+        fwd.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    models, opts, ddp = strategies(rank, world, args)
     total = sum(p.numel() for p in models["sync"].parameters())
     gen = torch.Generator().manual_seed(rank)
     times = {n: {"step": [], "iter": []} for n in opts}
 
     def iteration(name: str, record: bool) -> None:
         x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=gen)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(ddp[name](x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-        loss.backward()
-        t1 = time.perf_counter()
-        opts[name].step()
-        t2 = time.perf_counter()
-        opts[name].zero_grad()
+        fb, step = timed_iteration(ddp[name], opts[name], x)
         if record:
-            times[name]["step"].append(t2 - t1)
-            times[name]["iter"].append(t2 - t0)
+            times[name]["step"].append(step)
+            times[name]["iter"].append(fb + step)
 
     for name in opts:  # warm-up
         iteration(name, False)
@@ -258,16 +278,21 @@ def render(res: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(ap: argparse.ArgumentParser, *, rounds: int) -> None:
+    """The model's and the timing's flags (shared with ``bench_model_check.py``)."""
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--bucket-size", type=int, default=2_000_000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--write-readme", action="store_true")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(ap, rounds=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "result.json")

@@ -41,14 +41,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_dp_step import VOCAB, LocalOptimizer, Model, free_port, layerwise_owners  # noqa: E402
+from bench_dp_step import (VOCAB, Model, free_port, model_arguments, strategies,  # noqa: E402
+                           timed_iteration)
 
 STRATEGIES = ("sync", "layerwise", "canzona")
 SIM_NAME = {"sync": "sc", "layerwise": "layerwise", "canzona": "canzona"}
@@ -60,27 +59,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    import canzona
-    from canzona.runtime.introspect import inventory
-
-    route = {p.name: p.optimizer for p in inventory(Model(args.dim, args.layers)).params}
-    models, opts, fwd = {}, {}, {}
-    for name in STRATEGIES:
-        model = Model(args.dim, args.layers)
-        named = list(model.named_parameters())
-        models[name] = model
-        if name == "canzona":
-            plan = canzona.plan_model(model, dp=world, bucket_size=args.bucket_size)
-            opts[name] = canzona.CanzonaOptimizer(model, plan, lr=0.02, ns_dtype=torch.float32,
-                                                  adamw_lr=3e-3)
-            fwd[name] = model
-        else:
-            owner = ({n: rank for n, _ in named} if name == "sync"
-                     else layerwise_owners(named, route, world))
-            fwd[name] = nn.parallel.DistributedDataParallel(
-                model, bucket_cap_mb=args.bucket_size * 4 / 2**20)
-            opts[name] = LocalOptimizer(model, route, owner, rank, world,
-                                        gather=name == "layerwise")
+    _, opts, fwd = strategies(rank, world, args)
     local = Model(args.dim, args.layers)  # compute only: no hooks, no communication
     gen = torch.Generator().manual_seed(rank)
     times: dict[str, dict[str, list[float]]] = {n: {"step": [], "iter": []} for n in STRATEGIES}
@@ -90,29 +69,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         return torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=gen)
 
     def iteration(name: str, record: bool) -> None:
-        x = batch()
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(fwd[name](x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-        loss.backward()
-        t1 = time.perf_counter()
-        opts[name].step()
-        t2 = time.perf_counter()
-        opts[name].zero_grad()
+        fb, step = timed_iteration(fwd[name], opts[name], batch())
         if record:
-            times[name]["step"].append(t2 - t1)
-            times[name]["iter"].append(t2 - t0)
+            times[name]["step"].append(step)
+            times[name]["iter"].append(fb + step)
 
     def local_fb(record: bool) -> None:
-        x = batch()
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(local(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-        loss.backward()
-        t1 = time.perf_counter()
-        local.zero_grad(set_to_none=True)
+        fb, _ = timed_iteration(local, None, batch())
         if record:
-            times["local"]["fb"].append(t1 - t0)
+            times["local"]["fb"].append(fb)
 
     for name in STRATEGIES:  # warm-up
         iteration(name, False)
@@ -252,15 +217,8 @@ def render(res: dict, sim: dict, fb: float, facts: dict, args: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--bucket-size", type=int, default=2_000_000)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--iters", type=int, default=2)
+    model_arguments(ap, rounds=6)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--write-readme", action="store_true")
     args = ap.parse_args(argv)
     if args.rounds < 5:
         ap.error("--rounds must be at least 5")
