@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from . import formulas, optimizers
-from .errors import CanzonaError
+from .errors import CanzonaError, SizeError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware  # noqa: F401
-from .inventory import ModelSpec, ParamSpec
+from .inventory import EXPERT_PART, ModelSpec, ParamSpec
 from .layout import ParallelSizes
 from .settings import OptimizerName, OptimizerSettings  # noqa: F401  (re-exported)
 
@@ -83,6 +83,15 @@ def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSiz
             for part in p.parts:
                 tasks.append(Task(len(tasks), p.name, part.name, (part.rows, p.shape[1]),
                                   p.optimizer, tp_split, p.expert))
+        elif p.optimizer == "matrix" and p.stacked_experts:
+            if tp_split:
+                raise SizeError(f"'{p.name}' is a 3-D tensor of {p.stacked_experts} expert "
+                                f"matrices split by tensor parallelism; canzona plans such "
+                                "tensors at tp = 1 only (per-expert 2-D weights, as Megatron "
+                                "stores them, work at any tp).")
+            for e in range(p.stacked_experts):  # one task per expert matrix: rows e·m … (e+1)·m
+                tasks.append(Task(len(tasks), p.name, f"{EXPERT_PART}{e}", p.shape[1:],
+                                  p.optimizer, False, p.expert))
         else:
             tasks.append(Task(len(tasks), p.name, None, p.shape, p.optimizer, tp_split, p.expert))
     return tasks

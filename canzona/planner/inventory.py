@@ -36,6 +36,9 @@ from .models import ModelConfig
 if TYPE_CHECKING:
     import networkx as nx
 
+#: The part name of expert e's matrix in a 3-D tensor of stacked experts: ``expert{e}``.
+EXPERT_PART = "expert"
+
 Kind = Literal["matrix", "expert", "vector", "embedding", "output", "router"]
 OptimizerRoute = Literal["matrix", "adamw"]
 TPLayout = Literal["replicated", "column", "row", "qkv", "gate_up", "vocab"]
@@ -101,6 +104,12 @@ class ParamSpec:
     @property
     def is_expert(self) -> bool:
         return self.expert is not None
+
+    @property
+    def stacked_experts(self) -> int:
+        """E for a 3-D tensor of E expert matrices ([E, m, n], as ``transformers`` stores a MoE
+        layer's experts), else 0. The matrix optimizer updates each [m, n] matrix on its own."""
+        return self.shape[0] if self.kind == "expert" and len(self.shape) == 3 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,8 +263,11 @@ def build_inventory(
 
 def megatron_route(p: ParamSpec) -> OptimizerRoute:
     """Megatron's rule: 2-D non-embedding weights → matrix optimizer; embeddings, output layer,
-    norms and the MoE router → AdamW (REFERENCE.md §2)."""
-    return "matrix" if p.kind in ("matrix", "expert") and len(p.shape) == 2 else "adamw"
+    norms and the MoE router → AdamW (REFERENCE.md §2). A 3-D tensor of stacked expert
+    matrices is E matrices (Megatron's per-expert weights, stored together)."""
+    if p.kind in ("matrix", "expert") and (len(p.shape) == 2 or p.stacked_experts):
+        return "matrix"
+    return "adamw"
 
 
 def route(
@@ -284,9 +296,10 @@ def route(
         if matches(p, adamw_globs):
             choice = "adamw"
         elif matches(p, matrix_globs):
-            if len(p.shape) != 2:
+            if len(p.shape) != 2 and not p.stacked_experts:
                 raise ModelError(f"parameter '{p.name}' of shape {list(p.shape)} cannot use the "
-                                 "matrix optimizer: it is not 2-D.")
+                                 "matrix optimizer: it is not 2-D (nor a 3-D tensor of stacked "
+                                 "expert matrices).")
             choice = "matrix"
         routed.append(ParamSpec(**{**_asdict(p), "optimizer": choice}))
     return routed

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.planner.inventory import EXPERT_PART
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import dtype_name, inventory
@@ -133,8 +134,13 @@ def plan_params(plan: Plan) -> list[tuple[str, tuple[int, ...], str]]:
     for t in plan.tasks:
         shapes.setdefault(t.param, []).append(tuple(t.shape))
     out = []
+    experts = {t.param for t in plan.tasks if t.part is not None
+               and t.part.startswith(EXPERT_PART) and t.part[len(EXPERT_PART):].isdigit()}
     for name, parts in shapes.items():
-        shape = parts[0] if len(parts) == 1 else (sum(p[0] for p in parts), *parts[0][1:])
+        if name in experts:  # E stacked expert matrices: [E, m, n]
+            shape = (len(parts), *parts[0])
+        else:
+            shape = parts[0] if len(parts) == 1 else (sum(p[0] for p in parts), *parts[0][1:])
         out.append((name, shape, dtype.get(name, "?")))
     return out
 

@@ -35,6 +35,7 @@ from canzona.planner.inventory import Kind, ModelSpec, ParamSpec, TPLayout, rout
 
 __all__ = [
     "DEFAULT_EMBEDDING_GLOBS",
+    "DEFAULT_EXPERT_GLOBS",
     "DEFAULT_OUTPUT_GLOBS",
     "DEFAULT_ROUTER_GLOBS",
     "dtype_name",
@@ -56,6 +57,9 @@ DEFAULT_OUTPUT_GLOBS: tuple[str, ...] = (
     "embed_out.weight", "*.embed_out.weight",
 )
 #: MoE routers (Megatron mlp.router, HF Qwen3-MoE / Mixtral mlp.gate / block_sparse_moe.gate).
+#: 3-D parameters named so hold E expert matrices ([E, m, n]: transformers' MoE experts).
+DEFAULT_EXPERT_GLOBS: tuple[str, ...] = ("*.experts.*", "experts.*")
+
 DEFAULT_ROUTER_GLOBS: tuple[str, ...] = ("*mlp.router.weight", "*mlp.gate.weight", "*moe.gate.weight",
                                          "*block_sparse_moe.gate.weight")
 
@@ -183,6 +187,7 @@ def inventory(
     embedding_globs: Sequence[str] = DEFAULT_EMBEDDING_GLOBS,
     output_globs: Sequence[str] = DEFAULT_OUTPUT_GLOBS,
     router_globs: Sequence[str] = DEFAULT_ROUTER_GLOBS,
+    expert_globs: Sequence[str] = DEFAULT_EXPERT_GLOBS,
 ) -> ModelSpec:
     """Read a model's parameters into a planner ``ModelSpec`` (no model config; tp > 1 for
     DTensor or Megatron column/row shards, whose global shapes are recorded).
@@ -193,6 +198,8 @@ def inventory(
         matrix_globs: names forced onto the matrix optimizer (must be 2-D).
         adamw_globs: names forced onto AdamW (take precedence).
         embedding_globs, output_globs, router_globs: the name rules for kinds routed to AdamW.
+        expert_globs: 3-D tensors named so are E stacked expert matrices (each its own matrix
+            task); other 3-D tensors (convolutions) take AdamW.
 
     Raises:
         ModelError: no parameters, an unsupported dtype, or an override matching nothing.
@@ -213,6 +220,8 @@ def inventory(
             kind = "router"
         elif len(shape) <= 1:
             kind = "vector"
+        elif len(shape) == 3 and _match(pname, expert_globs):
+            kind = "expert"  # E stacked expert matrices (transformers' MoE experts)
         else:
             kind = "matrix"
         specs.append(ParamSpec(name=pname, shape=shape, dtype=dtype_name(p.dtype, pname), kind=kind,
