@@ -241,6 +241,11 @@ def plan(
     hardware: Annotated[str, typer.Option(
         "--hardware", help="Hardware profile of the communication model and the TP timeline: "
                            "h100, h800, cpu, or a profile file (.json).")] = "h100",
+    names: Annotated[str, typer.Option(
+        "--names", help="Parameter names of the plan: megatron (Megatron-core's: fused QKV and "
+                        "gate/up, per-expert weights) or hf (the transformers model's own: "
+                        "separate projections, 3-D experts; tp 1), so the plan fits that live "
+                        "model.")] = "megatron",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically).")] = None,
@@ -248,6 +253,7 @@ def plan(
     """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the plan."""
     from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions, pipeline,
                                  resolve_model)
+    from canzona.planner.inventory import NAMINGS
     from canzona.planner.plan import save_plan
     from canzona.planner.planning import default_plan_name
 
@@ -267,7 +273,8 @@ def plan(
     _check_output(out)
     with _render.progress(f"planning {name} dp={dp} tp={tp}") as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
-                               tp_options=tp_options, progress=say)
+                               tp_options=tp_options, progress=say,
+                               names=_choice(names, NAMINGS, "--names"))
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)

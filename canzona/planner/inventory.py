@@ -196,19 +196,33 @@ def _hf_prefix(cfg: ModelConfig) -> str:
     return "model"
 
 
+#: How an inventory names parameters: Megatron-core's (fused QKV and gate/up, per-expert weights)
+#: or the live Hugging Face ``transformers`` model's (separate projections, 3-D stacked experts).
+NAMINGS = ("megatron", "hf")
+
+
 def build_inventory(
     cfg: ModelConfig,
     *,
     matrix_globs: Sequence[str] = (),
     adamw_globs: Sequence[str] = (),
+    names: str = "megatron",
 ) -> ModelSpec:
-    """The parameters of ``cfg`` in Megatron registration order, routed to an optimizer.
+    """The parameters of ``cfg`` in registration order, routed to an optimizer.
 
     Args:
         cfg: the model config.
         matrix_globs: name globs forced onto the matrix optimizer (must be 2-D).
         adamw_globs: name globs forced onto AdamW (take precedence over ``matrix_globs``).
+        names: ``megatron`` (Megatron-core's parameters: fused QKV and gate/up, per-expert
+            weights) or ``hf`` (the ``transformers`` 5 model's own: q/k/v and gate/up separate —
+            so the separate-projection update rule —, MoE experts as 3-D tensors, its
+            registration order), so a plan made offline fits that live model's fingerprint.
     """
+    if names not in NAMINGS:
+        raise ModelError(f"names must be one of: {', '.join(NAMINGS)}; got {names!r}.")
+    if names == "hf":
+        return _hf_inventory(cfg, matrix_globs, adamw_globs)
     h, hd, dt = cfg.hidden, cfg.head_dim, cfg.dtype
     nq, nkv = cfg.q_heads, cfg.kv_heads
     hf = _hf_prefix(cfg)
@@ -307,3 +321,43 @@ def route(
 
 def _asdict(p: ParamSpec) -> dict:
     return {f: getattr(p, f) for f in ParamSpec.__dataclass_fields__}
+
+
+def _hf_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
+                  adamw_globs: Sequence[str]) -> ModelSpec:
+    """The live ``transformers`` model's parameters (Qwen3, Qwen3-MoE, Llama; tp = 1), as
+    ``named_parameters()`` lists them: a tied output layer is the embedding (not listed)."""
+    h, hd, dt = cfg.hidden, cfg.head_dim, cfg.dtype
+    nq, nkv = cfg.q_heads, cfg.kv_heads
+    out: list[ParamSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], kind: Kind, layer: int | None = None) -> None:
+        out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer,
+                             expert=None, tp_layout="replicated", hf_names=(name,)))
+
+    add("model.embed_tokens.weight", (cfg.vocab, h), "embedding")
+    for i in range(cfg.layers):
+        pre = f"model.layers.{i}"
+        add(f"{pre}.self_attn.q_proj.weight", (nq * hd, h), "matrix", i)
+        add(f"{pre}.self_attn.k_proj.weight", (nkv * hd, h), "matrix", i)
+        add(f"{pre}.self_attn.v_proj.weight", (nkv * hd, h), "matrix", i)
+        add(f"{pre}.self_attn.o_proj.weight", (h, nq * hd), "matrix", i)
+        if cfg.qk_norm:
+            add(f"{pre}.self_attn.q_norm.weight", (hd,), "vector", i)
+            add(f"{pre}.self_attn.k_norm.weight", (hd,), "vector", i)
+        if cfg.is_moe:
+            e, f = cfg.num_experts, cfg.moe_ffn
+            add(f"{pre}.mlp.experts.gate_up_proj", (e, 2 * f, h), "expert", i)
+            add(f"{pre}.mlp.experts.down_proj", (e, h, f), "expert", i)
+            add(f"{pre}.mlp.gate.weight", (e, h), "router", i)
+        else:
+            add(f"{pre}.mlp.gate_proj.weight", (cfg.ffn, h), "matrix", i)
+            add(f"{pre}.mlp.up_proj.weight", (cfg.ffn, h), "matrix", i)
+            add(f"{pre}.mlp.down_proj.weight", (h, cfg.ffn), "matrix", i)
+        add(f"{pre}.input_layernorm.weight", (h,), "vector", i)
+        add(f"{pre}.post_attention_layernorm.weight", (h,), "vector", i)
+    add("model.norm.weight", (h,), "vector")
+    if not cfg.tied_embeddings:
+        add("lm_head.weight", (cfg.vocab, h), "output")
+    return ModelSpec(config=cfg, label=f"{cfg.name} (transformers names)",
+                     params=tuple(route(out, matrix_globs=matrix_globs, adamw_globs=adamw_globs)))

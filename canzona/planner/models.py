@@ -115,6 +115,10 @@ _HF_KEYS = {"hidden": "hidden_size", "ffn": "intermediate_size", "layers": "num_
             "moe_ffn": "moe_intermediate_size"}
 
 
+#: A config's ``dtype`` (transformers 5) or ``torch_dtype`` → the plan's parameter dtype.
+_HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
     """Read a Hugging Face ``config.json`` of a Qwen3, Qwen3-MoE or Llama model.
 
@@ -148,7 +152,9 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     kv_heads = int(cfg.get("num_key_value_heads") or q_heads)
     head_dim = int(cfg.get("head_dim") or hidden // q_heads)
     moe = arch == "qwen3_moe"
-    num_experts = int(_field(cfg, "num_experts", path)) if moe else 0
+    # Hub configs say num_experts; transformers 5 writes num_local_experts
+    experts_key = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    num_experts = int(_field(cfg, experts_key, path)) if moe else 0
     # Qwen3-MoE may keep dense layers (mlp_only_layers / decoder_sparse_step); our presets do not.
     if moe and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
         raise ModelError(f"{path}: Qwen3-MoE configs with dense layers (mlp_only_layers, "
@@ -169,6 +175,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
             num_experts=num_experts,
             experts_per_token=int(_field(cfg, "num_experts_per_tok", path)) if moe else 0,
             moe_ffn=int(_field(cfg, "moe_intermediate_size", path)) if moe else 0,
+            dtype=_HF_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+                                 "bf16"),
         )
     except ValidationError as exc:
         err = exc.errors()[0]

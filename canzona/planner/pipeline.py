@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
-from .errors import CanzonaError
+from .errors import CanzonaError, SizeError
 from .hardware import load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes
@@ -35,18 +35,19 @@ Source = str | Path | ModelConfig | ModelSpec
 __all__ = ["Source", "inventory_of", "plan", "plan_problem"]
 
 
-def inventory_of(source: Source) -> tuple[ModelSpec, str]:
-    """The inventory of ``source`` and the plan's ``model_source`` for it."""
+def inventory_of(source: Source, names: str = "megatron") -> tuple[ModelSpec, str]:
+    """The inventory of ``source`` and the plan's ``model_source`` for it (``names``: the
+    parameter names of a config's inventory, ``megatron`` or ``hf``; an inventory keeps its own)."""
     if isinstance(source, ModelSpec):
         if source.config is None:
             return source, "module"
         return source, _config_source(source.config)
     if isinstance(source, Path):
-        return build_inventory(load_hf_config(source)), "hf_config"
+        return build_inventory(load_hf_config(source), names=names), "hf_config"
     if isinstance(source, str):
-        return build_inventory(get_preset(source)), "preset"
+        return build_inventory(get_preset(source), names=names), "preset"
     if isinstance(source, ModelConfig):
-        return build_inventory(source), _config_source(source)
+        return build_inventory(source, names=names), _config_source(source)
     raise CanzonaError(f"a model source is a preset name, a config.json path, a ModelConfig or a "
                        f"ModelSpec; got {type(source).__name__}.")
 
@@ -64,6 +65,7 @@ def plan(
     tp_options: TPOptions | None = None,
     dp_only: bool = False,
     progress: Callable[[str], None] | None = None,
+    names: str = "megatron",
 ) -> Plan:
     """Plan ``source`` at ``sizes``: the DP partition and, for tp > 1, the TP micro-groups.
 
@@ -77,6 +79,8 @@ def plan(
         dp_only: stop after the DP stage: no TP section even for tp > 1 (for studies of the DP
             partition; the runtime and ``check_plan`` want the TP section).
         progress: told the name of each stage as it starts.
+        names: a config's parameter names: ``megatron`` (Megatron-core's) or ``hf`` (the live
+            ``transformers`` model's, so the plan fits it; tp = 1).
 
     Raises:
         CanzonaError: bad input (unknown model, sizes the model does not allow, an option out of
@@ -87,7 +91,12 @@ def plan(
     t = tp_options or TPOptions()
     settings = OptimizerSettings(name=optimizer) if isinstance(optimizer, str) else optimizer  # type: ignore[arg-type]
     say("model inventory and ZeRO-1 layout")
-    spec, model_source = inventory_of(source)
+    if names == "hf" and (sizes.tp > 1 or sizes.ep > 1):
+        raise SizeError(f"parameter names 'hf' describe a plain transformers model at tp 1 and "
+                        f"ep 1; got {{ParallelSizes.tp}} {sizes.tp}, {{ParallelSizes.ep}} "
+                        f"{sizes.ep}. Megatron-core's names ('megatron') carry the tensor- and "
+                        "expert-parallel layout.", fields=("ParallelSizes.tp", "ParallelSizes.ep"))
+    spec, model_source = inventory_of(source, names)
     problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
                            overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=t.comm_dtype)
     return plan_problem(problem, dp_options=o, tp_options=t, model_source=model_source,

@@ -151,7 +151,11 @@ def rebuild_problem(plan: Plan, config: Path | None = None) -> DPProblem | None:
         cfg = load_hf_config(config)
     else:
         cfg = get_preset(inp.model)
+    # Megatron's names, or the live transformers model's (a plan made with names='hf').
     spec = build_inventory(cfg)
+    if spec.fingerprint() != plan.fingerprint and inp.tp == 1 and inp.ep == 1:
+        hf = build_inventory(cfg, names="hf")
+        spec = hf if hf.fingerprint() == plan.fingerprint else spec
     if spec.fingerprint() != plan.fingerprint:
         src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"
         raise CanzonaError(f"plan fingerprint {plan.fingerprint[:19]}… does not match {src} "

@@ -189,9 +189,9 @@ def test_progress_covers_the_inventory_and_the_plan_loading(plans, tmp_path, mon
     seen = {}
     real_inv = canzona.planner.pipeline.inventory_of
 
-    def inv(source):
+    def inv(source, *args):
         seen["inventory"] = rec.active
-        return real_inv(source)
+        return real_inv(source, *args)
 
     monkeypatch.setattr(canzona.planner.pipeline, "inventory_of", inv)
     assert run("plan", "--model", "qwen3-0.6b", "--dp", 2, "-o", tmp_path / "p.json").exit_code == 0
