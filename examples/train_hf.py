@@ -1,0 +1,128 @@
+"""A Hugging Face model trained with canzona under ``transformers.Trainer`` (or a hand-written
+loop on the same batches), CPU, gloo:
+
+    torchrun --standalone --nproc-per-node 2 examples/train_hf.py [--loop trainer|manual]
+             [--model qwen3|qwen3-moe] [--steps 8] [--accum 1] [--json]
+
+The Trainer gets the optimizer through ``optimizers=(opt, scheduler)``; ``canzona.hf.CanzonaTrainer``
+keeps the model out of DDP (canzona reduce-scatters the gradients itself), sets the Trainer's own
+clipping aside (``max_grad_norm=0``: it would clip local, unreduced gradients) and clips the global
+norm with ``opt.clip_grad_norm_``. ``--loop manual`` runs canzona's usual loop on the batches the
+Trainer's data loader gives this rank: per step the two print the same loss and gradient norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+import canzona
+
+VOCAB, SEQ, SAMPLES, LR, ADAMW_LR, CLIP = 96, 16, 256, 0.02, 3e-3, 1.0
+
+
+class Tokens(Dataset):
+    """Random token sequences, the same on every rank (the Trainer shards them)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def build(which: str) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
+                  attn_implementation="eager")
+    torch.manual_seed(0)
+    if which == "qwen3-moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+            mlp_only_layers=[], **common))
+    return Qwen3ForCausalLM(Qwen3Config(intermediate_size=64, **common))
+
+
+def main() -> None:
+    from transformers import TrainerCallback, TrainingArguments
+
+    from canzona.hf import CanzonaTrainer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loop", choices=("trainer", "manual"), default="trainer")
+    ap.add_argument("--model", choices=("qwen3", "qwen3-moe"), default="qwen3")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="one JSON line per step")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    model = build(a.model)
+    plan = canzona.plan_model(model, dp=world)
+    opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.05 * s)
+    args = TrainingArguments(
+        output_dir="/tmp/canzona-train-hf", per_device_train_batch_size=4, max_steps=a.steps,
+        gradient_accumulation_steps=a.accum, logging_steps=1, max_grad_norm=0.0, report_to=[],
+        use_cpu=True, save_strategy="no", seed=0, dataloader_drop_last=True,
+        average_tokens_across_devices=False, disable_tqdm=True, log_level="warning")
+    rows: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+            if logs and "loss" in logs:
+                rows.append({"step": state.global_step, "loss": float(logs["loss"]),
+                             "grad_norm": float(logs["grad_norm"])})
+
+    trainer = CanzonaTrainer(model=model, args=args, train_dataset=Tokens(),
+                             optimizers=(opt, sched), clip_grad_norm=CLIP, callbacks=[Record()])
+    if a.loop == "trainer":
+        trainer.train()
+    else:  # canzona's loop on the batches the Trainer's loader gives this rank
+        batches = iter(trainer.get_train_dataloader())
+        for step in range(1, a.steps + 1):
+            total = torch.zeros(())
+            for micro in range(a.accum):
+                b = next(batches)
+                ctx = opt.no_sync() if micro < a.accum - 1 else _Null()
+                with ctx:
+                    loss = model(**b).loss / a.accum
+                    loss.backward()
+                total += loss.detach()
+            norm = float(opt.clip_grad_norm_(CLIP))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            dist.all_reduce(total)
+            rows.append({"step": step, "loss": float(total) / world, "grad_norm": norm})
+    if rank == 0:
+        for r in rows:
+            print(json.dumps(r) if a.json else
+                  f"step {r['step']:3d}  loss {r['loss']:.6f}  grad norm {r['grad_norm']:.6f}",
+                  flush=True)
+    opt.close()
+    dist.destroy_process_group()
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+if __name__ == "__main__":
+    main()
