@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dp_helpers import (ADAMW_LR, GLOBAL_BATCH, LR, SEQ, VOCAB, batch, free_port,  # noqa: F401
-                        is_close_rel, lr_factor, params_of, rel_err, results, rows, run_world)
+from dp_helpers import (ADAMW_LR, LR, SEQ, VOCAB, batch, is_close_rel, lr_factor, params_of,
+                        rel_err, results, rows, run_world)
 
 E, DIM, FF, STEPS = 4, 32, 16, 6
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -89,11 +89,31 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits(model, x), y.reshape(-1))
 
 
-def train_canzona(rank: int, world: int, *, which: str) -> dict:
+def offline_plan(world: int, folder: str):
+    """The plan ``canzona plan --config config.json --names hf`` makes for the tiny Qwen3-MoE."""
+    import json
+    from pathlib import Path
+
+    from canzona.planner import ParallelSizes
+    from canzona.planner.options import DPOptions
+    from canzona.planner.pipeline import plan
+
+    d = hf_qwen3_moe().config.to_dict()
+    d["dtype"] = "float32"
+    path = Path(folder) / "config.json"
+    path.write_text(json.dumps(d))
+    return plan(path, ParallelSizes(dp=world, tp=1), "muon",
+                dp_options=DPOptions(bucket_size=2000), names="hf")
+
+
+def train_canzona(rank: int, world: int, *, which: str, folder: str = "") -> dict:
     import canzona
 
+    offline = which.endswith("-offline")
+    which = which.removesuffix("-offline")
     model = MODELS[which]()
-    plan = canzona.plan_model(model, dp=world, bucket_size=2000)
+    plan = (offline_plan(world, folder) if offline
+            else canzona.plan_model(model, dp=world, bucket_size=2000))
     opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
                                    adamw_weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
@@ -147,19 +167,25 @@ def train_reference(world: int, *, which: str) -> dict:
     return {"params": params_of(model)}
 
 
-CASES = ["toy"] + (["qwen3-moe"] if HAS_TRANSFORMERS else [])
+CASES = ["toy"] + (["qwen3-moe", "qwen3-moe-offline"] if HAS_TRANSFORMERS else [])
+NEEDS_HF = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip "
+                                                           "install 'canzona[dev]' pins it)")
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return run_world(2, [(w, partial(train_canzona, which=w)) for w in CASES],
-                     str(tmp_path_factory.mktemp("moe")))
+    folder = str(tmp_path_factory.mktemp("moe"))
+    cases = []
+    for w in CASES:
+        sub = tmp_path_factory.mktemp(w)
+        cases.append((w, partial(train_canzona, which=w, folder=str(sub))))
+    return run_world(2, cases, folder)
 
 
 @pytest.mark.parametrize("which", [
-    "toy", pytest.param("qwen3-moe", marks=pytest.mark.skipif(
-        not HAS_TRANSFORMERS, reason="transformers is not installed (pip install "
-                                     "'canzona[dev]' pins it)"))])
+    "toy", pytest.param("qwen3-moe", marks=NEEDS_HF),
+    # a plan made offline from the config.json (names="hf") runs the live model the same
+    pytest.param("qwen3-moe-offline", marks=NEEDS_HF)])
 def test_stacked_experts_are_matrices_and_dp2_equals_one_process(world2, which):
     got = results(world2, which)
     tasks = got[0]["tasks"]
@@ -171,7 +197,7 @@ def test_stacked_experts_are_matrices_and_dp2_equals_one_process(world2, which):
         assert [t[1] for t in parts] == [f"expert{e}" for e in range(E)]
         assert len({t[2] for t in parts}) == 1 and len(parts[0][2]) == 2
     assert all(t[3] == "adamw" for t in tasks if "mlp.gate." in t[0])  # the router
-    ref = train_reference(2, which=which)
+    ref = train_reference(2, which=which.removesuffix("-offline"))
     for r in range(2):
         err = rel_err(got[r]["params"], ref["params"])
         assert is_close_rel(err), (which, r, err)
