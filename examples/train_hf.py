@@ -26,11 +26,13 @@ VOCAB, SEQ, SAMPLES, LR, ADAMW_LR, CLIP = 96, 16, 256, 0.02, 3e-3, 1.0
 
 
 class Tokens(Dataset):
-    """Random token sequences, the same on every rank (the Trainer shards them)."""
+    """Counting sequences from random starts (token t+1 = token t + 1, mod the vocabulary): a
+    pattern the model learns in a few steps. The same on every rank (the Trainer shards them)."""
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+        start = torch.randint(0, VOCAB, (SAMPLES, 1), generator=g)
+        self.x = (start + torch.arange(SEQ)) % VOCAB
 
     def __len__(self) -> int:
         return SAMPLES
@@ -61,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loop", choices=("trainer", "manual"), default="trainer")
     ap.add_argument("--model", choices=("qwen3", "qwen3-moe"), default="qwen3")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="one JSON line per step")
     a = ap.parse_args()
