@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from canzona.planner.errors import CanzonaError, CanzonaWarning
 
-__all__ = ["PlanMismatchError", "UnusedParameterWarning"]
+__all__ = ["NonFiniteSkipWarning", "PlanMismatchError", "UnusedParameterWarning"]
 
 
 class PlanMismatchError(CanzonaError):
@@ -15,3 +15,8 @@ class PlanMismatchError(CanzonaError):
 class UnusedParameterWarning(CanzonaWarning):
     """A parameter received no gradient, so its bucket (and every later one) reduce-scattered
     only at ``step()`` instead of overlapping backward. Emitted once per optimizer."""
+
+
+class NonFiniteSkipWarning(CanzonaWarning):
+    """Under ``nonfinite="skip"``: parameters whose averaged gradient held NaN or Inf were left
+    alone this step, on every rank alike (named in the message)."""

@@ -56,11 +56,12 @@ from canzona.planner.plan import Plan
 from canzona.runtime import accounting, checkpoint, checks, update
 from canzona.runtime.buffers import build_buffers
 from canzona.runtime.collectives import make_collective
-from canzona.runtime.errors import PlanMismatchError, UnusedParameterWarning
+from canzona.runtime.errors import NonFiniteSkipWarning, PlanMismatchError, UnusedParameterWarning
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.gradients import GradientCollector, clip_owned, held_back_message
 from canzona.runtime.introspect import is_tp_split, local_tensor, named_params
 from canzona.runtime.optim import AdamW, AdamWConfig
+from canzona.runtime.optim._base import NonFiniteGradientError
 from canzona.runtime.schedule import build_schedule
 from canzona.runtime.tp import MicroGroupRunner, build_tp_groups
 
@@ -349,26 +350,83 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if self._external:
             grads.read_external()
             self._sum_sequence_parallel_grads()
-            grads.received_anywhere = grads.received.tolist()
+            self._agree_flags()
             grads.reduced = True
             return
         self._warn_if_held_back()
         # Phase 1: launch what backward did not (buckets holding parameters without gradients),
-        # in order, then one small all-reduce of the "got a gradient" flags.
+        # in order.
         grads.complete_all()
         self._launch_ready_reductions()
-        flags = grads.received.to(self._params[0].device)
-        work = None
-        if self._dp > 1:
-            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        # Phase 2: wait for the reduce-scatters (most finished during backward) and average.
+        # Phase 2: wait for the reduce-scatters (most finished during backward) and average;
+        # then one small all-reduce of the "got a gradient" and "non-finite" flags.
         for c in self._collectives:
             c.finish_reduce()
-        if work is not None:
-            work.wait()
         self._sum_sequence_parallel_grads()
-        grads.received_anywhere = flags.cpu().tolist()
+        self._agree_flags()
         grads.reduced = True
+
+    def _agree_flags(self) -> None:
+        """Per parameter, whether any rank got a gradient for it and whether any rank's averaged
+        slice of it is non-finite: one MAX all-reduce over the DP group (and the TP group), so
+        the non-finite policy decides the same on every rank (``_apply_nonfinite_policy``)."""
+        grads = self._grads
+        n = len(self._params)
+        bad = torch.zeros(n, dtype=torch.int32)
+        for bi, buf in enumerate(self._buffers):
+            if buf.own.numel() == 0 or bool(torch.isfinite(buf.own).all()):
+                continue  # one reduction per bucket; per parameter only where needed
+            for x in self._own_pieces(bi):
+                if not bool(torch.isfinite(buf.own[x.lo:x.hi]).all()):
+                    bad[x.param] = 1
+        flags = torch.cat([grads.received, bad]).to(self._params[0].device)
+        if self._dp > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        if self._tp > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._tp_group)
+        flags = flags.cpu().tolist()
+        grads.received_anywhere = flags[:n]
+        self._apply_nonfinite_policy([i for i in range(n) if flags[n + i]])
+
+    def _apply_nonfinite_policy(self, bad: list[int]) -> None:
+        """The same decision on every rank for the parameters whose averaged gradient holds NaN
+        or Inf anywhere: under ``nonfinite="raise"`` (the kernels' default) every rank raises
+        ``NonFiniteGradientError`` naming them, before anything is updated (gradients dropped:
+        the next step starts clean); under ``"skip"`` every rank leaves them alone this step
+        (their owners do not update them; the all-gathers send them unchanged)."""
+        if not bad:
+            return
+        matrix = set(self._schedule.matrix_params)
+
+        def policy(i: int) -> str:
+            kernel = self._matrix if i in matrix else self._adamw
+            return getattr(getattr(kernel, "config", None), "nonfinite", "raise")
+
+        raise_on = [i for i in bad if policy(i) == "raise"]
+        if raise_on:
+            self._start_next_iteration()
+            raise NonFiniteGradientError([self._names[i] for i in raise_on])
+        received = list(self._grads.received_anywhere)
+        skipped = set(bad)
+        for i in bad:
+            received[i] = 0  # as if no rank had a gradient for it: nobody updates it
+        self._grads.received_anywhere = received
+        # Their slices count as zero (a global norm for clipping stays finite).
+        for bi, buf in enumerate(self._buffers):
+            for x in self._own_pieces(bi):
+                if x.param in skipped:
+                    buf.own[x.lo:x.hi].zero_()
+        warnings.warn(f"skipped {len(bad)} parameter(s) with a non-finite gradient this step "
+                      f"(nonfinite='skip'): " + ", ".join(self._names[i] for i in bad),
+                      NonFiniteSkipWarning, stacklevel=3)
+
+    def _own_pieces(self, bucket: int) -> list:
+        """This rank's pieces of bucket ``bucket``'s own slice: matrix tasks, AdamW slices and
+        TP-split shards (each with ``param``, ``lo``, ``hi``)."""
+        mine = self._schedule.mine
+        return [*(mine.matrix[bucket] if bucket < len(mine.matrix) else ()),
+                *(mine.adamw[bucket] if bucket < len(mine.adamw) else ()),
+                *(mine.split[bucket] if bucket < len(mine.split) else ())]
 
     def _sum_sequence_parallel_grads(self) -> None:
         """Sequence parallelism (tp > 1): each TP rank's gradient of a parameter marked
