@@ -367,26 +367,37 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         grads.reduced = True
 
     def _agree_flags(self) -> None:
-        """Per parameter, whether any rank got a gradient for it and whether any rank's averaged
-        slice of it is non-finite: one MAX all-reduce over the DP group (and the TP group), so
-        the non-finite policy decides the same on every rank (``_apply_nonfinite_policy``)."""
+        """Per parameter, whether any rank got a gradient for it, and per bucket whether any
+        rank's averaged slice holds NaN or Inf: one MAX all-reduce over the DP group (and the TP
+        group) and one copy to the host, as before. Only when a bucket is non-finite somewhere,
+        a second all-reduce names the parameters, so the non-finite policy decides the same on
+        every rank (``_apply_nonfinite_policy``)."""
         grads = self._grads
         n = len(self._params)
+        device = self._params[0].device
+        finite = [torch.isfinite(b.own).all() for b in self._buffers if b.own.numel()]
+        bad_bucket = (~torch.stack(finite)).any().to(torch.int32).reshape(1) if finite else \
+            torch.zeros(1, dtype=torch.int32, device=device)
+        flags = torch.cat([grads.received.to(device), bad_bucket.to(device)])
+        self._all_reduce_max(flags)
+        flags = flags.cpu().tolist()
+        grads.received_anywhere = flags[:n]
+        if not flags[n]:
+            return
         bad = torch.zeros(n, dtype=torch.int32)
         for bi, buf in enumerate(self._buffers):
-            if buf.own.numel() == 0 or bool(torch.isfinite(buf.own).all()):
-                continue  # one reduction per bucket; per parameter only where needed
             for x in self._own_pieces(bi):
                 if not bool(torch.isfinite(buf.own[x.lo:x.hi]).all()):
                     bad[x.param] = 1
-        flags = torch.cat([grads.received, bad]).to(self._params[0].device)
+        bad = bad.to(device)
+        self._all_reduce_max(bad)
+        self._apply_nonfinite_policy([i for i, f in enumerate(bad.cpu().tolist()) if f])
+
+    def _all_reduce_max(self, t: Tensor) -> None:
         if self._dp > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         if self._tp > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._tp_group)
-        flags = flags.cpu().tolist()
-        grads.received_anywhere = flags[:n]
-        self._apply_nonfinite_policy([i for i in range(n) if flags[n + i]])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._tp_group)
 
     def _apply_nonfinite_policy(self, bad: list[int]) -> None:
         """The same decision on every rank for the parameters whose averaged gradient holds NaN
