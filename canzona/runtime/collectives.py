@@ -29,12 +29,14 @@ kept here (``None`` is the default group, looked up by each call; see ``CanzonaO
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from canzona.runtime.buffers import BucketBuffers
+from canzona.runtime.errors import CollectiveTimeoutError
 from canzona.runtime.schedule import Bucket
 
 __all__ = ["METHODS", "BucketCollective", "make_collective"]
@@ -60,6 +62,8 @@ class BucketCollective:
         self.reduces = reduce  # False under grad_sync="external": no reduce scratch
         self.reduce_work: Any = None
         self.gather_work: Any = None
+        #: seconds a wait may take before CollectiveTimeoutError (None: the group's own timeout)
+        self.timeout_s: float | None = None
 
     @property
     def gathering(self) -> bool:
@@ -75,7 +79,8 @@ class BucketCollective:
         """Wait for a running reduce-scatter; its result stays in scratch for
         :meth:`finish_reduce`."""
         if self.reduce_work is not None:
-            self.reduce_work.wait()
+            wait_for(self.reduce_work, f"the reduce of bucket {self.bucket} "
+                     f"({type(self).__name__})", self.timeout_s, self.rank)
             self.reduce_work = None
 
     def finish_reduce(self) -> None:
@@ -93,7 +98,8 @@ class BucketCollective:
     def finish_gather(self) -> None:
         """Wait, then every rank's slice is in ``buffers.params``."""
         if self.gather_work is not None:
-            self.gather_work.wait()
+            wait_for(self.gather_work, f"the all-gather of bucket {self.bucket} "
+                     f"({type(self).__name__})", self.timeout_s, self.rank)
             self.gather_work = None
             self._unpack_gather()
 
@@ -223,16 +229,46 @@ class AllToAllCollective(BucketCollective):
                                       async_op=True)
 
 
+def wait_for(work: Any, what: str, timeout_s: float | None, rank: int) -> None:
+    """``work.wait()``; with ``timeout_s``, a :class:`CollectiveTimeoutError` naming ``what``
+    once that many seconds pass (gloo and NCCL work handles take a timeout; NCCL's coalesced
+    per-root calls wait on the process group's own timeout and watchdog)."""
+    if timeout_s is None or isinstance(work, _CoalescedWork):
+        work.wait()
+        return
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        if isinstance(exc, CollectiveTimeoutError) or "time" not in str(exc).lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"rank {rank}: {what} did not finish within {timeout_s:g} s (collective_timeout): "
+            f"a peer rank died, hangs, or stopped calling step() [{exc}]") from None
+
+
+class _CoalescedWork:
+    """NCCL's coalesced per-root calls: waited for without a timeout of ours."""
+
+    def __init__(self, cm: Any) -> None:
+        self.cm = cm
+
+    def wait(self) -> None:
+        self.cm.wait()
+
+
 class _Works:
     """Several async handles waited for as one."""
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
 
-    def wait(self) -> None:
+    def wait(self, timeout: timedelta | None = None) -> None:
         for w in self.works:
             if w is not None:
-                w.wait()
+                if timeout is None:
+                    w.wait()
+                else:
+                    w.wait(timeout=timeout)
 
 
 def _per_root(group: Any, device: torch.device, calls: list) -> Any:
@@ -242,7 +278,7 @@ def _per_root(group: Any, device: torch.device, calls: list) -> Any:
         with dist._coalescing_manager(group, device=device, async_ops=True) as cm:
             for call in calls:
                 call(async_op=True)
-        return cm
+        return _CoalescedWork(cm)
     return _Works([call(async_op=True) for call in calls])
 
 

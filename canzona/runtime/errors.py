@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from canzona.planner.errors import CanzonaError, CanzonaWarning
 
-__all__ = ["NonFiniteSkipWarning", "PlanMismatchError", "UnusedParameterWarning"]
+__all__ = ["CollectiveTimeoutError", "NonFiniteSkipWarning", "PlanMismatchError",
+           "UnusedParameterWarning"]
 
 
 class PlanMismatchError(CanzonaError):
@@ -20,3 +21,9 @@ class UnusedParameterWarning(CanzonaWarning):
 class NonFiniteSkipWarning(CanzonaWarning):
     """Under ``nonfinite="skip"``: parameters whose averaged gradient held NaN or Inf were left
     alone this step, on every rank alike (named in the message)."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not finish within ``CanzonaOptimizer(collective_timeout=...)``: a peer
+    rank died, hangs, or stopped calling ``step()``. The message names the collective and its
+    bucket or micro-group. The process group is not usable afterwards."""

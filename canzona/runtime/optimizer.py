@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from canzona.planner.plan import Plan
 from canzona.runtime import accounting, checkpoint, checks, update
 from canzona.runtime.buffers import build_buffers
-from canzona.runtime.collectives import make_collective
+from canzona.runtime.collectives import make_collective, wait_for
 from canzona.runtime.errors import NonFiniteSkipWarning, PlanMismatchError, UnusedParameterWarning
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.gradients import GradientCollector, clip_owned, held_back_message
@@ -139,10 +139,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             The copies count in ``state_bytes()`` (see :func:`predicted_state_bytes`) and travel
             in ``state_dict()``; after loading weights into the model call
             ``reload_main_params()``.
-        collective: the DP collective method of every bucket instead of the schedule's rule
-            (``equal`` for equal slices, ``padded`` within 12.5 % of them, else ``all_to_all``):
-            ``padded``, ``per_root`` (one reduce and one broadcast per owner), ``all_reduce``,
-            ``all_to_all``, or ``equal`` (equal slices only). The results are the same.
+        collective: the DP collective method of every bucket instead of the one the plan records
+            per bucket: ``padded``, ``per_root`` (one reduce and one broadcast per owner),
+            ``all_reduce``, ``all_to_all``, or ``equal`` (equal slices only). The results are
+            the same.
+        collective_timeout: seconds any one of canzona's collectives may wait before
+            ``CollectiveTimeoutError`` names it (its bucket or micro-group) on this rank: a peer
+            that died, hangs or stopped calling ``step()`` then fails every other rank early and
+            catchably (gloo; on NCCL the process group's timeout and watchdog also apply). None
+            (the default): the process group's own timeout.
         tp_sum_grads: tp > 1: name globs of replicated parameters whose gradient each TP rank
             holds only in part, summed over the TP group before the update (as parameters marked
             ``sequence_parallel`` are). Megatron with ``qk_layernorm``: the q/k norms see only
@@ -183,8 +188,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         overlap_tp: bool = True,
         tp_sum_grads: Sequence[str] = (),
         collective: str | None = None,
+        collective_timeout: float | None = None,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
+        if collective_timeout is not None and (isinstance(collective_timeout, bool) or not (
+                isinstance(collective_timeout, (int, float)) and collective_timeout > 0)):
+            raise ValueError(f"collective_timeout must be a number of seconds > 0 (or None), "
+                             f"got {collective_timeout!r}")
+        self._timeout = None if collective_timeout is None else float(collective_timeout)
         if device_mesh is not None:
             dp_group, tp_group = checks.mesh_groups(device_mesh, dp_group, tp_group)
         checks.check_main_params(main_params)
@@ -262,6 +273,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._collectives = [make_collective(b, self._rank, self._dp, buf,
                                              reduce=not self._external, method=collective)
                              for b, buf in zip(self._schedule.buckets, self._buffers)]
+        for c in self._collectives:
+            c.timeout_s = self._timeout
         self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
         update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
                                 self._adamw, device)
@@ -272,6 +285,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                             self._rank, self._tp_rank),
             tp_rank=self._tp_rank, tp=self._tp, comm_dtype=plan.inputs.comm_dtype,
             buffers=self._buffers, params=self._params)
+        self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
         self._micro.init_state(self.state, self._matrix, device)
         self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()
         self._sum_globs = tuple(tp_sum_grads)
@@ -394,10 +408,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._apply_nonfinite_policy([i for i, f in enumerate(bad.cpu().tolist()) if f])
 
     def _all_reduce_max(self, t: Tensor) -> None:
-        if self._dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        if self._tp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._tp_group)
+        for size, group, name in ((self._dp, self._group, "DP"), (self._tp, self._tp_group, "TP")):
+            if size > 1:
+                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                wait_for(work, f"the {name} all-reduce of the per-parameter gradient flags "
+                         "(after the reduce-scatters)", self._timeout, self._rank)
 
     def _apply_nonfinite_policy(self, bad: list[int]) -> None:
         """The same decision on every rank for the parameters whose averaged gradient holds NaN

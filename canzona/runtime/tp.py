@@ -41,6 +41,7 @@ from torch import Tensor
 
 from canzona.planner.plan import Plan
 from canzona.runtime.buffers import BucketBuffers
+from canzona.runtime.collectives import wait_for
 from canzona.runtime.errors import PlanMismatchError
 
 __all__ = ["TPGroup", "TPTask", "MicroGroupRunner", "build_tp_groups", "COMM_DTYPES"]
@@ -138,10 +139,13 @@ class _InFlight:
     out: Tensor
     work: Any
     send: Tensor | None
+    what: str = ""
+    timeout_s: float | None = None
+    rank: int = 0
 
     def wait(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()  # on CUDA: the current stream waits for the collective
+        if self.work is not None:  # on CUDA: the current stream waits for the collective
+            wait_for(self.work, self.what, self.timeout_s, self.rank)
         self.work = self.send = None
         return self.out
 
@@ -156,6 +160,8 @@ class MicroGroupRunner:
     def __init__(self, groups: Sequence[TPGroup], *, tp_rank: int, tp: int, comm_dtype: str,
                  buffers: Sequence[BucketBuffers], params: list[Tensor]) -> None:
         self.groups = tuple(groups)
+        self.timeout_s: float | None = None  # CanzonaOptimizer(collective_timeout=)
+        self.rank = 0  # this process's DP rank, for messages
         self.tp_rank, self.tp = tp_rank, tp
         self.comm_dtype = COMM_DTYPES[comm_dtype]
         self._buffers = buffers
@@ -238,14 +244,14 @@ class MicroGroupRunner:
             raise error
 
     def _all_to_all(self, send: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                    group: Any) -> _InFlight:
+                    group: Any, what: str = "") -> _InFlight:
         out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
         if self.tp == 1:
             out.copy_(send)
             return _InFlight(out, None, None)
         work = dist.all_to_all_single(out, send, list(out_splits), list(in_splits), group=group,
                                       async_op=True)
-        return _InFlight(out, work, send)
+        return _InFlight(out, work, send, what, self.timeout_s, self.rank)
 
     def _start_gather(self, g: TPGroup, group: Any) -> _InFlight:
         """Launch the gather of group ``g``: this rank's segments of each task's gradient."""
@@ -256,7 +262,8 @@ class MicroGroupRunner:
                 pieces.append(_piece(grad, t.dim, ls, n).reshape(-1))
         device = self._buffers[g.tasks[0].bucket].own.device
         send = (torch.cat(pieces) if pieces else torch.empty(0, device=device)).to(self.comm_dtype)
-        return self._all_to_all(send, g.recv, g.send, group)
+        return self._all_to_all(send, g.recv, g.send, group,
+                                f"the TP gather (all-to-all) of micro-group {g.index}")
 
     def _compute(self, g: TPGroup, recv: Tensor, state: MutableMapping[Tensor, Any], matrix: Any,
                  received: Sequence[int]) -> tuple[dict[int, Tensor], Exception | None]:
@@ -300,7 +307,8 @@ class MicroGroupRunner:
                     pieces.append(_piece(updates[t.id], t.dim, fs, n).reshape(-1))
         device = self._buffers[g.tasks[0].bucket].own.device
         send = (torch.cat(pieces) if pieces else torch.empty(0, device=device)).to(self.comm_dtype)
-        return self._all_to_all(send, g.send, g.recv, group)
+        return self._all_to_all(send, g.send, g.recv, group,
+                                f"the TP scatter (all-to-all) of micro-group {g.index}")
 
     def _apply(self, g: TPGroup, scatter: _InFlight, matrix: Any,
                received: Sequence[int]) -> None:

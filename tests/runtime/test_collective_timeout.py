@@ -1,0 +1,79 @@
+"""A rank that stops calling ``step()`` makes the others fail early and catchably (issue 15, part
+of item 3): with ``collective_timeout`` a waiting rank raises ``CollectiveTimeoutError`` naming
+the collective (and its bucket or micro-group) within about that many seconds (gloo), instead of
+hanging for the process group's timeout. Its own spawn: the group is not usable afterwards.
+
+The stopped rank runs its backward first: gloo runs the reduce-scatters that backward launches
+partly on the launching thread, so a rank that never starts backward blocks its peers inside
+their backward, where only the group's own timeout ends the wait."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dp_helpers import ADAMW_LR, LR, TinyGPT, batch, free_port, loss_fn, rows
+
+TIMEOUT_S = 0.5
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # the group's own timeout is long: only collective_timeout can end the wait early
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    import canzona
+    from canzona.runtime.errors import CollectiveTimeoutError
+
+    result: dict = {}
+    try:
+        model = TinyGPT(spare=False)
+        plan = canzona.plan_model(model, dp=world, bucket_size=3000)
+        opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32,
+                                       adamw_lr=ADAMW_LR, collective_timeout=TIMEOUT_S)
+        mine = rows(rank, world)
+        for step in range(2):
+            x, y = batch(step, 0, world)
+            loss_fn(model, x[mine], y[mine]).backward()
+            if step == 1 and rank == 1:
+                time.sleep(2 * TIMEOUT_S + 2)  # a rank that stopped after backward: no step
+                result["stopped"] = True
+                break
+            t0 = time.perf_counter()
+            try:
+                opt.step()
+                result[f"step{step}"] = "ok"
+            except CollectiveTimeoutError as exc:
+                result[f"step{step}"] = ("timeout", str(exc), time.perf_counter() - t0)
+                break
+            opt.zero_grad()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the group is broken after a timeout: no barrier, no destroy
+
+
+def test_a_stopped_rank_fails_the_others_within_the_timeout(tmp_path):
+    from canzona.runtime.optimizer import CanzonaOptimizer
+
+    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                                join=True)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert r0["step0"] == r1["step0"] == "ok" and r1["stopped"]
+    kind, message, waited = r0["step1"]
+    assert kind == "timeout"
+    # the first collective of step() that the stopped rank never joins: the flags all-reduce
+    assert "rank 0" in message and "all-reduce" in message and "collective_timeout" in message
+    assert TIMEOUT_S * 0.9 <= waited <= TIMEOUT_S + 3.0, waited  # early, not the group's 120 s
+    with pytest.raises(ValueError, match="collective_timeout"):
+        CanzonaOptimizer(TinyGPT(), None, collective_timeout=0)  # checked before anything else
