@@ -146,8 +146,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         collective_timeout: seconds any one of canzona's collectives may wait before
             ``CollectiveTimeoutError`` names it (its bucket or micro-group) on this rank: a peer
             that died, hangs or stopped calling ``step()`` then fails every other rank early and
-            catchably (gloo; on NCCL the process group's timeout and watchdog also apply). None
-            (the default): the process group's own timeout.
+            catchably (gloo; on NCCL the process group's timeout and watchdog also apply, and
+            a wait with a timeout blocks the host until the collective ends instead of only
+            ordering the stream: a debugging setting there). None (the default): the process
+            group's own timeout.
         tp_sum_grads: tp > 1: name globs of replicated parameters whose gradient each TP rank
             holds only in part, summed over the TP group before the update (as parameters marked
             ``sequence_parallel`` are). Megatron with ``qk_layernorm``: the q/k norms see only
