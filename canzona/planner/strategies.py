@@ -293,12 +293,9 @@ def _packed(bld: _Builder, label: str) -> Workload:
                                   sl.dp_indices, bc.reduce.seconds(bld.dp_link),
                                   bc.gather.seconds(bld.dp_link), "equal", bc.reduce.busiest,
                                   bc.gather.busiest))
-        if pb.matrix:
-            for r, shard in enumerate(pb.shards):
-                for bi, ii in shard:
-                    bld.matrix(sl.dp_indices[r], p.buckets[bi].items[ii], duplicated=True)
-        else:
-            pass  # AdamW below, by ZeRO-1's equal chunks of the plain buffer
+        for r, shard in enumerate(pb.shards):  # matrix buckets (AdamW ones: below)
+            for bi, ii in shard:
+                bld.matrix(sl.dp_indices[r], p.buckets[bi].items[ii], duplicated=True)
     # AdamW parameters: equal chunks of a plain DistributedOptimizer buffer; charge them as the
     # packed layout's loads do (by element share over the buffer's DP group).
     for b in p.buckets:
