@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from canzona.planner.errors import CanzonaError, CanzonaWarning
 
-__all__ = ["CollectiveTimeoutError", "NonFiniteSkipWarning", "PlanMismatchError",
+__all__ = ["CheckpointError", "CollectiveTimeoutError", "NonFiniteSkipWarning", "PlanMismatchError",
            "UnusedParameterWarning"]
 
 
@@ -27,3 +27,9 @@ class CollectiveTimeoutError(RuntimeError):
     """A collective did not finish within ``CanzonaOptimizer(collective_timeout=...)``: a peer
     rank died, hangs, or stopped calling ``step()``. The message names the collective and its
     bucket or micro-group. The process group is not usable afterwards."""
+
+
+class CheckpointError(CanzonaError):
+    """A checkpoint cannot be saved or loaded as asked: missing or incomplete, of another model
+    or kernel, or state that cannot follow the change of plan (the message says which and the
+    fix). Raised on every rank before anything is loaded."""

@@ -186,6 +186,17 @@ class MatrixOptimizer(ABC):
 
     name: str = "matrix optimizer"
 
+    #: The state survives a change of plan as one param-level tensor per key, row blocks saved
+    #: by each task's owner (only Muon: its state is elementwise in the matrix's rows).
+    row_state_only: bool = False
+
+    def state_roles(self, shape: Sequence[int]) -> dict[str, str] | None:
+        """How each state key of an m×n task follows a permutation P of the matrix's rows (the
+        rows of a TP-gathered matrix in canonical order): ``"rows"`` (X → P X), ``"both"``
+        (X → P X Pᵀ, a left statistic), ``"fixed"`` (unchanged). None: the state cannot follow
+        a row permutation (blocks that would mix rows)."""
+        return None
+
     @abstractmethod
     def init_state(
         self,

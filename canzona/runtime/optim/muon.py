@@ -224,6 +224,12 @@ class Muon(MatrixOptimizer):
     def __init__(self, config: MuonConfig | None = None):
         self.config = config if config is not None else MuonConfig()
 
+    row_state_only = True
+
+    def state_roles(self, shape) -> dict[str, str]:
+        matrix_shape(self.name, shape)
+        return {"momentum_buffer": "rows"}
+
     def init_state(self, shape, dtype=torch.float32, device=None) -> dict[str, Tensor]:
         m, n = matrix_shape(self.name, shape)
         return {"momentum_buffer": torch.zeros((m, n), dtype=dtype, device=device)}

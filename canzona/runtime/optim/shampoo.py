@@ -161,6 +161,16 @@ class Shampoo(MatrixOptimizer):
             shapes["momentum_buffer"] = (m, n)
         return shapes
 
+    def state_roles(self, shape) -> dict[str, str] | None:
+        """Row-space moments follow the rows; the left statistics and roots both ways, which
+        only one row block allows (with several, a permutation would mix blocks)."""
+        m, n = matrix_shape(self.name, shape)
+        if len(formulas.block_sizes(m, self.config.max_preconditioner_dim)) > 1:
+            return None
+        return {k: ("both" if k.startswith("L") else "rows" if len(s) == 2 and s == (m, n)
+                    and not k.startswith("R") else "fixed")
+                for k, s in self._expected(m, n).items()}
+
     def init_state(self, shape, dtype=torch.float32, device=None) -> dict[str, Tensor]:
         m, n = matrix_shape(self.name, shape)
         return zero_state(self._expected(m, n), dtype, device)

@@ -110,6 +110,19 @@ class SOAP(MatrixOptimizer):
                 shapes[gg] = shapes[q] = (k, k)
         return shapes
 
+    def state_roles(self, shape) -> dict[str, str]:
+        """M lives in the matrix's rows; V too unless the left side is rotated (then its rows
+        are eigen-directions, which a row permutation leaves alone); GG_L both ways, Q_L's rows
+        (its columns are eigen-directions)."""
+        m, n = matrix_shape(self.name, shape)
+        keys = self._expected(m, n)
+        roles = {k: "fixed" for k in keys}
+        roles["exp_avg"] = "rows"
+        roles["exp_avg_sq"] = "fixed" if "GG_L" in keys else "rows"
+        if "GG_L" in keys:
+            roles["GG_L"], roles["Q_L"] = "both", "rows"
+        return roles
+
     def init_state(self, shape, dtype=torch.float32, device=None) -> dict[str, Tensor]:
         m, n = matrix_shape(self.name, shape)
         return zero_state(self._expected(m, n), dtype, device)
