@@ -14,7 +14,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CanzonaOptimizer", "__version__", "load_checkpoint", "load_plan", "plan_model",
+__all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "load_plan", "plan_model",
            "save_checkpoint"]
 
 # name → (module, attribute), imported on first access (PEP 562).
@@ -24,6 +24,7 @@ _LAZY = {
     "load_plan": ("canzona.planner.validate", "load_plan"),
     "save_checkpoint": ("canzona.runtime.logical_checkpoint", "save_checkpoint"),
     "load_checkpoint": ("canzona.runtime.logical_checkpoint", "load_checkpoint"),
+    "dcp_state": ("canzona.runtime.logical_checkpoint", "dcp_state"),
 }
 
 

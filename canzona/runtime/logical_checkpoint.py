@@ -31,12 +31,13 @@ between split and fused Q/K/V or gate/up is refused with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ from canzona.runtime.logical import (
     view_2d,
 )
 
-__all__ = ["FORMAT", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FORMAT", "DCPState", "dcp_state", "load_checkpoint", "save_checkpoint"]
 
 #: Version of the key layout; ``canzona.json`` records it.
 FORMAT = 1
@@ -363,13 +364,25 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process, which is what we ask."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _barrier(group: Any) -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier(group=group)
 
 
 def _rank(group: Any) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank(group) if _distributed() else 0
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module | None, optimizer: Any, *,
@@ -392,31 +405,33 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module | None, optimizer:
     Returns:
         The published directory.
     """
-    optimizer._check_open("save_checkpoint")
     final, partial, previous = _paths(path)
     rank = _rank(process_group)
-    _check_model(model, optimizer)
-    E = _entries(optimizer, model, saving=True, group_rank=rank)
-    for k, v in (extra or {}).items():
-        E.sd[f"extra.{k}"] = v
+    state = dcp_state(model, optimizer, extra=extra, process_group=process_group)
     if rank == 0:
         if partial.exists():
             shutil.rmtree(partial)  # what an interrupted save left behind
         partial.parent.mkdir(parents=True, exist_ok=True)
     _barrier(process_group)
-    dcp.save(E.sd, storage_writer=dcp.FileSystemWriter(partial), planner=SavePlanner(),
-             process_group=process_group)
+    with _quiet():
+        dcp.save(state.state_dict, storage_writer=dcp.FileSystemWriter(partial),
+                 planner=state.planner, process_group=process_group,
+                 no_dist=not _distributed())
     if rank == 0:
-        meta = _metadata(optimizer, sorted(extra or {}), model is not None)
-        tmp = partial / f"{_META}.tmp"
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, partial / _META)
-        _fsync_dir(partial)
+        _write_meta(partial, state.meta)
         _publish(final, partial, previous)
     _barrier(process_group)
     return final
+
+
+def _write_meta(partial: Path, meta: dict[str, Any]) -> None:
+    """``canzona.json``, the mark of a complete checkpoint: written last, atomically."""
+    tmp = partial / f"{_META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, partial / _META)
+    _fsync_dir(partial)
 
 
 def _publish(final: Path, partial: Path, previous: Path) -> None:
@@ -485,45 +500,95 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module | None, optimizer:
     Returns:
         The checkpoint's ``canzona.json`` (kernel, plan hash and sizes it was saved under).
     """
-    optimizer._check_open("load_checkpoint")
     where = _resolve(path)
-    meta = json.loads((where / _META).read_text())
+    state = dcp_state(model, optimizer, load_from=where, extra=extra, process_group=process_group)
+    with _quiet():
+        dcp.load(state.state_dict, storage_reader=dcp.FileSystemReader(where),
+                 planner=state.planner, process_group=process_group,
+                 no_dist=not _distributed())
+    state.finish()
+    return state.meta
+
+
+class DCPState:
+    """What :func:`dcp_state` hands a caller of DCP: the ``state_dict`` to save or to load into
+    (add your own keys to it), the ``planner`` to pass, and ``finish()`` to call after a load."""
+
+    def __init__(self, state_dict: dict[str, Any], planner: Any, after: list[Any],
+                 meta: dict[str, Any]) -> None:
+        self.state_dict, self.planner, self.meta = state_dict, planner, meta
+        self._after = after
+
+    def finish(self) -> None:
+        """After ``dcp.load``: put permuted state in place, take the main copies from the
+        weights if the checkpoint has none, and reset the gradient buckets."""
+        for fn in self._after:
+            fn()
+
+
+def dcp_state(model: nn.Module | None, optimizer: Any, *,
+              load_from: str | os.PathLike | None = None,
+              extra: Mapping[str, Any] | None = None, process_group: Any = None) -> DCPState:
+    """The logical state of the model and optimizer for people who call DCP themselves::
+
+        st = canzona.dcp_state(model, opt)                      # save
+        st.state_dict["trainer"] = my_stateful
+        dcp.save(st.state_dict, checkpoint_id=path, planner=st.planner)
+
+        st = canzona.dcp_state(model, opt, load_from=path)      # load (checks, agrees)
+        st.state_dict["trainer"] = my_stateful
+        dcp.load(st.state_dict, checkpoint_id=path, planner=st.planner)
+        st.finish()
+
+    The keys are those of :func:`save_checkpoint` (which adds crash-safe publishing and
+    ``canzona.json``). With ``load_from`` every rank checks the checkpoint's keys and shapes
+    against what it needs and all agree (one all-reduce) before returning; a problem raises
+    ``CheckpointError`` on every rank.
+    """
+    optimizer._check_open("dcp_state")
+    _check_model(model, optimizer)
+    if load_from is None:
+        E = _entries(optimizer, model, saving=True, group_rank=_rank(process_group))
+        for k, v in (extra or {}).items():
+            E.sd[f"extra.{k}"] = v
+        return DCPState(E.sd, SavePlanner(), [], _metadata(optimizer, sorted(extra or {}),
+                                                            model is not None))
+    where = Path(load_from)
+    meta_file = where / _META
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     problem, error = None, None
     try:
-        _check_model(model, optimizer)
         saved = dcp.FileSystemReader(where).read_metadata()
         E = _entries(optimizer, model, saving=False, saved=saved)
         problem = _problem(meta, saved, E, optimizer, model, extra)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the collective
-        problem, error = str(exc), exc
+        problem, error = f"cannot load {where}: {exc}", exc
     try:
         _agree(problem, process_group, optimizer)
     except CheckpointError:
-        if error is not None and not isinstance(error, CheckpointError):
+        if error is not None and not isinstance(error, (CheckpointError, OSError)):
             raise error from None
         raise
-    if model is not None and not meta.get("weights", True):
-        raise CheckpointError(f"{where} holds no model weights (saved with model=None).")
     for k, v in (extra or {}).items():
         E.sd[f"extra.{k}"] = v
-    dcp.load(E.sd, storage_reader=dcp.FileSystemReader(where), planner=LoadPlanner(),
-             process_group=process_group)
     main_saved = any(k.endswith(".main") for k in saved.state_dict_metadata)
-    for fn in E.after:
-        fn()
+    if not main_saved:
+        for k in [k for k in E.sd if k.endswith(".main")]:
+            del E.sd[k]
+    after = list(E.after)
     if optimizer._main_params and not main_saved:
-        optimizer.reload_main_params()
-    optimizer._start_next_iteration()
-    return meta
+        after.append(optimizer.reload_main_params)
+    after.append(optimizer._start_next_iteration)
+    return DCPState(E.sd, LoadPlanner(), after, meta)
 
 
 def _problem(meta: dict, saved: Any, E: _Entries, opt: Any, model: Any,
              extra: Mapping[str, Any] | None) -> str | None:
     """The first reason this rank cannot load, or None."""
-    if meta.get("format") != FORMAT:
+    if meta and meta.get("format") != FORMAT:
         return (f"checkpoint format {meta.get('format')} is not this canzona's ({FORMAT}); "
                 "load it with the version that wrote it.")
-    if meta.get("kernel") != opt._matrix.name:
+    if meta and meta.get("kernel") != opt._matrix.name:
         return (f"the checkpoint holds {meta.get('kernel')} state; this optimizer runs "
                 f"{opt._matrix.name}. Build the optimizer with the plan's kernel it was saved with.")
     have = saved.state_dict_metadata
@@ -563,7 +628,7 @@ def _missing(key: str, have: Mapping[str, Any], meta: dict, opt: Any) -> str:
 
 def _agree(problem: str | None, group: Any, opt: Any) -> None:
     """Every rank raises if any rank found a problem (one all-reduce before DCP's collective)."""
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         device = opt._params[0].device if opt._params else torch.device("cpu")
         flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
