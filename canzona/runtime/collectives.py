@@ -64,6 +64,8 @@ class BucketCollective:
         self.gather_work: Any = None
         #: seconds a wait may take before CollectiveTimeoutError (None: the group's own timeout)
         self.timeout_s: float | None = None
+        #: ``runtime.flight.FlightRecorder`` (CanzonaOptimizer(flight_record=)) or None
+        self.flight: Any = None
 
     @property
     def gathering(self) -> bool:
@@ -74,12 +76,15 @@ class BucketCollective:
 
     def launch_reduce(self, group: Any) -> None:
         self.reduce_work = self._start_reduce(group)
+        if self.flight is not None:
+            self.flight.add(f"the reduce of bucket {self.bucket.index} ({type(self).__name__})",
+                            self.reduce_work)
 
     def wait_reduce(self) -> None:
         """Wait for a running reduce-scatter; its result stays in scratch for
         :meth:`finish_reduce`."""
         if self.reduce_work is not None:
-            wait_for(self.reduce_work, f"the reduce of bucket {self.bucket} "
+            wait_for(self.reduce_work, f"the reduce of bucket {self.bucket.index} "
                      f"({type(self).__name__})", self.timeout_s, self.rank)
             self.reduce_work = None
 
@@ -94,11 +99,14 @@ class BucketCollective:
 
     def launch_gather(self, group: Any) -> None:
         self.gather_work = self._start_gather(group)
+        if self.flight is not None:
+            self.flight.add(f"the all-gather of bucket {self.bucket.index} ({type(self).__name__})",
+                            self.gather_work)
 
     def finish_gather(self) -> None:
         """Wait, then every rank's slice is in ``buffers.params``."""
         if self.gather_work is not None:
-            wait_for(self.gather_work, f"the all-gather of bucket {self.bucket} "
+            wait_for(self.gather_work, f"the all-gather of bucket {self.bucket.index} "
                      f"({type(self).__name__})", self.timeout_s, self.rank)
             self.gather_work = None
             self._unpack_gather()
@@ -251,9 +259,15 @@ class _CoalescedWork:
 
     def __init__(self, cm: Any) -> None:
         self.cm = cm
+        self.waited = False
 
     def wait(self) -> None:
         self.cm.wait()
+        self.waited = True
+
+    def is_completed(self) -> bool:
+        works = getattr(self.cm, "works", None)
+        return all(w.is_completed() for w in works) if works else self.waited
 
 
 class _Works:
@@ -261,6 +275,9 @@ class _Works:
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w is None or w.is_completed() for w in self.works)
 
     def wait(self, timeout: timedelta | None = None) -> None:
         for w in self.works:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -57,6 +58,7 @@ from canzona.runtime import accounting, checkpoint, checks, update
 from canzona.runtime.buffers import build_buffers
 from canzona.runtime.collectives import make_collective, wait_for
 from canzona.runtime.errors import NonFiniteSkipWarning, PlanMismatchError, UnusedParameterWarning
+from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.gradients import GradientCollector, clip_owned, held_back_message
 from canzona.runtime.introspect import is_tp_split, local_tensor, named_params
@@ -150,6 +152,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             a wait with a timeout blocks the host until the collective ends instead of only
             ordering the stream: a debugging setting there). None (the default): the process
             group's own timeout.
+        flight_record: a directory: every rank keeps ``canzona-flight-rank{R}.json`` there
+            listing canzona's collectives launched and not finished (``runtime.flight``), so
+            that after NCCL's watchdog has aborted a hung job each rank's file names the
+            collective (bucket, micro-group) it was waiting for. A daemon thread writes it at
+            most twice a second; ``close()`` stops it.
         tp_sum_grads: tp > 1: name globs of replicated parameters whose gradient each TP rank
             holds only in part, summed over the TP group before the update (as parameters marked
             ``sequence_parallel`` are). Megatron with ``qk_layernorm``: the q/k norms see only
@@ -191,6 +198,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         tp_sum_grads: Sequence[str] = (),
         collective: str | None = None,
         collective_timeout: float | None = None,
+        flight_record: str | os.PathLike | None = None,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
         if collective_timeout is not None and (isinstance(collective_timeout, bool) or not (
@@ -275,8 +283,13 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._collectives = [make_collective(b, self._rank, self._dp, buf,
                                              reduce=not self._external, method=collective)
                              for b, buf in zip(self._schedule.buckets, self._buffers)]
+        self._flight = None
+        if flight_record is not None:
+            self._flight = FlightRecorder(
+                flight_record, dist.get_rank() if distributed else 0,
+                labels={"dp_rank": self._rank, "tp_rank": self._tp_rank})
         for c in self._collectives:
-            c.timeout_s = self._timeout
+            c.timeout_s, c.flight = self._timeout, self._flight
         self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
         update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
                                 self._adamw, device)
@@ -288,6 +301,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             tp_rank=self._tp_rank, tp=self._tp, comm_dtype=plan.inputs.comm_dtype,
             buffers=self._buffers, params=self._params)
         self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
+        self._micro.flight = self._flight
         self._micro.init_state(self.state, self._matrix, device)
         self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()
         self._sum_globs = tuple(tp_sum_grads)
@@ -413,8 +427,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         for size, group, name in ((self._dp, self._group, "DP"), (self._tp, self._tp_group, "TP")):
             if size > 1:
                 work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-                wait_for(work, f"the {name} all-reduce of the per-parameter gradient flags "
-                         "(after the reduce-scatters)", self._timeout, self._rank)
+                what = (f"the {name} all-reduce of the per-parameter gradient flags (after the "
+                        "reduce-scatters)")
+                if self._flight is not None:
+                    self._flight.add(what, work)
+                wait_for(work, what, self._timeout, self._rank)
 
     def _apply_nonfinite_policy(self, bad: list[int]) -> None:
         """The same decision on every rank for the parameters whose averaged gradient holds NaN
@@ -641,6 +658,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         for c in self._collectives:
             c.drop()
         self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
+        if self._flight is not None:
+            self._flight.close()
         self._closed = True
 
     def __enter__(self) -> CanzonaOptimizer:

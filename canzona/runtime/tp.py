@@ -161,6 +161,7 @@ class MicroGroupRunner:
                  buffers: Sequence[BucketBuffers], params: list[Tensor]) -> None:
         self.groups = tuple(groups)
         self.timeout_s: float | None = None  # CanzonaOptimizer(collective_timeout=)
+        self.flight: Any = None  # CanzonaOptimizer(flight_record=)
         self.rank = 0  # this process's DP rank, for messages
         self.tp_rank, self.tp = tp_rank, tp
         self.comm_dtype = COMM_DTYPES[comm_dtype]
@@ -251,6 +252,8 @@ class MicroGroupRunner:
             return _InFlight(out, None, None)
         work = dist.all_to_all_single(out, send, list(out_splits), list(in_splits), group=group,
                                       async_op=True)
+        if self.flight is not None:
+            self.flight.add(what, work)
         return _InFlight(out, work, send, what, self.timeout_s, self.rank)
 
     def _start_gather(self, g: TPGroup, group: Any) -> _InFlight:

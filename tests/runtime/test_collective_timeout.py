@@ -9,6 +9,7 @@ their backward, where only the group's own timeout ends the wait."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -36,7 +37,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         model = TinyGPT(spare=False)
         plan = canzona.plan_model(model, dp=world, bucket_size=3000)
         opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32,
-                                       adamw_lr=ADAMW_LR, collective_timeout=TIMEOUT_S)
+                                       adamw_lr=ADAMW_LR, collective_timeout=TIMEOUT_S,
+                                       flight_record=os.path.join(out, "flight"))
         mine = rows(rank, world)
         for step in range(2):
             x, y = batch(step, 0, world)
@@ -51,6 +53,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 result[f"step{step}"] = "ok"
             except CollectiveTimeoutError as exc:
                 result[f"step{step}"] = ("timeout", str(exc), time.perf_counter() - t0)
+                # what NCCL's watchdog would leave: the process lives on a while, its flight
+                # file names what it waits for
+                time.sleep(4 * opt._flight.interval_s)
                 break
             opt.zero_grad()
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -75,5 +80,11 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout(tmp_path):
     # the first collective of step() that the stopped rank never joins: the flags all-reduce
     assert "rank 0" in message and "all-reduce" in message and "collective_timeout" in message
     assert TIMEOUT_S * 0.9 <= waited <= TIMEOUT_S + 3.0, waited  # early, not the group's 120 s
+    # the flight record (flight_record=): rank 0's file names the collective still in flight
+    flight = json.loads((tmp_path / "flight" / "canzona-flight-rank0.json").read_text())
+    assert flight["rank"] == 0 and flight["dp_rank"] == 0
+    assert any("all-reduce of the per-parameter gradient flags" in w
+               for w in flight["in_flight"]), flight
+    assert not any("Bucket(" in w for w in flight["in_flight"])
     with pytest.raises(ValueError, match="collective_timeout"):
         CanzonaOptimizer(TinyGPT(), None, collective_timeout=0)  # checked before anything else
