@@ -9,6 +9,13 @@ Every rank plans the model itself (plans are deterministic, and the optimizer ch
 hold the same one); ``--plan FILE`` loads a plan from ``canzona plan`` or ``--save-plan`` instead.
 The data are synthetic arithmetic progressions, so the loss visibly falls within 100 steps.
 ``opt.close()`` before ``destroy_process_group()`` finishes the optimizer's collectives.
+
+Checkpoints survive a change of plan: ``--checkpoint DIR`` saves (every ``--save-every`` steps and
+at the end) with ``canzona.save_checkpoint``; ``--resume DIR`` continues from one, also under
+another number of ranks::
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --checkpoint ck --stop-at 50
+    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --resume ck
 """
 
 from __future__ import annotations
@@ -83,6 +90,11 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--plan", help="load this plan instead of planning the model")
     ap.add_argument("--save-plan", help="write the plan here (rank 0)")
+    ap.add_argument("--checkpoint", help="save a checkpoint here (crash-safe, any plan resumes it)")
+    ap.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    ap.add_argument("--resume", help="continue from this checkpoint (saved under any plan)")
+    ap.add_argument("--stop-at", type=int, help="leave after this many steps, as if preempted "
+                    "(saving first with --checkpoint): to try --resume")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -111,10 +123,17 @@ def main() -> None:
               f"{plan.inputs.optimizer.name}; optimizer state per rank {list(m.dp_state_bytes)} B, "
               f"load max/mean {m.max_over_mean:.3f}", flush=True)
 
-    gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data
+    progress = {"step": torch.tensor(0)}  # saved with the checkpoint (extra=)
+    if args.resume:
+        canzona.load_checkpoint(args.resume, model, opt, extra={"sched": sched,
+                                                                "progress": progress})
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {int(progress['step'])}", flush=True)
+    first = int(progress["step"])
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         total = 0.0
+        gen = torch.Generator().manual_seed(1234 + 1000 * step + rank)  # each rank its own data
         for micro in range(args.accum):
             x, y = (t.to(device) for t in progressions(gen, args.batch, args.seq, vocab))
             # All but the last micro-batch accumulate locally; the last one reduces once.
@@ -129,7 +148,17 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {total:.4f}  grad norm {norm.item():.3f}  "
-                  f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)
+                  f"{(time.perf_counter() - t0) / (step + 1 - first) * 1e3:.0f} ms/step",
+                  flush=True)
+        last = step == args.steps - 1 or step + 1 == args.stop_at
+        if args.checkpoint and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            progress["step"] = torch.tensor(step + 1)
+            canzona.save_checkpoint(args.checkpoint, model, opt,
+                                    extra={"sched": sched, "progress": progress})
+            if rank == 0:
+                print(f"saved {args.checkpoint} at step {step + 1}", flush=True)
+        if step + 1 == args.stop_at:
+            break
     # Before tearing the group down: wait for the collectives still running (and give gloo's
     # threads a moment to free them), drop the optimizer's hooks and its hold on the group.
     # Without it the run could abort at exit ("terminate called without an active exception").

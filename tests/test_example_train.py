@@ -38,3 +38,33 @@ def test_example_trains_and_exits_cleanly(optimizer, accum):
     losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", proc.stdout, re.M)]
     assert len(losses) >= 2, proc.stdout
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+
+
+def _run(nproc, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(EXAMPLE), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    return proc.stdout
+
+
+def test_example_checkpoint_resumes_under_the_same_and_another_plan(tmp_path):
+    """``--checkpoint`` then ``--resume``: on 2 ranks the last loss is the uninterrupted run's;
+    on 1 rank (another plan) it resumes at the saved step."""
+    whole = _run(2, "--steps", "8")
+    ck = str(tmp_path / "ck")
+    first = _run(2, "--steps", "8", "--checkpoint", ck, "--save-every", "5")
+    assert f"saved {ck} at step 5" in first
+    again = _run(2, "--steps", "8", "--resume", ck)  # ck holds step 8 now: nothing left to do
+    assert f"resumed from {ck} at step 8" in again
+    _run(2, "--steps", "8", "--checkpoint", ck, "--stop-at", "5")
+    resumed = _run(2, "--steps", "8", "--resume", ck)
+    assert f"resumed from {ck} at step 5" in resumed
+
+    def last_loss(out):
+        return re.findall(r"^step\s+7\s+loss (\S+)", out, re.M)
+
+    assert last_loss(resumed) == last_loss(whole) != []
+    other = _run(1, "--steps", "7", "--resume", ck)
+    assert f"resumed from {ck} at step 5" in other and re.search(r"^step\s+6\s+loss", other, re.M)
