@@ -8,7 +8,10 @@ distributed_data_parallel.py, pipeline size 1, context parallel size 1):
   replicated; the word embedding and output layer keep [Vpad/t, h] with
   Vpad = ceil(V / (128·t))·128·t. Expert weights use the expert-TP size (default: tp).
 * One buffer per (param dtype, grad dtype, expert or not); expert buffers exist per EP rank and are
-  sharded over the expert-data-parallel group, edp = dp·tp / (ep·etp).
+  sharded over the expert-data-parallel group, edp = dp·tp / (ep·etp) — only with ep > 1: at
+  ep = 1 Megatron leaves expert weights in the dense buffers (``allreduce`` is
+  ``not (is_expert and expert_model_parallel_size > 1)``), where they keep their registration
+  place. Checked against megatron-core 0.16.1's own buffers in ``tests/megatron``.
 * Parameters enter a buffer in reverse registration order; each start is padded to 64 elements.
   A bucket closes as soon as it holds ``bucket_size`` elements (default max(40M, 1M·dp); a single
   bucket when grad-reduce overlap is off); its end is padded to lcm(dp, 128).
@@ -338,7 +341,10 @@ def build_layout(
     dense: dict[str, list[ParamSpec]] = {}
     experts: dict[str, list[ParamSpec]] = {}
     for p in spec.params:
-        (experts if p.is_expert else dense).setdefault(p.dtype, []).append(p)
+        # Megatron marks an expert weight ``allreduce = not (is_expert and ep > 1)`` and DDP puts
+        # the ``allreduce`` ones in the dense buffers: at ep = 1 experts share the dense buffer,
+        # in registration order, sharded over the DP group.
+        (experts if p.is_expert and sizes.ep > 1 else dense).setdefault(p.dtype, []).append(p)
     buffers = [build_buffer(ps, sizes, dp_size=sizes.dp, bucket_size=size, grad_dtype=grad_dtype,
                             expert=False) for _, ps in sorted(dense.items())]
     if experts:

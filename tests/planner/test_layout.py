@@ -94,6 +94,17 @@ def test_expert_buffers_per_ep_rank_over_edp():
     assert all(b.numel % math.lcm(2, 128) == 0 for b in experts)
 
 
+def test_experts_stay_in_the_dense_buffer_at_ep1():
+    """Megatron gives experts buffers of their own only with expert parallelism (``allreduce`` is
+    ``not (is_expert and ep > 1)``): at ep = 1 they sit in the dense buffer in registration order,
+    sharded over the DP group (checked against megatron-core itself in tests/megatron)."""
+    spec = build_inventory(get_preset("qwen3-30b-a3b"))
+    lay = build_layout(spec, ParallelSizes(dp=8, tp=2, ep=1))
+    assert [(b.expert, b.dp_size) for b in lay.buffers] == [(False, 8)]
+    order = [s.name for b in lay.buffers[0].buckets for s in b.slots]
+    assert order == [p.name for p in reversed(spec.params)]
+
+
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from([n for n, c in PRESETS.items() if not c.is_moe]),
        dp=st.sampled_from([1, 2, 3, 8, 24, 64]), tp=st.sampled_from([1, 2, 4, 8]),
