@@ -2,7 +2,8 @@
 
 ``state_dict()`` holds only tensors, numbers, strings, None, tuples, lists, dicts and dtypes, so
 ``torch.load(..., weights_only=True)`` reads it. It loads back only under the same plan (sha256)
-and DP rank; resuming under another plan or size needs logical keys (DESIGN.md, not yet here).
+and DP rank; to resume under another plan or size use ``canzona.save_checkpoint`` /
+``canzona.load_checkpoint`` (``runtime.logical_checkpoint``: DCP with logical keys).
 """
 
 from __future__ import annotations

@@ -109,6 +109,8 @@ def axis_of(live: Tensor, logical_shape: Sequence[int], tp: int, rank: int) -> A
         d = 0 if len(live.shape) == 1 else pl.dim  # type: ignore[attr-defined]
         return chunk_axis(d, logical[d], tp, rank)
     if tp == 1 or not getattr(live, "tensor_model_parallel", False):
+        if local[0] > logical[0] and local[1] == logical[1]:
+            return Axis(0, ((0, logical[0], 0),))  # a padded vocabulary at tp 1: rows dropped
         return Axis(None)
     dim = int(getattr(live, "partition_dim", 0))
     d = 0 if len(live.shape) == 1 else dim
