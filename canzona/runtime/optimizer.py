@@ -113,6 +113,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         ns_dtype: Muon's Newton–Schulz dtype (bfloat16 as torch; float32 for exact comparisons).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW for the non-matrix parameters
             (``torch.optim.AdamW``'s defaults).
+        adamw_nonfinite: ``"raise"`` (default) or ``"skip"``: what every rank does, alike, with an
+            AdamW parameter whose averaged gradient holds NaN or Inf (the matrix kernel's is
+            ``matrix_options={"nonfinite": ...}``).
         dp_group: the data-parallel process group (default: the world, looked up at every
             collective so that the optimizer does not keep it alive; none when not initialised
             and the plan has dp = 1).
@@ -185,6 +188,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
+        adamw_nonfinite: str = "raise",
         dp_group: Any = None,
         tp_group: Any = None,
         device_mesh: Any = None,
@@ -257,7 +261,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             explicit={"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
                       "ns_steps": ns_steps})
         self._adamw = AdamW(AdamWConfig(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                                        weight_decay=adamw_weight_decay))
+                                        weight_decay=adamw_weight_decay,
+                                        nonfinite=adamw_nonfinite))
         self.plan = plan
         self._digest = checks.plan_digest(plan)
         self._schedule = build_schedule(plan, self._names, self._rank)

@@ -16,17 +16,18 @@ from dp_helpers import (ADAMW_LR, LR, TinyGPT, batch, loss_fn, params_of, result
                         run_world)
 
 POISONED = "blocks.0.fc2.weight"  # a matrix (Muon) parameter
+POISONED_ADAMW = "blocks.0.ln_2.weight"  # an AdamW parameter
 
 
-def _loss(model, x, y, poison: bool):
+def _loss(model, x, y, poison: str | None):
     loss = loss_fn(model, x, y)
     if poison:  # NaN in this one parameter's gradient only: d(0·NaN·ΣW)/dW = NaN
-        w = dict(model.named_parameters())[POISONED]
+        w = dict(model.named_parameters())[poison]
         loss = loss + 0.0 * float("nan") * w.sum()
     return loss
 
 
-def case(rank: int, world: int, *, policy: str, clip: bool) -> dict:
+def case(rank: int, world: int, *, policy: str, clip: bool, target: str = POISONED) -> dict:
     import canzona
     from canzona.runtime.errors import NonFiniteSkipWarning
     from canzona.runtime.optim import NonFiniteGradientError
@@ -34,12 +35,14 @@ def case(rank: int, world: int, *, policy: str, clip: bool) -> dict:
     model = TinyGPT(spare=False)
     plan = canzona.plan_model(model, dp=world, bucket_size=3000)
     opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
-                                   matrix_options={"nonfinite": policy})
+                                   matrix_options={"nonfinite": policy},
+                                   adamw_nonfinite=policy)
     mine = rows(rank, world)
     out: dict = {"raised": [], "skipped": [], "norms": []}
     for step in range(3):
         x, y = batch(step, 0, world)
-        _loss(model, x[mine], y[mine], poison=(step == 1 and rank == 1)).backward()
+        _loss(model, x[mine], y[mine],
+              poison=target if (step == 1 and rank == 1) else None).backward()
         before = params_of(model)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NonFiniteSkipWarning)
@@ -60,18 +63,21 @@ def case(rank: int, world: int, *, policy: str, clip: bool) -> dict:
     return out
 
 
-CASES = [("raise", False), ("skip", False), ("skip", True)]
+CASES = [("raise", False, POISONED), ("skip", False, POISONED), ("skip", True, POISONED),
+         ("raise", False, POISONED_ADAMW), ("skip", True, POISONED_ADAMW)]
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return run_world(2, [(f"{p}-{c}", partial(case, policy=p, clip=c)) for p, c in CASES],
+    return run_world(2, [(f"{p}-{c}-{t}", partial(case, policy=p, clip=c, target=t))
+                         for p, c, t in CASES],
                      str(tmp_path_factory.mktemp("nonfinite")))
 
 
-@pytest.mark.parametrize("policy,clip", CASES)
-def test_both_ranks_decide_alike_and_training_goes_on(world2, policy, clip):
-    r0, r1 = results(world2, f"{policy}-{clip}")
+@pytest.mark.parametrize("policy,clip,target", CASES)
+def test_both_ranks_decide_alike_and_training_goes_on(world2, policy, clip, target):
+    POISONED = target  # noqa: N806 - the poisoned parameter of this case
+    r0, r1 = results(world2, f"{policy}-{clip}-{target}")
     for r in (r0, r1):
         assert all(v.isfinite().all() for v in r["params"].values())
         assert r["changed0"] and r["changed2"]  # the clean steps update, before and after
