@@ -1,0 +1,353 @@
+"""Shared Newton–Schulz: one matrix's Muon orthogonalisation computed by k ranks, exactly
+(issue 18, item 1: the runtime kernel, standalone).
+
+Whole-matrix ownership has a floor: no rank finishes before the largest single task. This kernel
+lets k ranks share one matrix's Newton–Schulz without changing the update rule.
+
+**The iteration in right-multiplied form.** Orient the matrix along its long dimension (transpose
+a wide one): X is m × n with m ≥ n, split into row blocks Xᵢ (mᵢ × n, Σ mᵢ = m) over the k ranks of
+``group``. Muon's quintic step ``A = YYᵀ; Y ← aY + (bA + cA²)Y`` on the wide Y = Xᵀ reads, on X,
+
+    G = XᵀX = Σᵢ XᵢᵀXᵢ          (n × n: one all-reduce of the partial Grams)
+    P = bG + cG²                 (n × n, identical on every rank)
+    Xᵢ ← aXᵢ + XᵢP               (each rank its own rows, no communication)
+
+so one n × n all-reduce per step is all the ranks exchange. The first step's Gram also gives the
+Frobenius norm, ‖X‖²_F = trace(G), so the normalisation ``X / max(‖X‖_F, eps)`` costs no extra
+collective: X and G are rescaled after that all-reduce (G by 1/norm²). Nothing depends on the
+order of the rows: (ΠX)ᵀ(ΠX) = XᵀX for any row permutation Π, so a rank's block may be any set
+of rows of the oriented matrix — Megatron's fused gate/up shard ``[gate_r; up_r]`` included —
+only the partition matters. The result equals :func:`canzona.runtime.optim.muon.newton_schulz`
+on the whole matrix (same coefficient schedule, normalisation, ``eps`` and iteration dtype) up
+to summation order: the partial Grams are summed across ranks, G is rescaled instead of
+recomputed from the normalised X, and a square matrix may be iterated as XᵀX where the
+single-device kernel uses XXᵀ (the same polynomial, aX + bX(XᵀX) + cX(XᵀX)² = aX + b(XXᵀ)X +
+c(XXᵀ)²X). With k = 1 the single-device kernel itself runs: bitwise its result.
+
+The norm is trace(G) summed in float64 from the reduced float32 Gram (2e-9 relative off on a
+4096 × 1024 Gaussian matrix), whereas the single-device ``X.norm()`` is torch's float32
+reduction over all m·n elements, which on the CPU is 8e-5 relative off on that matrix;
+Newton–Schulz carries a normalisation error into its result at about the same relative size.
+On large float32 matrices the shared result is therefore *closer* to a float64 Newton–Schulz
+than the single-device one, and differs from it by that norm rounding
+(``benchmarks/bench_shared_ns.py`` prints both distances); on the tests' sizes the two agree
+within 1e-5.
+
+**``split_polynomial``.** P costs 2n³ on every rank. With ``split_polynomial=True`` rank r
+computes only rows ⌈n/k⌉·r … ⌈n/k⌉·(r+1) of P (bG[rows] + cG[rows]·G) and one
+``all_gather_into_tensor`` of equal, zero-padded ⌈n/k⌉ × n blocks assembles it (the stock call:
+gloo has no uneven all-gather, NCCL no AllGatherV; the padded rows are the gathered buffer's
+tail, so P is a view of its first n rows and nothing is unpacked). P is then identical on every
+rank again.
+
+**Cost per rank and call** (s = ``steps``, mᵢ = this rank's rows, e = bytes per element of the
+iteration dtype, ring algorithms; :func:`shared_ns_flops`, :func:`shared_ns_bytes`):
+
+==================  =======================  =======================================
+                    FLOPs                    bytes sent
+==================  =======================  =======================================
+single device       s·(4n²m + 2n³)           —
+shared              s·(4n²mᵢ + 2n³)          s·2(k−1)/k·n²·e  (the all-reduce of G)
+shared, split poly  s·(4n²mᵢ + 2⌈n/k⌉n²)     s·(2(k−1)/k·n² + (k−1)⌈n/k⌉n)·e
+==================  =======================  =======================================
+
+With even blocks (mᵢ = m/k) that is 4n²m/k + 2n³ per step, and (4n²m + 2n³)/k with the split.
+Latency: one all-reduce per step (two collectives per step with the split), each on the
+critical path — the step's compute depends on it. Memory per rank: the block twice (iterate and
+ping-pong buffer) and two n × n matrices (G, P; the split's gathered buffer is k⌈n/k⌉ × n).
+The norm check (below) reads one scalar on the host per call (a device sync on CUDA).
+
+**Guard.** The Gram of the *unnormalised* block can overflow or lose its small entries to
+underflow, where the single-device kernel normalises first. When the reduced G is not finite,
+or its trace is below ``finfo.tiny / finfo.eps²`` or beyond what ``X.norm()`` can hold, every
+rank (they hold the same reduced G, so they decide alike) takes the slow path: ‖X‖²_F as
+``X.norm()`` computes it on one device (squares summed in the iteration dtype, float32 for
+bfloat16; one scalar all-reduce), X normalised, G recomputed and all-reduced again. It agrees
+with the single-device kernel there too: where ‖X‖²_F overflows float32 that kernel's norm is
+inf and its result zero, and where the squares are subnormal its norm carries their rounding.
+Non-finite input gives non-finite output, as on one device.
+
+**Contract.** Every rank of ``group`` calls with the same n, dtype, coefficients, steps, eps and
+``split_polynomial`` (a mismatch fails in gloo or hangs in NCCL, as any collective does); any
+number of rows ≥ 0 per rank. The collectives are asynchronous and waited for through
+:func:`canzona.runtime.collectives.wait_for` (``timeout_s`` → ``CollectiveTimeoutError`` naming
+``what``), so on CUDA/NCCL the current stream is ordered after the communicator's stream and the
+same code runs on CPU (gloo) and GPU. The process group is the k sharing ranks; groups are
+created once by the caller (adjacent DP indices in pairs or quads, or a TP sub-group), never
+per call.
+
+**Orientation and where row blocks come from** (:func:`orientation`, :func:`tp_row_blocks`,
+:func:`dp_row_block`). A torch weight is ``[out, in]``. The sharing cut must run along the long
+dimension (then G is the small n × n Gram); a cut along the short one would make G the large
+Gram (m × m) and is refused.
+
+* *Column-parallel* weights (Megatron ``partition_dim`` 0: QKV, fused gate/up ``linear_fc1``,
+  vocabulary-parallel embeddings and heads) are tall: their TP shards are row blocks of the
+  stored matrix, **no transpose** (gate/up's ``partition_stride`` 2 gives each shard two row
+  ranges, which is fine: row order does not matter).
+* *Row-parallel* weights (``partition_dim`` 1: ``linear_proj``/o_proj, ``linear_fc2``/down_proj)
+  are split along ``in``, which is their long dimension (heads·head_dim ≥ hidden, ffn > hidden):
+  the matrix is wide, its TP shards are column blocks, and **after the transpose** they are row
+  blocks of the oriented matrix: pass ``shard.mT`` and transpose the result back. A square
+  row-parallel weight (o_proj with heads·head_dim = hidden) is transposed too, so that its split
+  dimension becomes the rows.
+* *DP (ZeRO-1) cuts* are element ranges of the row-major flat buffer; moved to row boundaries of
+  a **tall or square** weight they are row blocks, no transpose. A wide weight's contiguous cut
+  is a block of its short dimension (its long-dimension blocks are strided column blocks), which
+  this kernel cannot share: :func:`dp_row_block` refuses it, and such a matrix is shared over a
+  TP sub-group (where its shards are long-dimension blocks) or exchanged first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.runtime.collectives import wait_for
+from canzona.runtime.optim.muon import (
+    DEFAULT_COEFFICIENTS,
+    Coefficients,
+    _coefficient_schedule,
+    newton_schulz,
+)
+
+__all__ = [
+    "Orientation",
+    "dp_row_block",
+    "orientation",
+    "shared_newton_schulz",
+    "shared_ns_bytes",
+    "shared_ns_flops",
+    "tp_row_blocks",
+]
+
+# torch ≥ 2.10 renamed the tensor collectives (the old names warn).
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def shared_newton_schulz(
+    block: Tensor,
+    *,
+    group: Any = None,
+    coefficients: Coefficients | Sequence[Coefficients] | str = DEFAULT_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = torch.bfloat16,
+    split_polynomial: bool = False,
+    timeout_s: float | None = None,
+    what: str = "",
+) -> Tensor:
+    """This rank's rows of the Newton–Schulz orthogonalisation of a matrix shared by ``group``.
+
+    Args:
+        block: This rank's row block ``[rows, n]`` (rows ≥ 0) of the matrix oriented along its
+            long dimension (see :func:`orientation`); not modified. Any view (e.g. ``shard.mT``).
+        group: The k sharing ranks (``None``: the default group). Without an initialised
+            process group, or with k = 1, the single-device kernel runs on ``block``.
+        coefficients: As ``MuonConfig.ns_coefficients``: one (a, b, c), a tuple of triples
+            cycled step by step, or ``"quintic"``; ``MuonConfig.schedule`` works too.
+        steps: Newton–Schulz steps (``MuonConfig.ns_steps``).
+        eps: Floor of the Frobenius norm (``MuonConfig.eps``).
+        dtype: Iteration dtype (``MuonConfig.ns_dtype``); ``None`` keeps ``block.dtype``. The
+            Gram is all-reduced (and P gathered) in this dtype.
+        split_polynomial: Compute P = bG + cG² in row blocks and all-gather it (see module).
+        timeout_s: Seconds a collective may take before ``CollectiveTimeoutError``
+            (``None``: the group's own timeout).
+        what: Names the matrix in timeout errors.
+
+    Returns:
+        ``[rows, n]`` in ``dtype`` (contiguous): this rank's rows of the orthogonalised matrix,
+        equal to ``newton_schulz(whole)`` restricted to these rows up to summation order.
+    """
+    if block.ndim != 2:
+        raise ValueError(f"shared_newton_schulz expects a row block [rows, n], got "
+                         f"{tuple(block.shape)}")
+    schedule = _coefficient_schedule(coefficients, _check_steps(steps))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"shared_newton_schulz: eps = {eps!r} must be a finite number > 0")
+    k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if k == 1:
+        return newton_schulz(block, schedule, eps=eps, dtype=dtype)
+    r = dist.get_rank(group)
+    if r < 0:
+        raise ValueError("shared_newton_schulz: this rank is not a member of `group`")
+    me = dist.get_rank()
+    label = what or "a shared Newton–Schulz"
+    rows, n = block.shape
+    dt = block.dtype if dtype is None else dtype
+    dev = block.device
+
+    def reduce(t: Tensor, name: str) -> None:
+        wait_for(dist.all_reduce(t, group=group, async_op=True),
+                 f"{name} of {label}", timeout_s, me)
+
+    def gram_of(x: Tensor, step: int) -> None:
+        torch.mm(x.mT, x, out=gram)
+        reduce(gram, f"the Gram all-reduce (step {step})")
+
+    X = torch.empty((rows, n), dtype=dt, device=dev)
+    X.copy_(block)
+    spare = torch.empty_like(X)
+    gram = torch.empty((n, n), dtype=dt, device=dev)
+    if split_polynomial:
+        size = -(-n // k)
+        lo, hi = min(r * size, n), min((r + 1) * size, n)
+        send = torch.zeros((size, n), dtype=dt, device=dev)  # rows hi-lo… stay zero
+        gathered = torch.empty((k * size, n), dtype=dt, device=dev)
+        poly = gathered[:n]
+    else:
+        poly = torch.empty((n, n), dtype=dt, device=dev)
+
+    # Step 0's Gram, of the unnormalised block: its trace is ‖X‖²_F.
+    gram_of(X, 0)
+    sq = gram.diagonal().sum(dtype=torch.float64)
+    finfo = torch.finfo(dt)
+    acc = torch.float32 if finfo.bits < 32 else dt  # X.norm() works in float32 for bf16
+    ok = (torch.isfinite(gram).all() & (sq >= finfo.tiny / finfo.eps ** 2)
+          & (sq <= torch.finfo(acc).max))
+    if bool(ok):
+        norm = sq.sqrt().to(dt).clamp(min=eps)  # the dtype the single-device norm has
+        X.div_(norm)
+        gram.div_(norm).div_(norm)
+    else:  # overflow/underflow: the norm as one device computes it, then normalise first
+        sq = X.to(acc).square().sum().reshape(1)  # overflows where X.norm() does
+        reduce(sq, "the norm all-reduce")
+        X.div_(sq.sqrt().to(dt).clamp(min=eps))
+        gram_of(X, 0)
+
+    for step, (a, b, c) in enumerate(schedule):
+        if step:
+            gram_of(X, step)
+        if split_polynomial:
+            torch.addmm(gram[lo:hi], gram[lo:hi], gram, beta=b, alpha=c, out=send[:hi - lo])
+            wait_for(_all_gather(gathered, send, group=group, async_op=True),
+                     f"the polynomial all-gather (step {step}) of {label}", timeout_s, me)
+        else:
+            torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        # X ← aX + X·P into the buffer X does not occupy (out= must not alias an input).
+        torch.addmm(X, X, poly, beta=a, out=spare)
+        X, spare = spare, X
+    return X
+
+
+def _check_steps(steps: object) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 99:
+        raise ValueError(f"shared_newton_schulz: steps = {steps!r} must be an integer in [1, 99]")
+    return steps
+
+
+# -- cost ------------------------------------------------------------------------------------------
+
+
+def shared_ns_flops(rows: int, n: int, k: int, *, steps: int = 5,
+                    split_polynomial: bool = False) -> int:
+    """Matmul FLOPs one rank spends in :func:`shared_newton_schulz` on ``rows`` × ``n``:
+    ``steps · (4n²·rows + 2·p·n²)`` with p = n rows of the polynomial, or ⌈n/k⌉ when split.
+    With k = 1 it is the single-device count (``formulas.muon_flops`` for rows ≥ n)."""
+    p = -(-n // k) if split_polynomial and k > 1 else n
+    return steps * (4 * n * n * rows + 2 * p * n * n)
+
+
+def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = False,
+                    element_size: int = 4) -> int:
+    """Bytes one rank sends per call under ring algorithms: per step the n × n all-reduce,
+    2(k−1)/k·n² elements, plus with the split the all-gather of its padded block,
+    (k−1)·⌈n/k⌉·n elements (the rare overflow guard's extra all-reduces not counted)."""
+    if k <= 1:
+        return 0
+    per_step = 2 * (k - 1) * n * n / k
+    if split_polynomial:
+        per_step += (k - 1) * -(-n // k) * n
+    return int(round(steps * per_step * element_size))
+
+
+# -- orientation -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Orientation:
+    """How a stored matrix ``shape`` (rows × cols, a torch weight's ``[out, in]``) is iterated:
+    ``transpose`` or not, so that the oriented matrix is m × n with its rows along the dimension
+    the sharing ranks split (the long one, or either for a square matrix)."""
+
+    shape: tuple[int, int]
+    transpose: bool
+
+    @property
+    def row_dim(self) -> int:
+        """The stored dimension that becomes the oriented rows (1 when transposed)."""
+        return 1 if self.transpose else 0
+
+    @property
+    def oriented_shape(self) -> tuple[int, int]:
+        """(m, n) of the oriented matrix."""
+        rows, cols = self.shape
+        return (cols, rows) if self.transpose else (rows, cols)
+
+    def orient(self, t: Tensor) -> Tensor:
+        """A stored matrix or a block of it along ``row_dim`` → oriented (a view)."""
+        return t.mT if self.transpose else t
+
+    def restore(self, t: Tensor) -> Tensor:
+        """An oriented result (block) → the stored layout (a view)."""
+        return t.mT if self.transpose else t
+
+
+def orientation(shape: Sequence[int], split_dim: int | None = None) -> Orientation:
+    """The orientation of a stored matrix ``shape`` for a shared Newton–Schulz.
+
+    Without ``split_dim``: wide matrices (rows < cols) are transposed. With ``split_dim`` (the
+    stored dimension the sharing ranks split: Megatron's ``partition_dim``, 0 for a DP row cut)
+    the split dimension becomes the rows: transpose iff ``split_dim`` is 1. Raises ``ValueError``
+    if the split dimension is the short one (the shared Gram would be the large one)."""
+    if len(shape) != 2 or any(int(s) < 1 for s in shape):
+        raise ValueError(f"orientation: {tuple(shape)} is not a matrix shape")
+    rows, cols = int(shape[0]), int(shape[1])
+    if split_dim is None:
+        return Orientation((rows, cols), rows < cols)
+    if split_dim not in (0, 1):
+        raise ValueError(f"orientation: split_dim = {split_dim!r} must be 0 or 1")
+    split, other = (rows, cols) if split_dim == 0 else (cols, rows)
+    if split < other:
+        raise ValueError(
+            f"orientation: a {rows}×{cols} matrix split along dim {split_dim} ({split}) is split "
+            f"along its short dimension; a shared Newton–Schulz needs row blocks of the long "
+            f"one ({other}), else its Gram is {other}×{other} instead of {split}×{split}")
+    return Orientation((rows, cols), split_dim == 1)
+
+
+def tp_row_blocks(shape: Sequence[int], split_dim: int, tp: int, *,
+                  stride: int = 1) -> tuple[Orientation, list[list[tuple[int, int]]]]:
+    """The orientation of a TP-split weight (canonical ``shape``) and, per TP rank, the rows
+    ``[start, stop)`` of the oriented canonical matrix its shard holds, in shard order.
+
+    Megatron's rule (``canzona.runtime.logical.megatron_axis``): the split dimension is cut in
+    ``stride``·tp equal sub-blocks, sub-block s of rank r is canonical block s·tp + r (fused
+    gate/up: ``stride`` 2, rank r holds ``[gate_r; up_r]``, two row ranges). ``orient(shard)``
+    is then exactly those rows, in that order — the block to pass to the kernel."""
+    o = orientation(shape, split_dim)
+    length = o.oriented_shape[0]
+    if tp < 1 or stride < 1 or length % (tp * stride):
+        raise ValueError(f"tp_row_blocks: {length} rows do not split in {tp}×{stride} sub-blocks")
+    b = length // (tp * stride)
+    return o, [[((s * tp + r) * b, (s * tp + r + 1) * b) for s in range(stride)]
+               for r in range(tp)]
+
+
+def dp_row_block(shape: Sequence[int], start: int, stop: int) -> tuple[int, int]:
+    """The oriented rows ``[start, stop)`` that a ZeRO-1 element range ``[start, stop)`` of a
+    matrix (offsets in its row-major flat storage) holds: the range must begin and end on row
+    boundaries, and the matrix must be tall or square (no transpose; a wide matrix's contiguous
+    range is a block of its short dimension: ``ValueError``)."""
+    o = orientation(shape, 0)  # raises for a wide matrix
+    rows, cols = o.shape
+    if not 0 <= start <= stop <= rows * cols or start % cols or stop % cols:
+        raise ValueError(f"dp_row_block: elements [{start}, {stop}) of a {rows}×{cols} matrix "
+                         f"are not whole rows (multiples of {cols} within {rows * cols})")
+    return start // cols, stop // cols

@@ -1,0 +1,391 @@
+"""Shared Newton–Schulz (issue 18, item 1): a matrix's Muon update computed by 2 gloo ranks, each
+holding a row block of the long-dimension-oriented matrix, equals canzona's single-device Muon
+(``Muon.direction``/``apply`` on the whole matrix) within 1e-5 relative over 10 steps, float32
+Newton–Schulz, with and without the polynomial split: tall, wide (transposed), square, fused
+gate/up (Megatron's stride-2 TP shards), a row-parallel TP shard, a DP row cut, uneven and empty
+row blocks, the quintic schedule, overflowing and underflowing inputs; with k = 1 bitwise the
+single-device result. One spawn of 2 ranks runs every case; the references run here.
+Single-process tests cover the orientation helpers, the cost formulas and argument checks."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from dp_helpers import results, run_world
+
+from canzona.runtime.optim import Muon, MuonConfig
+from canzona.runtime.optim.muon import newton_schulz
+from canzona.runtime.optim.shared_ns import (
+    dp_row_block,
+    orientation,
+    shared_newton_schulz,
+    shared_ns_bytes,
+    shared_ns_flops,
+    tp_row_blocks,
+)
+
+STEPS = 10
+LR, WD = 0.02, 0.1
+TOL = 1e-5
+
+
+# -- the Muon run, shared or whole -------------------------------------------------------------
+
+
+def _config(spec: dict) -> MuonConfig:
+    return MuonConfig(lr=LR, weight_decay=WD, ns_dtype=torch.float32,
+                      ns_coefficients=spec.get("coefficients", (3.4445, -4.7750, 2.0315)),
+                      eps=spec.get("eps", 1e-7))
+
+
+def _param0(spec: dict) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(spec["shape"], generator=g) * 0.1 * spec.get("theta_scale", 1.0)
+
+
+def _grad(theta: torch.Tensor, step: int, spec: dict, index) -> torch.Tensor:
+    """The step's gradient, elementwise in θ (so a rank computes its rows from its own rows):
+    fresh noise (scaled by ``grad0_scale`` at step 0) plus a pull towards θ, which makes every
+    step's input depend on the last."""
+    g = torch.Generator().manual_seed(100 + step)
+    noise = torch.randn(spec["shape"], generator=g) * (spec.get("grad0_scale", 1.0) if step == 0
+                                                      else 1.0)
+    return index(noise) + 0.5 * theta
+
+
+def reference(spec: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Single-device: canzona's Muon on the whole stored matrix; per step the orthogonalised
+    update and the final parameter."""
+    shape = spec["shape"]
+    opt = Muon(_config(spec))
+    theta = _param0(spec)
+    state = opt.init_state(shape)
+    ortho = []
+    for step in range(STEPS):
+        g = _grad(theta, step, spec, lambda t: t)
+        (o,) = opt.direction([g], [state])
+        ortho.append(o.clone())
+        opt.apply(theta, o)
+    return ortho, theta
+
+
+def _rows_of(spec: dict, world: int, rank: int):
+    """The orientation and this rank's oriented rows (ranges), from the spec's partition."""
+    shape = spec["shape"]
+    if "tp_split_dim" in spec:
+        o, blocks = tp_row_blocks(shape, spec["tp_split_dim"], world, stride=spec.get("stride", 1))
+        return o, blocks[rank]
+    o = orientation(shape)
+    m = o.oriented_shape[0]
+    counts = spec.get("counts") or [m // world + (r < m % world) for r in range(world)]
+    start = sum(counts[:rank])
+    if spec.get("dp"):  # a ZeRO-1 element range moved to row boundaries
+        cols = shape[1]
+        return o, [dp_row_block(shape, start * cols, (start + counts[rank]) * cols)]
+    return o, [(start, start + counts[rank])]
+
+
+def _stored_shard(full: torch.Tensor, spec: dict, ranges) -> torch.Tensor:
+    """What a TP rank stores: Megatron's shard of the canonical matrix along its split dim."""
+    d = spec["tp_split_dim"]
+    return torch.cat([full.narrow(d, a, b - a) for a, b in ranges], dim=d)
+
+
+def shared_case(rank: int, world: int, spec: dict) -> dict:
+    """This rank's part of the Muon run: momentum and parameter of its rows only, the update
+    orthogonalised by ``shared_newton_schulz`` over the spec's group."""
+    import torch.distributed as dist
+
+    shape = spec["shape"]
+    cfg = _config(spec)
+    kind = spec.get("group", "world")
+    if kind == "pair":  # a sub-group, created once (here: both ranks)
+        group = dist.new_group([0, 1])
+    elif kind == "self":  # k = 1: every rank alone
+        groups = [dist.new_group([r]) for r in range(world)]
+        group = groups[rank]
+    else:
+        group = None
+    if kind == "self":
+        o, ranges = orientation(shape), [(0, orientation(shape).oriented_shape[0])]
+    else:
+        o, ranges = _rows_of(spec, world, rank)
+    idx = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.arange(0)
+
+    def mine(full: torch.Tensor) -> torch.Tensor:
+        if kind == "self":  # the whole matrix, oriented as a view (the reference's layout)
+            return o.orient(full)
+        return o.orient(full)[idx]
+
+    theta = mine(_param0(spec))
+    if "tp_split_dim" in spec:  # the shard as stored, oriented, is exactly these rows
+        shard = _stored_shard(_param0(spec), spec, ranges)
+        assert torch.equal(o.orient(shard), theta)
+    buf = torch.zeros_like(theta)
+    kernel = Muon(cfg)
+    ortho = []
+    for step in range(STEPS):
+        g = _grad(theta, step, spec, mine)
+        buf.lerp_(g, 1 - cfg.momentum)
+        update = g.lerp(buf, cfg.momentum) if cfg.nesterov else buf
+        out = shared_newton_schulz(
+            update, group=group, coefficients=cfg.ns_coefficients, steps=cfg.ns_steps,
+            eps=cfg.eps, dtype=cfg.ns_dtype, split_polynomial=spec.get("split", False),
+            timeout_s=20, what=spec["name"])
+        assert out.shape == update.shape and out.dtype == cfg.ns_dtype
+        ortho.append(out.clone())
+        kernel.apply(theta, out, full_shape=shape)
+    return {"idx": idx, "ortho": ortho, "theta": theta, "transpose": o.transpose}
+
+
+def _spec(name: str, shape, **kw) -> dict:
+    return {"name": name, "shape": shape, **kw}
+
+
+BASE = [
+    _spec("tall", (96, 32)),
+    _spec("wide", (40, 112)),
+    _spec("square", (48, 48)),
+    _spec("odd", (77, 29)),
+    # fused gate/up [gate; up] (2·ffn × hidden), Megatron's stride-2 TP shards [gate_r; up_r]
+    _spec("gate_up_tp", (2 * 64, 40), tp_split_dim=0, stride=2),
+    # a row-parallel weight (down_proj, hidden × ffn): TP shards along its long dim, transposed
+    _spec("row_parallel_tp", (40, 96), tp_split_dim=1),
+    # a square row-parallel weight (o_proj with heads·head_dim = hidden): transposed as well
+    _spec("square_row_parallel_tp", (48, 48), tp_split_dim=1),
+    # a tall weight cut by ZeRO-1 at a row boundary, unevenly (DP pair)
+    _spec("dp_cut", (90, 36), dp=True, counts=[61, 29], group="pair"),
+    _spec("uneven", (64, 48), counts=[3, 61]),
+    _spec("one_row", (50, 20), counts=[49, 1]),
+    _spec("empty_rank", (60, 24), counts=[0, 60]),
+    _spec("quintic", (72, 40), coefficients="quintic"),
+    # ‖X‖²_F overflows float32 (the momentum keeps it there): the guard's slow path; on one
+    # device the norm is inf and the update zero, every step
+    _spec("huge", (64, 24), grad0_scale=1e20),
+    # the unnormalised Gram underflows (subnormal squares; a norm above a smaller eps): step 0
+    # takes the slow path, the norm rounded as on one device
+    _spec("tiny", (64, 24), theta_scale=1e-22, grad0_scale=1e-22, eps=1e-30),
+    # ‖X‖_F < eps at step 0: divided by eps, as on one device
+    _spec("below_eps", (64, 24), theta_scale=1e-11, grad0_scale=1e-11),
+]
+SHARED = [dict(s, name=f"{s['name']}-{'split' if split else 'full'}", split=split)
+          for s in BASE for split in (False, True)]
+ALONE = [_spec("k1-tall", (96, 32), group="self"), _spec("k1-wide", (40, 112), group="self"),
+         _spec("k1-split", (64, 48), group="self", split=True)]
+SPECS = {s["name"]: s for s in SHARED + ALONE}
+
+
+def bf16_case(rank: int, world: int) -> dict:
+    """bfloat16 iteration (Muon's default dtype): the Gram is all-reduced in bfloat16."""
+    full = _param0({"shape": (80, 32)})
+    rows = slice(0, 50) if rank == 0 else slice(50, 80)
+    out = {}
+    for split in (False, True):
+        out[split] = shared_newton_schulz(full[rows], dtype=torch.bfloat16,
+                                          split_polynomial=split, what="bf16")
+    return out
+
+
+def mismatch_case(rank: int, world: int) -> str:
+    """A rank outside the group cannot take part."""
+    import torch.distributed as dist
+
+    only0 = dist.new_group([0])
+    if rank == 1:
+        try:
+            shared_newton_schulz(torch.ones(4, 2), group=only0)
+        except (ValueError, RuntimeError) as exc:
+            return type(exc).__name__
+        return "no error"
+    return "skipped"
+
+
+def timeout_case(rank: int, world: int):
+    """Rank 1 never joins: rank 0's wait ends in CollectiveTimeoutError naming the matrix (on a
+    group of its own, so the rest of the world is unaffected; last case of the spawn)."""
+    import time
+
+    import torch.distributed as dist
+
+    from canzona.runtime.errors import CollectiveTimeoutError
+
+    lonely = dist.new_group([0, 1])
+    if rank == 1:
+        return None
+    t0 = time.perf_counter()
+    try:
+        shared_newton_schulz(torch.ones(6, 3), group=lonely, timeout_s=0.5, what="layers.0.w")
+    except CollectiveTimeoutError as exc:
+        return str(exc), time.perf_counter() - t0
+    return "no timeout"
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    cases = [(name, partial(shared_case, spec=spec)) for name, spec in SPECS.items()]
+    cases += [("bf16", bf16_case), ("outsider", mismatch_case), ("timeout", timeout_case)]
+    return run_world(2, cases, str(tmp_path_factory.mktemp("shared_ns")))
+
+
+def _assemble(parts: list[dict], m: int, n: int, key, step=None) -> torch.Tensor:
+    full = torch.full((m, n), float("nan"))
+    for p in parts:
+        t = p[key] if step is None else p[key][step]
+        full[p["idx"]] = t
+    return full
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (0 when both are zero, inf when only b is)."""
+    a, b = a.double(), b.double()
+    if not b.any():
+        return 0.0 if not a.any() else math.inf
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s["name"] for s in SHARED])
+def test_shared_equals_single_device_muon(world2, name):
+    spec = SPECS[name]
+    parts = results(world2, name)
+    idx = torch.cat([p["idx"] for p in parts])
+    o = orientation(spec["shape"], spec.get("tp_split_dim"))
+    m, n = o.oriented_shape
+    assert sorted(idx.tolist()) == list(range(m)), "the ranks' rows partition the matrix"
+    ortho_ref, theta_ref = reference(spec)
+    errors = [_rel(o.restore(_assemble(parts, m, n, "ortho", step)), ortho_ref[step])
+              for step in range(STEPS)]
+    errors.append(_rel(o.restore(_assemble(parts, m, n, "theta")), theta_ref))
+    assert all(e <= TOL for e in errors), f"{name}: {['%.1e' % e for e in errors]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s["name"] for s in ALONE])
+def test_k1_is_the_single_device_kernel_bitwise(world2, name):
+    spec = SPECS[name]
+    ortho_ref, theta_ref = reference(spec)
+    o = orientation(spec["shape"])
+    for p in results(world2, name):  # each rank alone computed the whole matrix
+        for step in range(STEPS):
+            assert torch.equal(o.restore(p["ortho"][step]), ortho_ref[step]), (name, step)
+        assert torch.equal(o.restore(p["theta"]), theta_ref)
+
+
+@pytest.mark.slow
+def test_bf16_close_to_single_device(world2):
+    full = _param0({"shape": (80, 32)})
+    ref = newton_schulz(full, MuonConfig().schedule, dtype=torch.bfloat16).float()
+    for split in (False, True):
+        got = torch.cat([p[split] for p in results(world2, "bf16")]).float()
+        assert got.dtype == torch.float32 and _rel(got, ref) < 3e-2, split
+
+
+@pytest.mark.slow
+def test_a_rank_outside_the_group_is_refused(world2):
+    assert results(world2, "outsider")[1] in ("ValueError", "RuntimeError")
+
+
+@pytest.mark.slow
+def test_a_missing_peer_times_out_naming_the_matrix(world2):
+    message, seconds = results(world2, "timeout")[0]
+    assert "layers.0.w" in message and "Gram all-reduce (step 0)" in message, message
+    assert seconds < 10
+
+
+# -- single process ------------------------------------------------------------------------------
+
+
+def test_without_a_process_group_it_is_the_single_device_kernel():
+    x = torch.randn(30, 12)
+    sched = MuonConfig().schedule
+    assert torch.equal(shared_newton_schulz(x), newton_schulz(x, sched))
+    assert torch.equal(shared_newton_schulz(x, coefficients="quintic", dtype=torch.float32),
+                       newton_schulz(x, MuonConfig(ns_coefficients="quintic").schedule,
+                                     dtype=torch.float32))
+
+
+def test_argument_checks():
+    with pytest.raises(ValueError, match="row block"):
+        shared_newton_schulz(torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="steps"):
+        shared_newton_schulz(torch.ones(3, 2), steps=0)
+    with pytest.raises(ValueError, match="eps"):
+        shared_newton_schulz(torch.ones(3, 2), eps=0.0)
+    with pytest.raises(ValueError, match="multiple"):
+        shared_newton_schulz(torch.ones(3, 2), coefficients="quintic", steps=3)
+
+
+def test_orientation_by_shape():
+    tall, wide, sq = orientation((96, 32)), orientation((32, 96)), orientation((48, 48))
+    assert (tall.transpose, tall.oriented_shape, tall.row_dim) == (False, (96, 32), 0)
+    assert (wide.transpose, wide.oriented_shape, wide.row_dim) == (True, (96, 32), 1)
+    assert not sq.transpose
+    x = torch.randn(32, 96)
+    assert wide.orient(x).shape == (96, 32) and torch.equal(wide.restore(wide.orient(x)), x)
+    with pytest.raises(ValueError, match="not a matrix"):
+        orientation((3,))
+
+
+def test_orientation_by_split_dim():
+    # column-parallel (dim 0, tall: QKV, gate/up): no transpose
+    assert orientation((10240, 5120), 0).transpose is False
+    # row-parallel (dim 1, wide: down_proj 5120 × 25600, o_proj 5120 × 8192): transposed
+    assert orientation((5120, 25600), 1).transpose is True
+    assert orientation((5120, 8192), 1).oriented_shape == (8192, 5120)
+    # square row-parallel (o_proj with heads·head_dim = hidden): transposed, its split dim → rows
+    assert orientation((4096, 4096), 1).transpose is True
+    assert orientation((4096, 4096), 0).transpose is False
+    # a split along the short dimension is refused
+    with pytest.raises(ValueError, match="short dimension"):
+        orientation((1024, 4096), 0)
+    with pytest.raises(ValueError, match="short dimension"):
+        orientation((4096, 1024), 1)
+    with pytest.raises(ValueError, match="split_dim"):
+        orientation((4, 4), 2)
+
+
+def test_tp_row_blocks():
+    # fused gate/up [gate; up] of 2·ffn = 16 rows at tp 2, stride 2: rank r holds [gate_r; up_r]
+    o, blocks = tp_row_blocks((16, 4), 0, 2, stride=2)
+    assert not o.transpose and blocks == [[(0, 4), (8, 12)], [(4, 8), (12, 16)]]
+    # row-parallel 4 × 12 at tp 3: transposed, shard r = columns 4r…4r+4 = oriented rows
+    o, blocks = tp_row_blocks((4, 12), 1, 3)
+    assert o.transpose and blocks == [[(0, 4)], [(4, 8)], [(8, 12)]]
+    full = torch.arange(48.0).reshape(4, 12)
+    for r, ((a, b),) in enumerate(blocks):
+        shard = full[:, 4 * r:4 * r + 4]
+        assert torch.equal(o.orient(shard), o.orient(full)[a:b])
+    with pytest.raises(ValueError, match="sub-blocks"):
+        tp_row_blocks((10, 4), 0, 3)
+    with pytest.raises(ValueError, match="short dimension"):
+        tp_row_blocks((4, 12), 0, 2)
+
+
+def test_dp_row_block():
+    assert dp_row_block((10, 4), 8, 28) == (2, 7)
+    assert dp_row_block((10, 4), 0, 0) == (0, 0)
+    assert dp_row_block((6, 6), 12, 36) == (2, 6)  # square: rows, no transpose
+    with pytest.raises(ValueError, match="whole rows"):
+        dp_row_block((10, 4), 6, 28)
+    with pytest.raises(ValueError, match="whole rows"):
+        dp_row_block((10, 4), 8, 44)
+    with pytest.raises(ValueError, match="short dimension"):  # a wide matrix's flat range
+        dp_row_block((4, 10), 0, 20)
+
+
+def test_cost_formulas():
+    from canzona.planner import formulas
+
+    m, n = 4096, 1024
+    assert shared_ns_flops(m, n, 1) == formulas.muon_flops(m, n)
+    assert shared_ns_flops(m // 2, n, 2, steps=1) == 4 * n * n * m // 2 + 2 * n ** 3
+    assert shared_ns_flops(m // 2, n, 2, steps=1, split_polynomial=True) == \
+        (4 * n * n * m + 2 * n ** 3) // 2
+    assert shared_ns_bytes(n, 1) == 0
+    assert shared_ns_bytes(n, 2, steps=1) == n * n * 4
+    assert shared_ns_bytes(n, 2, steps=1, split_polynomial=True, element_size=2) == \
+        (n * n + n * n // 2) * 2
