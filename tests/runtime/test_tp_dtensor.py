@@ -72,22 +72,29 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def _train(grid: str, rank: int, world: int) -> dict:
-    import canzona
-    from canzona.runtime.introspect import inventory
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+def _parallel_model(mesh) -> Model:
+    """The model with its attention and MLP projections parallelised on the mesh's tp dim."""
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    dp, tp = GRIDS[grid]
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = Model()
     col, row = ColwiseParallel(), RowwiseParallel()
     for blk in model.blocks:
         parallelize_module(blk, mesh["tp"], {"q_proj": col, "k_proj": col, "v_proj": col,
                                              "o_proj": row, "gate_proj": col, "up_proj": col,
                                              "down_proj": row})
+    return model
+
+
+def _train(grid: str, rank: int, world: int) -> dict:
+    import canzona
+    from canzona.runtime.introspect import inventory
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    dp, tp = GRIDS[grid]
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = _parallel_model(mesh)
     plan = canzona.plan_model(model, dp=dp, tp=tp, optimizer="muon", comm_dtype="fp32",
                               bucket_size=3000)
     opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
@@ -175,17 +182,10 @@ def _checkpoint(rank: int, world: int) -> float:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
 
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"canzona-dtensor-ck-{os.getppid()}")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = Model()
-    col, row = ColwiseParallel(), RowwiseParallel()
-    for blk in model.blocks:
-        parallelize_module(blk, mesh["tp"], {"q_proj": col, "k_proj": col, "v_proj": col,
-                                             "o_proj": row, "gate_proj": col, "up_proj": col,
-                                             "down_proj": row})
+    model = _parallel_model(mesh)
     plan = canzona.plan_model(model, dp=2, tp=2, optimizer="muon", comm_dtype="fp32",
                               bucket_size=3000)
     opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
