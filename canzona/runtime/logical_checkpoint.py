@@ -112,13 +112,19 @@ class _Layout:
                 return torch.arange(off, off + t.full_shape[0])
             for r, ls, _, n in t.segments:
                 ax = self.axis(t.param, r)
-                for x in range(ls, ls + n):
-                    c = ax.canonical(x) if ax.dim is not None else x
-                    if c is None:
-                        raise CheckpointError(f"'{t.name}': TP rank {r}'s row {x} is padding in "
-                                              "the plan's layout; the plan is inconsistent.")
-                    rows.append(c)
-            return torch.tensor(rows, dtype=torch.long)
+                if ax.dim is None:
+                    rows.append(torch.arange(ls, ls + n))
+                    continue
+                covered = 0
+                for bs, bn, cs in ax.blocks:  # the segment's rows, block by block
+                    x0, x1 = max(ls, bs), min(ls + n, bs + bn)
+                    if x0 < x1:
+                        rows.append(torch.arange(cs + x0 - bs, cs + x1 - bs))
+                        covered += x1 - x0
+                if covered != n:
+                    raise CheckpointError(f"'{t.name}': rows of TP rank {r}'s shard are padding "
+                                          "in the plan's layout; the plan is inconsistent.")
+            return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         ax = self.views[t.param].axis
         if ax.dim is not None:
             raise CheckpointError(f"'{t.name}' is a TP shard updated without its TP group; the "
@@ -142,13 +148,13 @@ class _Layout:
 
 def _runs(rows: Tensor) -> list[tuple[int, int, int]]:
     """(task row, canonical row, length) of maximal runs of consecutive canonical rows."""
-    out: list[tuple[int, int, int]] = []
-    for i, c in enumerate(rows.tolist()):
-        if out and out[-1][1] + out[-1][2] == c:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((i, c, 1))
-    return out
+    if rows.numel() == 0:
+        return []
+    breaks = torch.nonzero(rows[1:] - rows[:-1] != 1).flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), rows.numel()]
+    first = rows[starts].tolist()
+    return [(a, c, b - a) for a, b, c in zip(starts, ends, first)]
 
 
 def _permuted(x: Tensor, order: Tensor, role: str, inverse: bool = False) -> Tensor:
