@@ -86,6 +86,9 @@ def load_hardware(name: str | Path) -> HardwareProfile:
         except json.JSONDecodeError as exc:
             raise CanzonaError(f"hardware profile '{path}' is not JSON: {exc.msg} "
                                f"(line {exc.lineno}).") from None
+        except (UnicodeDecodeError, RecursionError) as exc:
+            what = "nested too deeply" if isinstance(exc, RecursionError) else "not UTF-8 text"
+            raise CanzonaError(f"hardware profile '{path}' is not a profile: {what}.") from None
         try:
             return HardwareProfile.model_validate(data)
         except ValidationError as exc:

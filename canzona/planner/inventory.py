@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from .errors import ModelError
-from .models import ModelConfig
+from .models import ModelConfig, check_config
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -221,6 +221,7 @@ def build_inventory(
     """
     if names not in NAMINGS:
         raise ModelError(f"names must be one of: {', '.join(NAMINGS)}; got {names!r}.")
+    check_config(cfg)  # sizes that no model has fail here, in one line, before any building
     if names == "hf":
         return _hf_inventory(cfg, matrix_globs, adamw_globs)
     h, hd, dt = cfg.hidden, cfg.head_dim, cfg.dtype

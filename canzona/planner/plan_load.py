@@ -33,6 +33,9 @@ def _parse_plan(text: str, source: str) -> Plan:
     except json.JSONDecodeError as exc:
         raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
                             f"({exc.msg}).") from None
+    except RecursionError:
+        raise PlanFileError(f"{source}: not a plan file: JSON nested too deeply (a plan is a "
+                            f"few levels deep).") from None
     if not isinstance(data, dict) or "schema_version" not in data:
         raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
     found = data["schema_version"]
@@ -138,12 +141,14 @@ def check_structure(plan: Plan, source: str = "<plan>") -> None:
     Sizes against cuts (each bucket has dp_size + 1 cuts; dense buffers are sharded over dp,
     expert buffers over edp = dp·tp / (ep·etp); rank layout and per-DP-index metrics match
     inputs.dp and tp), buckets tiling their buffer with 64-aligned, non-overlapping slots, every
-    parameter in one slot, task ids 0 … n-1, every task's parameter in a slot and every slot with
-    a task, owners (matrix tasks) in [0, dp), hosts in [0, tp), and the TP section: present iff
-    tp > 1 (plans of the ZeRO-1 baselines ``asc`` / ``zero1`` may omit it), one entry per DP
-    index, tp × tp split sizes, hosts and task ids in range, every hosted task scheduled once and
-    in agreement with its task's owner, host and micro-group. The arithmetic relations (costs,
-    loads, totals) are :func:`canzona.planner.validate.check_plan`'s.
+    parameter in one slot, a bucket's ``equal`` method only with equal slices, task ids
+    0 … n-1, every task's parameter in a slot and every slot with a task, owners (matrix tasks)
+    in [0, dp), hosts in [0, tp), and the TP section: present iff tp > 1 (plans of the ZeRO-1
+    baselines ``asc`` / ``zero1`` may omit it), one entry per DP index, shard layouts whose
+    shards keep every dimension but the split one whole, tp × tp split sizes, hosts and task ids
+    in range, every hosted task scheduled once and in agreement with its task's owner, host and
+    micro-group. The arithmetic relations (costs, loads, totals) are
+    :func:`canzona.planner.validate.check_plan`'s.
 
     Raises:
         PlanFileError: one line naming the file, the field and the fix.
@@ -244,6 +249,11 @@ def _check_structure(plan: Plan, source: str) -> None:
             if b.numel_unpadded != pos - b.start:
                 raise bad(f"{bf}.numel_unpadded", f"is {b.numel_unpadded} but its slots span "
                                                   f"{pos - b.start} elements")
+            sizes = [y - x for x, y in zip(b.cuts, b.cuts[1:])]
+            if b.method == "equal" and len(set(sizes)) > 1:
+                raise bad(f"{bf}.method", f"is 'equal' but the cuts give the DP ranks slices of "
+                                          f"{min(sizes)} to {max(sizes)} elements; the stock "
+                                          f"reduce-scatter/all-gather move equal slices only")
             end = b.end
 
     m = plan.metrics
@@ -324,6 +334,48 @@ def _slot_field(where: tuple[int, int, int]) -> str:
     return f"buffers[{i}].buckets[{j}].slots[{k}]"
 
 
+def _check_shard_cover(plan: Plan, seen: dict[int, str], bad) -> None:  # noqa: ANN001
+    """The hosted tasks of each parameter (its parts, or the one whole matrix) read every row or
+    column of each TP rank's local shard exactly once: otherwise a part would be gathered from
+    another part's rows (updating one twice and the other never)."""
+    T, tasks = plan.tp, plan.tasks
+    assert T is not None
+    layout_of = {gt.id: gt.layout for ix in T.indices for g in ix.groups for gt in g.tasks}
+    parts: dict[str, list[int]] = {}
+    for i in sorted(layout_of):
+        parts.setdefault(tasks[i].param, []).append(i)
+    for name, ids in parts.items():
+        lays = [T.layouts[layout_of[i]] for i in ids]
+        if any(L.dim is None for L in lays):
+            continue  # a replicated layout for a hosted task: check_plan names it
+        first = lays[0]
+        for i, L in zip(ids, lays):
+            if L.dim != first.dim or L.local_shape != first.local_shape:
+                raise bad(f"{seen[i]}.layout", f"has split dim {L.dim} and local shape "
+                                               f"{list(L.local_shape)} but another part of "
+                                               f"'{name}' has dim {first.dim} and "
+                                               f"{list(first.local_shape)} (one shard, one "
+                                               f"layout of it)")
+        size = first.local_shape[first.dim]
+        for r in range(plan.inputs.tp):
+            spans = sorted((ls, ls + n, i) for i, L in zip(ids, lays)
+                           for rank, ls, _, n in L.segments if rank == r)
+            pos = 0
+            for a, z, i in spans:
+                if a != pos:
+                    how = "twice" if a < pos else "by no part"
+                    raise bad(f"{seen[i]}.layout", f"reads rows/columns {a} … {z - 1} of TP rank "
+                                                   f"{r}'s shard of '{name}', which leaves "
+                                                   f"{min(a, pos)} … covered {how}: the parts of a "
+                                                   f"parameter read each row of its shard once")
+                pos = z
+            if pos < size:
+                raise bad(f"{seen[ids[-1]]}.layout", f"leaves rows/columns {pos} … {size - 1} of "
+                                                     f"TP rank {r}'s shard of '{name}' to no part: "
+                                                     f"the parts of a parameter read each row of "
+                                                     f"its shard once")
+
+
 def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
     inp, T, tasks = plan.inputs, plan.tp, plan.tasks
     assert T is not None
@@ -340,6 +392,10 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
             continue
         if not 0 <= L.dim < len(L.full_shape):
             raise bad(f"{lf}.dim", f"is {L.dim} for a {len(L.full_shape)}-D matrix")
+        if any(a != b for k, (a, b) in enumerate(zip(L.local_shape, L.full_shape)) if k != L.dim):
+            raise bad(f"{lf}.local_shape", f"is {list(L.local_shape)} for full shape "
+                                           f"{list(L.full_shape)} split along dim {L.dim}: a "
+                                           f"shard keeps every other dimension whole")
         pos = 0
         for si, (rank, local_start, full_start, length) in enumerate(L.segments):
             if (not 0 <= rank < tp or local_start < 0 or full_start != pos or length < 1
@@ -427,6 +483,7 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
         if t.host is not None and i not in seen:
             raise bad(f"tasks[{i}].host", f"is {t.host} but task {i} is in no micro-group of the "
                                           f"TP section")
+    _check_shard_cover(plan, seen, bad)
     M = T.metrics
     for name in ("gpu_load", "all_to_all_bytes"):
         mat = getattr(M, name)

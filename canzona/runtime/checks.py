@@ -93,6 +93,13 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | N
                 for gt in g.tasks:
                     param = plan.tasks[gt.id].param
                     shapes[param] = tuple(plan.tp.layouts[gt.layout].local_shape)
+    # A matrix that TP replicates is whole on every rank, and its tasks' shapes are how the
+    # runtime views its slice: they must be the live shape (not, say, its transpose).
+    hosted = {t.param for t in plan.tasks if t.host is not None}
+    whole = {name: shape for name, shape, _ in plan_params(plan)}
+    for t in plan.tasks:
+        if t.optimizer == "matrix" and t.param not in hosted and t.param not in shapes:
+            shapes[t.param] = whole[t.param]
     for name, p in pairs:
         numel, dtype = slots[name]
         got = dtype_name(p.dtype, name)
@@ -102,7 +109,8 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | N
         want = shapes.get(name)
         if (want is not None and tuple(p.shape) != want) or p.numel() != numel:
             what = list(want) if want is not None else f"{numel} elements"
-            return (f"the plan does not match the model: TP shard '{name}' should be {what} "
+            kind = "matrix" if name in whole and name not in hosted else "TP shard"
+            return (f"the plan does not match the model: {kind} '{name}' should be {what} "
                     f"but is {list(p.shape)} on this rank.")
     return None
 
@@ -149,20 +157,17 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | No
     """None if the plan's fingerprint matches the live parameters, else one line naming the first
     parameter that differs (name, shape or dtype)."""
     spec = inventory(pairs)
-    if spec.fingerprint() == plan.fingerprint:
-        return None
     planned = plan_params(plan)
     live = [(p.name, tuple(p.shape), p.dtype) for p in spec.params]
-    for k, (a, b) in enumerate(zip(planned, live)):
-        if a[0] != b[0]:
-            return (f"the plan does not match the model: parameter #{k} is '{a[0]}' in the plan "
-                    f"but '{b[0]}' in the model.")
-        if a[1] != b[1]:
-            return (f"the plan does not match the model: parameter '{a[0]}' has shape "
-                    f"{list(a[1])} in the plan but {list(b[1])} in the model.")
-        if a[2] != b[2]:
-            return (f"the plan does not match the model: parameter '{a[0]}' is {a[2]} in the plan "
-                    f"but {b[2]} in the model.")
+    if spec.fingerprint() == plan.fingerprint:
+        # The fingerprint is one string; the runtime acts on the tasks (a matrix task's shape is
+        # how its slice is viewed). A plan whose tasks contradict its own fingerprint was edited.
+        if planned == live:
+            return None
+        return _contradiction(planned, live)
+    diff = _first_difference(planned, live)
+    if diff is not None:
+        return _MISMATCH[diff[3]].format(*diff[:3])
     if len(planned) != len(live):
         longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
         first = longer[min(len(planned), len(live))][0]
@@ -170,6 +175,48 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | No
                 f"{len(live)} in the model; the {other} lacks '{first}'.")
     return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
             f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs {spec.fingerprint()[:19]}…).")
+
+
+#: The first difference between the plan's parameters and the model's, by field ({0}: index,
+#: {1}/{2}: the planned and live (name, shape, dtype)).
+_MISMATCH = {
+    "name": "the plan does not match the model: parameter #{0} is '{1[0]}' in the plan but "
+            "'{2[0]}' in the model.",
+    "shape": "the plan does not match the model: parameter '{1[0]}' has shape {1[1]} in the "
+             "plan but {2[1]} in the model.",
+    "dtype": "the plan does not match the model: parameter '{1[0]}' is {1[2]} in the plan but "
+             "{2[2]} in the model.",
+}
+_CONTRADICTION = {
+    "name": "the plan contradicts its own fingerprint: parameter #{0} is '{1[0]}' in the plan's "
+            "tasks but '{2[0]}' in the model and the fingerprint; {fix}.",
+    "shape": "the plan contradicts its own fingerprint: the tasks of '{1[0]}' give shape {1[1]} "
+             "but the model and the fingerprint have {2[1]}; {fix}.",
+    "dtype": "the plan contradicts its own fingerprint: '{1[0]}' is {1[2]} in the plan's buffers "
+             "but {2[2]} in the model and the fingerprint; {fix}.",
+}
+
+
+def _first_difference(planned: list, live: list) -> tuple[int, tuple, tuple, str] | None:
+    """(index, planned entry, live entry, "name" | "shape" | "dtype") of the first parameter
+    that differs, or None (the lists may still differ in length)."""
+    for k, (a, b) in enumerate(zip(planned, live)):
+        for field, i in (("name", 0), ("shape", 1), ("dtype", 2)):
+            if a[i] != b[i]:
+                return k, (a[0], list(a[1]), a[2]), (b[0], list(b[1]), b[2]), field
+    return None
+
+
+def _contradiction(planned: list[tuple[str, tuple[int, ...], str]],
+                   live: list[tuple[str, tuple[int, ...], str]]) -> str:
+    """The line for a plan whose fingerprint matches the model but whose tasks or buffers do not
+    (names, order, logical shapes or dtypes): the file was edited after planning."""
+    fix = "the plan was edited after it was made; regenerate it with 'canzona plan' or plan_model"
+    diff = _first_difference(planned, live)
+    if diff is not None:
+        return _CONTRADICTION[diff[3]].format(*diff[:3], fix=fix)
+    return (f"the plan contradicts its own fingerprint: {len(planned)} parameters in its tasks, "
+            f"{len(live)} in the model and the fingerprint; {fix}.")
 
 
 def plan_digest(plan: Plan) -> bytes:
