@@ -115,6 +115,27 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | N
     return None
 
 
+def check_split_parts(plan: Plan, pairs: list[tuple[str, Tensor]]) -> None:
+    """At tp = 1 the runtime updates a split part as contiguous rows of its parameter. Megatron's
+    fused QKV (``linear_qkv``, TP layout ``qkv``) holds its rows grouped per KV group
+    ([q_g; k_g; v_g] per group), so its Q, K and V are not contiguous there: refuse rather than
+    orthogonalise the wrong rows (tp > 1 gathers the parts by the plan's shard maps and is exact)."""
+    if plan.inputs.tp != 1:
+        return
+    parts = {t.param for t in plan.tasks if t.part in ("q", "k", "v")}
+    if not parts:
+        return
+    live = {p.name: p for p in inventory(pairs).params}
+    for name in parts:
+        p = live.get(name)
+        if p is not None and p.tp_layout == "qkv":
+            raise PlanMismatchError(
+                f"the plan splits Q/K/V of '{name}' at tp = 1, but the model holds Megatron's "
+                "fused QKV grouped per KV group, whose parts are not contiguous rows; plan "
+                "without split_qkv at tp = 1 (or at tp >= 2, where the parts are gathered "
+                "exactly).")
+
+
 def mesh_groups(mesh: Any, dp_group: Any, tp_group: Any) -> tuple[Any, Any]:
     """(dp_group, tp_group) of a 2-D ``DeviceMesh`` with dims named ``dp`` and ``tp``."""
     if dp_group is not None or tp_group is not None:

@@ -215,6 +215,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         checks.check_main_params(main_params)
         checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
         pairs = named_params(model)
+        checks.check_split_parts(plan, pairs)
         self._names = [n for n, _ in pairs]
         #: The model's parameters (hooks, ``.grad``, TP attributes) and the tensors canzona works
         #: on: the same, except a DTensor's local shard for each DTensor parameter.

@@ -114,3 +114,25 @@ def test_plan_model_takes_the_objective_and_the_hardware_profile():
     assert canzona.plan_model(model, dp=2).comm.hardware == "h100"
     with pytest.raises(CanzonaError, match="TPOptions.hardware"):
         canzona.plan_model(model, dp=2, hardware="a100")
+
+
+def test_split_qkv_at_tp1_on_megatron_grouped_qkv_is_refused():
+    """At tp 1 a split part is taken as contiguous rows; Megatron's fused QKV is grouped per KV
+    group, so the runtime refuses the plan instead of updating the wrong rows (measured 5e-3 off
+    the reference before)."""
+    import tp_helpers as T
+
+    import canzona
+    from canzona.runtime.errors import PlanMismatchError
+
+    old = T.CFG
+    T.CFG = T.CFG.model_copy(update={"vocab": 128})  # tp 1 holds it unpadded
+    try:
+        start = T.initial_full()
+        local = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 1, 0), 1))
+                 for p in T.spec().params]
+        with pytest.raises(PlanMismatchError, match="splits Q/K/V of .*linear_qkv.* at tp = 1"):
+            canzona.CanzonaOptimizer(local, T.plan_for(1, 1, split=True))
+        canzona.CanzonaOptimizer(local, T.plan_for(1, 1, split=False))  # fused: accepted
+    finally:
+        T.CFG = old
