@@ -67,6 +67,10 @@ class BucketCollective:
         #: ``runtime.flight.FlightRecorder`` (CanzonaOptimizer(flight_record=)) or None
         self.flight: Any = None
 
+    def _what(self, kind: str) -> str:
+        """How messages and the flight record name this bucket's ``kind`` collective."""
+        return f"the {kind} of bucket {self.bucket.index} ({type(self).__name__})"
+
     @property
     def gathering(self) -> bool:
         """An all-gather was launched and not finished yet."""
@@ -77,15 +81,13 @@ class BucketCollective:
     def launch_reduce(self, group: Any) -> None:
         self.reduce_work = self._start_reduce(group)
         if self.flight is not None:
-            self.flight.add(f"the reduce of bucket {self.bucket.index} ({type(self).__name__})",
-                            self.reduce_work)
+            self.flight.add(self._what("reduce"), self.reduce_work)
 
     def wait_reduce(self) -> None:
         """Wait for a running reduce-scatter; its result stays in scratch for
         :meth:`finish_reduce`."""
         if self.reduce_work is not None:
-            wait_for(self.reduce_work, f"the reduce of bucket {self.bucket.index} "
-                     f"({type(self).__name__})", self.timeout_s, self.rank)
+            wait_for(self.reduce_work, self._what("reduce"), self.timeout_s, self.rank)
             self.reduce_work = None
 
     def finish_reduce(self) -> None:
@@ -100,14 +102,12 @@ class BucketCollective:
     def launch_gather(self, group: Any) -> None:
         self.gather_work = self._start_gather(group)
         if self.flight is not None:
-            self.flight.add(f"the all-gather of bucket {self.bucket.index} ({type(self).__name__})",
-                            self.gather_work)
+            self.flight.add(self._what("all-gather"), self.gather_work)
 
     def finish_gather(self) -> None:
         """Wait, then every rank's slice is in ``buffers.params``."""
         if self.gather_work is not None:
-            wait_for(self.gather_work, f"the all-gather of bucket {self.bucket.index} "
-                     f"({type(self).__name__})", self.timeout_s, self.rank)
+            wait_for(self.gather_work, self._what("all-gather"), self.timeout_s, self.rank)
             self.gather_work = None
             self._unpack_gather()
 
