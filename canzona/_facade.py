@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from canzona.planner import optimizers, pipeline
+from canzona.planner.errors import CanzonaError, SizeError
 from canzona.planner.cost import OptimizerSettings
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.options import DPOptions, TPOptions
@@ -22,7 +23,7 @@ def plan_model(
     model: Any,
     *,
     dp: int,
-    tp: int = 1,
+    tp: int | None = None,
     optimizer: str = "muon",
     bucket_size: int | None = None,
     overlap_grad_reduce: bool = True,
@@ -40,14 +41,16 @@ def plan_model(
     objective: str = "step-time",
     hardware: str = "h100",
     progress: Callable[[str], None] | None = None,
+    vocab: int | None = None,
     **settings: Any,
 ) -> Plan:
     """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.
 
     Args:
         model: an ``nn.Module`` or its ``named_parameters()``.
-        dp: data-parallel size. tp: tensor-parallel size: > 1 for a model whose TP-split
-            parameters are DTensors placed ``Shard(0)`` (column) or ``Shard(1)`` (row) on the
+        dp: data-parallel size. tp: tensor-parallel size (default: a Megatron-core model's
+            ``tensor_model_parallel_size``, else 1): > 1 for a Megatron-core GPTModel built at
+            that TP size, or for a model whose TP-split parameters are DTensors placed ``Shard(0)`` (column) or ``Shard(1)`` (row) on the
             mesh dim ``tp`` (``parallelize_module`` with ``ColwiseParallel`` /
             ``RowwiseParallel``); fused layouts (qkv, gate_up, vocab) need a model config
             (``canzona.planner.pipeline.plan``).
@@ -65,6 +68,9 @@ def plan_model(
             (``DPOptions.objective``).
         hardware: the profile whose communication model picks each bucket's collective method
             (``h100``, ``h800``, ``cpu`` or a profile file; ``TPOptions.hardware``).
+        vocab: Megatron-core models only: the tokenizer's vocabulary before Megatron's padding
+            (default: the model's padded ``vocab_size``); recorded as the logical vocabulary, as
+            a plan made offline from the matching config records it.
         **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
 
@@ -79,8 +85,25 @@ def plan_model(
     # checked before the model is read
     tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware)
     from canzona.runtime.introspect import inventory
+    from canzona.runtime.megatron import megatron_spec, megatron_tp
 
-    spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
+    # A Megatron-core GPTModel is read through its TransformerConfig: the plan is the one made
+    # offline from that config (Megatron names, fused layouts), with the live dtypes.
+    spec = megatron_spec(model, vocab=vocab, name=name, matrix_globs=matrix_globs,
+                         adamw_globs=adamw_globs)
+    if spec is None:
+        if vocab is not None:
+            raise CanzonaError("vocab= is for Megatron-core models (the vocabulary before "
+                               "Megatron's padding); this model is not one.")
+        spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
+        tp = 1 if tp is None else tp
+    else:
+        built = megatron_tp(model)
+        if tp is not None and tp != built:
+            raise SizeError(f"tp={tp}, but the Megatron model is built for tensor-parallel size "
+                            f"{built} (TransformerConfig.tensor_model_parallel_size); pass "
+                            f"tp={built} or leave tp out.")
+        tp = built
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
                          tp_options=tp_options, progress=progress)

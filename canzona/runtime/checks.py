@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.planner.inventory import EXPERT_PART
+from canzona.planner.inventory import EXPERT_PART, ModelSpec
+from canzona.planner.layout import padded_vocab
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import dtype_name, inventory
@@ -177,8 +178,8 @@ def plan_params(plan: Plan) -> list[tuple[str, tuple[int, ...], str]]:
 def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:
     """None if the plan's fingerprint matches the live parameters, else one line naming the first
     parameter that differs (name, shape or dtype)."""
-    spec = inventory(pairs)
     planned = plan_params(plan)
+    spec = _unpadded_vocab(inventory(pairs), planned, plan.inputs.tp)
     live = [(p.name, tuple(p.shape), p.dtype) for p in spec.params]
     if spec.fingerprint() == plan.fingerprint:
         # The fingerprint is one string; the runtime acts on the tasks (a matrix task's shape is
@@ -196,6 +197,24 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | No
                 f"{len(live)} in the model; the {other} lacks '{first}'.")
     return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
             f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs {spec.fingerprint()[:19]}…).")
+
+
+def _unpadded_vocab(spec: ModelSpec, planned: list[tuple[str, tuple[int, ...], str]],
+                    tp: int) -> ModelSpec:
+    """The live inventory with a Megatron vocabulary-parallel table (layout ``vocab``) taken at
+    the plan's logical vocabulary when the model holds it padded as Megatron pads it (a
+    multiple of 128·tp, even at tp = 1): the plan records the tokenizer's vocabulary and lays
+    out the padded rows, the model holds them."""
+    shapes = {name: shape for name, shape, _ in planned}
+    params = []
+    for p in spec.params:
+        want = shapes.get(p.name)
+        if (p.tp_layout == "vocab" and want is not None and len(want) == len(p.shape) >= 1
+                and want != p.shape and want[1:] == p.shape[1:]
+                and p.shape[0] == padded_vocab(want[0], tp)):
+            p = dataclasses.replace(p, shape=tuple(want))
+        params.append(p)
+    return ModelSpec(config=spec.config, params=tuple(params), label=spec.label)
 
 
 #: The first difference between the plan's parameters and the model's, by field ({0}: index,

@@ -62,6 +62,7 @@ from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.gradients import GradientCollector, clip_owned, held_back_message
 from canzona.runtime.introspect import is_tp_split, local_tensor, named_params
+from canzona.runtime.megatron import MEGATRON_SUM_GRADS, find_gpt
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.optim._base import NonFiniteGradientError
 from canzona.runtime.schedule import build_schedule
@@ -163,7 +164,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         tp_sum_grads: tp > 1: name globs of replicated parameters whose gradient each TP rank
             holds only in part, summed over the TP group before the update (as parameters marked
             ``sequence_parallel`` are). Megatron with ``qk_layernorm``: the q/k norms see only
-            the rank's heads, so ``("*q_layernorm.weight", "*k_layernorm.weight")``.
+            the rank's heads: a Megatron-core GPTModel built with ``qk_layernorm`` gets
+            ``runtime.megatron.MEGATRON_SUM_GRADS`` added, as Megatron's own
+            ``finalize_model_grads`` sums them.
         overlap_tp: tp > 1: gather the next micro-group while this one is computed and scatter
             while the next is (default). False waits for each collective at once (to measure
             what the overlap saves; results are identical).
@@ -310,7 +313,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._micro.flight = self._flight
         self._micro.init_state(self.state, self._matrix, device)
         self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()
-        self._sum_globs = tuple(tp_sum_grads)
+        self._sum_globs = tuple(tp_sum_grads) + _megatron_sum_grads(model)
         self._sp_ranges = self._sequence_parallel_ranges() if self._tp > 1 else []
         self._hooks: list[Any] = []
         if not self._external:
@@ -744,3 +747,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                     [b.main for b in self._buffers]):
             self.reload_main_params()
 
+
+def _megatron_sum_grads(model: Any) -> tuple[str, ...]:
+    """The QK-layernorm globs (any name prefix) for a Megatron-core GPTModel built with
+    ``qk_layernorm``, else none."""
+    found = find_gpt(model)
+    if found is None or not getattr(found[1].config, "qk_layernorm", False):
+        return ()
+    return MEGATRON_SUM_GRADS

@@ -64,13 +64,15 @@ def cpu_cuda_stand_ins() -> Iterator[None]:
 
 @contextlib.contextmanager
 def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, seed: int = 1234,
-                   ep: int = 1, init_method: str | None = None) -> Iterator[None]:
+                   ep: int = 1, init_method: str | None = None,
+                   timeout_s: float | None = None) -> Iterator[None]:
     """``torch.distributed`` (world size ``dp·tp``) and Megatron's model-parallel groups, on CPU.
 
     ``backend="fake"``: one process plays rank ``rank`` of the whole world with no-op collectives
     (build models and DDP buffers for any sizes in one process); ``"gloo"``: a real member of a
     multi-process world (``init_method`` or the ``MASTER_ADDR``/``MASTER_PORT`` environment).
     Also seeds Megatron's RNG trackers the CPU way and applies :func:`cpu_cuda_stand_ins`.
+    ``timeout_s``: the process group's collective timeout (a failing peer fails the rest fast).
     Everything is torn down on exit, so the next world may have other sizes.
 
     Raises:
@@ -88,8 +90,12 @@ def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, se
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                **({"init_method": init_method} if init_method else {}))
+        extra: dict[str, Any] = {"init_method": init_method} if init_method else {}
+        if timeout_s is not None:
+            import datetime
+
+            extra["timeout"] = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world, **extra)
     try:
         with cpu_cuda_stand_ins():
             parallel_state.initialize_model_parallel(

@@ -1,0 +1,200 @@
+"""A live Megatron-core ``GPTModel`` read as the planner's model config (duck-typed: no import of
+megatron here).
+
+Megatron's ``TransformerConfig`` (``model.config``) and the model's ``vocab_size`` and
+``share_embeddings_and_output_weights`` give a :class:`~canzona.planner.models.ModelConfig`; the
+planner's inventory of that config under Megatron names is the model's parameter list with its
+TP layouts (fused QKV grouped per KV group, fc1 as [gate; up] with ``partition_stride`` 2, the
+vocabulary-parallel embedding and output layer). :func:`megatron_spec` checks that inventory
+against the live parameters (names, order, local shard shapes at the model's TP size, Megatron's
+``tensor_model_parallel``/``partition_dim``/``partition_stride`` and
+``is_embedding_or_output_parameter`` attributes) and takes
+each parameter's dtype from the model, so that a bare ``GPTModel`` (float32 norms beside bf16
+matrices) plans with its real buffers.
+
+Supported: the decoder-only models the planner describes (Llama and Qwen3 style: RMSNorm, GQA,
+gated SwiGLU, no linear biases, optional QK layernorm; Qwen3-MoE at expert-parallel size 1),
+pipeline-parallel size 1. Anything else is refused with the setting that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from canzona.planner.errors import ModelError
+from canzona.planner.inventory import ModelSpec, build_inventory
+from canzona.planner.layout import padded_vocab
+from canzona.planner.models import ModelConfig
+from canzona.planner.shards import shard_map
+from canzona.runtime.introspect import dtype_name, local_tensor, named_params
+
+__all__ = ["MEGATRON_SUM_GRADS", "find_gpt", "megatron_config", "megatron_spec", "megatron_tp"]
+
+#: Replicated parameters whose gradient each TP rank holds only in part under Megatron: the
+#: QK layernorms see only the rank's attention heads (Megatron's ``finalize_model_grads`` sums
+#: them over TP when ``qk_layernorm`` is set).
+MEGATRON_SUM_GRADS: tuple[str, ...] = ("*self_attention.q_layernorm.weight",
+                                       "*self_attention.k_layernorm.weight")
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+#: TransformerConfig settings the planner's models do not have: (field, the value they need,
+#: why).
+_REQUIRED: tuple[tuple[str, Any, str], ...] = (
+    ("pipeline_model_parallel_size", 1, "pipeline parallelism is not planned"),
+    ("context_parallel_size", 1, "context parallelism is not planned"),
+    ("expert_model_parallel_size", 1, "plan_model reads MoE models at expert-parallel size 1"),
+    ("add_bias_linear", False, "linear biases are not in the planner's models"),
+    ("add_qkv_bias", False, "QKV biases are not in the planner's models"),
+    ("gated_linear_unit", True, "fc1 must be the gated [gate; up] SwiGLU weight"),
+    ("normalization", "RMSNorm", "LayerNorm biases are not in the planner's models"),
+    ("multi_latent_attention", False, "multi-latent attention is not in the planner's models"),
+    ("moe_shared_expert_intermediate_size", None, "shared experts are not in the planner's models"),
+)
+
+
+def find_gpt(model: Any) -> tuple[str, nn.Module] | None:
+    """``(prefix, gpt)``: the Megatron-core language model inside ``model`` (the module itself,
+    or under ``Float16Module``/DDP wrappers' ``module`` attribute) and the prefix its parameter
+    names carry in ``model``; None when ``model`` is not one."""
+    prefix, m = "", model
+    for _ in range(4):
+        if not isinstance(m, nn.Module):
+            return None
+        cfg = getattr(m, "config", None)
+        if (cfg is not None and hasattr(cfg, "num_query_groups") and hasattr(cfg, "kv_channels")
+                and hasattr(m, "vocab_size") and hasattr(m, "decoder")):
+            return prefix, m
+        inner = getattr(m, "module", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        prefix, m = prefix + "module.", inner
+    return None
+
+
+def megatron_config(gpt: nn.Module, *, vocab: int | None = None, name: str | None = None) -> ModelConfig:
+    """The planner's config of a Megatron-core GPTModel.
+
+    Args:
+        gpt: the GPTModel (``find_gpt`` unwraps).
+        vocab: the tokenizer's vocabulary before Megatron's padding (default: the model's
+            ``vocab_size``, which the training script has already padded). Given, the model's
+            vocabulary must be that one padded (the planner pads it as Megatron does).
+        name: the config's name (default ``megatron-<class name>``).
+
+    Raises:
+        ModelError: a setting the planner's models do not have, naming the TransformerConfig field.
+    """
+    c = gpt.config  # type: ignore[attr-defined]
+    for field, want, why in _REQUIRED:
+        got = getattr(c, field, want)
+        if got != want and not (want is None and not got):
+            raise ModelError(f"TransformerConfig.{field} is {got!r}; canzona.plan_model reads "
+                             f"Megatron models with {field}={want!r} ({why}).")
+    if getattr(c, "num_moe_experts", None) and getattr(c, "moe_layer_freq", 1) not in (1, None):
+        raise ModelError(f"TransformerConfig.moe_layer_freq is {c.moe_layer_freq!r}; the planner's "
+                         "MoE models have an MoE MLP in every layer (moe_layer_freq=1).")
+    model_vocab = int(gpt.vocab_size)  # type: ignore[attr-defined]
+    tp = int(getattr(c, "tensor_model_parallel_size", 1) or 1)
+    if vocab is not None:
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise ModelError(f"vocab must be the tokenizer's vocabulary size (an int >= 1), got "
+                             f"{vocab!r}.")
+        if padded_vocab(vocab, tp) != model_vocab:
+            raise ModelError(f"vocab={vocab} pads to {padded_vocab(vocab, tp)} at tp={tp} "
+                             f"(Megatron's multiple of 128·tp) but the model's vocab_size is "
+                             f"{model_vocab}; pass the vocabulary the model was padded from, or "
+                             "leave vocab out to plan the model's padded vocabulary.")
+    if vocab is None and model_vocab % (128 * tp):
+        raise ModelError(f"the model's vocab_size {model_vocab} is not a multiple of 128·tp = "
+                         f"{128 * tp}, as Megatron's training script pads it "
+                         "(--make-vocab-size-divisible-by 128); canzona plans that padded layout: "
+                         "build the model with the padded vocabulary.")
+    dtype = _DTYPES.get(getattr(c, "params_dtype", torch.float32), "fp32")
+    moe = int(getattr(c, "num_moe_experts", None) or 0)
+    try:
+        return ModelConfig(
+            name=name or f"megatron-{type(gpt).__name__.lower()}",
+            arch="qwen3_moe" if moe else ("qwen3" if c.qk_layernorm else "llama"),
+            hidden=int(c.hidden_size), ffn=0 if moe else int(c.ffn_hidden_size),
+            layers=int(c.num_layers), q_heads=int(c.num_attention_heads),
+            kv_heads=int(c.num_query_groups or c.num_attention_heads),
+            head_dim=int(c.kv_channels), vocab=vocab or model_vocab,
+            tied_embeddings=bool(getattr(gpt, "share_embeddings_and_output_weights", False)),
+            qk_norm=bool(c.qk_layernorm), num_experts=moe,
+            experts_per_token=int(c.moe_router_topk or 0) if moe else 0,
+            moe_ffn=int(c.moe_ffn_hidden_size or 0) if moe else 0, dtype=dtype)
+    except ValueError as exc:  # pydantic's ValidationError
+        raise ModelError(f"the Megatron model's TransformerConfig does not describe a model canzona "
+                         f"plans: {exc}") from None
+
+
+def _megatron_attrs(t: Any) -> tuple[bool, int | None, int]:
+    """(tensor_model_parallel, partition_dim, partition_stride) as Megatron sets them (None and 1
+    for a replicated parameter)."""
+    if not getattr(t, "tensor_model_parallel", False):
+        return (False, None, 1)
+    return (True, int(getattr(t, "partition_dim", 0)), int(getattr(t, "partition_stride", 1) or 1))
+
+
+def megatron_tp(model: Any) -> int:
+    """The tensor-parallel size a Megatron-core model was built for (1 for other models)."""
+    found = find_gpt(model)
+    if found is None:
+        return 1
+    return int(getattr(found[1].config, "tensor_model_parallel_size", 1) or 1)
+
+
+def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = None,
+                  matrix_globs: tuple[str, ...] | list[str] = (),
+                  adamw_globs: tuple[str, ...] | list[str] = ()) -> ModelSpec | None:
+    """The planner's inventory of a live Megatron-core model (None when ``model`` is not one):
+    the config's parameters under Megatron names (prefixed as ``model`` names them), each with
+    the live dtype, after checking names, order and local shard shapes.
+
+    Raises:
+        ModelError: the model is a Megatron GPTModel the config does not describe (naming the
+            first parameter that differs).
+    """
+    found = find_gpt(model)
+    if found is None:
+        return None
+    prefix, gpt = found
+    cfg = megatron_config(gpt, vocab=vocab, name=name)
+    tp = megatron_tp(gpt)
+    spec = build_inventory(cfg, names="megatron", matrix_globs=tuple(
+        g.removeprefix(prefix) for g in matrix_globs), adamw_globs=tuple(
+        g.removeprefix(prefix) for g in adamw_globs))
+    live = named_params(model)
+    planned = [prefix + p.name for p in spec.params]
+    names = [n for n, _ in live]
+    if names != planned:
+        k = next((k for k, (a, b) in enumerate(zip(planned, names)) if a != b),
+                 min(len(planned), len(names)))
+        a = planned[k] if k < len(planned) else "nothing"
+        b = names[k] if k < len(names) else "nothing"
+        raise ModelError(f"the Megatron model's parameter #{k} is '{b}' but its TransformerConfig "
+                         f"describes '{a}' there; canzona.plan_model reads GPTModels built with the "
+                         "local or Transformer-Engine-free layer spec of a Llama/Qwen3 model.")
+    params = []
+    for p, (n, t) in zip(spec.params, live):
+        want = shard_map(p, tp, kv_groups=cfg.kv_heads).local_shape if tp > 1 else (
+            (padded_vocab(p.shape[0], 1), *p.shape[1:]) if p.tp_layout == "vocab" else p.shape)
+        got = tuple(local_tensor(t).shape)
+        if got != tuple(want):
+            raise ModelError(f"the Megatron model's '{n}' is {list(got)} on this rank but its "
+                             f"TransformerConfig at tp={tp} gives {list(want)}.")
+        attrs = _megatron_attrs(t)
+        if attrs != (p.tp_layout != "replicated", p.tp_dim, p.tp_stride):
+            raise ModelError(f"the Megatron model's '{n}' has tensor_model_parallel, partition_dim, "
+                             f"partition_stride = {attrs} but its TransformerConfig gives the "
+                             f"'{p.tp_layout}' layout {(p.tp_layout != 'replicated', p.tp_dim, p.tp_stride)}.")
+        if getattr(t, "is_embedding_or_output_parameter", False) and p.kind not in ("embedding", "output"):
+            raise ModelError(f"the Megatron model marks '{n}' is_embedding_or_output_parameter but "
+                             f"its TransformerConfig gives a {p.kind} there.")
+        params.append(dataclasses.replace(p, name=n, dtype=dtype_name(t.dtype, n)))
+    return ModelSpec(config=cfg, params=tuple(params), label=cfg.name)

@@ -1,0 +1,166 @@
+"""Train a Megatron-core GPTModel with canzona in place of Megatron's DDP and distributed optimizer.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_megatron.py --tp 2   # dp 2 × tp 2
+    torchrun --standalone --nproc-per-node 2 examples/train_megatron.py --tp 2   # dp 1 × tp 2
+    torchrun --standalone --nproc-per-node 2 examples/train_megatron.py --tp 1   # dp 2
+
+Needs megatron-core (``pip install 'canzona[runtime,megatron]'``; 0.16.1 on Python 3.11). The
+model is Qwen3-style (RMSNorm, grouped-query attention with QK layernorm, gated SwiGLU, no biases,
+RoPE) built with Megatron's local layer spec, its vocabulary padded as Megatron's training script
+pads it. ``canzona.plan_model(gpt, dp=, vocab=)`` reads the TransformerConfig (TP size, fused QKV
+and gate/up layouts, the vocabulary-parallel embedding and output layer) and plans; ``--plan FILE``
+takes a plan saved before instead (``canzona.save_plan`` or the CLI with a matching config; the
+parameter names are Megatron's). ``CanzonaOptimizer`` gets Megatron's TP and DP groups: it
+reduce-scatters the gradients over DP in Megatron's bucket layout, updates whole matrices (each
+TP-split one gathered to its host TP rank in micro-groups), sums the QK layernorm gradients over
+TP as Megatron does, and all-gathers the parameters. Megatron's DDP wrapper is not used.
+
+On a machine without GPUs the script runs on CPU with gloo: ``torch.cuda.current_device`` is
+pointed at the CPU while the model is built (Megatron allocates a few tensors there), Megatron's
+RNG trackers are seeded without CUDA, and attention gets an explicit causal mask. Data: arithmetic
+progressions (each DP rank its own), so the loss falls within 100 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import canzona
+from canzona.planner.layout import padded_vocab
+
+
+@contextlib.contextmanager
+def _cpu_device(cuda: bool):
+    """Megatron asks ``torch.cuda.current_device()`` for a device (buffers, RoPE): the CPU here."""
+    if cuda:
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+def build_gpt(args, tp: int, cuda: bool):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
+        tensor_model_parallel_size=tp, use_cpu_initialization=not cuda, params_dtype=dtype,
+        bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    gpt = GPTModel(config=config, transformer_layer_spec=spec,
+                   vocab_size=padded_vocab(args.vocab, tp), max_sequence_length=args.seq,
+                   position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    if args.bf16:  # every parameter bf16, as Megatron's get_model wraps it; canzona keeps fp32 mains
+        from megatron.core.transformer.module import Float16Module
+
+        return Float16Module(config, gpt), gpt
+    return gpt, gpt
+
+
+def progressions(gen: torch.Generator, batch: int, seq: int, vocab: int):
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 5, (batch, 1), generator=gen)
+    data = (start + stride * torch.arange(seq + 1)) % vocab
+    return data[:, :-1], data[:, 1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (divides the world)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
+    ap.add_argument("--plan", help="a saved plan for this model and sizes (default: plan_model)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--ffn", type=int, default=352)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32, help="≠ hidden/heads, as Qwen3")
+    ap.add_argument("--vocab", type=int, default=1000, help="the tokenizer's (before padding)")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
+    ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main copies")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore", module="megatron")  # no Transformer Engine / Apex here
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if args.tp < 1 or world % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide the world size {world}")
+    dp = world // args.tp
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    with _cpu_device(cuda):  # the whole run: RoPE asks for the device in every forward
+        train(args, dp, rank, cuda)
+    dist.destroy_process_group()
+
+
+def train(args, dp: int, rank: int, cuda: bool) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    torch.manual_seed(1234)  # the same initial weights on every rank, as Megatron's _set_random_seed
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)
+    model, gpt = build_gpt(args, args.tp, cuda)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    model.to(device)
+
+    if args.plan:
+        plan = canzona.load_plan(args.plan)
+    else:
+        plan = canzona.plan_model(gpt, dp=dp, vocab=args.vocab, optimizer=args.optimizer)
+    opt = canzona.CanzonaOptimizer(
+        gpt, plan, lr=0.02 if plan.inputs.optimizer.name == "muon" else 3e-3, adamw_lr=3e-3,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_group=parallel_state.get_data_parallel_group(),
+        main_params="fp32" if args.bf16 else None)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    if rank == 0:
+        groups = [len(ix.groups) for ix in plan.tp.indices] if plan.tp else []
+        print(f"Megatron GPTModel dp={dp} tp={args.tp}: {plan.total_params:,} params "
+              f"(vocabulary {args.vocab} padded to {gpt.vocab_size}), "
+              f"{plan.inputs.optimizer.name}; micro-groups per DP index {groups}", flush=True)
+
+    mask = torch.ones(args.seq, args.seq, dtype=torch.bool, device=device).triu(1)[None, None]
+    pos = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
+    gen = torch.Generator().manual_seed(1234 + parallel_state.get_data_parallel_rank())
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in progressions(gen, args.batch, args.seq, args.vocab))
+        loss = model(x, pos, mask, labels=y).float().mean()  # per-token losses, [batch, seq]
+        loss.backward()
+        norm = opt.clip_grad_norm_(1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}  "
+                  f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)
+    opt.close()  # wait for the optimizer's collectives before tearing the groups down
+    parallel_state.destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()
