@@ -368,6 +368,31 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
                       + " (README: Reading the reports). max sent: bytes one rank sends per "
                       "iteration; collectives: predicted on the plan's link.", highlight=False,
                       style="dim")
+    sharing_view(report.get("sharing"))
+
+
+def sharing_view(sh: dict | None) -> None:
+    """The per-GPU atomic bound beside the bound with shared Newton–Schulz (``report["sharing"]``)."""
+    if sh is None:
+        return
+    from canzona.planner.sharing import kind_of
+
+    console.print(
+        f"beyond whole matrices (per GPU, {sh['gpus']} GPUs): atomic LB = max(mean, largest task) "
+        f"= {sh['atomic_lb_over_mean']:.3f}× the mean useful work; with Muon tasks shared by a "
+        f"few ranks the bound is {sh['shared_lb_over_mean']:.3f}× (the schedule and runtime do "
+        "not share yet: issue 18)", highlight=False)
+    if sh["note"]:
+        console.print(sh["note"], highlight=False, style="dim")
+    groups: dict[tuple, list[dict]] = {}
+    for x in sh["shared"]:
+        groups.setdefault((x["group"], x["k"], x["split_poly"]), []).append(x)
+    for (g, k, split), xs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        kinds = sorted({kind_of(x["name"]) for x in xs})
+        where = "its TP group" if g == "tp" else f"{k} adjacent DP indices"
+        console.print(f"  {len(xs)} tasks would be shared by {k} ranks ({where}"
+                      f"{', polynomial split' if split else ''}): {', '.join(kinds)}",
+                      highlight=False)
 
 
 def wrote(what: str, path: Path) -> None:

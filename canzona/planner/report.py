@@ -181,8 +181,10 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
 
     Returns:
         :func:`inspect_dict`'s report (with the collectives, :func:`comm_dict`, under ``comm``),
-        with the TP part (:func:`tp_dict`, None for tp = 1) under ``tp_schedule``. Baselines are
-        None where the problem cannot be rebuilt.
+        with the TP part (:func:`tp_dict`, None for tp = 1) under ``tp_schedule`` and the
+        per-GPU atomic bound beside the bound with Muon tasks shared
+        (:func:`canzona.planner.sharing.sharing_bound`) under ``sharing``. Baselines and the
+        sharing bound are None where the problem cannot be rebuilt.
 
     Raises:
         CanzonaError: see :func:`rebuild_problem`.
@@ -209,6 +211,12 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
         tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
                                      m.max_over_mean, m.gap_to_lb_gpu))
     report["tp_schedule"] = tp_dict(plan, tp_rows)
+    report["sharing"] = None
+    if problem is not None:
+        from .sharing import sharing_bound
+
+        say("sharing bound")
+        report["sharing"] = sharing_bound(problem, hardware=plan.comm.hardware).to_dict()
     return report
 
 

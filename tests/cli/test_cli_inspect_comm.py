@@ -65,3 +65,15 @@ def test_inspect_names_a_converted_plan(plan_file, tmp_path, as_version_1):
     assert r.exit_code == 0, r.output
     assert "converted from schema 1" in r.stdout
     assert json.loads(run("inspect", old, "--json").stdout)["comm"]["converted_from"] == 1
+
+
+def test_inspect_prints_the_atomic_and_the_sharing_bound(plan_file):
+    """Issue 18, item 4: the atomic LB beside the bound with shared Newton–Schulz."""
+    r = run("inspect", plan_file)
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "atomic LB = max(mean, largest task)" in out and "the bound is" in out
+    j = json.loads(run("inspect", plan_file, "--json").stdout)["sharing"]
+    assert j["optimizer"] == "muon" and j["gpus"] == 8
+    assert j["atomic_lb_over_mean"] >= j["shared_lb_over_mean"] >= 1.0
+    assert all(x["k"] in (2, 4) and x["group"] in ("tp", "dp") for x in j["shared"])

@@ -1,0 +1,236 @@
+"""Beyond the atomic bound: which matrix updates a few ranks would share, over which group, and
+the per-GPU bound that gives (issue 18, items 2 and 4 — the planner's decision and bound; the
+TP schedule and the runtime do not execute shared tasks yet).
+
+Whole-matrix ownership has a floor: no GPU finishes before the largest single task, so the atomic
+bound is LB = max(mean, largest task), the mean being the useful work per GPU (the single-device
+cost of every task, AdamW shards and replicated matrices included, over dp·tp GPUs). Muon's
+Newton–Schulz can be shared by k ranks exactly (``canzona.runtime.optim.shared_ns``): each rank
+holds a row block of the matrix oriented along its long dimension (m × n, m ≥ n) and per
+iteration computes its partial Gram (one n × n all-reduce) and its rows of the update:
+``s·(4n²⌈m/k⌉ + 2n³)`` FLOPs per rank, or ``s·(4n²⌈m/k⌉ + 2⌈n/k⌉n²)`` with the polynomial split
+(one all-gather more per iteration). The sharing groups:
+
+* ``tp``: the TP group of the owning DP index (k = tp) — for a TP-split matrix whose split
+  dimension is its long one (column-parallel QKV and fc1, row-parallel proj and fc2 of the usual
+  shapes): the shards *are* the row blocks, nothing is gathered to a host;
+* ``dp``: k = 2 or 4 adjacent DP indices (fixed pairs or quads, created once) — for a matrix TP
+  does not split (tp = 1): its ZeRO-1 cut moves to a row boundary of the long dimension.
+
+The collectives sit on the critical path of every iteration (the next step needs the reduced
+Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a
+piece's critical path, charged at the profile's achieved rate. They are not work a GPU must do —
+it computes other tasks while it waits, as the micro-groups already overlap — so the mean grows
+only by the FLOPs sharing adds (each rank's 2n³ of the polynomial, or its split share).
+:func:`sharing_bound` decides greedily: while the heaviest unshared task exceeds the mean (the
+useful work plus the FLOPs added so far), share it with the option of least added FLOPs whose
+piece fits under that mean, else the one with the smallest piece; the bound with sharing is then
+max(that mean, largest unshared task, longest shared piece). Loads are in the plan's cost units
+(a task's load per FLOP converts FLOPs and seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .cost import load_hardware
+from .hardware import HardwareProfile, LinkProfile
+from .planning import DPProblem, equal_cuts
+
+__all__ = ["ShareOption", "SharedTask", "SharingReport", "kind_of", "share_options",
+           "sharing_bound"]
+
+Group = Literal["tp", "dp"]
+#: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
+DP_GROUP_SIZES = (2, 4)
+
+
+@dataclass(frozen=True, slots=True)
+class ShareOption:
+    """One way to share a task: ``k`` ranks of a ``group``, with or without the polynomial split.
+
+    ``piece_flops``: Newton–Schulz FLOPs per sharing rank and step; ``comm_s``: seconds of its
+    collectives per step (all-reduces of the Gram, all-gathers of the split polynomial)."""
+
+    group: Group
+    k: int
+    split_poly: bool
+    piece_flops: int
+    comm_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SharedTask:
+    """A task the bound shares, in the plan's cost units: its load alone; ``piece_load``, its
+    critical path on each sharing rank (the rank's FLOPs and the collectives it waits for);
+    ``overhead``, the FLOPs added over the whole group (k pieces minus the task)."""
+
+    task: int
+    name: str
+    shape: tuple[int, int]
+    load: int
+    option: ShareOption
+    piece_load: float
+    overhead: float
+
+
+@dataclass(frozen=True, slots=True)
+class SharingReport:
+    """The atomic bound and the bound with sharing, per GPU, in the plan's cost units."""
+
+    optimizer: str
+    gpus: int
+    mean: float  # useful work per GPU
+    largest_task: int
+    atomic_lb: float
+    shared_lb: float
+    overhead: float  # Σ of the shared tasks' added FLOPs (cost units)
+    shared: tuple[SharedTask, ...]
+    note: str = ""
+
+    @property
+    def atomic_ratio(self) -> float:
+        return self.atomic_lb / self.mean if self.mean else 1.0
+
+    @property
+    def shared_ratio(self) -> float:
+        return self.shared_lb / self.mean if self.mean else 1.0
+
+    def to_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer, "gpus": self.gpus, "mean": self.mean,
+            "largest_task": self.largest_task, "atomic_lb": self.atomic_lb,
+            "atomic_lb_over_mean": round(self.atomic_ratio, 6), "shared_lb": self.shared_lb,
+            "shared_lb_over_mean": round(self.shared_ratio, 6), "overhead": self.overhead,
+            "note": self.note,
+            "shared": [{"task": s.task, "name": s.name, "shape": list(s.shape), "load": s.load,
+                        "group": s.option.group, "k": s.option.k,
+                        "split_poly": s.option.split_poly, "piece_load": s.piece_load,
+                        "overhead": s.overhead,
+                        "comm_s": s.option.comm_s} for s in self.shared],
+        }
+
+
+def _all_reduce_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
+    return link.latency_s + 2 * (k - 1) / k * numel * e / link.busbw
+
+
+def _all_gather_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
+    """All-gather of ``numel`` elements in all (each rank contributing numel / k)."""
+    return link.latency_s + (k - 1) / k * numel * e / link.busbw
+
+
+def _option(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: int,
+            link: LinkProfile) -> ShareOption:
+    rows = -(-m // k)
+    if split:
+        poly_rows = -(-n // k)
+        flops = steps * (4 * n * n * rows + 2 * poly_rows * n * n)
+        comm = steps * (_all_reduce_s(n * n, e, k, link) + _all_gather_s(k * poly_rows * n, e, k, link))
+    else:
+        flops = steps * (4 * n * n * rows + 2 * n ** 3)
+        comm = steps * _all_reduce_s(n * n, e, k, link)
+    return ShareOption(group, k, split, flops, comm)
+
+
+def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
+                  ns_bytes: int = 2) -> list[ShareOption]:
+    """Every way ``task`` may be shared (none for a non-Muon task or one that cannot be)."""
+    t = problem.tasks[task]
+    if problem.settings.name != "muon" or t.optimizer != "matrix" or len(t.shape) != 2:
+        return []
+    rows, cols = t.shape
+    m, n = max(rows, cols), min(rows, cols)
+    long_dim = 0 if rows >= cols else 1
+    steps = problem.settings.ns_steps
+    sizes = problem.sizes
+    p = problem.spec[t.param]
+    tp = sizes.expert_tp if p.is_expert else sizes.tp
+    out = []
+    if t.tp_split and tp > 1:
+        # The TP shards are row blocks of the oriented matrix when the split dim is the long one.
+        if (p.tp_dim == long_dim or rows == cols) and t.part is None:
+            link = hw.link(tp)
+            out += [_option("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+    elif tp == 1 or not t.tp_split:
+        for k in DP_GROUP_SIZES:
+            if k <= sizes.dp and sizes.dp % k == 0 and m >= k:
+                link = hw.link(k * sizes.tp)
+                out += [_option("dp", k, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+    return out
+
+
+def _useful_total(problem: DPProblem) -> float:
+    """Per-GPU work summed over all GPUs: every task once, AdamW shards once per TP rank, matrices
+    TP does not split once per TP rank (every rank of the index computes them)."""
+    from .tp.context import TPContext, index_work
+
+    ctx = TPContext.build(problem, problem.comm_dtype)
+    cuts = {(b.buffer, b.bucket): equal_cuts(b) for b in problem.buckets}
+    base, owned = index_work(problem, cuts, ctx)
+    return sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+
+
+def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100",
+                  ns_bytes: int = 2) -> SharingReport:
+    """The atomic per-GPU bound and the bound with Muon tasks shared (see the module docstring).
+
+    Args:
+        problem: the plan's DP problem (``make_problem``; ``report.rebuild_problem`` for a plan).
+        hardware: the profile whose links time the collectives and whose achieved rate turns
+            seconds into FLOPs.
+        ns_bytes: bytes per element of the Newton–Schulz iteration (bf16: 2).
+    """
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    gpus = problem.dp * problem.sizes.tp
+    total = _useful_total(problem)
+    mean = total / gpus
+    matrix = [t.id for t in problem.tasks if t.optimizer == "matrix"]
+    largest = max((problem.loads[i] for i in matrix), default=0)
+    atomic = max(mean, float(largest))
+    name = problem.settings.name
+    if name != "muon":
+        return SharingReport(name, gpus, mean, largest, atomic, atomic, 0.0, (),
+                             note=f"sharing applies to Muon's Newton–Schulz; {name} tasks stay "
+                                  "whole")
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    order = sorted(matrix, key=lambda i: (-problem.loads[i], i))
+    shared: list[SharedTask] = []
+    extra = 0.0
+    for i in order:
+        load = problem.loads[i]
+        target = (total + extra) / gpus
+        if load <= target:
+            break
+        flops = problem.costs[i].flops
+        unit = load / flops if flops else 0.0
+        best = None
+        for o in share_options(problem, i, hw, ns_bytes=ns_bytes):
+            piece = (o.piece_flops + o.comm_s * rate) * unit
+            over = max(0.0, (o.k * o.piece_flops - flops) * unit)
+            fits = piece <= target
+            key = (not fits, over if fits else piece, o.k, o.split_poly)
+            if best is None or key < best[0]:
+                best = (key, o, piece, over)
+        t = problem.tasks[i]
+        if best is None or best[2] >= load:
+            continue
+        _, o, piece, over = best
+        m, n = max(t.shape), min(t.shape)
+        s = SharedTask(i, t.name, (m, n), load, o, piece, over)
+        shared.append(s)
+        extra += s.overhead
+    mean_with = (total + extra) / gpus
+    pieces = max((s.piece_load for s in shared), default=0.0)
+    rest = [problem.loads[i] for i in matrix if i not in {s.task for s in shared}]
+    unshared_max = max(rest, default=0)
+    bound = max(mean_with, pieces, float(unshared_max))
+    return SharingReport(name, gpus, mean, largest, atomic, max(bound, mean), extra,
+                         tuple(shared))
+
+
+def kind_of(name: str) -> str:
+    """``decoder.layers.3.mlp.linear_fc1.weight`` → ``mlp.linear_fc1``."""
+    parts = [p for p in name.split("#")[0].split(".") if not p.isdigit() and p != "weight"]
+    return ".".join(parts[-2:]) if len(parts) >= 2 else (parts[0] if parts else name)

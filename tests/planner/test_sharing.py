@@ -1,0 +1,105 @@
+"""The bound beyond whole matrices (issue 18, items 2 and 4, the planner's analysis): which Muon
+tasks a few ranks would share, over which group, and the per-GPU bound with sharing beside the
+atomic LB = max(mean, largest task)."""
+
+from __future__ import annotations
+
+import pytest
+
+from canzona.planner.cost import load_hardware
+from canzona.planner.formulas import muon_flops
+from canzona.planner.inventory import build_inventory
+from canzona.planner.layout import ParallelSizes
+from canzona.planner.models import ModelConfig, get_preset
+from canzona.planner.planning import make_problem
+from canzona.planner.settings import OptimizerSettings
+from canzona.planner.sharing import kind_of, share_options, sharing_bound
+
+
+def _problem(model, dp: int, tp: int, optimizer: str = "muon"):
+    cfg = get_preset(model) if isinstance(model, str) else model
+    return make_problem(build_inventory(cfg), ParallelSizes(dp=dp, tp=tp),
+                        OptimizerSettings(name=optimizer), cost="flops")
+
+
+def test_qwen3_32b_dp32_tp8_the_issues_floor_and_fc1_shared_over_tp():
+    pr = _problem("qwen3-32b", 32, 8)
+    r = sharing_bound(pr, hardware="h800")
+    assert r.atomic_ratio == pytest.approx(2.04, abs=0.005)  # the issue's figure
+    assert r.largest_task == max(pr.loads[t.id] for t in pr.tasks if t.optimizer == "matrix")
+    assert r.shared_ratio < 1.10 and r.shared_lb >= r.mean
+    fc1 = [s for s in r.shared if kind_of(s.name) == "mlp.linear_fc1"]
+    assert len(fc1) == 64  # every layer's fused gate/up, the tasks above the mean
+    for s in r.shared:
+        assert s.option.group == "tp" and s.option.k == 8
+        assert s.piece_load < s.load and s.piece_load <= r.shared_lb
+    # nothing below the mean is shared, and everything above it is
+    names = {s.task for s in r.shared}
+    assert all(pr.loads[i] > r.mean for i in names)
+    assert all(pr.loads[t.id] <= r.shared_lb for t in pr.tasks
+               if t.optimizer == "matrix" and t.id not in names)
+
+
+def test_the_bound_grows_with_scale_but_stays_far_below_the_atomic_one():
+    small = sharing_bound(_problem("qwen3-32b", 32, 8), hardware="h800")
+    big = sharing_bound(_problem("qwen3-32b", 128, 8), hardware="h800")
+    assert big.atomic_ratio == pytest.approx(8.2, abs=0.1)
+    assert big.shared_ratio > small.shared_ratio
+    assert big.shared_ratio < big.atomic_ratio / 3
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_piece_flops_are_the_kernels(k):
+    """k unsplit pieces are the single-device FLOPs plus (k-1) copies of the 2n³ polynomial;
+    split pieces add nothing when k divides m and n (shared_ns's cost table)."""
+    hw = load_hardware("h100")
+    pr = _problem("qwen3-0.6b", 8, k)
+    i = next(t.id for t in pr.tasks if t.optimizer == "matrix" and t.tp_split
+             and share_options(pr, t.id, hw))
+    m, n = max(pr.tasks[i].shape), min(pr.tasks[i].shape)
+    s = pr.settings.ns_steps
+    opts = {o.split_poly: o for o in share_options(pr, i, hw)}
+    assert k * opts[False].piece_flops == muon_flops(m, n, ns_steps=s) + (k - 1) * s * 2 * n ** 3
+    assert k * opts[True].piece_flops == muon_flops(m, n, ns_steps=s)
+    assert opts[True].comm_s > opts[False].comm_s > 0  # the split adds an all-gather
+
+
+def test_tp_sharing_needs_the_split_dim_to_be_the_long_one():
+    """QKV with fewer rows than the hidden size: its column-parallel shards are column blocks of
+    the oriented matrix, so its TP group cannot share it without a gather."""
+    cfg = ModelConfig(name="narrow-qkv", arch="qwen3", hidden=1024, ffn=4096, layers=1,
+                      q_heads=4, kv_heads=2, head_dim=64, vocab=1000, tied_embeddings=False,
+                      qk_norm=True)
+    pr = _problem(cfg, 2, 2)
+    hw = load_hardware("h100")
+    by_kind = {kind_of(t.name): share_options(pr, t.id, hw) for t in pr.tasks
+               if t.optimizer == "matrix"}
+    assert by_kind["self_attention.linear_qkv"] == []  # 512 × 1024, split along the 512
+    assert {o.group for o in by_kind["mlp.linear_fc1"]} == {"tp"}  # 8192 × 1024, split rows
+
+
+@pytest.mark.parametrize("dp,ks", [(6, {2}), (8, {2, 4}), (1, set())])
+def test_dp_sharing_uses_fixed_pairs_and_quads(dp, ks):
+    pr = _problem("qwen3-0.6b", dp, 1)
+    hw = load_hardware("h100")
+    i = max((t.id for t in pr.tasks if t.optimizer == "matrix"), key=lambda i: pr.loads[i])
+    opts = share_options(pr, i, hw)
+    assert {o.k for o in opts} == ks and all(o.group == "dp" for o in opts)
+
+
+def test_qwen3_8b_at_scale_shares_over_dp_quads():
+    r = sharing_bound(_problem("qwen3-8b", 1024, 1), hardware="h800")
+    assert r.atomic_ratio == pytest.approx(13.7, abs=0.1)
+    assert r.shared and {(s.option.group, s.option.k) for s in r.shared} <= {("dp", 2), ("dp", 4)}
+    assert r.shared_ratio < r.atomic_ratio / 2
+
+
+def test_other_optimizers_stay_whole():
+    r = sharing_bound(_problem("qwen3-0.6b", 16, 2, optimizer="shampoo"))
+    assert r.shared == () and r.shared_lb == r.atomic_lb and "Muon" in r.note
+
+
+def test_deterministic_and_serialisable():
+    pr = _problem("qwen3-8b", 64, 2)
+    a, b = sharing_bound(pr).to_dict(), sharing_bound(pr).to_dict()
+    assert a == b and a["atomic_lb_over_mean"] >= a["shared_lb_over_mean"] >= 1.0
