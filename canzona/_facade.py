@@ -42,6 +42,7 @@ def plan_model(
     hardware: str = "h100",
     progress: Callable[[str], None] | None = None,
     vocab: int | None = None,
+    share: str = "off",
     **settings: Any,
 ) -> Plan:
     """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.
@@ -71,6 +72,9 @@ def plan_model(
         vocab: Megatron-core models only: the tokenizer's vocabulary before Megatron's padding
             (default: the model's padded ``vocab_size``); recorded as the logical vocabulary, as
             a plan made offline from the matching config records it.
+        share: tp > 1: ``TPOptions.share`` — ``off``, ``auto`` (the TP group shares the Muon
+            matrices heavier than the mean per-GPU work: shared Newton–Schulz over its shards),
+            ``all`` or ``all-split``.
         **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
 
@@ -83,7 +87,7 @@ def plan_model(
                         bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
                         objective=objective)
     # checked before the model is read
-    tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware)
+    tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware, share=share)
     from canzona.runtime.introspect import inventory
     from canzona.runtime.megatron import megatron_spec, megatron_tp
 

@@ -24,7 +24,8 @@ from rich.text import Text
 
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
-from canzona.planner.report import busiest_index, max_mean, oversized_groups, peak_within_cmax
+from canzona.planner.report import (busiest_index, max_mean, oversized_groups, peak_within_cmax,
+                                     useful_mean)
 
 from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
@@ -380,8 +381,9 @@ def sharing_view(sh: dict | None) -> None:
     console.print(
         f"beyond whole matrices (per GPU, {sh['gpus']} GPUs): atomic LB = max(mean, largest task) "
         f"= {sh['atomic_lb_over_mean']:.3f}× the mean useful work; with Muon tasks shared by a "
-        f"few ranks the bound is {sh['shared_lb_over_mean']:.3f}× (the schedule and runtime do "
-        "not share yet: issue 18)", highlight=False)
+        f"few ranks the bound is {sh['shared_lb_over_mean']:.3f}×, the longest critical path "
+        f"(a piece and its collectives) {sh['longest_path_over_mean']:.3f}× (canzona plan --share "
+        "auto shares over TP groups; DP pairs are not planned yet)", highlight=False)
     if sh["note"]:
         console.print(sh["note"], highlight=False, style="dim")
     groups: dict[tuple, list[dict]] = {}
@@ -390,7 +392,7 @@ def sharing_view(sh: dict | None) -> None:
     for (g, k, split), xs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         kinds = sorted({kind_of(x["name"]) for x in xs})
         where = "its TP group" if g == "tp" else f"{k} adjacent DP indices"
-        console.print(f"  {len(xs)} tasks would be shared by {k} ranks ({where}"
+        console.print(f"  {len(xs)} tasks in the bound shared by {k} ranks ({where}"
                       f"{', polynomial split' if split else ''}): {', '.join(kinds)}",
                       highlight=False)
 
@@ -436,6 +438,22 @@ def tp_summary(plan: Plan) -> None:
     else:
         line += f" ≤ C_max {human_bytes(cap)}"
     console.print(line, highlight=False)
+    shared = [x for ix in plan.tp.indices for x in ix.shared]
+    if shared:
+        from canzona.planner.sharing import kind_of
+
+        kinds: dict[str, int] = {}
+        for x in shared:
+            k = kind_of(plan.tasks[x.id].param)
+            kinds[k] = kinds.get(k, 0) + 1
+        split = sum(x.split_poly for x in shared)
+        console.print(
+            f"shared by their TP group (--share {plan.tp.share}: shared Newton–Schulz over the "
+            f"shards, no gather; run before the micro-groups): {len(shared)} matrices ("
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+            + f"), {split} with the polynomial split; their Gram all-reduces are in the loads: "
+            f"max / mean useful work (each task's single-device cost) "
+            f"{m.max_gpu_load / useful_mean(plan):.3f}", highlight=False)
 
 
 def _gantt(ix, width: int = 60) -> list[str]:

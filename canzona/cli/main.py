@@ -83,6 +83,7 @@ FLAGS = {
     "DPOptions.bucket_size": "--bucket-size", "TPOptions.cmax_mib": "--cmax",
     "TPOptions.solver": "--tp-solver", "TPOptions.comm_dtype": "--comm-dtype",
     "TPOptions.hardware": "--hardware", "DPOptions.objective": "--objective",
+    "TPOptions.share": "--share",
     "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
     "ParallelSizes.ep": "--ep", "ParallelSizes.etp": "--etp",
     "inspect_report.config": "--config",
@@ -230,6 +231,12 @@ def plan(
     tp_solver: Annotated[str, typer.Option(
         "--tp-solver", help="TP hosting: greedy (the paper's LPT with rollback) or cpsat "
                             "(greedy, then CP-SAT per micro-group).")] = "greedy",
+    share: Annotated[str, typer.Option(
+        "--share", help="off; auto: Muon matrices heavier than the mean per-GPU work are "
+                        "shared by their TP group (shared Newton–Schulz, no gather) where the "
+                        "cost model says it lowers the busiest GPU; all / all-split: every Muon "
+                        "matrix TP splits along its long dimension, without / with the "
+                        "polynomial split (tp > 1).")] = "off",
     comm_dtype: Annotated[str, typer.Option(
         "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
                              "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",
@@ -264,7 +271,8 @@ def plan(
                            overlap_grad_reduce=not no_overlap,
                            objective=objective.strip().lower())
     tp_options = TPOptions(cmax_mib=cmax, solver=tp_solver.strip().lower(),
-                           comm_dtype=comm_dtype.strip().lower(), hardware=hardware.strip())
+                           comm_dtype=comm_dtype.strip().lower(), hardware=hardware.strip(),
+                           share=share.strip().lower())
     settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
                                  split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)

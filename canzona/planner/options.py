@@ -21,6 +21,10 @@ SOLVERS = ("auto", "greedy", "cpsat")
 COSTS = ("flops", "numel")
 #: TP hosting solvers (``TPOptions.solver``).
 TP_SOLVERS = ("greedy", "cpsat")
+#: TPOptions.share: "off" (every TP-split matrix hosted whole), "auto" (the planner shares the
+#: heaviest Muon matrices over their TP group, ``planner.sharing``), "all" / "all-split" (every
+#: Muon matrix TP splits along its long dimension, without / with the polynomial split).
+TP_SHARE = ("off", "auto", "all", "all-split")
 #: Objectives by name (``DPOptions.objective``); an ``Objective`` object is accepted too.
 OBJECTIVES = ("step-time", "max-load")
 #: How far (percentage points of the certified bound) the communication stage of the
@@ -134,6 +138,12 @@ class TPOptions:
         hardware: hardware profile (a built-in name or a profile file's path) of the modelled
             timeline and of the DP communication model (compute rate, link bandwidths).
         comm_dtype: dtype of the gathered matrices (the gather/scatter bytes).
+        share: ``off`` (default: every TP-split matrix is hosted whole by one TP rank);
+            ``auto``: Muon matrices heavier than the mean per-GPU work are shared by their TP
+            group (shared Newton–Schulz over its shards, no gather) where the cost model says
+            it lowers the busiest GPU (``planner.sharing``); ``all`` / ``all-split``: every Muon
+            matrix TP splits along its long dimension is shared, without / with the polynomial
+            split (for tests and measurements).
     """
 
     cmax_mib: float = 512.0
@@ -144,9 +154,11 @@ class TPOptions:
     workers: int = 1
     hardware: str = "h100"
     comm_dtype: str = "bf16"
+    share: str = "off"
 
     def __post_init__(self) -> None:
         c = "TPOptions"
+        _one_of(c, "share", self.share, TP_SHARE)
         _positive(c, "cmax_mib", self.cmax_mib, "MiB")
         _one_of(c, "solver", self.solver, TP_SOLVERS)
         _positive(c, "group_time_limit_s", self.group_time_limit_s, "seconds")

@@ -13,6 +13,8 @@ all plan through :func:`plan` (or :func:`plan_problem`, given a problem already 
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,6 +127,12 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
+    if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
+        from .tp.schedule import share_decision
+
+        say("sharing decision")
+        problem = dataclasses.replace(problem, shared=share_decision(problem, t.hardware,
+                                                                     t.share))
     say("DP partition")
     sol = solve(problem, o, progress=progress, hardware=hw)
     tp_section = hosts = None

@@ -9,7 +9,10 @@ only ``errors`` and ``settings`` of the planner (never the cost model, inventory
 Versioning: ``schema_version`` is checked before anything else; a newer file asks the user to
 upgrade canzona; an older one is converted on load (:mod:`canzona.planner.plan_load`): version 1
 had no collective method per bucket and no ``comm`` section, so the converter chooses the methods
-with the default hardware profile and records ``comm.converted_from = 1``.
+with the default hardware profile and records ``comm.converted_from = 1``. Version 3 adds
+matrices shared by their TP group (``tp.share``, ``tp.indices[d].shared``): a plan that shares
+is written as version 3 (so an older canzona asks for an upgrade instead of running it without
+its shared tasks), every other plan as version 2, byte for byte as before.
 
 Reading a file is :mod:`canzona.planner.plan_load` (JSON, version, schema, then the structural
 consistency that needs no cost formulas); :mod:`canzona.planner.validate` adds the arithmetic
@@ -28,12 +31,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from .errors import PlanFileError
 from .settings import OptimizerSettings
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: The version of a plan that shares no matrix (what every plan was before version 3).
+BASE_VERSION = 2
 
 #: Bucket collective methods (``canzona.planner.comm``; the runtime's spelling).
 CollectiveMethod = Literal["equal", "padded", "per_root", "all_reduce", "all_to_all"]
@@ -214,6 +219,22 @@ class MicroGroupPlan(_Frozen):
                                 "start/end (seconds, hardware profile; not measured).")
 
 
+class SharedTaskPlan(_Frozen):
+    """A TP-split Muon matrix task its TP group shares (``TPOptions.share``): every TP rank
+    orthogonalises the rows of its own shard with shared Newton–Schulz (one n × n Gram
+    all-reduce per iteration over the TP group) and applies its part; nothing is gathered. The
+    shared tasks run before the micro-groups, in this order on every TP rank."""
+
+    id: int = Field(ge=0, description="task id (plan.tasks).")
+    layout: int = Field(ge=0, description="index into tp.layouts (where each shard sits).")
+    split_poly: bool = Field(description="the polynomial bG + cG² computed in row blocks over "
+                                         "the TP group and all-gathered.")
+    load: int = Field(ge=0, description="per TP rank, cost-model units: its FLOPs and the time "
+                                        "it waits for its collectives (at the profile's rate).")
+    modelled_s: float = Field(ge=0, description="per TP rank: compute and the collectives, "
+                                                "seconds (hardware profile; not measured).")
+
+
 class TPIndexPlan(_Frozen):
     """The TP schedule of one DP index (its TP group)."""
 
@@ -222,6 +243,16 @@ class TPIndexPlan(_Frozen):
         description="per TP rank: AdamW on its shards plus replicated matrices.")
     groups: tuple[MicroGroupPlan, ...]
     modelled_s: float = Field(default=0.0, description="modelled pipelined makespan, seconds.")
+    shared: tuple[SharedTaskPlan, ...] = Field(
+        default=(), description="tasks the TP group shares, run first (written only when any).")
+
+    @model_serializer(mode="wrap")
+    def _without_empty_shared(self, handler):  # noqa: ANN001, ANN202
+        """Plans that share nothing keep the text they had before sharing existed."""
+        out = handler(self)
+        if not self.shared:
+            out.pop("shared", None)
+        return out
 
 
 class TPMetrics(_Frozen):
@@ -254,6 +285,15 @@ class TPPlan(_Frozen):
     layouts: tuple[ShardLayoutPlan, ...]
     indices: tuple[TPIndexPlan, ...]
     metrics: TPMetrics
+    share: Literal["off", "auto", "all", "all-split"] = Field(
+        default="off", description="TPOptions.share (written only when not off).")
+
+    @model_serializer(mode="wrap")
+    def _without_default_share(self, handler):  # noqa: ANN001, ANN202
+        out = handler(self)
+        if self.share == "off":
+            out.pop("share", None)
+        return out
 
 
 class CommPlan(_Frozen):
@@ -278,9 +318,9 @@ class CommPlan(_Frozen):
 
 
 class Plan(_Frozen):
-    """A canzona plan (schema version 2)."""
+    """A canzona plan (schema version 2, or 3 when its TP groups share matrices)."""
 
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[2, 3] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
@@ -290,6 +330,14 @@ class Plan(_Frozen):
     metrics: Metrics
     tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
     comm: CommPlan
+
+    @model_validator(mode="after")
+    def _version_fits(self) -> Plan:
+        shares = self.tp is not None and any(ix.shared for ix in self.tp.indices)
+        if shares and self.schema_version < SCHEMA_VERSION:
+            raise ValueError(f"tp.indices hold shared tasks, which need schema_version "
+                             f"{SCHEMA_VERSION} (found {self.schema_version})")
+        return self
 
     def to_json(self) -> str:
         """Canonical text: fields in schema order, two-space indent, trailing newline."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .errors import PlanFileError
-from .plan import SCHEMA_VERSION, Plan, gc_paused
+from .plan import BASE_VERSION, SCHEMA_VERSION, Plan, gc_paused
 from .settings import PARAM_ALIGN
 
 def parse_plan(text: str, source: str = "<plan>") -> Plan:
@@ -47,7 +47,7 @@ def _parse_plan(text: str, source: str) -> Plan:
     if found < 1:
         raise PlanFileError(f"{source}: plan schema version {found} does not exist (versions "
                             f"1 to {SCHEMA_VERSION}); regenerate it with 'canzona plan'.")
-    if found < SCHEMA_VERSION:
+    if found < BASE_VERSION:
         data = _convert(data, source)
     try:
         plan = Plan.model_validate(data)
@@ -62,7 +62,7 @@ def _parse_plan(text: str, source: str) -> Plan:
 
 
 def _convert(data: dict, source: str) -> dict:
-    """An older plan's fields in the current schema (one step per version).
+    """A version-1 plan's fields in version 2 (version 3 only adds optional fields).
 
     1 → 2: buckets gain their collective ``method`` and the plan its ``comm`` section, chosen
     with the default hardware profile's communication model; ``comm.converted_from`` records
@@ -94,7 +94,7 @@ def _convert(data: dict, source: str) -> dict:
     out["inputs"] = inputs
     out["comm"] = comm_model.comm_section(slices, methods, hw, dp=dp, tp=tp,
                                           converted_from=1).model_dump(mode="json")
-    out["schema_version"] = SCHEMA_VERSION
+    out["schema_version"] = BASE_VERSION
     return out
 
 
@@ -341,6 +341,7 @@ def _check_shard_cover(plan: Plan, seen: dict[int, str], bad) -> None:  # noqa: 
     T, tasks = plan.tp, plan.tasks
     assert T is not None
     layout_of = {gt.id: gt.layout for ix in T.indices for g in ix.groups for gt in g.tasks}
+    layout_of.update({x.id: x.layout for ix in T.indices for x in ix.shared})
     parts: dict[str, list[int]] = {}
     for i in sorted(layout_of):
         parts.setdefault(tasks[i].param, []).append(i)
@@ -479,6 +480,25 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
                     raise bad(f"tasks[{gt.id}].host", f"host {task.host}, micro-group "
                                                       f"{task.micro_group} disagree with {kf} "
                                                       f"(host {gt.host}, group {gi})")
+        for k, x in enumerate(ix.shared):
+            sf = f"{xf}.shared[{k}]"
+            if not 0 <= x.id < n:
+                raise bad(f"{sf}.id", f"is {x.id} but the plan's tasks are 0 … {n - 1}")
+            if x.layout >= len(T.layouts):
+                raise bad(f"{sf}.layout", f"is {x.layout} but tp.layouts has {len(T.layouts)} "
+                                          f"entries")
+            task = tasks[x.id]
+            if task.optimizer != "matrix":
+                raise bad(f"{sf}.id", f"is {x.id}, an AdamW task; only matrix tasks are shared")
+            if x.id in seen:
+                raise bad(f"{sf}.id", f"task {x.id} is scheduled twice (also {seen[x.id]})")
+            seen[x.id] = sf
+            if task.owner != d:
+                raise bad(f"tasks[{x.id}].owner", f"is {task.owner} but DP index {d}'s TP group "
+                                                  f"shares task {x.id} ({sf})")
+            if task.host is not None or task.micro_group is not None:
+                raise bad(f"tasks[{x.id}].host", f"is {task.host} but task {x.id} is shared by "
+                                                 f"its TP group ({sf}), not hosted")
     for i, t in enumerate(tasks):
         if t.host is not None and i not in seen:
             raise bad(f"tasks[{i}].host", f"is {t.host} but task {i} is in no micro-group of the "

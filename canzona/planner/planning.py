@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
                    task_cost)
@@ -24,7 +24,8 @@ from .errors import SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BucketPlan, BufferPlan, Metrics, Plan, PlanInputs, RankLayout, SlotPlan,
+from .plan import (BASE_VERSION, SCHEMA_VERSION, BucketPlan, BufferPlan, Metrics, Plan, PlanInputs,
+                   RankLayout, SlotPlan,
                    SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -75,6 +76,10 @@ class DPProblem:
     buckets: tuple[BucketProblem, ...]
     total: int = 0  # Σ loads, computed once by make_problem
     comm_dtype: str = "bf16"  # dtype of the TP gather/scatter (the tasks' tp_comm_bytes)
+    #: Tasks the TP group of their DP index shares (``TPOptions.share="auto"``,
+    #: ``tp.schedule.share_decision``): task id → (load per TP rank, polynomial split, modelled
+    #: seconds per TP rank). Every TP rank of the owner computes its piece; nothing is hosted.
+    shared: Mapping[int, tuple[float, bool, float]] = field(default_factory=dict)
 
     @property
     def dp(self) -> int:
@@ -292,7 +297,9 @@ def build_plan(
         cost_model=problem.cost_model, bucket_size=problem.layout.bucket_size,
         grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
         comm_dtype=problem.comm_dtype, solver=solver)
-    return Plan(inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
+    shares = tp is not None and any(ix.shared for ix in tp.indices)
+    return Plan(schema_version=SCHEMA_VERSION if shares else BASE_VERSION,
+                inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                 fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
                 buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
                 comm=comm_model.comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp))

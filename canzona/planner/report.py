@@ -55,6 +55,19 @@ def oversized_groups(plan: Plan) -> list[MicroGroupPlan]:
     return [g for g in groups if g.oversized]
 
 
+def useful_mean(plan: Plan) -> float:
+    """The mean useful work per GPU of a TP plan: every task's single-device cost once (a shared
+    task's whole cost, not its pieces and collectives), AdamW shards and replicated matrices as
+    the per-GPU grid counts them."""
+    assert plan.tp is not None
+    m, tp = plan.tp.metrics, plan.inputs.tp
+    total = float(sum(sum(r) for r in m.gpu_load))
+    for ix in plan.tp.indices:
+        for x in ix.shared:
+            total += plan.tasks[x.id].cost - tp * x.load
+    return total / (plan.inputs.dp * tp)
+
+
 def peak_within_cmax(plan: Plan) -> int:
     """The peak gathered bytes per host rank over the groups that are not oversized (≤ C_max)."""
     return max((g.peak_gathered_bytes for ix in plan.tp.indices  # type: ignore[union-attr]
@@ -344,6 +357,9 @@ def tp_dict(plan: Plan, rows: list[TPBaselineRow] | None) -> dict | None:
                     "max_over_mean": m.max_over_mean, "lb_gpu": m.lb_gpu,
                     "gap_to_lb_gpu": m.gap_to_lb_gpu, "micro_groups": m.micro_groups,
                     "peak_gathered_bytes": m.peak_gathered_bytes,
+                    "useful_mean_gpu_load": useful_mean(plan),
+                    "max_over_useful_mean": round(m.max_gpu_load / useful_mean(plan), 6),
+                    "shared_tasks": sum(len(ix.shared) for ix in tp.indices),
                     "peak_gathered_bytes_within_cmax": peak_within_cmax(plan),
                     "oversized_groups": len(oversized_groups(plan)),
                     "oversized_tasks": list(m.oversized_tasks),

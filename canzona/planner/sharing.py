@@ -24,9 +24,10 @@ it computes other tasks while it waits, as the micro-groups already overlap — 
 only by the FLOPs sharing adds (each rank's 2n³ of the polynomial, or its split share).
 :func:`sharing_bound` decides greedily: while the heaviest unshared task exceeds the mean (the
 useful work plus the FLOPs added so far), share it with the option of least added FLOPs whose
-piece fits under that mean, else the one with the smallest piece; the bound with sharing is then
-max(that mean, largest unshared task, longest shared piece). Loads are in the plan's cost units
-(a task's load per FLOP converts FLOPs and seconds).
+critical path fits under that mean, else the one with the shortest path. The bound with sharing
+is on each GPU's work: max(that mean, largest unshared task, largest shared piece); the longest
+critical path (``longest_path``) is reported beside it, a floor on the step's time. Loads are in
+the plan's cost units (a task's load per FLOP converts FLOPs and seconds).
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class ShareOption:
 
 @dataclass(frozen=True, slots=True)
 class SharedTask:
-    """A task the bound shares, in the plan's cost units: its load alone; ``piece_load``, its
-    critical path on each sharing rank (the rank's FLOPs and the collectives it waits for);
-    ``overhead``, the FLOPs added over the whole group (k pieces minus the task)."""
+    """A task the bound shares, in the plan's cost units: its load alone; ``piece_load``, each
+    sharing rank's work (its FLOPs); ``path_load``, its critical path on a sharing rank (those
+    FLOPs and the collectives it waits for); ``overhead``, the FLOPs added over the whole group
+    (k pieces minus the task)."""
 
     task: int
     name: str
@@ -72,6 +74,7 @@ class SharedTask:
     load: int
     option: ShareOption
     piece_load: float
+    path_load: float
     overhead: float
 
 
@@ -88,6 +91,9 @@ class SharingReport:
     overhead: float  # Σ of the shared tasks' added FLOPs (cost units)
     shared: tuple[SharedTask, ...]
     note: str = ""
+    #: the longest single task's critical path (a shared piece with its collectives, or an
+    #: unshared task): a floor on the step, not on any GPU's work
+    longest_path: float = 0.0
 
     @property
     def atomic_ratio(self) -> float:
@@ -103,11 +109,13 @@ class SharingReport:
             "largest_task": self.largest_task, "atomic_lb": self.atomic_lb,
             "atomic_lb_over_mean": round(self.atomic_ratio, 6), "shared_lb": self.shared_lb,
             "shared_lb_over_mean": round(self.shared_ratio, 6), "overhead": self.overhead,
+            "longest_path": self.longest_path,
+            "longest_path_over_mean": round(self.longest_path / self.mean, 6) if self.mean else 1.0,
             "note": self.note,
             "shared": [{"task": s.task, "name": s.name, "shape": list(s.shape), "load": s.load,
                         "group": s.option.group, "k": s.option.k,
                         "split_poly": s.option.split_poly, "piece_load": s.piece_load,
-                        "overhead": s.overhead,
+                        "path_load": s.path_load, "overhead": s.overhead,
                         "comm_s": s.option.comm_s} for s in self.shared],
         }
 
@@ -121,8 +129,10 @@ def _all_gather_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
     return link.latency_s + (k - 1) / k * numel * e / link.busbw
 
 
-def _option(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: int,
-            link: LinkProfile) -> ShareOption:
+def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: int,
+                 link: LinkProfile) -> ShareOption:
+    """One sharing rank's Newton–Schulz FLOPs and collective seconds per step for an m × n
+    matrix (m ≥ n) shared by ``k`` ranks over ``link`` (``e`` bytes per element)."""
     rows = -(-m // k)
     if split:
         poly_rows = -(-n // k)
@@ -135,8 +145,9 @@ def _option(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: in
 
 
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
-                  ns_bytes: int = 2) -> list[ShareOption]:
-    """Every way ``task`` may be shared (none for a non-Muon task or one that cannot be)."""
+                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp")) -> list[ShareOption]:
+    """Every way ``task`` may be shared over the ``groups`` kinds (none for a non-Muon task or
+    one that cannot be)."""
     t = problem.tasks[task]
     if problem.settings.name != "muon" or t.optimizer != "matrix" or len(t.shape) != 2:
         return []
@@ -148,16 +159,16 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
     p = problem.spec[t.param]
     tp = sizes.expert_tp if p.is_expert else sizes.tp
     out = []
-    if t.tp_split and tp > 1:
+    if t.tp_split and tp > 1 and "tp" in groups:
         # The TP shards are row blocks of the oriented matrix when the split dim is the long one.
         if (p.tp_dim == long_dim or rows == cols) and t.part is None:
             link = hw.link(tp)
-            out += [_option("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
-    elif tp == 1 or not t.tp_split:
+            out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+    elif (tp == 1 or not t.tp_split) and "dp" in groups:
         for k in DP_GROUP_SIZES:
             if k <= sizes.dp and sizes.dp % k == 0 and m >= k:
                 link = hw.link(k * sizes.tp)
-                out += [_option("dp", k, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+                out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link) for s in (False, True)]
     return out
 
 
@@ -173,7 +184,7 @@ def _useful_total(problem: DPProblem) -> float:
 
 
 def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100",
-                  ns_bytes: int = 2) -> SharingReport:
+                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp")) -> SharingReport:
     """The atomic per-GPU bound and the bound with Muon tasks shared (see the module docstring).
 
     Args:
@@ -181,6 +192,7 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         hardware: the profile whose links time the collectives and whose achieved rate turns
             seconds into FLOPs.
         ns_bytes: bytes per element of the Newton–Schulz iteration (bf16: 2).
+        groups: the sharing groups allowed (``("tp",)``: the TP schedule's ``share="auto"``).
     """
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     gpus = problem.dp * problem.sizes.tp
@@ -206,19 +218,19 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         flops = problem.costs[i].flops
         unit = load / flops if flops else 0.0
         best = None
-        for o in share_options(problem, i, hw, ns_bytes=ns_bytes):
-            piece = (o.piece_flops + o.comm_s * rate) * unit
+        for o in share_options(problem, i, hw, ns_bytes=ns_bytes, groups=groups):
+            path = (o.piece_flops + o.comm_s * rate) * unit
             over = max(0.0, (o.k * o.piece_flops - flops) * unit)
-            fits = piece <= target
-            key = (not fits, over if fits else piece, o.k, o.split_poly)
+            fits = path <= target
+            key = (not fits, over if fits else path, o.k, o.split_poly)
             if best is None or key < best[0]:
-                best = (key, o, piece, over)
+                best = (key, o, path, over)
         t = problem.tasks[i]
         if best is None or best[2] >= load:
             continue
-        _, o, piece, over = best
+        _, o, path, over = best
         m, n = max(t.shape), min(t.shape)
-        s = SharedTask(i, t.name, (m, n), load, o, piece, over)
+        s = SharedTask(i, t.name, (m, n), load, o, o.piece_flops * unit, path, over)
         shared.append(s)
         extra += s.overhead
     mean_with = (total + extra) / gpus
@@ -226,8 +238,9 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
     rest = [problem.loads[i] for i in matrix if i not in {s.task for s in shared}]
     unshared_max = max(rest, default=0)
     bound = max(mean_with, pieces, float(unshared_max))
+    path = max((s.path_load for s in shared), default=0.0)
     return SharingReport(name, gpus, mean, largest, atomic, max(bound, mean), extra,
-                         tuple(shared))
+                         tuple(shared), longest_path=max(path, float(unshared_max)))
 
 
 def kind_of(name: str) -> str:

@@ -73,6 +73,7 @@ from .comm import ELEMENT_BYTES, bucket_comm, buffer_slices, plan_link
 from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
+from .sharing import shared_piece
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
@@ -557,6 +558,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
         for ix in plan.tp.indices:
             for g in ix.groups:
                 grouped.update(gt.id for gt in g.tasks)
+            grouped.update(x.id for x in ix.shared)
     mat_flops = [0] * (dp * tp)
     for task in plan.tasks:
         if task.owner is not None and task.id not in grouped:
@@ -568,9 +570,21 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
     if plan.tp is not None:
         eb = ELEMENT_BYTES[plan.tp.comm_dtype]
         by_index = {ix.dp_index: ix for ix in plan.tp.indices}
+        steps = inp.optimizer.ns_steps
         for d in range(dp):
             ix = by_index.get(d)
             gs = []
+            if ix is not None and ix.shared:
+                # The shared tasks first, every TP rank alike: each rank's Newton–Schulz FLOPs
+                # with the Gram all-reduces (and split-polynomial all-gathers) waited for in turn.
+                fl, secs = 0, 0.0
+                for x in ix.shared:
+                    rows, cols = plan.tasks[x.id].shape
+                    o = shared_piece("tp", tp, x.split_poly, max(rows, cols), min(rows, cols),
+                                     steps, ELEMENT_BYTES[matrix_dtype], tp_link)
+                    fl += o.piece_flops
+                    secs += o.piece_flops / mat_rate + o.comm_s
+                gs.append(GroupWork(0.0, 0.0, (secs,) * tp, 0, (fl,) * tp))
             for g in (ix.groups if ix else ()):
                 fl = [0] * tp
                 for gt in g.tasks:

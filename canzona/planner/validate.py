@@ -35,6 +35,7 @@ from . import optimizers
 from . import plan_load as _schema
 from .cost import DTYPE_BYTES, OptimizerSettings, Task, TaskCost, task_cost
 from .errors import PlanFileError
+from .hardware import load_hardware
 from .layout import ParallelSizes, padded_vocab
 from .plan import Plan, gc_paused
 from .plan_load import check_structure, inconsistency
@@ -192,6 +193,7 @@ def _check(plan: Plan, source: str) -> None:
     scheduled: set[int] = set()
     if plan.tp is not None:
         scheduled = {gt.id for ix in plan.tp.indices for g in ix.groups for gt in g.tasks}
+        scheduled |= {x.id for ix in plan.tp.indices for x in ix.shared}  # shared by its TP group
     by_flops, by_numel = inp.cost_model == "flops", inp.cost_model == "numel"
     for i, t in enumerate(tasks):
         t_size, kind, _, _ = slots[t.param]
@@ -219,7 +221,8 @@ def _check(plan: Plan, source: str) -> None:
                        else "TP replicates it (its slot holds the whole matrix)")
                 raise bad(f"tasks[{i}].host", f"is {t.host} but task {i} ('{_name(t)}'): {why}, "
                                               f"so it {'needs' if split else 'takes no'} host "
-                                              f"rank in a micro-group")
+                                              f"rank in a micro-group"
+                                              f"{' (or its TP group shares it)' if split else ''}")
         else:
             split = kind == "yes" or (kind == "either" and t.tp_comm_bytes != 0)
         exp = c.tp_comm_bytes if split and matrix else 0
@@ -392,6 +395,7 @@ def _check_tp(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001
                 off = sum(send[t][h] + recv[t][h] for h in range(tp) if h != t)
                 a2a[d][t] += 2 * off * nbytes
                 grid_sum[d][t] += load[t]
+    pieces = _check_shared(plan, slots, local_numel, full_numel, bad)
     M = T.metrics
     for d in range(dp):
         for t in range(tp):
@@ -402,14 +406,15 @@ def _check_tp(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001
                           f"TP rank {t} give {exp}")
     flat = [x for r in M.gpu_load for x in r]
     mx, mean = max(flat), sum(flat) / len(flat)
-    largest = max((t.cost for t in tasks if t.optimizer == "matrix"), default=0)
-    lb = max(math.ceil(sum(flat) / (dp * tp)), largest)
+    largest = max((pieces.get(t.id, t.cost) for t in tasks if t.optimizer == "matrix"), default=0)
+    lb = max(math.ceil(sum(flat) / (dp * tp)), math.ceil(largest))
     checks = (
         ("max_gpu_load", M.max_gpu_load, mx, "the largest gpu_load"),
         ("mean_gpu_load", M.mean_gpu_load, round(mean, 3), "the mean gpu_load"),
         ("max_over_mean", M.max_over_mean, round(mx / mean, 6) if mean else 1.0,
          "max/mean of gpu_load"),
-        ("lb_gpu", M.lb_gpu, lb, "max(⌈Σ gpu_load / (dp·tp)⌉, largest matrix task)"),
+        ("lb_gpu", M.lb_gpu, lb, "max(⌈Σ gpu_load / (dp·tp)⌉, largest matrix task or shared "
+                                 "piece)"),
         ("gap_to_lb_gpu", M.gap_to_lb_gpu, round(mx / lb - 1, 6) if lb else 0.0,
          "max_gpu_load / lb_gpu - 1"),
         ("peak_gathered_bytes", M.peak_gathered_bytes, peak_all,
@@ -426,3 +431,45 @@ def _check_tp(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001
         d, t = next((d, t) for d in range(dp) for t in range(tp) if got_a2a[d][t] != a2a[d][t])
         raise bad(f"tp.metrics.all_to_all_bytes[{d}][{t}]",
                   f"is {got_a2a[d][t]} but the micro-groups' split sizes give {a2a[d][t]}")
+
+
+def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: list[int],
+                  bad) -> dict[int, float]:  # noqa: ANN001
+    """The tasks TP groups share (``tp.indices[d].shared``): each a Muon matrix TP splits along
+    its long dimension, its layout its own, its per-rank load the shared Newton–Schulz FLOPs in
+    the plan's cost units. Returns task id → that load."""
+    from .sharing import shared_piece
+
+    inp, tasks, T = plan.inputs, plan.tasks, plan.tp
+    assert T is not None
+    out: dict[int, float] = {}
+    link = load_hardware("h100").intra_node  # the FLOPs do not depend on the link
+    for d, ix in enumerate(T.indices):
+        for k, x in enumerate(ix.shared):
+            xf = f"tp.indices[{d}].shared[{k}]"
+            t = tasks[x.id]
+            L = T.layouts[x.layout]
+            if inp.optimizer.name != "muon":
+                raise bad(f"{xf}.id", f"shares task {x.id} but sharing is Muon's (inputs.optimizer "
+                                      f"is {inp.optimizer.name})")
+            if L.dim is None or L.full_shape != t.shape or len(t.shape) != 2:
+                raise bad(f"{xf}.layout", f"tp.layouts[{x.layout}] has full shape "
+                                          f"{list(L.full_shape)} (dim {L.dim}) but task {x.id} "
+                                          f"('{_name(t)}') is a TP-split {list(t.shape)} matrix")
+            if local_numel[x.layout] != slots[t.param][2] or t.part is not None:
+                raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}') must be a whole TP-split "
+                                          f"parameter whose shard is tp.layouts[{x.layout}]")
+            rows, cols = t.shape
+            if rows != cols and L.dim != (0 if rows > cols else 1):
+                raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}', {rows}×{cols}) is split "
+                                          f"along its short dimension: its shards are not row "
+                                          f"blocks of the matrix, which sharing needs")
+            o = shared_piece("tp", inp.tp, x.split_poly, max(rows, cols), min(rows, cols),
+                             inp.optimizer.ns_steps, 2, link)
+            want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
+            if x.load < want - 1:  # its FLOPs, plus its collectives' time on the plan's profile
+                raise bad(f"{xf}.load", f"is {x.load} but shared Newton–Schulz of task {x.id} "
+                                        f"over {inp.tp} ranks costs at least {round(want)} per "
+                                        f"rank")
+            out[x.id] = x.load
+    return out

@@ -41,8 +41,9 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
 
     Under TP (``tp_rank`` of DP index ``dp_rank``): a TP-split matrix task's (full-matrix) state
-    counts on its host only, a replicated matrix task's on every TP rank, and the AdamW
-    fragments are those of the rank's own local slices.
+    counts on its host only, a shared one's (Muon's momentum, by rows) one TP-th on every TP
+    rank, a replicated matrix task's whole on every TP rank, and the AdamW fragments are those
+    of the rank's own local slices.
 
     Raises:
         ValueError: ``main_params``, ``dp_rank`` or ``tp_rank`` is not allowed.
@@ -56,7 +57,10 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
         raise ValueError(f"dp_rank = {dp_rank!r} is not allowed; choose 0 … {plan.inputs.dp - 1}")
     dp_rank = int(dp_rank)
     matrix = {t.param for t in plan.tasks if t.optimizer == "matrix"}
-    total = sum(t.state_bytes for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
+    shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
+              else set())
+    total = sum(t.state_bytes // plan.inputs.tp if t.id in shared else t.state_bytes
+                for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
                 and (t.host is None or t.host == tp_rank))
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
 

@@ -88,15 +88,19 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | N
         return (f"the plan does not match the model: parameter #{k} is '{a}' in the plan but "
                 f"'{b}' in the model.")
     shapes: dict[str, tuple[int, ...]] = {}
+    shared: set[str] = set()
     if plan.tp is not None:
         for ix in plan.tp.indices:
             for g in ix.groups:
                 for gt in g.tasks:
                     param = plan.tasks[gt.id].param
                     shapes[param] = tuple(plan.tp.layouts[gt.layout].local_shape)
+            for x in ix.shared:
+                shared.add(plan.tasks[x.id].param)
+                shapes[plan.tasks[x.id].param] = tuple(plan.tp.layouts[x.layout].local_shape)
     # A matrix that TP replicates is whole on every rank, and its tasks' shapes are how the
     # runtime views its slice: they must be the live shape (not, say, its transpose).
-    hosted = {t.param for t in plan.tasks if t.host is not None}
+    hosted = {t.param for t in plan.tasks if t.host is not None} | shared
     whole = {name: shape for name, shape, _ in plan_params(plan)}
     for t in plan.tasks:
         if t.optimizer == "matrix" and t.param not in hosted and t.param not in shapes:

@@ -136,6 +136,11 @@ class _Layout:
         from canzona.runtime.update import task_state
 
         opt = self.opt
+        if opt._micro.shared:
+            raise CheckpointError(
+                "the plan shares matrices over the TP group (TPOptions.share='auto'): their "
+                "momentum is split by TP shard, which logical checkpoints do not map yet; save "
+                "per rank with opt.state_dict(), or plan with share='off'.")
         out = []
         for ts in opt._schedule.mine.matrix:
             for t in ts:

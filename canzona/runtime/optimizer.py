@@ -66,7 +66,7 @@ from canzona.runtime.megatron import MEGATRON_SUM_GRADS, find_gpt
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.optim._base import NonFiniteGradientError
 from canzona.runtime.schedule import build_schedule
-from canzona.runtime.tp import MicroGroupRunner, build_tp_groups
+from canzona.runtime.tp import MicroGroupRunner, build_shared_tasks, build_tp_groups
 
 __all__ = ["CanzonaOptimizer"]
 
@@ -308,7 +308,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                             [b.cuts[self._rank] for b in self._schedule.buckets],
                             self._rank, self._tp_rank),
             tp_rank=self._tp_rank, tp=self._tp, comm_dtype=plan.inputs.comm_dtype,
-            buffers=self._buffers, params=self._params)
+            buffers=self._buffers, params=self._params,
+            shared=build_shared_tasks(plan, self._names, self._schedule.param_bucket,
+                                      self._schedule.param_range,
+                                      [b.cuts[self._rank] for b in self._schedule.buckets],
+                                      self._rank))
         self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
         self._micro.flight = self._flight
         self._micro.init_state(self.state, self._matrix, device)
@@ -709,6 +713,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                     for ts in self._schedule.mine.matrix for t in ts)
         total += sum(accounting.STATE_BYTES * self._matrix.state_numel(t.full_shape)
                      for t in self._micro.hosted)  # tp > 1: the full matrices hosted here
+        total += sum(accounting.STATE_BYTES * self._matrix.state_numel(x.local_shape)
+                     for x in self._micro.shared)  # and this rank's shard of the shared ones
         return total + accounting.adamw_and_main_bytes(self.plan, self._rank, matrix,
                                                        self._main_params)
 

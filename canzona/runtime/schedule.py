@@ -144,13 +144,16 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     split_seen: set[int] = set()
     rows_done: dict[str, int] = defaultdict(int)
     matrix_params: dict[int, None] = {}  # ordered set
+    shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
+              else set())
     for t in plan.tasks:
         i = index[t.param]
         bi = param_bucket[i]
         cuts = buckets[bi].cuts
         lo, hi = param_range[i]
-        if t.optimizer == "matrix" and t.host is not None:
-            # TP-split: the whole local shard (every part) on its owner; runtime.tp updates it.
+        if t.optimizer == "matrix" and (t.host is not None or t.id in shared):
+            # TP-split: the whole local shard (every part) on its owner; runtime.tp updates it
+            # (hosted in a micro-group, or shared by the TP group).
             matrix_params[i] = None
             holders = [r for r in range(dp) if cuts[r] < hi and lo < cuts[r + 1]]
             if holders != [t.owner]:

@@ -44,7 +44,8 @@ from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.collectives import wait_for
 from canzona.runtime.errors import PlanMismatchError
 
-__all__ = ["TPGroup", "TPTask", "MicroGroupRunner", "build_tp_groups", "COMM_DTYPES"]
+__all__ = ["TPGroup", "TPTask", "MicroGroupRunner", "SharedTask", "build_shared_tasks",
+           "build_tp_groups", "COMM_DTYPES"]
 
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -131,6 +132,55 @@ def build_tp_groups(plan: Plan, names: list[str], param_bucket: Sequence[int],
     return tuple(groups)
 
 
+@dataclass(frozen=True, slots=True)
+class SharedTask:
+    """A TP-split Muon matrix its TP group shares (the plan's ``tp.indices[d].shared``): this
+    rank's shard is ``[lo, hi)`` of its own slice of bucket ``bucket``, viewed ``local_shape``;
+    ``dim`` the split dimension (the long one: the shard is a row block of the oriented matrix)."""
+
+    id: int
+    param: int
+    name: str
+    bucket: int
+    lo: int
+    hi: int
+    dim: int
+    local_shape: tuple[int, int]
+    full_shape: tuple[int, int]
+    split_poly: bool
+
+
+def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int],
+                       param_range: Sequence[tuple[int, int]], own_start: Sequence[int],
+                       dp_rank: int) -> tuple[SharedTask, ...]:
+    """The tasks DP index ``dp_rank``'s TP group shares, in plan order (every TP rank runs them
+    in that order: their collectives must match)."""
+    T = plan.tp
+    if T is None:
+        return ()
+    mine = next((ix for ix in T.indices if ix.dp_index == dp_rank), None)
+    if mine is None or not mine.shared:
+        return ()
+    if plan.inputs.optimizer.name != "muon":
+        raise PlanMismatchError(f"the plan shares matrices over TP but its optimizer is "
+                                f"{plan.inputs.optimizer.name}; sharing is Muon's.")
+    index = {n: i for i, n in enumerate(names)}
+    tasks = {t.id: t for t in plan.tasks}
+    out = []
+    for x in mine.shared:
+        t, lay = tasks[x.id], T.layouts[x.layout]
+        i = index[t.param]
+        bi = param_bucket[i]
+        lo, hi = param_range[i]
+        if lay.dim is None or len(lay.local_shape) != 2 or t.part is not None:
+            raise PlanMismatchError(f"the plan shares '{t.param}' over TP but its layout is not "
+                                    "a split matrix; the plan is inconsistent.")
+        out.append(SharedTask(t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
+                              lay.dim, tuple(lay.local_shape), tuple(lay.full_shape),  # type: ignore[arg-type]
+                              x.split_poly))
+    return tuple(out)
+
+
 @dataclass(slots=True)
 class _InFlight:
     """An all-to-all in flight: its output, its work handle and its send buffer, kept alive
@@ -158,8 +208,10 @@ class MicroGroupRunner:
     """Runs this TP rank's micro-groups for one step (see the module docstring)."""
 
     def __init__(self, groups: Sequence[TPGroup], *, tp_rank: int, tp: int, comm_dtype: str,
-                 buffers: Sequence[BucketBuffers], params: list[Tensor]) -> None:
+                 buffers: Sequence[BucketBuffers], params: list[Tensor],
+                 shared: Sequence[SharedTask] = ()) -> None:
         self.groups = tuple(groups)
+        self.shared = tuple(shared)
         self.timeout_s: float | None = None  # CanzonaOptimizer(collective_timeout=)
         self.flight: Any = None  # CanzonaOptimizer(flight_record=)
         self.rank = 0  # this process's DP rank, for messages
@@ -187,7 +239,10 @@ class MicroGroupRunner:
 
     def init_state(self, state: MutableMapping[Tensor, Any], matrix: Any,
                    device: torch.device) -> None:
-        """fp32 state of every task hosted here (full shape), under its parameter (and part)."""
+        """fp32 state of every task hosted here (full shape), under its parameter (and part),
+        and of this rank's shard of every shared task (its rows of the momentum)."""
+        for x in self.shared:
+            state[self._params[x.param]] = matrix.init_state(x.local_shape, torch.float32, device)
         for t in self.hosted:
             st = matrix.init_state(t.full_shape, torch.float32, device)
             if t.part is None:
@@ -200,8 +255,10 @@ class MicroGroupRunner:
     @torch.no_grad()
     def run(self, *, group: Any, state: MutableMapping[Tensor, Any], matrix: Any,
             received: Sequence[int], overlap: bool = True) -> None:
-        """Gather → compute → scatter → apply, every group in order; pipelined unless
-        ``overlap`` is False (each collective waited for at once: for measuring the overlap)."""
+        """The shared tasks, then gather → compute → scatter → apply, every group in order;
+        pipelined unless ``overlap`` is False (each collective waited for at once: for
+        measuring the overlap)."""
+        self._run_shared(group, state, matrix, received)
         if not self.groups:
             return
         if not overlap:
@@ -230,6 +287,44 @@ class MicroGroupRunner:
             pending = (g, scatter)
         self._apply(*pending, matrix, received)
         self._raise_together(error, matrix, group)
+
+    def _run_shared(self, group: Any, state: MutableMapping[Tensor, Any], matrix: Any,
+                    received: Sequence[int]) -> None:
+        """Every shared task in plan order, on every TP rank alike: Muon's momentum on this
+        rank's shard, the shared Newton–Schulz of the whole matrix over the TP group (one Gram
+        all-reduce per iteration; ``runtime.optim.shared_ns``) returning this shard's rows, and
+        the update applied with the full matrix's learning-rate scale. The result is the
+        single-device Muon update up to summation order."""
+        if not self.shared:
+            return
+        from canzona.runtime.optim.shared_ns import orientation, shared_newton_schulz
+
+        cfg = matrix.config
+        for x in self.shared:
+            if not received[x.param]:  # no gradient on any rank: every rank skips it alike
+                continue
+            buf = self._buffers[x.bucket]
+            grad = buf.own[x.lo:x.hi].view(x.local_shape)
+            mom = state[self._params[x.param]]["momentum_buffer"]
+            g = grad.to(mom.dtype)
+            mom.lerp_(g, 1 - cfg.momentum)
+            up = g.lerp(mom, cfg.momentum) if cfg.nesterov else mom
+            o = orientation(x.full_shape, x.dim)
+            block = up.mT if o.transpose else up
+            ortho = shared_newton_schulz(block, group=group, coefficients=cfg.schedule,
+                                         steps=cfg.ns_steps, eps=cfg.eps, dtype=cfg.ns_dtype,
+                                         split_polynomial=x.split_poly, timeout_s=self.timeout_s,
+                                         what=f"the shared Newton–Schulz of '{x.name}'")
+            update = (ortho.mT if o.transpose else ortho).to(torch.float32)
+            if not bool(torch.isfinite(update).all()):
+                # The Gram is all-reduced, so a non-finite shard makes every rank's update
+                # non-finite alike: every rank leaves its shard untouched (as hosted tasks do).
+                continue
+            p = (self._params[x.param] if buf.main is None
+                 else buf.main[x.lo:x.hi].view(x.local_shape))
+            matrix.apply(p, update, full_shape=x.full_shape)
+            if buf.main is not None:
+                buf.own_params[x.lo:x.hi].copy_(buf.main[x.lo:x.hi])
 
     def _raise_together(self, error: Exception | None, matrix: Any, group: Any) -> None:
         """Under ``nonfinite="raise"``: every TP rank raises when a host did."""

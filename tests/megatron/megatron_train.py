@@ -108,11 +108,12 @@ def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_canzona(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
-                  steps: int = STEPS) -> dict:
+                  steps: int = STEPS, share: str = "off") -> dict:
     """Rank ``rank`` of a dp × tp Megatron world: a GPTModel trained by CanzonaOptimizer.
 
     ``plan_from``: ``model`` (``canzona.plan_model`` of the live model, the tokenizer's
-    vocabulary given) or ``config`` (the plan made offline from :data:`CFG`, Megatron names).
+    vocabulary given) or ``config`` (the plan made offline from :data:`CFG`, Megatron names);
+    ``share``: ``TPOptions.share`` of ``plan_model``.
     Returns the losses and, on the first rank, the canonical weights after ``steps``.
     """
     import canzona
@@ -127,7 +128,7 @@ def train_canzona(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "m
         tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         load_canonical(gpt, tp, tp_rank)
         if plan_from == "model":
-            plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32")
+            plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32", share=share)
         else:
             plan = make_plan(CFG, ParallelSizes(dp=dp, tp=tp),
                              tp_options=TPOptions(comm_dtype="fp32", cmax_mib=0.05))
@@ -146,7 +147,8 @@ def train_canzona(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "m
             opt.finish()
         weights = gather_canonical(gpt, tp, tp_group)
         out = {"losses": losses, "dp_rank": dp_rank, "tp_rank": tp_rank,
-               "fingerprint": plan.fingerprint, "tp_groups": len(plan.tp.indices) if plan.tp else 0}
+               "fingerprint": plan.fingerprint, "tp_groups": len(plan.tp.indices) if plan.tp else 0,
+               "shared": sum(len(ix.shared) for ix in plan.tp.indices) if plan.tp else 0}
         if rank == 0:
             out["weights"] = weights
         return out

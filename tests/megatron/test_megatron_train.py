@@ -1,5 +1,6 @@
 """Megatron-core GPTModels trained by canzona in place of Megatron's DDP and distributed optimizer
-(issue 16, item 2): at dp 2, tp 2 and dp 2 × tp 2, 10 steps of a Qwen3-style model (QK layernorm,
+(issue 16, item 2): at dp 2, tp 2 and dp 2 × tp 2 (also with every matrix shared by its TP
+group, issue 18), 10 steps of a Qwen3-style model (QK layernorm,
 GQA, fused QKV and gate/up, vocabulary-parallel embedding and output layer) equal the tp = 1
 single-process run (Muon kernel with float32 Newton–Schulz, torch AdamW) within 1e-5, losses and
 weights. The tp 2 run uses the plan made offline from the config (Megatron names, no renaming);
@@ -37,13 +38,16 @@ def runs(tmp_path_factory):
                   2: functools.partial(train, 0, dp=2, tp=1, init=init("dp2")),
                   3: functools.partial(train, 1, dp=2, tp=1, init=init("dp2"))}),
         ("grid", {r: functools.partial(train, r, dp=2, tp=2, init=init("grid")) for r in range(4)}),
+        ("shared", {r: functools.partial(train, r, dp=2, tp=2, init=init("shared"),
+                                         share="all-split") for r in range(4)}),
         ("ref", {0: functools.partial(ref, 0, dp=1, init=init("ref1")),
                  1: functools.partial(ref, 0, dp=2, init=init("ref2"))}),
     ]
     ranks = M.run_phases(4, phases, str(tmp))
     return {"tp2": ranks[0]["side"], "tp2-peer": ranks[1]["side"], "dp2": ranks[2]["side"],
             "dp2-peer": ranks[3]["side"], "grid": ranks[0]["grid"],
-            "grid-all": [r["grid"] for r in ranks], "ref1": ranks[0]["ref"],
+            "grid-all": [r["grid"] for r in ranks], "shared": ranks[0]["shared"],
+            "ref1": ranks[0]["ref"],
             "ref2": ranks[1]["ref"]}
 
 
@@ -70,7 +74,8 @@ def _check(run: dict, ref: dict) -> None:
     assert all(not torch.equal(expected[n], start[n]) for n in expected)
 
 
-@pytest.mark.parametrize("case,ref", [("tp2", "ref1"), ("dp2", "ref2"), ("grid", "ref2")])
+@pytest.mark.parametrize("case,ref", [("tp2", "ref1"), ("dp2", "ref2"), ("grid", "ref2"),
+                                      ("shared", "ref2")])
 def test_megatron_gpt_equals_single_process(runs, case, ref):
     _check(runs[case], runs[ref])
 
@@ -89,3 +94,9 @@ def test_offline_plan_and_plan_model_agree(runs):
     offline from the config at tp 2: the same parameters, layouts and logical vocabulary."""
     assert runs["grid"]["fingerprint"] == runs["tp2"]["fingerprint"]
     assert runs["tp2"]["tp_groups"] == 1 and runs["grid"]["tp_groups"] == 2
+
+
+def test_shared_run_shared_every_matrix(runs):
+    """The dp 2 × tp 2 run with ``share="all-split"``: every Muon matrix (QKV, proj, fc1, fc2 of
+    both layers) shared by its TP group, and it still equals the single process (above)."""
+    assert runs["shared"]["shared"] == 8 and runs["grid"]["shared"] == 0

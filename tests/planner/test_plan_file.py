@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
-from canzona.planner.plan import SCHEMA_VERSION, Plan, save_plan
+from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, Plan, save_plan
 from canzona.planner.plan_load import load_plan, parse_plan
 from canzona.planner.planning import baseline_plan, make_problem
 
@@ -45,7 +45,7 @@ def test_identical_across_processes_and_hash_seeds():
 
 def test_plan_contents():
     p = _plan()
-    assert p.schema_version == SCHEMA_VERSION
+    assert p.schema_version == BASE_VERSION  # it shares no matrix: version 2, as before sharing
     assert p.rank_layout.global_rank(3, 1) == 7 and p.rank_layout.coords(7) == (3, 1)
     assert p.fingerprint == build_inventory(get_preset("qwen3-1.7b")).fingerprint()
     names = {s.name for buf in p.buffers for b in buf.buckets for s in b.slots}

@@ -29,11 +29,19 @@ CASES4 = {
     "muon_no_overlap": dict(optimizer="muon", overlap_tp=False),  # bit-compared with "muon"
     "muon_sequence_parallel": dict(optimizer="muon", sequence_parallel=True, steps=5),
     "muon_bf16_main_fp32": dict(optimizer="muon", bf16=True, steps=5),
+    # issue 18: every matrix shared by its TP group (shared Newton–Schulz over the shards, no
+    # gather), without and with the polynomial split; with a state_dict round trip; bf16
+    "muon_shared": dict(optimizer="muon", share="all", roundtrip=True),
+    "muon_shared_split": dict(optimizer="muon", share="all-split"),
+    "muon_shared_bf16": dict(optimizer="muon", share="all-split", bf16=True, steps=5),
 }
+#: keyword arguments of the runs that leave the math as without them (the reference omits them)
+SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share")
 FORWARD = ("muon", "shampoo")  # SOAP: its rank-deficient statistics make last bits chaotic
 CASES2 = {
     "muon": dict(optimizer="muon"),
     "soap_split": dict(optimizer="soap", split=True),
+    "muon_shared_split": dict(optimizer="muon", share="all-split"),
 }
 
 
@@ -109,11 +117,13 @@ def _check(got, ref, tol=1e-5):
 
 @pytest.mark.parametrize("case", list(CASES4))
 def test_dp2_tp2_equals_one_process(world4, case):
-    kw = {k: v for k, v in CASES4[case].items()
-          if k not in ("roundtrip", "overlap_tp", "sequence_parallel")}  # same math as without
+    kw = {k: v for k, v in CASES4[case].items() if k not in SAME_MATH}  # same math as without
     got = _results(world4, case)
     ref = T.reference(2, **kw)
-    _check(got, ref)
+    # bf16 parameters: a shared Newton–Schulz sums in another order, and an update 1e-7 away
+    # rounds some elements to the neighbouring bf16 value (4e-3 of that element): measured
+    # 4.4e-5 over the tensor after 5 steps. Hosted matrices compute exactly as the reference.
+    _check(got, ref, tol=2e-4 if case == "muon_shared_bf16" else 1e-5)
     if kw.get("clip"):
         for res in got:
             assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
@@ -123,7 +133,7 @@ def test_dp2_tp2_equals_one_process(world4, case):
 @pytest.mark.parametrize("case", list(CASES2))
 def test_dp1_tp2_equals_one_process(world2, case):
     got = _results(world2, case)
-    _check(got, T.reference(1, **CASES2[case]))
+    _check(got, T.reference(1, **{k: v for k, v in CASES2[case].items() if k not in SAME_MATH}))
 
 
 def test_refusals_before_any_collective(world2):
@@ -154,14 +164,17 @@ def test_overlap_off_gives_the_same_bits(world4):
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
 
-@pytest.mark.parametrize("case", ["muon", "shampoo", "soap", "muon_split", "muon_bf16_main_fp32"])
+@pytest.mark.parametrize("case", ["muon", "shampoo", "soap", "muon_split", "muon_bf16_main_fp32",
+                                  "muon_shared", "muon_shared_bf16"])
 def test_state_bytes_equal_the_prediction(world4, case):
     got = _results(world4, case)
     for res in got:
         st = res["state"]
         assert st["measured"] == st["predicted"] == st["from_plan"], (res["tp_rank"], st)
-    # every split matrix's state is on exactly one TP rank: the TP ranks of an index differ
-    assert len({r["state"]["measured"] for r in got if r["dp_rank"] == 0}) == 2
+    # every split matrix's state is on exactly one TP rank: the TP ranks of an index differ;
+    # a shared matrix's momentum is split by shard: the TP ranks of an index hold the same
+    shared = "share" in CASES4[case]
+    assert len({r["state"]["measured"] for r in got if r["dp_rank"] == 0}) == (1 if shared else 2)
 
 
 @pytest.mark.parametrize("optimizer", FORWARD)

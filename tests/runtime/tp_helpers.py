@@ -36,14 +36,15 @@ def spec():
 
 
 def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
-             cmax_mib: float = 0.05, dtype: str = "fp32"):
-    """The plan: fp32 gather/scatter (exactness), a C_max small enough for several groups."""
+             cmax_mib: float = 0.05, dtype: str = "fp32", share: str = "off"):
+    """The plan: fp32 gather/scatter (exactness), a C_max small enough for several groups;
+    ``share``: ``TPOptions.share`` (the TP group shares matrices)."""
     extra = {"shampoo": {"shampoo_precondition_frequency": 3},
              "soap": {"soap_precondition_frequency": 3}}.get(optimizer, {})
     settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
     return make_plan(CFG.model_copy(update={"dtype": dtype}), ParallelSizes(dp=dp, tp=tp), settings,
                      dp_options=DPOptions(bucket_size=20_000),
-                     tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype="fp32"))
+                     tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype="fp32", share=share))
 
 
 def initial_full() -> dict[str, torch.Tensor]:
@@ -131,7 +132,8 @@ def groups(dp: int, tp: int):
 def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
                   split: bool = False, accum: int = 1, clip: float | None = None,
                   steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
-                  sequence_parallel: bool = False, bf16: bool = False) -> dict:
+                  sequence_parallel: bool = False, bf16: bool = False,
+                  share: str = "off") -> dict:
     """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``)."""
     import canzona
@@ -139,7 +141,8 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
     assert world == dp * tp
     dp_group, tp_group = groups(dp, tp)
     dp_rank, tp_rank = rank // tp, rank % tp
-    plan = plan_for(dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32")
+    plan = plan_for(dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32",
+                    share=share)
     low = torch.bfloat16 if bf16 else torch.float32
     ps = spec().params
     start = initial_full()

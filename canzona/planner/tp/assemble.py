@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from ..cost import DTYPE_BYTES
-from ..plan import GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, TPIndexPlan, TPMetrics, TPPlan
+from ..plan import (GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, SharedTaskPlan, TPIndexPlan,
+                    TPMetrics, TPPlan)
 from ..planning import DPProblem
 from .context import TPContext, lb_gpu
 from .schedule import TPSchedule
@@ -14,7 +15,8 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
     """The plan's TP section: layouts, groups with hosts and split sizes, per-GPU metrics."""
     ctx = ctx or TPContext.build(problem, schedule.comm_dtype)
     nbytes = DTYPE_BYTES[schedule.comm_dtype]
-    used = sorted({ctx.layout[i] for s in schedule.indices for g in s.groups for i in g.tasks})
+    used = sorted({ctx.layout[i] for s in schedule.indices for g in s.groups for i in g.tasks}
+                  | {ctx.layout[x.task] for s in schedule.indices for x in s.shared})
     remap = {k: j for j, k in enumerate(used)}
     layouts = tuple(ShardLayoutPlan(dim=ctx.maps[k].dim, local_shape=ctx.maps[k].local_shape,
                                     full_shape=ctx.maps[k].full_shape,
@@ -40,9 +42,13 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
                 gather_send=g.gather_send, gather_recv=recv,
                 scatter_send=recv, scatter_recv=g.gather_send, oversized=g.oversized,
                 timeline_s=s.timeline[gi]))
+        shared = tuple(SharedTaskPlan(id=x.task, layout=remap[ctx.layout[x.task]],
+                                      split_poly=x.split_poly, load=int(round(x.load)),
+                                      modelled_s=round(x.seconds, 9)) for x in s.shared)
         indices.append(TPIndexPlan(dp_index=s.dp_index,
                                    local_load=tuple(int(round(x)) for x in s.base),
-                                   groups=tuple(groups), modelled_s=round(s.makespan_s, 9)))
+                                   groups=tuple(groups), modelled_s=round(s.makespan_s, 9),
+                                   shared=shared))
     grid = schedule.grid()
     flat = [x for r in grid for x in r]
     mx, mean = max(flat), sum(flat) / len(flat)
@@ -59,7 +65,7 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
     st = schedule.options
     return TPPlan(cmax_bytes=st.cmax_bytes, comm_dtype=schedule.comm_dtype, solver=st.solver,
                   status=schedule.status, hardware=st.hardware, layouts=layouts,
-                  indices=tuple(indices), metrics=metrics)
+                  indices=tuple(indices), metrics=metrics, share=st.share)
 
 
 def placements(schedule: TPSchedule) -> dict[int, tuple[int, int]]:

@@ -36,6 +36,8 @@ class TPContext:
     maps: list[ShardMap]
     tp_of: list[int]
     _map_index: dict = field(default_factory=dict)
+    #: task id → owning DP index of the shared tasks (set by ``schedule_tp`` for its cuts)
+    owner_index: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: DPProblem, comm_dtype: str = "bf16") -> TPContext:
@@ -74,8 +76,9 @@ def _item_gpu_load(problem: DPProblem, item_task: int, load: int, tp: int) -> fl
 
 def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
                ) -> tuple[list[float], list[list[int]]]:
-    """Per DP index: the load every TP rank carries anyway (AdamW shards, replicated matrices),
-    and the TP-split matrix tasks it owns (ids, ascending)."""
+    """Per DP index: the load every TP rank carries anyway (AdamW shards, replicated matrices,
+    its piece of every task the TP group shares), and the TP-split matrix tasks it owns and must
+    host (ids, ascending)."""
     ctx = ctx or TPContext.build(problem)
     dp = problem.dp
     base = [0.0] * dp
@@ -87,7 +90,9 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
             if it.atomic:
                 d = problem.dp_index(b, first)
                 for i in it.tasks:
-                    if ctx.split[i]:
+                    if i in problem.shared:  # every TP rank of d computes its piece
+                        base[d] += problem.shared[i][0]
+                    elif ctx.split[i]:
                         owned[d].append(i)
                     else:  # replicated (or tp = 1): the whole matrix on every rank of d
                         base[d] += problem.loads[i]
@@ -132,7 +137,8 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
 
     The per-GPU total counts AdamW on shards and replicated matrices on every TP rank (work any
     schedule must do); without a ``grid`` it is computed from ZeRO-1's equal cuts (the total does
-    not depend on the cuts).
+    not depend on the cuts). A task the TP group shares (``problem.shared``) counts its piece on
+    every TP rank in the total (the FLOPs sharing adds included) and its piece as its size.
     """
     if grid is None:
         ctx = ctx or TPContext.build(problem)
@@ -141,9 +147,9 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
         total = sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
     else:
         total = sum(sum(r) for r in grid)
-    largest = max((problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
-                  default=0)
-    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)
+    largest = max((problem.shared[t.id][0] if t.id in problem.shared else problem.loads[t.id]
+                   for t in problem.tasks if t.optimizer == "matrix"), default=0)
+    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), math.ceil(largest))
 
 
 

@@ -44,9 +44,13 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         atoms[key] = [it for it in b.items if it.atomic]
         rank[key] = [owner_of(cuts[key], it.start) for it in atoms[key]]
 
+    shared = problem.shared
+
     def split_of(it) -> tuple[list[int], float]:
-        return ([loads[i] for i in it.tasks if ctx.split[i]],
-                float(sum(loads[i] for i in it.tasks if not ctx.split[i])))
+        """(loads to host, load on every TP rank): a shared task is its piece on every rank."""
+        return ([loads[i] for i in it.tasks if ctx.split[i] and i not in shared],
+                float(sum(shared[i][0] if i in shared else loads[i] for i in it.tasks
+                          if i in shared or not ctx.split[i])))
 
     def value(d: int) -> float:
         return base[d] + lpt_makespan(bag[d], tp)

@@ -39,26 +39,44 @@ class MicroGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedRun:
+    """A task the TP group shares (shared Newton–Schulz over its TP shards, no gather): each
+    rank's ``load`` (its FLOPs in cost units) and the phase's modelled ``seconds`` (compute and
+    the Gram all-reduces on the critical path)."""
+
+    task: int
+    split_poly: bool
+    load: float
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class IndexSchedule:
-    """The TP schedule of one DP index: groups in execution order, modelled timeline."""
+    """The TP schedule of one DP index: the shared tasks (run first, by every TP rank), then the
+    micro-groups in execution order, and the modelled timeline."""
 
     dp_index: int
     tp: int
-    base: tuple[float, ...]  # per rank: AdamW shard + replicated matrices
+    base: tuple[float, ...]  # per rank: AdamW shard + replicated matrices + shared pieces
     groups: tuple[MicroGroup, ...]
     timeline: tuple[tuple[float, float, float, float, float, float], ...]  # per group, seconds:
     #   gather start/end, compute start/end, scatter start/end
+    shared: tuple[SharedRun, ...] = ()
 
     def gpu_load(self) -> list[float]:
-        load = list(self.base)
+        load = list(self.base)  # the shared pieces are in the base
         for g in self.groups:
             for t in range(self.tp):
                 load[t] += g.rank_load[t]
         return load
 
     @property
+    def shared_s(self) -> float:
+        return sum(x.seconds for x in self.shared)
+
+    @property
     def makespan_s(self) -> float:
-        return max((x[5] for x in self.timeline), default=0.0)
+        return max((x[5] for x in self.timeline), default=self.shared_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,15 +292,18 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
 
 
 def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
-                   settings: TPOptions, budget: list[float] | None = None
-                   ) -> tuple[IndexSchedule, str]:
-    """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable)."""
+                   settings: TPOptions, budget: list[float] | None = None,
+                   shared: dict[int, SharedRun] | None = None) -> tuple[IndexSchedule, str]:
+    """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable);
+    ``shared``: the tasks the TP group shares (:func:`share_decision`), run before the groups."""
     pr = ctx.problem
     tp = pr.sizes.tp
     if any(ctx.tp_of[i] != tp for i in ids):
         raise CanzonaError("expert tensor parallel size differs from tp; not supported yet.")
+    runs = tuple(shared[i] for i in sorted(shared or {}) if pr.tasks[i].optimizer == "matrix"
+                 and _owner_index(ctx, i) == d)
     cap = settings.cmax_bytes
-    base = [base_value] * tp
+    base = [base_value] * tp  # the shared pieces included (index_work)
     raw = _greedy_groups(ctx, ids, base, tp, cap)
     status = "greedy"
     if settings.solver == "cpsat" and tp > 1:
@@ -311,7 +332,46 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     groups = [_make_group(ctx, pairs, tp, over) for pairs, over in raw]
     rates = _rates(settings.hardware)
     groups, timeline = _order_and_timeline(groups, rates, DTYPE_BYTES[ctx.comm_dtype])
-    return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline)), status
+    # The shared phase runs first (its collectives involve every TP rank): the groups follow.
+    offset = sum(x.seconds for x in runs)
+    if offset:
+        timeline = [tuple(round(v + offset, 9) for v in row) for row in timeline]
+    return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline), runs), status
+
+
+def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
+                   ) -> dict[int, tuple[float, bool, float]]:
+    """``TPOptions.share="auto"``: the tasks the bound of ``planner.sharing`` shares over their
+    TP group: task id → (load per TP rank: its FLOPs and collectives in cost units, polynomial
+    split, modelled seconds per TP rank), what ``DPProblem.shared`` holds."""
+    from ..sharing import share_options, sharing_bound
+
+    hw = load_hardware(hardware)
+    rate = hw.peak_flops["bf16"] * hw.compute_efficiency
+    out = {}
+    if mode in ("all", "all-split"):
+        for t in problem.tasks:
+            opts = [o for o in share_options(problem, t.id, hw, groups=("tp",))
+                    if o.split_poly == (mode == "all-split")]
+            if opts:
+                o = opts[0]
+                flops = problem.costs[t.id].flops
+                unit = problem.loads[t.id] / flops if flops else 0.0
+                out[t.id] = ((o.piece_flops + o.comm_s * rate) * unit, o.split_poly,
+                             o.piece_flops / rate + o.comm_s)
+        return out
+    report = sharing_bound(problem, hardware=hw, groups=("tp",))
+    for x in report.shared:
+        # The runtime waits for each Gram all-reduce in turn: the piece occupies a rank for its
+        # FLOPs and its collectives (``path_load``), which is what balancing must see.
+        out[x.task] = (x.path_load, x.option.split_poly,
+                       x.option.piece_flops / rate + x.option.comm_s)
+    return out
+
+
+def _owner_index(ctx: TPContext, task: int) -> int | None:
+    """The DP index that owns matrix task ``task`` under the cuts being scheduled."""
+    return ctx.owner_index.get(task)
 
 
 def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None, *,
@@ -333,10 +393,12 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
                          f"say {settings.comm_dtype}")
     base, owned = index_work(problem, cuts, ctx)
     budget = [settings.total_time_limit_s]
+    shared = {i: SharedRun(i, split, load, secs) for i, (load, split, secs) in problem.shared.items()}
+    ctx.owner_index = _shared_owners(problem, cuts) if shared else {}
     indices = []
     statuses = []
     for d in range(problem.dp):
-        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget)
+        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget, shared)
         indices.append(s)
         statuses.append(st)
     oversized = tuple(problem.tasks[i].name for s in indices for g in s.groups if g.oversized
@@ -377,4 +439,20 @@ def gpu_loads(problem: DPProblem, cuts: Cuts, schedule: TPSchedule | None = None
             load[t] += problem.loads[i]
             heapq.heappush(heap, (load[t], t))
         out.append(load)
+    return out
+
+
+def _shared_owners(problem: DPProblem, cuts: Cuts) -> dict[int, int]:
+    """Task id → owning DP index of every shared task (atomic items: the rank holding its start)."""
+    from ..planning import owner_of
+
+    out = {}
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for it in b.items:
+            if it.atomic:
+                d = problem.dp_index(b, owner_of(c, it.start))
+                for i in it.tasks:
+                    if i in problem.shared:
+                        out[i] = d
     return out

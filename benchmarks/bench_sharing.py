@@ -1,0 +1,89 @@
+"""Beyond whole matrices (issue 18): plans whose TP groups share the heaviest Muon matrices against
+whole-matrix plans, side by side on one model and cluster (torch-free, modelled).
+
+    python benchmarks/bench_sharing.py [--hardware h800] [--json]
+
+Per configuration, three plans: **canzona-greedy** (the paper: α-greedy DP cuts, TP greedy),
+**canzona** (``--share off``: every TP-split matrix hosted whole) and **canzona --share auto**
+(the planner shares matrices over their TP group). For each: the busiest GPU's load over the mean
+useful work per GPU (every task's single-device cost once; a shared task's Gram all-reduces, which
+each rank waits for in turn, count in the busiest GPU's load), the bounds (the atomic LB, the bound
+with sharing over TP groups and DP pairs/quads, ``planner.sharing``), and the simulated optimizer
+step's compute path (compute + exposed TP gather/scatter of the critical rank, ``canzona
+simulate``, no backward to hide the DP collectives behind, so they are left out: they are the same
+buckets in all three). Ratios: greedy / shared of that path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+
+from canzona.planner import DPOptions, ParallelSizes, TPOptions
+from canzona.planner.hardware import load_hardware
+from canzona.planner.pipeline import plan
+from canzona.planner.report import rebuild_problem, useful_mean
+from canzona.planner.sharing import sharing_bound
+from canzona.planner.simulate import simulate_plan
+
+CONFIGS = [("qwen3-32b", 32, 8), ("qwen3-8b", 64, 1), ("qwen3-32b", 128, 8),
+           ("llama3-70b", 256, 8)]
+
+
+def _row(p, hw) -> dict:
+    b = simulate_plan(p, hw).breakdown()
+    if p.tp is not None:
+        mx, mean = p.tp.metrics.max_gpu_load, useful_mean(p)
+    else:
+        mx, mean = max(p.metrics.dp_load), sum(p.metrics.dp_load) / p.inputs.dp
+    return {"max_over_useful_mean": round(mx / mean, 4), "path_ms": round(
+        (b["compute"] + b["tp_gather_scatter"]) * 1e3, 2),
+        "shared": sum(len(ix.shared) for ix in p.tp.indices) if p.tp is not None else 0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hardware", default="h800")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    hw = load_hardware(args.hardware)
+    out = []
+    warnings.simplefilter("ignore")  # oversized-task notes of the whole-matrix plans
+    for model, dp, tp in CONFIGS:
+        t0 = time.perf_counter()
+        sizes = ParallelSizes(dp=dp, tp=tp)
+        greedy = plan(model, sizes, dp_options=DPOptions(solver="greedy"),
+                      tp_options=TPOptions(hardware=args.hardware))
+        whole = plan(model, sizes, tp_options=TPOptions(hardware=args.hardware))
+        shared = plan(model, sizes, tp_options=TPOptions(hardware=args.hardware, share="auto"))
+        bound = sharing_bound(rebuild_problem(whole), hardware=hw)
+        rows = {"canzona-greedy": _row(greedy, hw), "canzona": _row(whole, hw),
+                "canzona --share auto": _row(shared, hw)}
+        out.append({"model": model, "dp": dp, "tp": tp, "rows": rows,
+                    "atomic_lb": round(bound.atomic_ratio, 4),
+                    "shared_lb": round(bound.shared_ratio, 4),
+                    "greedy_over_shared_path": round(rows["canzona-greedy"]["path_ms"]
+                                                     / rows["canzona --share auto"]["path_ms"], 3),
+                    "seconds": round(time.perf_counter() - t0, 1)})
+    if args.json:
+        print(json.dumps({"hardware": args.hardware, "configs": out}, indent=2))
+        return
+    print(f"hardware {args.hardware}; max/mean: busiest GPU over the mean useful work per GPU; "
+          "path: simulated compute + TP of the critical rank, ms")
+    print(f"{'config':26} {'atomic LB':>9} {'share LB':>8} | {'greedy':>15} | {'canzona':>15} | "
+          f"{'--share auto':>21} | greedy/shared path")
+    for c in out:
+        r = c["rows"]
+        cells = [f"{r[k]['max_over_useful_mean']:6.3f} {r[k]['path_ms']:7.1f}"
+                 for k in ("canzona-greedy", "canzona")]
+        s = r["canzona --share auto"]
+        name = f"{c['model']} dp{c['dp']} tp{c['tp']}"
+        print(f"{name:26} {c['atomic_lb']:9.3f} {c['shared_lb']:8.3f}"
+              f" | {cells[0]:>15} | {cells[1]:>15} | {s['max_over_useful_mean']:6.3f} "
+              f"{s['path_ms']:7.1f} ({s['shared']:3d}) | {c['greedy_over_shared_path']:.2f}×")
+
+
+if __name__ == "__main__":
+    main()
