@@ -245,6 +245,8 @@ class TPIndexPlan(_Frozen):
     modelled_s: float = Field(default=0.0, description="modelled pipelined makespan, seconds.")
     shared: tuple[SharedTaskPlan, ...] = Field(
         default=(), description="tasks the TP group shares, run first (written only when any).")
+    shared_load: int = Field(default=0, ge=0, description="per TP rank: the shared tasks run in "
+                                                          "lockstep, cost units (in local_load).")
 
     @model_serializer(mode="wrap")
     def _without_empty_shared(self, handler):  # noqa: ANN001, ANN202
@@ -252,6 +254,7 @@ class TPIndexPlan(_Frozen):
         out = handler(self)
         if not self.shared:
             out.pop("shared", None)
+            out.pop("shared_load", None)
         return out
 
 

@@ -76,10 +76,12 @@ class DPProblem:
     buckets: tuple[BucketProblem, ...]
     total: int = 0  # Σ loads, computed once by make_problem
     comm_dtype: str = "bf16"  # dtype of the TP gather/scatter (the tasks' tp_comm_bytes)
-    #: Tasks the TP group of their DP index shares (``TPOptions.share="auto"``,
-    #: ``tp.schedule.share_decision``): task id → (load per TP rank, polynomial split, modelled
-    #: seconds per TP rank). Every TP rank of the owner computes its piece; nothing is hosted.
-    shared: Mapping[int, tuple[float, bool, float]] = field(default_factory=dict)
+    #: Tasks the TP group of their DP index shares (``TPOptions.share``,
+    #: ``tp.schedule.share_decision``): task id → (load per TP rank, polynomial split, compute
+    #: seconds, collective seconds per TP rank). Every TP rank of the owner computes its piece;
+    #: nothing is hosted. The load is max(compute, collectives) at the profile's rate (what the
+    #: piece adds to its group's lockstep phase when others hide its collectives).
+    shared: Mapping[int, tuple[float, bool, float, float]] = field(default_factory=dict)
 
     @property
     def dp(self) -> int:

@@ -63,8 +63,7 @@ def useful_mean(plan: Plan) -> float:
     m, tp = plan.tp.metrics, plan.inputs.tp
     total = float(sum(sum(r) for r in m.gpu_load))
     for ix in plan.tp.indices:
-        for x in ix.shared:
-            total += plan.tasks[x.id].cost - tp * x.load
+        total += sum(plan.tasks[x.id].cost for x in ix.shared) - tp * ix.shared_load
     return total / (plan.inputs.dp * tp)
 
 

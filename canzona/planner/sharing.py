@@ -39,8 +39,8 @@ from .cost import load_hardware
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, equal_cuts
 
-__all__ = ["ShareOption", "SharedTask", "SharingReport", "kind_of", "share_options",
-           "sharing_bound"]
+__all__ = ["ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_seconds",
+           "share_options", "sharing_bound"]
 
 Group = Literal["tp", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -144,6 +144,20 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     return ShareOption(group, k, split, flops, comm)
 
 
+def lockstep_seconds(pieces: list[tuple[float, float]], steps: int) -> float:
+    """Seconds of the shared matrices of one group run in lockstep
+    (``runtime.optim.shared_ns.shared_newton_schulz_many``), from each one's (compute, collective)
+    seconds per rank over all ``steps``: per iteration the collectives run one after another
+    beside the compute, so an iteration takes max(Σ compute, Σ collectives + the shortest
+    compute) — with one matrix its compute plus its collectives."""
+    if not pieces:
+        return 0.0
+    comp = sum(c for c, _ in pieces) / steps
+    comm = sum(a for _, a in pieces) / steps
+    first = min(c for c, _ in pieces) / steps
+    return steps * max(comp, comm + first)
+
+
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
                   ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp")) -> list[ShareOption]:
     """Every way ``task`` may be shared over the ``groups`` kinds (none for a non-Muon task or
@@ -184,7 +198,8 @@ def _useful_total(problem: DPProblem) -> float:
 
 
 def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100",
-                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp")) -> SharingReport:
+                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp"),
+                  lockstep: bool = False) -> SharingReport:
     """The atomic per-GPU bound and the bound with Muon tasks shared (see the module docstring).
 
     Args:
@@ -193,6 +208,9 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
             seconds into FLOPs.
         ns_bytes: bytes per element of the Newton–Schulz iteration (bf16: 2).
         groups: the sharing groups allowed (``("tp",)``: the TP schedule's ``share="auto"``).
+        lockstep: choose among the options that fit by the longer of a piece's compute and its
+            collectives (what it adds to a group run in lockstep, where the others hide the
+            shorter) instead of by the FLOPs sharing adds.
     """
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     gpus = problem.dp * problem.sizes.tp
@@ -222,7 +240,8 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
             path = (o.piece_flops + o.comm_s * rate) * unit
             over = max(0.0, (o.k * o.piece_flops - flops) * unit)
             fits = path <= target
-            key = (not fits, over if fits else path, o.k, o.split_poly)
+            cost = max(o.piece_flops, o.comm_s * rate) * unit if lockstep else over
+            key = (not fits, cost if fits else path, o.k, o.split_poly)
             if best is None or key < best[0]:
                 best = (key, o, path, over)
         t = problem.tasks[i]

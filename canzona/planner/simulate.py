@@ -73,7 +73,7 @@ from .comm import ELEMENT_BYTES, bucket_comm, buffer_slices, plan_link
 from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
-from .sharing import shared_piece
+from .sharing import lockstep_seconds, shared_piece
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
@@ -575,15 +575,17 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             ix = by_index.get(d)
             gs = []
             if ix is not None and ix.shared:
-                # The shared tasks first, every TP rank alike: each rank's Newton–Schulz FLOPs
-                # with the Gram all-reduces (and split-polynomial all-gathers) waited for in turn.
-                fl, secs = 0, 0.0
+                # The shared tasks first, every TP rank alike, in lockstep: each rank's
+                # Newton–Schulz FLOPs, the Gram all-reduces (and split-polynomial all-gathers)
+                # of each matrix running while the others compute (``lockstep_seconds``).
+                fl, pieces = 0, []
                 for x in ix.shared:
                     rows, cols = plan.tasks[x.id].shape
                     o = shared_piece("tp", tp, x.split_poly, max(rows, cols), min(rows, cols),
                                      steps, ELEMENT_BYTES[matrix_dtype], tp_link)
                     fl += o.piece_flops
-                    secs += o.piece_flops / mat_rate + o.comm_s
+                    pieces.append((o.piece_flops / mat_rate, o.comm_s))
+                secs = lockstep_seconds(pieces, steps)
                 gs.append(GroupWork(0.0, 0.0, (secs,) * tp, 0, (fl,) * tp))
             for g in (ix.groups if ix else ()):
                 fl = [0] * tp

@@ -445,6 +445,11 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
     out: dict[int, float] = {}
     link = load_hardware("h100").intra_node  # the FLOPs do not depend on the link
     for d, ix in enumerate(T.indices):
+        if ix.shared_load > min(ix.local_load, default=0) or (ix.shared_load and not ix.shared):
+            raise bad(f"tp.indices[{d}].shared_load", f"is {ix.shared_load} but local_load is "
+                                                      f"{list(ix.local_load)} with "
+                                                      f"{len(ix.shared)} shared tasks (the shared "
+                                                      f"phase is part of local_load)")
         for k, x in enumerate(ix.shared):
             xf = f"tp.indices[{d}].shared[{k}]"
             t = tasks[x.id]

@@ -290,16 +290,18 @@ class MicroGroupRunner:
 
     def _run_shared(self, group: Any, state: MutableMapping[Tensor, Any], matrix: Any,
                     received: Sequence[int]) -> None:
-        """Every shared task in plan order, on every TP rank alike: Muon's momentum on this
-        rank's shard, the shared Newton–Schulz of the whole matrix over the TP group (one Gram
-        all-reduce per iteration; ``runtime.optim.shared_ns``) returning this shard's rows, and
-        the update applied with the full matrix's learning-rate scale. The result is the
+        """Every shared task, in plan order, on every TP rank alike: Muon's momentum on this
+        rank's shard, the shared Newton–Schulz of every matrix over the TP group in lockstep
+        (one Gram all-reduce per matrix and iteration, each running while the others compute;
+        ``runtime.optim.shared_ns.shared_newton_schulz_many``) returning this shard's rows, and
+        each update applied with the full matrix's learning-rate scale. The result is the
         single-device Muon update up to summation order."""
         if not self.shared:
             return
-        from canzona.runtime.optim.shared_ns import orientation, shared_newton_schulz
+        from canzona.runtime.optim.shared_ns import orientation, shared_newton_schulz_many
 
         cfg = matrix.config
+        todo, blocks, flips = [], [], []
         for x in self.shared:
             if not received[x.param]:  # no gradient on any rank: every rank skips it alike
                 continue
@@ -310,12 +312,17 @@ class MicroGroupRunner:
             mom.lerp_(g, 1 - cfg.momentum)
             up = g.lerp(mom, cfg.momentum) if cfg.nesterov else mom
             o = orientation(x.full_shape, x.dim)
-            block = up.mT if o.transpose else up
-            ortho = shared_newton_schulz(block, group=group, coefficients=cfg.schedule,
-                                         steps=cfg.ns_steps, eps=cfg.eps, dtype=cfg.ns_dtype,
-                                         split_polynomial=x.split_poly, timeout_s=self.timeout_s,
-                                         what=f"the shared Newton–Schulz of '{x.name}'")
-            update = (ortho.mT if o.transpose else ortho).to(torch.float32)
+            todo.append(x)
+            blocks.append(up.mT if o.transpose else up)
+            flips.append(o.transpose)
+        # All of them in lockstep: each one's Gram all-reduce runs while the others compute.
+        orthos = shared_newton_schulz_many(
+            blocks, group=group, coefficients=cfg.schedule, steps=cfg.ns_steps, eps=cfg.eps,
+            dtype=cfg.ns_dtype, split_polynomial=[x.split_poly for x in todo],
+            timeout_s=self.timeout_s, what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo])
+        for x, ortho, flip in zip(todo, orthos, flips):
+            buf = self._buffers[x.bucket]
+            update = (ortho.mT if flip else ortho).to(torch.float32)
             if not bool(torch.isfinite(update).all()):
                 # The Gram is all-reduced, so a non-finite shard makes every rank's update
                 # non-finite alike: every rank leaves its shard untouched (as hosted tasks do).

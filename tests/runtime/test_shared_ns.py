@@ -190,6 +190,28 @@ def bf16_case(rank: int, world: int) -> dict:
     return out
 
 
+def many_case(rank: int, world: int) -> dict:
+    """Three matrices in lockstep (``shared_newton_schulz_many``: tall, square and one whose
+    Gram overflows float32 before normalising, split and not) against each alone, in float32 and
+    bfloat16: the results must be the same bits."""
+    from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+
+    g = torch.Generator().manual_seed(7)
+    fulls = [torch.randn(96, 24, generator=g), torch.randn(40, 40, generator=g),
+             torch.randn(64, 16, generator=g) * 1e30]
+    parts = [f[:f.shape[0] // 3] if rank == 0 else f[f.shape[0] // 3:] for f in fulls]
+    splits = [False, True, False]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        many = shared_newton_schulz_many(parts, dtype=dtype, split_polynomial=splits,
+                                         what=["a", "b", "c"])
+        alone = [shared_newton_schulz(b, dtype=dtype, split_polynomial=sp)
+                 for b, sp in zip(parts, splits)]
+        out[str(dtype)] = [torch.equal(x, y) for x, y in zip(many, alone)]
+        out[str(dtype) + "/finite"] = [bool(torch.isfinite(x).all()) for x in many]
+    return out
+
+
 def mismatch_case(rank: int, world: int) -> str:
     """A rank outside the group cannot take part."""
     import torch.distributed as dist
@@ -227,7 +249,8 @@ def timeout_case(rank: int, world: int):
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(name, partial(shared_case, spec=spec)) for name, spec in SPECS.items()]
-    cases += [("bf16", bf16_case), ("outsider", mismatch_case), ("timeout", timeout_case)]
+    cases += [("bf16", bf16_case), ("many", many_case), ("outsider", mismatch_case),
+              ("timeout", timeout_case)]
     return run_world(2, cases, str(tmp_path_factory.mktemp("shared_ns")))
 
 
@@ -389,3 +412,9 @@ def test_cost_formulas():
     assert shared_ns_bytes(n, 2, steps=1) == n * n * 4
     assert shared_ns_bytes(n, 2, steps=1, split_polynomial=True, element_size=2) == \
         (n * n + n * n // 2) * 2
+
+
+def test_many_in_lockstep_is_each_alone_bitwise(world2):
+    for res in results(world2, "many"):
+        for key, same in res.items():
+            assert all(same), (key, same)

@@ -45,10 +45,11 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
         shared = tuple(SharedTaskPlan(id=x.task, layout=remap[ctx.layout[x.task]],
                                       split_poly=x.split_poly, load=int(round(x.load)),
                                       modelled_s=round(x.seconds, 9)) for x in s.shared)
+        # (each task's load and seconds alone; local_load holds the group's lockstep phase)
         indices.append(TPIndexPlan(dp_index=s.dp_index,
                                    local_load=tuple(int(round(x)) for x in s.base),
                                    groups=tuple(groups), modelled_s=round(s.makespan_s, 9),
-                                   shared=shared))
+                                   shared=shared, shared_load=int(round(s.shared_load))))
     grid = schedule.grid()
     flat = [x for r in grid for x in r]
     mx, mean = max(flat), sum(flat) / len(flat)

@@ -41,13 +41,18 @@ class MicroGroup:
 @dataclass(frozen=True, slots=True)
 class SharedRun:
     """A task the TP group shares (shared Newton–Schulz over its TP shards, no gather): each
-    rank's ``load`` (its FLOPs in cost units) and the phase's modelled ``seconds`` (compute and
-    the Gram all-reduces on the critical path)."""
+    rank's ``load`` (cost units, ``DPProblem.shared``), its ``compute_s`` and ``comm_s``."""
 
     task: int
     split_poly: bool
     load: float
-    seconds: float
+    compute_s: float
+    comm_s: float
+
+    @property
+    def seconds(self) -> float:
+        """Alone: its compute, then its collectives waited for in turn."""
+        return self.compute_s + self.comm_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +75,13 @@ class IndexSchedule:
                 load[t] += g.rank_load[t]
         return load
 
+    #: the shared phase's modelled seconds (its tasks in lockstep) and its load per rank
+    shared_phase_s: float = 0.0
+    shared_load: float = 0.0
+
     @property
     def shared_s(self) -> float:
-        return sum(x.seconds for x in self.shared)
+        return self.shared_phase_s
 
     @property
     def makespan_s(self) -> float:
@@ -303,7 +312,22 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     runs = tuple(shared[i] for i in sorted(shared or {}) if pr.tasks[i].optimizer == "matrix"
                  and _owner_index(ctx, i) == d)
     cap = settings.cmax_bytes
-    base = [base_value] * tp  # the shared pieces included (index_work)
+    phase_s = 0.0
+    if runs:
+        # index_work counted each piece alone (max of its compute and collectives); the group
+        # runs them in lockstep: its phase, at the profile's rate, replaces their sum.
+        from ..sharing import lockstep_seconds
+
+        phase_s = lockstep_seconds([(x.compute_s, x.comm_s) for x in runs],
+                                   pr.settings.ns_steps)
+        rate = _rates(settings.hardware).flops_per_s
+        unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
+                                                                 for x in runs))
+        phase_load = phase_s * rate * unit
+        base_value += phase_load - sum(x.load for x in runs)
+    else:
+        phase_load = 0.0
+    base = [base_value] * tp  # the shared phase included
     raw = _greedy_groups(ctx, ids, base, tp, cap)
     status = "greedy"
     if settings.solver == "cpsat" and tp > 1:
@@ -333,17 +357,18 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     rates = _rates(settings.hardware)
     groups, timeline = _order_and_timeline(groups, rates, DTYPE_BYTES[ctx.comm_dtype])
     # The shared phase runs first (its collectives involve every TP rank): the groups follow.
-    offset = sum(x.seconds for x in runs)
-    if offset:
-        timeline = [tuple(round(v + offset, 9) for v in row) for row in timeline]
-    return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline), runs), status
+    if phase_s:
+        timeline = [tuple(round(v + phase_s, 9) for v in row) for row in timeline]
+    return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline), runs,
+                         phase_s, phase_load), status
 
 
 def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
-                   ) -> dict[int, tuple[float, bool, float]]:
-    """``TPOptions.share="auto"``: the tasks the bound of ``planner.sharing`` shares over their
-    TP group: task id → (load per TP rank: its FLOPs and collectives in cost units, polynomial
-    split, modelled seconds per TP rank), what ``DPProblem.shared`` holds."""
+                   ) -> dict[int, tuple[float, bool, float, float]]:
+    """``TPOptions.share``: the tasks shared over their TP group (``auto``: those the bound of
+    ``planner.sharing`` shares; ``all``/``all-split``: every eligible one): task id → (load per
+    TP rank, polynomial split, compute seconds, collective seconds), what ``DPProblem.shared``
+    holds; the load is max(compute, collectives) in cost units."""
     from ..sharing import share_options, sharing_bound
 
     hw = load_hardware(hardware)
@@ -354,19 +379,22 @@ def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
             opts = [o for o in share_options(problem, t.id, hw, groups=("tp",))
                     if o.split_poly == (mode == "all-split")]
             if opts:
-                o = opts[0]
-                flops = problem.costs[t.id].flops
-                unit = problem.loads[t.id] / flops if flops else 0.0
-                out[t.id] = ((o.piece_flops + o.comm_s * rate) * unit, o.split_poly,
-                             o.piece_flops / rate + o.comm_s)
+                out[t.id] = _entry(problem, t.id, opts[0], rate)
         return out
-    report = sharing_bound(problem, hardware=hw, groups=("tp",))
+    report = sharing_bound(problem, hardware=hw, groups=("tp",), lockstep=True)
     for x in report.shared:
-        # The runtime waits for each Gram all-reduce in turn: the piece occupies a rank for its
-        # FLOPs and its collectives (``path_load``), which is what balancing must see.
-        out[x.task] = (x.path_load, x.option.split_poly,
-                       x.option.piece_flops / rate + x.option.comm_s)
+        out[x.task] = _entry(problem, x.task, x.option, rate)
     return out
+
+
+def _entry(problem: DPProblem, task: int, o, rate: float) -> tuple[float, bool, float, float]:  # noqa: ANN001
+    """(load, split, compute s, collective s) of one shared task: the load, for the DP side,
+    is the longer of its compute and its collectives (the others of its group hide the shorter
+    in the lockstep run); the schedule replaces the sum by the group's lockstep phase."""
+    flops = problem.costs[task].flops
+    unit = problem.loads[task] / flops if flops else 0.0
+    compute = o.piece_flops / rate
+    return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s)
 
 
 def _owner_index(ctx: TPContext, task: int) -> int | None:
@@ -393,7 +421,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
                          f"say {settings.comm_dtype}")
     base, owned = index_work(problem, cuts, ctx)
     budget = [settings.total_time_limit_s]
-    shared = {i: SharedRun(i, split, load, secs) for i, (load, split, secs) in problem.shared.items()}
+    shared = {i: SharedRun(i, split, load, comp, comm)
+              for i, (load, split, comp, comm) in problem.shared.items()}
     ctx.owner_index = _shared_owners(problem, cuts) if shared else {}
     indices = []
     statuses = []

@@ -122,6 +122,7 @@ __all__ = [
     "dp_row_block",
     "orientation",
     "shared_newton_schulz",
+    "shared_newton_schulz_many",
     "shared_ns_bytes",
     "shared_ns_flops",
     "tp_row_blocks",
@@ -234,6 +235,156 @@ def shared_newton_schulz(
         torch.addmm(X, X, poly, beta=a, out=spare)
         X, spare = spare, X
     return X
+
+
+@dataclass(slots=True)
+class _Task:
+    """One matrix of :func:`shared_newton_schulz_many`: its iterate, buffers and label."""
+
+    X: Tensor
+    spare: Tensor
+    gram: Tensor
+    poly: Tensor
+    send: Tensor | None
+    gathered: Tensor | None
+    lo: int
+    hi: int
+    split: bool
+    label: str
+    work: Any = None
+
+
+def shared_newton_schulz_many(
+    blocks: Sequence[Tensor],
+    *,
+    group: Any = None,
+    coefficients: Coefficients | Sequence[Coefficients] | str = DEFAULT_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = torch.bfloat16,
+    split_polynomial: bool | Sequence[bool] = False,
+    timeout_s: float | None = None,
+    what: Sequence[str] = (),
+) -> list[Tensor]:
+    """:func:`shared_newton_schulz` of several matrices shared by the same ``group``, in lockstep,
+    so that each one's collectives run while the others compute.
+
+    Per iteration every matrix's partial Gram is computed and its all-reduce launched
+    asynchronously, in order; then, matrix by matrix, the reduced Gram is waited for and the
+    polynomial formed (with ``split_polynomial`` its all-gather launched), and finally each
+    matrix's rows are updated. The all-reduce of matrix j thus overlaps the Gram products of the
+    matrices after it and the updates before it (on NCCL the collectives run on the
+    communicator's stream beside the compute). Each matrix goes through exactly the operations of
+    :func:`shared_newton_schulz` in the same order, so every result is bitwise that function's
+    on the same block; with one matrix it *is* that function.
+
+    Args:
+        blocks: This rank's row block of each matrix (oriented along its long dimension).
+        split_polynomial: One flag for all, or one per matrix.
+        what: Names of the matrices for timeout errors (one per matrix, or none).
+        group, coefficients, steps, eps, dtype, timeout_s: As :func:`shared_newton_schulz`;
+            every rank of ``group`` passes the same matrices (same n, in the same order).
+
+    Returns:
+        This rank's rows of each orthogonalised matrix, in ``dtype``, in the order given.
+    """
+    blocks = list(blocks)
+    splits = ([bool(split_polynomial)] * len(blocks) if isinstance(split_polynomial, bool)
+              else [bool(x) for x in split_polynomial])
+    names = list(what) or [""] * len(blocks)
+    if len(splits) != len(blocks) or len(names) != len(blocks):
+        raise ValueError(f"shared_newton_schulz_many: {len(blocks)} blocks but "
+                         f"{len(splits)} split flags and {len(names)} names")
+    k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if len(blocks) <= 1 or k == 1:
+        return [shared_newton_schulz(b, group=group, coefficients=coefficients, steps=steps,
+                                     eps=eps, dtype=dtype, split_polynomial=sp, timeout_s=timeout_s,
+                                     what=w) for b, sp, w in zip(blocks, splits, names)]
+    for b in blocks:
+        if b.ndim != 2:
+            raise ValueError(f"shared_newton_schulz_many expects row blocks [rows, n], got "
+                             f"{tuple(b.shape)}")
+    schedule = _coefficient_schedule(coefficients, _check_steps(steps))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"shared_newton_schulz_many: eps = {eps!r} must be a finite number > 0")
+    r = dist.get_rank(group)
+    if r < 0:
+        raise ValueError("shared_newton_schulz_many: this rank is not a member of `group`")
+    me = dist.get_rank()
+    tasks = []
+    for b, sp, w in zip(blocks, splits, names):
+        rows, n = b.shape
+        dt = b.dtype if dtype is None else dtype
+        X = torch.empty((rows, n), dtype=dt, device=b.device)
+        X.copy_(b)
+        gram = torch.empty((n, n), dtype=dt, device=b.device)
+        send = gathered = None
+        lo = hi = 0
+        if sp:
+            size = -(-n // k)
+            lo, hi = min(r * size, n), min((r + 1) * size, n)
+            send = torch.zeros((size, n), dtype=dt, device=b.device)
+            gathered = torch.empty((k * size, n), dtype=dt, device=b.device)
+            poly = gathered[:n]
+        else:
+            poly = torch.empty((n, n), dtype=dt, device=b.device)
+        tasks.append(_Task(X, torch.empty_like(X), gram, poly, send, gathered, lo, hi, sp,
+                           w or "a shared Newton–Schulz"))
+
+    def launch_gram(t: _Task, step: int) -> None:
+        torch.mm(t.X.mT, t.X, out=t.gram)
+        t.work = (dist.all_reduce(t.gram, group=group, async_op=True),
+                  f"the Gram all-reduce (step {step}) of {t.label}")
+
+    def wait(t: _Task) -> None:
+        work, name = t.work
+        t.work = None
+        wait_for(work, name, timeout_s, me)
+
+    for step, (a, b, c) in enumerate(schedule):
+        for t in tasks:
+            launch_gram(t, step)
+        for t in tasks:
+            wait(t)
+            if step == 0:
+                _normalise_first(t, group, eps, timeout_s, me)
+            if t.split:
+                torch.addmm(t.gram[t.lo:t.hi], t.gram[t.lo:t.hi], t.gram, beta=b, alpha=c,
+                            out=t.send[:t.hi - t.lo])  # type: ignore[index]
+                t.work = (_all_gather(t.gathered, t.send, group=group, async_op=True),
+                          f"the polynomial all-gather (step {step}) of {t.label}")
+            else:
+                torch.addmm(t.gram, t.gram, t.gram, beta=b, alpha=c, out=t.poly)
+        for t in tasks:
+            if t.split:
+                wait(t)
+            torch.addmm(t.X, t.X, t.poly, beta=a, out=t.spare)
+            t.X, t.spare = t.spare, t.X
+    return [t.X for t in tasks]
+
+
+def _normalise_first(t: _Task, group: Any, eps: float, timeout_s: float | None, me: int) -> None:
+    """Step 0 of :func:`shared_newton_schulz_many` for one matrix, once its (unnormalised) Gram
+    is reduced: the norm from its trace, or the guarded slow path (see the module docstring),
+    exactly as :func:`shared_newton_schulz` does it."""
+    dt = t.X.dtype
+    sq = t.gram.diagonal().sum(dtype=torch.float64)
+    finfo = torch.finfo(dt)
+    acc = torch.float32 if finfo.bits < 32 else dt
+    ok = (torch.isfinite(t.gram).all() & (sq >= finfo.tiny / finfo.eps ** 2)
+          & (sq <= torch.finfo(acc).max))
+    if bool(ok):
+        norm = sq.sqrt().to(dt).clamp(min=eps)
+        t.X.div_(norm)
+        t.gram.div_(norm).div_(norm)
+        return
+    sq = t.X.to(acc).square().sum().reshape(1)
+    wait_for(dist.all_reduce(sq, group=group, async_op=True),
+             f"the norm all-reduce of {t.label}", timeout_s, me)
+    t.X.div_(sq.sqrt().to(dt).clamp(min=eps))
+    torch.mm(t.X.mT, t.X, out=t.gram)
+    wait_for(dist.all_reduce(t.gram, group=group, async_op=True),
+             f"the Gram all-reduce (step 0) of {t.label}", timeout_s, me)
 
 
 def _check_steps(steps: object) -> int:
