@@ -88,6 +88,14 @@ def _bases() -> dict[str, dict]:
     p = make_plan(tiny("qwen3_moe"), ParallelSizes(dp=2, tp=2, ep=2), dp_options=small)
     out["moe-dp2-tp2-ep2"] = json.loads(p.to_json())
     out["v1-tiny-dp2-tp2"] = as_version_1(out["tiny-dp2-tp2"])
+    # schema version 3: matrices shared by their TP group (with and without the polynomial
+    # split), beside hosted ones
+    from canzona.planner import TPOptions
+
+    for share in ("all", "all-split"):
+        p = make_plan(tiny(), ParallelSizes(dp=2, tp=2), dp_options=small,
+                      tp_options=TPOptions(share=share))
+        out[f"shared-{share}-dp2-tp2"] = json.loads(p.to_json())
     return out
 
 
@@ -103,6 +111,7 @@ TARGETS = {
     "owners": r"^tasks\[\d+\]\.owner$",
     "hosts": r"\.host$",
     "ids": r"(\.id|\.index|\.dp_index|\.layout)$",
+    "shared": r"\.shared(\[\d+\](\.\w+)?)?$|\.shared_load$|^tp\.share$",
     "bounds": r"\.(start|end|numel_unpadded)$",
     "shapes": r"(shape|_shape)\[\d+\]$",
     "segments": r"\.segments\[\d+\]\[\d+\]$|^tp\.layouts\[\d+\]\.dim$",
@@ -244,7 +253,7 @@ def runtime_preparation(plan: Plan) -> None:
     from canzona.runtime.checks import check_work_order, plan_params
     from canzona.runtime.errors import PlanMismatchError
     from canzona.runtime.schedule import build_schedule
-    from canzona.runtime.tp import build_tp_groups
+    from canzona.runtime.tp import build_shared_tasks, build_tp_groups
 
     names = [name for name, _, _ in plan_params(plan)]
     try:
@@ -254,6 +263,8 @@ def runtime_preparation(plan: Plan) -> None:
             for t in range(plan.inputs.tp):
                 build_tp_groups(plan, names, sched.param_bucket, sched.param_range,
                                 [b.cuts[d] for b in sched.buckets], d, t)
+            build_shared_tasks(plan, names, sched.param_bucket, sched.param_range,
+                               [b.cuts[d] for b in sched.buckets], d)
     except PlanMismatchError as exc:
         assert "\n" not in str(exc)
 

@@ -94,10 +94,40 @@ def world4(tp_world4):
     return tp_world4
 
 
+def _shared_checkpoint(rank, world, *, folder):
+    """A plan that shares matrices cannot be saved as a logical checkpoint yet: every rank
+    raises CheckpointError before any collective; the per-rank state_dict still works."""
+    import canzona
+    from canzona.runtime.errors import CheckpointError
+
+    _, tp_group = T.groups(1, 2)
+    plan = T.plan_for(1, 2, share="all")
+    start = T.initial_full()
+    ps = T.spec().params
+    shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, rank), 2)) for p in ps]
+    opt = canzona.CanzonaOptimizer(shards, plan, tp_group=tp_group)
+    try:
+        canzona.save_checkpoint(f"{folder}/ck", None, opt)
+        out = "no error"
+    except CheckpointError as exc:
+        out = str(exc)
+    sd = opt.state_dict()
+    opt.close()
+    return {"error": out, "state_dict": isinstance(sd, dict) and "state" in sd}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(k, functools.partial(_case, dp=1, tp=2, **v)) for k, v in CASES2.items()]
-    return H.run_world(2, cases + [("refusals", _refusals)], str(tmp_path_factory.mktemp("tp2")))
+    folder = str(tmp_path_factory.mktemp("tp2-ck"))
+    cases += [("refusals", _refusals),
+              ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder))]
+    return H.run_world(2, cases, str(tmp_path_factory.mktemp("tp2")))
+
+
+def test_shared_plans_refuse_logical_checkpoints(world2):
+    for res in _results(world2, "shared_checkpoint"):
+        assert "shares matrices over the TP group" in res["error"] and res["state_dict"]
 
 
 _results = H.results
