@@ -136,11 +136,6 @@ class _Layout:
         from canzona.runtime.update import task_state
 
         opt = self.opt
-        if opt._micro.shared:
-            raise CheckpointError(
-                "the plan shares matrices over the TP group (TPOptions.share='auto'): their "
-                "momentum is split by TP shard, which logical checkpoints do not map yet; save "
-                "per rank with opt.state_dict(), or plan with share='off'.")
         out = []
         for ts in opt._schedule.mine.matrix:
             for t in ts:
@@ -265,6 +260,13 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
                 E.add_pieces(f"optim.{view.name}.{key}", view.logical, boxes)
             continue
         _add_task_state(E, t, st, rows, kernel, saving=saving, saved=saved)
+    # -- matrices the TP group shares: each TP rank holds Muon's momentum of its own shard,
+    #    element for element beside the weights, so it maps as the weights do -------------------
+    for x in opt._micro.shared:
+        view = L.views[x.param]
+        for key, val in opt.state[opt._params[x.param]].items():
+            flat = val.view(-1)
+            E.add_pieces(f"optim.{view.name}.{key}", view.logical, view.pieces(flat, 0, flat.numel()))
     # -- hyper-parameters -------------------------------------------------------------------------
     if saving:
         groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}

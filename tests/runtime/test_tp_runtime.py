@@ -95,25 +95,50 @@ def world4(tp_world4):
 
 
 def _shared_checkpoint(rank, world, *, folder):
-    """A plan that shares matrices cannot be saved as a logical checkpoint yet: every rank
-    raises CheckpointError before any collective; the per-rank state_dict still works."""
+    """Logical checkpoints across sharing: a momentum saved by a plan whose TP group shares
+    every matrix (each rank its shard) loads into the plan that hosts them (the host's full
+    matrix), and back; each side holds exactly the canonical momentum it was given."""
     import canzona
-    from canzona.runtime.errors import CheckpointError
 
     _, tp_group = T.groups(1, 2)
-    plan = T.plan_for(1, 2, share="all")
     start = T.initial_full()
     ps = T.spec().params
+    g = torch.Generator().manual_seed(11)
+    moment = {p.name: torch.randn(p.shape, generator=g) for p in ps if p.optimizer == "matrix"}
     shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, rank), 2)) for p in ps]
-    opt = canzona.CanzonaOptimizer(shards, plan, tp_group=tp_group)
-    try:
-        canzona.save_checkpoint(f"{folder}/ck", None, opt)
-        out = "no error"
-    except CheckpointError as exc:
-        out = str(exc)
-    sd = opt.state_dict()
+    by_name = {p.name: p for p in ps}
+
+    def build(share):
+        return canzona.CanzonaOptimizer(shards, T.plan_for(1, 2, share=share), tp_group=tp_group)
+
+    def shared_state(opt):  # this rank's shard of each shared matrix's momentum
+        return {x.name: opt.state[opt._params[x.param]]["momentum_buffer"]
+                for x in opt._micro.shared}
+
+    def hosted_state(opt):  # the full momentum of each matrix hosted here
+        return {t.name: opt.state[opt._params[t.param]]["momentum_buffer"]
+                for t in opt._micro.hosted if t.part is None}
+
+    out = {}
+    opt = build("all")
+    for name, m in shared_state(opt).items():
+        m.copy_(T.local_of(by_name[name], moment[name], 2, rank))
+    canzona.save_checkpoint(f"{folder}/shared", None, opt)
     opt.close()
-    return {"error": out, "state_dict": isinstance(sd, dict) and "state" in sd}
+    opt = build("off")
+    canzona.load_checkpoint(f"{folder}/shared", None, opt)
+    out["to_hosted"] = {n: bool(torch.equal(m, moment[n])) for n, m in hosted_state(opt).items()}
+    for n, m in hosted_state(opt).items():  # and back, from other values
+        m.copy_(moment[n] * 2)
+    canzona.save_checkpoint(f"{folder}/hosted", None, opt)
+    opt.close()
+    opt = build("all")
+    canzona.load_checkpoint(f"{folder}/hosted", None, opt)
+    out["to_shared"] = {n: bool(torch.equal(m, T.local_of(by_name[n], moment[n] * 2, 2, rank)))
+                        for n, m in shared_state(opt).items()}
+    out["state_dict"] = "state" in opt.state_dict()
+    opt.close()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +150,15 @@ def world2(tmp_path_factory):
     return H.run_world(2, cases, str(tmp_path_factory.mktemp("tp2")))
 
 
-def test_shared_plans_refuse_logical_checkpoints(world2):
-    for res in _results(world2, "shared_checkpoint"):
-        assert "shares matrices over the TP group" in res["error"] and res["state_dict"]
+def test_logical_checkpoints_cross_sharing(world2):
+    got = _results(world2, "shared_checkpoint")
+    hosted = set()
+    for res in got:
+        assert res["to_hosted"] and all(res["to_hosted"].values()), res["to_hosted"]
+        assert res["to_shared"] and all(res["to_shared"].values()), res["to_shared"]
+        assert len(res["to_shared"]) == 8 and res["state_dict"]  # every matrix shared
+        hosted |= set(res["to_hosted"])
+    assert len(hosted) == 8  # the hosts of the two ranks hold every matrix between them
 
 
 _results = H.results
