@@ -24,10 +24,13 @@ from __future__ import annotations
 
 __all__ = [
     "ADAMW_FLOPS_PER_ELEMENT",
+    "LOCKSTEP_CMAX",
     "SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY",
     "adamw_flops",
     "adamw_state_numel",
     "block_sizes",
+    "lockstep_batches",
+    "lockstep_bytes",
     "muon_flops",
     "muon_state_numel",
     "shampoo_flops",
@@ -209,3 +212,35 @@ def adamw_state_numel(numel: int) -> int:
     """Optimizer-state elements of AdamW: two moments (2·numel, §4) and the step counter (1)."""
     _check_positive("numel", numel)
     return 2 * numel + 1
+
+
+# --- shared Newton–Schulz in lockstep (issue 18) ------------------------------------------------
+
+
+def lockstep_bytes(rows: int, n: int, k: int, split: bool, e: int) -> int:
+    """Scratch bytes one matrix holds while shared in lockstep: its iterate twice (rows × n), the
+    Gram and the polynomial (n × n; with the split, the gathered k⌈n/k⌉ × n and its send block)
+    and the momentum direction handed in (rows × n, fp32)."""
+    poly = (k * -(-n // k) + -(-n // k)) * n if split else n * n
+    return (2 * rows * n + n * n + poly) * e + 4 * rows * n
+
+
+#: A lockstep batch of shared matrices holds at most this many C_max of scratch: what the
+#: micro-groups hold at most too (two groups in flight).
+LOCKSTEP_CMAX = 2
+
+
+def lockstep_batches(items: list, sizes: list[int], cap: int) -> list[list]:
+    """``items`` in order, cut into consecutive batches whose ``sizes`` sum to at most ``cap``
+    (a larger single item alone): how the runtime bounds the lockstep's scratch
+    (``cap`` = :data:`LOCKSTEP_CMAX` · C_max)."""
+    out: list[list] = []
+    total = cap + 1
+    for x, b in zip(items, sizes):
+        if out and total + b <= cap:
+            out[-1].append(x)
+            total += b
+        else:
+            out.append([x])
+            total = b
+    return out

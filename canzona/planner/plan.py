@@ -289,12 +289,14 @@ class TPPlan(_Frozen):
     indices: tuple[TPIndexPlan, ...]
     metrics: TPMetrics
     share: Literal["off", "auto", "all", "all-split"] = Field(
-        default="off", description="TPOptions.share (written only when not off).")
+        default="off", description="TPOptions.share (written only when a task is shared).")
 
     @model_serializer(mode="wrap")
     def _without_default_share(self, handler):  # noqa: ANN001, ANN202
+        """``share`` is written only by a plan that shares (version 3): a plan that shares
+        nothing stays the version-2 text an older canzona reads."""
         out = handler(self)
-        if self.share == "off":
+        if not any(ix.shared for ix in self.indices):
             out.pop("share", None)
         return out
 

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .cost import load_hardware
+from .formulas import lockstep_batches, lockstep_bytes
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, equal_cuts
 
-__all__ = ["ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_seconds",
-           "share_options", "sharing_bound"]
+__all__ = ["ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
+           "lockstep_bytes", "lockstep_seconds", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -173,7 +174,7 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
     p = problem.spec[t.param]
     tp = sizes.expert_tp if p.is_expert else sizes.tp
     out = []
-    if t.tp_split and tp > 1 and "tp" in groups:
+    if t.tp_split and tp > 1 and tp == sizes.tp and "tp" in groups:  # the dense TP group
         # The TP shards are row blocks of the oriented matrix when the split dim is the long one.
         if (p.tp_dim == long_dim or rows == cols) and t.part is None:
             link = hw.link(tp)

@@ -73,7 +73,8 @@ from .comm import ELEMENT_BYTES, bucket_comm, buffer_slices, plan_link
 from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
-from .sharing import lockstep_seconds, shared_piece
+from .formulas import LOCKSTEP_CMAX
+from .sharing import lockstep_batches, lockstep_bytes, lockstep_seconds, shared_piece
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
@@ -120,6 +121,9 @@ class GroupWork:
     compute_s: tuple[float, ...]
     gather_bytes: int = 0  # busiest rank's off-rank bytes, one direction
     flops: tuple[int, ...] = ()
+    #: the next group's gather waits for this group's end (the shared phase: its collectives
+    #: use the TP group, and the runtime finishes it before the first gather)
+    barrier: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +394,8 @@ def simulate(work: Workload, *, backward_s: float = 0.0, overlap_param_gather: b
                 for t in range(tp):
                     stages[t].append(Stage(f"gather g{k}", "tp", g_start, g_end))
                 starts = [max(g_end, cfree[t]) for t in range(tp)]
-                if k + 1 < len(groups) and work.tp_pipelined:  # once every rank started group k
+                if k + 1 < len(groups) and work.tp_pipelined and not g.barrier:
+                    # once every rank started group k
                     n_start = max(comm, max(starts))
                     n_end = n_start + groups[k + 1].gather_s
                     comm = n_end
@@ -406,7 +411,7 @@ def simulate(work: Workload, *, backward_s: float = 0.0, overlap_param_gather: b
                 s_end = s_start + g.scatter_s
                 comm = s_end
                 last_scatter = s_end
-                if k + 1 < len(groups) and not work.tp_pipelined:
+                if k + 1 < len(groups) and (not work.tp_pipelined or g.barrier):
                     n_start = s_end
                     n_end = n_start + groups[k + 1].gather_s
                     comm = n_end
@@ -578,15 +583,23 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 # The shared tasks first, every TP rank alike, in lockstep: each rank's
                 # Newton–Schulz FLOPs, the Gram all-reduces (and split-polynomial all-gathers)
                 # of each matrix running while the others compute (``lockstep_seconds``).
-                fl, pieces = 0, []
+                fl, pieces, sizes = 0, [], []
+                cap = LOCKSTEP_CMAX * plan.tp.cmax_bytes
                 for x in ix.shared:
                     rows, cols = plan.tasks[x.id].shape
-                    o = shared_piece("tp", tp, x.split_poly, max(rows, cols), min(rows, cols),
-                                     steps, ELEMENT_BYTES[matrix_dtype], tp_link)
+                    m, n = max(rows, cols), min(rows, cols)
+                    o = shared_piece("tp", tp, x.split_poly, m, n, steps,
+                                     ELEMENT_BYTES[matrix_dtype], tp_link)
                     fl += o.piece_flops
                     pieces.append((o.piece_flops / mat_rate, o.comm_s))
-                secs = lockstep_seconds(pieces, steps)
-                gs.append(GroupWork(0.0, 0.0, (secs,) * tp, 0, (fl,) * tp))
+                    sizes.append(lockstep_bytes(-(-m // tp), n, tp, x.split_poly,
+                                                ELEMENT_BYTES[matrix_dtype]))
+                secs = sum(lockstep_seconds(b, steps) for b in lockstep_batches(pieces, sizes,
+                                                                           cap))
+                comp = sum(c for c, _ in pieces)
+                # compute as compute; what the lockstep does not hide of the collectives as TP
+                gs.append(GroupWork(0.0, max(0.0, secs - comp), (comp,) * tp, 0, (fl,) * tp,
+                                    barrier=True))
             for g in (ix.groups if ix else ()):
                 fl = [0] * tp
                 for gt in g.tasks:

@@ -461,6 +461,10 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                 raise bad(f"{xf}.layout", f"tp.layouts[{x.layout}] has full shape "
                                           f"{list(L.full_shape)} (dim {L.dim}) but task {x.id} "
                                           f"('{_name(t)}') is a TP-split {list(t.shape)} matrix")
+            if slots[t.param][0] != inp.tp:
+                raise bad(f"{xf}.id", f"shares task {x.id} ('{_name(t)}') split over "
+                                      f"{slots[t.param][0]} TP ranks, but a TP group has "
+                                      f"{inp.tp} (expert TP is not shared)")
             if local_numel[x.layout] != slots[t.param][2] or t.part is not None:
                 raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}') must be a whole TP-split "
                                           f"parameter whose shard is tp.layouts[{x.layout}]")

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.plan import Plan
 from canzona.runtime import accounting, checkpoint, checks, update
 from canzona.runtime.buffers import build_buffers
@@ -312,7 +313,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             shared=build_shared_tasks(plan, self._names, self._schedule.param_bucket,
                                       self._schedule.param_range,
                                       [b.cuts[self._rank] for b in self._schedule.buckets],
-                                      self._rank))
+                                      self._rank),
+            shared_cap=LOCKSTEP_CMAX * plan.tp.cmax_bytes if plan.tp is not None else 0)
         self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
         self._micro.flight = self._flight
         self._micro.init_state(self.state, self._matrix, device)
@@ -516,7 +518,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     def tp_scratch_bytes(self) -> int:
         """Most bytes of gathered full matrices this rank's TP pipeline holds at once (two
         micro-groups in flight; 0 for tp = 1). The plan bounds one group by C_max."""
-        return self._micro.peak_scratch_bytes()
+        return self._micro.peak_scratch_bytes(getattr(self._matrix.config, "ns_dtype",
+                                                      torch.bfloat16))
 
     def _apply_updates_and_gather(self, directions: dict[int, Tensor]) -> None:
         """Phase 4, bucket by bucket in order: apply the directions, AdamW on the owned elements,

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.planner.formulas import lockstep_batches, lockstep_bytes
 from canzona.planner.plan import Plan
 from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.collectives import wait_for
@@ -209,9 +210,12 @@ class MicroGroupRunner:
 
     def __init__(self, groups: Sequence[TPGroup], *, tp_rank: int, tp: int, comm_dtype: str,
                  buffers: Sequence[BucketBuffers], params: list[Tensor],
-                 shared: Sequence[SharedTask] = ()) -> None:
+                 shared: Sequence[SharedTask] = (), shared_cap: int = 0) -> None:
         self.groups = tuple(groups)
         self.shared = tuple(shared)
+        #: scratch bytes one lockstep batch of shared matrices may hold (2 · the plan's C_max,
+        #: as two micro-groups in flight)
+        self.shared_cap = shared_cap
         self.timeout_s: float | None = None  # CanzonaOptimizer(collective_timeout=)
         self.flight: Any = None  # CanzonaOptimizer(flight_record=)
         self.rank = 0  # this process's DP rank, for messages
@@ -231,11 +235,28 @@ class MicroGroupRunner:
     def hosted(self) -> tuple[TPTask, ...]:
         return tuple(t for g in self.groups for t in g.hosted)
 
-    def peak_scratch_bytes(self) -> int:
-        """Bytes of gathered full matrices held at once by this rank's pipeline, at most."""
+    def peak_scratch_bytes(self, ns_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of gathered full matrices held at once by this rank's pipeline, at most, or of
+        the largest lockstep batch of shared matrices (the two phases do not overlap)."""
         size = torch.empty((), dtype=self.comm_dtype).element_size()
         recv = sorted((sum(g.recv) for g in self.groups), reverse=True)
-        return sum(recv[:2]) * size
+        batches = self._batches(self.shared, ns_dtype)
+        shared = max((sum(b) for _, b in batches), default=0)
+        return max(sum(recv[:2]) * size, shared)
+
+    def _batches(self, tasks: Sequence[SharedTask], ns_dtype: torch.dtype
+                 ) -> list[tuple[list[SharedTask], list[int]]]:
+        """``tasks`` in order, in lockstep batches whose scratch fits ``shared_cap``
+        (``planner.formulas.lockstep_batches``, what the planner models)."""
+        e = torch.empty((), dtype=ns_dtype).element_size()
+        sizes = {}
+        for x in tasks:
+            m, n = max(x.full_shape), min(x.full_shape)
+            sizes[x.id] = lockstep_bytes(-(-m // self.tp), n, self.tp, x.split_poly, e)
+        out = []
+        for batch in lockstep_batches(list(tasks), [sizes[x.id] for x in tasks], self.shared_cap):
+            out.append((batch, [sizes[x.id] for x in batch]))
+        return out
 
     def init_state(self, state: MutableMapping[Tensor, Any], matrix: Any,
                    device: torch.device) -> None:
@@ -298,13 +319,19 @@ class MicroGroupRunner:
         single-device Muon update up to summation order."""
         if not self.shared:
             return
+        cfg = matrix.config
+        todo = [x for x in self.shared if received[x.param]]  # alike on every rank
+        for batch, _ in self._batches(todo, cfg.ns_dtype):
+            self._run_batch(batch, group, state, matrix)
+
+    def _run_batch(self, batch: Sequence[SharedTask], group: Any,
+                   state: MutableMapping[Tensor, Any], matrix: Any) -> None:
+        """One lockstep batch of shared matrices (scratch within ``shared_cap``)."""
         from canzona.runtime.optim.shared_ns import orientation, shared_newton_schulz_many
 
         cfg = matrix.config
         todo, blocks, flips = [], [], []
-        for x in self.shared:
-            if not received[x.param]:  # no gradient on any rank: every rank skips it alike
-                continue
+        for x in batch:
             buf = self._buffers[x.bucket]
             grad = buf.own[x.lo:x.hi].view(x.local_shape)
             mom = state[self._params[x.param]]["momentum_buffer"]
@@ -319,14 +346,18 @@ class MicroGroupRunner:
         orthos = shared_newton_schulz_many(
             blocks, group=group, coefficients=cfg.schedule, steps=cfg.ns_steps, eps=cfg.eps,
             dtype=cfg.ns_dtype, split_polynomial=[x.split_poly for x in todo],
-            timeout_s=self.timeout_s, what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo])
-        for x, ortho, flip in zip(todo, orthos, flips):
-            buf = self._buffers[x.bucket]
-            update = (ortho.mT if flip else ortho).to(torch.float32)
-            if not bool(torch.isfinite(update).all()):
-                # The Gram is all-reduced, so a non-finite shard makes every rank's update
-                # non-finite alike: every rank leaves its shard untouched (as hosted tasks do).
+            timeout_s=self.timeout_s, what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo],
+            flight=self.flight)
+        updates = [(ortho.mT if flip else ortho).to(torch.float32)
+                   for ortho, flip in zip(orthos, flips)]
+        # The Grams are all-reduced, so a non-finite matrix makes every rank's rows non-finite
+        # alike: every rank leaves its shard untouched (as hosted tasks do). One host read.
+        finite = torch.stack([torch.isfinite(u).all() for u in updates]).tolist() if updates \
+            else []
+        for x, update, ok in zip(todo, updates, finite):
+            if not ok:
                 continue
+            buf = self._buffers[x.bucket]
             p = (self._params[x.param] if buf.main is None
                  else buf.main[x.lo:x.hi].view(x.local_shape))
             matrix.apply(p, update, full_shape=x.full_shape)

@@ -30,13 +30,15 @@ CASES4 = {
     "muon_sequence_parallel": dict(optimizer="muon", sequence_parallel=True, steps=5),
     "muon_bf16_main_fp32": dict(optimizer="muon", bf16=True, steps=5),
     # issue 18: every matrix shared by its TP group (shared Newton–Schulz over the shards, no
-    # gather), without and with the polynomial split; with a state_dict round trip; bf16
-    "muon_shared": dict(optimizer="muon", share="all", roundtrip=True),
+    # gather), without and with the polynomial split; with a state_dict round trip; bf16. The
+    # lockstep batches hold 2·C_max: with C_max 1 MiB an index's 4 matrices run as one batch,
+    # with 0.05 MiB one by one.
+    "muon_shared": dict(optimizer="muon", share="all", roundtrip=True, cmax_mib=1.0),
     "muon_shared_split": dict(optimizer="muon", share="all-split"),
     "muon_shared_bf16": dict(optimizer="muon", share="all-split", bf16=True, steps=5),
 }
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
-SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share")
+SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")
 FORWARD = ("muon", "shampoo")  # SOAP: its rank-deficient statistics make last bits chaotic
 CASES2 = {
     "muon": dict(optimizer="muon"),
@@ -249,3 +251,18 @@ def test_megatron_forward_dp2_tp2_equals_one_process(world4, optimizer):
     for rank, res in enumerate(got):
         assert res["losses"] == pytest.approx(ref["losses"][rank // 2::2], rel=1e-5)
     _check(got, ref)
+
+
+def test_shared_runs_batch_by_cmax(world4):
+    """The lockstep batches of the two shared runs: all of an index's matrices together under
+    C_max 1 MiB, one at a time under 0.05 MiB (each matrix's scratch is over 2·C_max there)."""
+    from canzona.planner.formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
+
+    for case, together in (("muon_shared", True), ("muon_shared_split", False)):
+        plan = _results(world4, case)[0]["plan"]
+        for ix in plan.tp.indices:
+            assert ix.shared and not ix.groups  # every matrix shared, none hosted
+            sizes = [lockstep_bytes(max(plan.tasks[x.id].shape) // 2, min(plan.tasks[x.id].shape),
+                                    2, x.split_poly, 4) for x in ix.shared]
+            batches = lockstep_batches(list(ix.shared), sizes, LOCKSTEP_CMAX * plan.tp.cmax_bytes)
+            assert len(batches) == (1 if together else len(ix.shared)), (case, sizes)

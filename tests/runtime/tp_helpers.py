@@ -133,7 +133,7 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
                   split: bool = False, accum: int = 1, clip: float | None = None,
                   steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
                   sequence_parallel: bool = False, bf16: bool = False,
-                  share: str = "off") -> dict:
+                  share: str = "off", cmax_mib: float = 0.05) -> dict:
     """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``)."""
     import canzona
@@ -142,7 +142,7 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
     dp_group, tp_group = groups(dp, tp)
     dp_rank, tp_rank = rank // tp, rank % tp
     plan = plan_for(dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32",
-                    share=share)
+                    share=share, cmax_mib=cmax_mib)
     low = torch.bfloat16 if bf16 else torch.float32
     ps = spec().params
     start = initial_full()

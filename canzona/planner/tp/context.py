@@ -147,9 +147,10 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
         total = sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
     else:
         total = sum(sum(r) for r in grid)
-    largest = max((problem.shared[t.id][0] if t.id in problem.shared else problem.loads[t.id]
-                   for t in problem.tasks if t.optimizer == "matrix"), default=0)
-    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), math.ceil(largest))
+    largest = max((int(round(problem.shared[t.id][0])) if t.id in problem.shared
+                   else problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
+                  default=0)  # a piece's load as the plan records it (rounded)
+    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)
 
 
 

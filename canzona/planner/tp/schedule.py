@@ -316,10 +316,16 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     if runs:
         # index_work counted each piece alone (max of its compute and collectives); the group
         # runs them in lockstep: its phase, at the profile's rate, replaces their sum.
-        from ..sharing import lockstep_seconds
+        from ..formulas import LOCKSTEP_CMAX
+        from ..sharing import lockstep_batches, lockstep_bytes, lockstep_seconds
 
-        phase_s = lockstep_seconds([(x.compute_s, x.comm_s) for x in runs],
-                                   pr.settings.ns_steps)
+        sizes = []
+        for x in runs:
+            m, n = max(pr.tasks[x.task].shape), min(pr.tasks[x.task].shape)
+            sizes.append(lockstep_bytes(-(-m // tp), n, tp, x.split_poly, 2))
+        # the runtime runs them in batches whose scratch fits C_max, each batch in lockstep
+        phase_s = sum(lockstep_seconds([(x.compute_s, x.comm_s) for x in b], pr.settings.ns_steps)
+                      for b in lockstep_batches(list(runs), sizes, LOCKSTEP_CMAX * cap))
         rate = _rates(settings.hardware).flops_per_s
         unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
                                                                  for x in runs))
@@ -372,7 +378,7 @@ def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
     from ..sharing import share_options, sharing_bound
 
     hw = load_hardware(hardware)
-    rate = hw.peak_flops["bf16"] * hw.compute_efficiency
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     out = {}
     if mode in ("all", "all-split"):
         for t in problem.tasks:

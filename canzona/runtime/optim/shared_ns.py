@@ -265,6 +265,7 @@ def shared_newton_schulz_many(
     split_polynomial: bool | Sequence[bool] = False,
     timeout_s: float | None = None,
     what: Sequence[str] = (),
+    flight: Any = None,
 ) -> list[Tensor]:
     """:func:`shared_newton_schulz` of several matrices shared by the same ``group``, in lockstep,
     so that each one's collectives run while the others compute.
@@ -276,12 +277,14 @@ def shared_newton_schulz_many(
     matrices after it and the updates before it (on NCCL the collectives run on the
     communicator's stream beside the compute). Each matrix goes through exactly the operations of
     :func:`shared_newton_schulz` in the same order, so every result is bitwise that function's
-    on the same block; with one matrix it *is* that function.
+    on the same block (one matrix included).
 
     Args:
         blocks: This rank's row block of each matrix (oriented along its long dimension).
         split_polynomial: One flag for all, or one per matrix.
         what: Names of the matrices for timeout errors (one per matrix, or none).
+        flight: a ``runtime.flight.FlightRecorder`` told of every collective launched (so a
+            hang on NCCL names the matrix and step), or None.
         group, coefficients, steps, eps, dtype, timeout_s: As :func:`shared_newton_schulz`;
             every rank of ``group`` passes the same matrices (same n, in the same order).
 
@@ -296,7 +299,7 @@ def shared_newton_schulz_many(
         raise ValueError(f"shared_newton_schulz_many: {len(blocks)} blocks but "
                          f"{len(splits)} split flags and {len(names)} names")
     k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if len(blocks) <= 1 or k == 1:
+    if not blocks or k == 1:
         return [shared_newton_schulz(b, group=group, coefficients=coefficients, steps=steps,
                                      eps=eps, dtype=dtype, split_polynomial=sp, timeout_s=timeout_s,
                                      what=w) for b, sp, w in zip(blocks, splits, names)]
@@ -331,10 +334,15 @@ def shared_newton_schulz_many(
         tasks.append(_Task(X, torch.empty_like(X), gram, poly, send, gathered, lo, hi, sp,
                            w or "a shared Newton–Schulz"))
 
+    def launch(work: Any, name: str) -> tuple[Any, str]:
+        if flight is not None:
+            flight.add(name, work)
+        return work, name
+
     def launch_gram(t: _Task, step: int) -> None:
         torch.mm(t.X.mT, t.X, out=t.gram)
-        t.work = (dist.all_reduce(t.gram, group=group, async_op=True),
-                  f"the Gram all-reduce (step {step}) of {t.label}")
+        t.work = launch(dist.all_reduce(t.gram, group=group, async_op=True),
+                        f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
         work, name = t.work
@@ -351,8 +359,8 @@ def shared_newton_schulz_many(
             if t.split:
                 torch.addmm(t.gram[t.lo:t.hi], t.gram[t.lo:t.hi], t.gram, beta=b, alpha=c,
                             out=t.send[:t.hi - t.lo])  # type: ignore[index]
-                t.work = (_all_gather(t.gathered, t.send, group=group, async_op=True),
-                          f"the polynomial all-gather (step {step}) of {t.label}")
+                t.work = launch(_all_gather(t.gathered, t.send, group=group, async_op=True),
+                                f"the polynomial all-gather (step {step}) of {t.label}")
             else:
                 torch.addmm(t.gram, t.gram, t.gram, beta=b, alpha=c, out=t.poly)
         for t in tasks:
