@@ -166,75 +166,16 @@ def shared_newton_schulz(
         ``[rows, n]`` in ``dtype`` (contiguous): this rank's rows of the orthogonalised matrix,
         equal to ``newton_schulz(whole)`` restricted to these rows up to summation order.
     """
-    if block.ndim != 2:
-        raise ValueError(f"shared_newton_schulz expects a row block [rows, n], got "
-                         f"{tuple(block.shape)}")
-    schedule = _coefficient_schedule(coefficients, _check_steps(steps))
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"shared_newton_schulz: eps = {eps!r} must be a finite number > 0")
+    schedule = _checked("shared_newton_schulz", [block], coefficients, steps, eps)
     k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if k == 1:
         return newton_schulz(block, schedule, eps=eps, dtype=dtype)
-    r = dist.get_rank(group)
-    if r < 0:
+    if dist.get_rank(group) < 0:
         raise ValueError("shared_newton_schulz: this rank is not a member of `group`")
-    me = dist.get_rank()
-    label = what or "a shared Newton–Schulz"
-    rows, n = block.shape
-    dt = block.dtype if dtype is None else dtype
-    dev = block.device
-
-    def reduce(t: Tensor, name: str) -> None:
-        wait_for(dist.all_reduce(t, group=group, async_op=True),
-                 f"{name} of {label}", timeout_s, me)
-
-    def gram_of(x: Tensor, step: int) -> None:
-        torch.mm(x.mT, x, out=gram)
-        reduce(gram, f"the Gram all-reduce (step {step})")
-
-    X = torch.empty((rows, n), dtype=dt, device=dev)
-    X.copy_(block)
-    spare = torch.empty_like(X)
-    gram = torch.empty((n, n), dtype=dt, device=dev)
-    if split_polynomial:
-        size = -(-n // k)
-        lo, hi = min(r * size, n), min((r + 1) * size, n)
-        send = torch.zeros((size, n), dtype=dt, device=dev)  # rows hi-lo… stay zero
-        gathered = torch.empty((k * size, n), dtype=dt, device=dev)
-        poly = gathered[:n]
-    else:
-        poly = torch.empty((n, n), dtype=dt, device=dev)
-
-    # Step 0's Gram, of the unnormalised block: its trace is ‖X‖²_F.
-    gram_of(X, 0)
-    sq = gram.diagonal().sum(dtype=torch.float64)
-    finfo = torch.finfo(dt)
-    acc = torch.float32 if finfo.bits < 32 else dt  # X.norm() works in float32 for bf16
-    ok = (torch.isfinite(gram).all() & (sq >= finfo.tiny / finfo.eps ** 2)
-          & (sq <= torch.finfo(acc).max))
-    if bool(ok):
-        norm = sq.sqrt().to(dt).clamp(min=eps)  # the dtype the single-device norm has
-        X.div_(norm)
-        gram.div_(norm).div_(norm)
-    else:  # overflow/underflow: the norm as one device computes it, then normalise first
-        sq = X.to(acc).square().sum().reshape(1)  # overflows where X.norm() does
-        reduce(sq, "the norm all-reduce")
-        X.div_(sq.sqrt().to(dt).clamp(min=eps))
-        gram_of(X, 0)
-
-    for step, (a, b, c) in enumerate(schedule):
-        if step:
-            gram_of(X, step)
-        if split_polynomial:
-            torch.addmm(gram[lo:hi], gram[lo:hi], gram, beta=b, alpha=c, out=send[:hi - lo])
-            wait_for(_all_gather(gathered, send, group=group, async_op=True),
-                     f"the polynomial all-gather (step {step}) of {label}", timeout_s, me)
-        else:
-            torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-        # X ← aX + X·P into the buffer X does not occupy (out= must not alias an input).
-        torch.addmm(X, X, poly, beta=a, out=spare)
-        X, spare = spare, X
-    return X
+    # One implementation: the lockstep loop of shared_newton_schulz_many with one matrix.
+    return shared_newton_schulz_many([block], group=group, coefficients=schedule, steps=steps,
+                                     eps=eps, dtype=dtype, split_polynomial=split_polynomial,
+                                     timeout_s=timeout_s, what=[what])[0]
 
 
 @dataclass(slots=True)
@@ -275,9 +216,9 @@ def shared_newton_schulz_many(
     polynomial formed (with ``split_polynomial`` its all-gather launched), and finally each
     matrix's rows are updated. The all-reduce of matrix j thus overlaps the Gram products of the
     matrices after it and the updates before it (on NCCL the collectives run on the
-    communicator's stream beside the compute). Each matrix goes through exactly the operations of
-    :func:`shared_newton_schulz` in the same order, so every result is bitwise that function's
-    on the same block (one matrix included).
+    communicator's stream beside the compute). Each matrix goes through the same operations in
+    the same order as alone (:func:`shared_newton_schulz` is this loop with one matrix), so
+    every result is bitwise the one it gets alone.
 
     Args:
         blocks: This rank's row block of each matrix (oriented along its long dimension).
@@ -299,17 +240,11 @@ def shared_newton_schulz_many(
         raise ValueError(f"shared_newton_schulz_many: {len(blocks)} blocks but "
                          f"{len(splits)} split flags and {len(names)} names")
     k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if not blocks or k == 1:
-        return [shared_newton_schulz(b, group=group, coefficients=coefficients, steps=steps,
-                                     eps=eps, dtype=dtype, split_polynomial=sp, timeout_s=timeout_s,
-                                     what=w) for b, sp, w in zip(blocks, splits, names)]
-    for b in blocks:
-        if b.ndim != 2:
-            raise ValueError(f"shared_newton_schulz_many expects row blocks [rows, n], got "
-                             f"{tuple(b.shape)}")
-    schedule = _coefficient_schedule(coefficients, _check_steps(steps))
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"shared_newton_schulz_many: eps = {eps!r} must be a finite number > 0")
+    if not blocks:
+        return []
+    schedule = _checked("shared_newton_schulz_many", blocks, coefficients, steps, eps)
+    if k == 1:  # the single-device kernel
+        return [newton_schulz(b, schedule, eps=eps, dtype=dtype) for b in blocks]
     r = dist.get_rank(group)
     if r < 0:
         raise ValueError("shared_newton_schulz_many: this rank is not a member of `group`")
@@ -393,6 +328,18 @@ def _normalise_first(t: _Task, group: Any, eps: float, timeout_s: float | None, 
     torch.mm(t.X.mT, t.X, out=t.gram)
     wait_for(dist.all_reduce(t.gram, group=group, async_op=True),
              f"the Gram all-reduce (step 0) of {t.label}", timeout_s, me)
+
+
+def _checked(who: str, blocks: Sequence[Tensor], coefficients: Any, steps: object,
+             eps: object) -> tuple[Coefficients, ...]:
+    """The coefficient schedule, after the arguments every rank must get right alike."""
+    for b in blocks:
+        if b.ndim != 2:
+            raise ValueError(f"{who} expects a row block [rows, n], got {tuple(b.shape)}")
+    schedule = _coefficient_schedule(coefficients, _check_steps(steps))
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{who}: eps = {eps!r} must be a finite number > 0")
+    return schedule
 
 
 def _check_steps(steps: object) -> int:
