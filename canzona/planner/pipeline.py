@@ -14,13 +14,14 @@ all plan through :func:`plan` (or :func:`plan_problem`, given a problem already 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from collections.abc import Callable
 from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
-from .errors import CanzonaError, SizeError
+from .errors import CanzonaError, CanzonaWarning, SizeError
 from .hardware import load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes
@@ -127,6 +128,10 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
+    if t.share != "off" and problem.sizes.tp == 1:
+        warnings.warn(f"TPOptions.share = {t.share!r} shares matrices over TP groups; at tp = 1 "
+                      "it has no effect (DP pairs are not planned yet).", CanzonaWarning,
+                      stacklevel=2)
     if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
         from .tp.schedule import share_decision
 

@@ -129,3 +129,11 @@ def test_share_is_checked():
 
     with pytest.raises(CanzonaError, match="share"):
         TPOptions(share="sometimes")
+
+
+def test_share_at_tp1_is_a_note_and_changes_nothing():
+    from canzona.planner.errors import CanzonaWarning
+
+    with pytest.warns(CanzonaWarning, match="at tp = 1 it has no effect"):
+        p = plan("qwen3-0.6b", ParallelSizes(dp=2, tp=1), tp_options=TPOptions(share="auto"))
+    assert p.to_json() == plan("qwen3-0.6b", ParallelSizes(dp=2, tp=1)).to_json()
