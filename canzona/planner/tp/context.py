@@ -36,8 +36,6 @@ class TPContext:
     maps: list[ShardMap]
     tp_of: list[int]
     _map_index: dict = field(default_factory=dict)
-    #: task id → owning DP index of the shared tasks (set by ``schedule_tp`` for its cuts)
-    owner_index: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, problem: DPProblem, comm_dtype: str = "bf16") -> TPContext:

@@ -302,15 +302,14 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
 
 def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
                    settings: TPOptions, budget: list[float] | None = None,
-                   shared: dict[int, SharedRun] | None = None) -> tuple[IndexSchedule, str]:
+                   runs: tuple[SharedRun, ...] = ()) -> tuple[IndexSchedule, str]:
     """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable);
-    ``shared``: the tasks the TP group shares (:func:`share_decision`), run before the groups."""
+    ``runs``: the tasks this index's TP group shares (:func:`share_decision`), run before the
+    groups."""
     pr = ctx.problem
     tp = pr.sizes.tp
     if any(ctx.tp_of[i] != tp for i in ids):
         raise CanzonaError("expert tensor parallel size differs from tp; not supported yet.")
-    runs = tuple(shared[i] for i in sorted(shared or {}) if pr.tasks[i].optimizer == "matrix"
-                 and _owner_index(ctx, i) == d)
     cap = settings.cmax_bytes
     phase_s = 0.0
     if runs:
@@ -403,11 +402,6 @@ def _entry(problem: DPProblem, task: int, o, rate: float) -> tuple[float, bool, 
     return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s)
 
 
-def _owner_index(ctx: TPContext, task: int) -> int | None:
-    """The DP index that owns matrix task ``task`` under the cuts being scheduled."""
-    return ctx.owner_index.get(task)
-
-
 def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None, *,
                 ctx: TPContext | None = None, warn: bool = True) -> TPSchedule:
     """The TP schedule of every DP index for the DP partition ``cuts``.
@@ -427,13 +421,14 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
                          f"say {settings.comm_dtype}")
     base, owned = index_work(problem, cuts, ctx)
     budget = [settings.total_time_limit_s]
-    shared = {i: SharedRun(i, split, load, comp, comm)
-              for i, (load, split, comp, comm) in problem.shared.items()}
-    ctx.owner_index = _shared_owners(problem, cuts) if shared else {}
+    runs: list[list[SharedRun]] = [[] for _ in range(problem.dp)]
+    for i, d in sorted(_shared_owners(problem, cuts).items()):
+        load, split, comp, comm = problem.shared[i]
+        runs[d].append(SharedRun(i, split, load, comp, comm))
     indices = []
     statuses = []
     for d in range(problem.dp):
-        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget, shared)
+        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget, tuple(runs[d]))
         indices.append(s)
         statuses.append(st)
     oversized = tuple(problem.tasks[i].name for s in indices for g in s.groups if g.oversized
@@ -481,7 +476,9 @@ def _shared_owners(problem: DPProblem, cuts: Cuts) -> dict[int, int]:
     """Task id → owning DP index of every shared task (atomic items: the rank holding its start)."""
     from ..planning import owner_of
 
-    out = {}
+    out: dict[int, int] = {}
+    if not problem.shared:
+        return out
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         for it in b.items:
