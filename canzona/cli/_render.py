@@ -369,7 +369,21 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
                       + " (README: Reading the reports). max sent: bytes one rank sends per "
                       "iteration; collectives: predicted on the plan's link.", highlight=False,
                       style="dim")
+    pairs_view(report.get("dp_pairs"))
     sharing_view(report.get("sharing"))
+
+
+def pairs_view(pr: dict | None) -> None:
+    """The matrices DP pairs share (``report["dp_pairs"]``)."""
+    if pr is None:
+        return
+    console.print(
+        f"shared by DP pairs (shared Newton–Schulz over two DP ranks, the bucket cut inside the "
+        f"matrix at a row boundary): {pr['tasks']} matrices ("
+        + ", ".join(f"{n} {k}" for k, n in pr["kinds"].items())
+        + f"), {pr['split_poly']} with the polynomial split, {pr['phases']} phases; pieces and "
+        f"their Gram all-reduces are in the loads: busiest DP index / mean useful work "
+        f"{pr['max_over_useful_mean']:.3f}", highlight=False)
 
 
 def sharing_view(sh: dict | None) -> None:
@@ -383,7 +397,7 @@ def sharing_view(sh: dict | None) -> None:
         f"= {sh['atomic_lb_over_mean']:.3f}× the mean useful work; with Muon tasks shared by a "
         f"few ranks the bound is {sh['shared_lb_over_mean']:.3f}×, the longest critical path "
         f"(a piece and its collectives) {sh['longest_path_over_mean']:.3f}× (canzona plan --share "
-        "auto shares over TP groups; DP pairs are not planned yet)", highlight=False)
+        "auto shares over TP groups at tp > 1, over DP pairs at tp = 1)", highlight=False)
     if sh["note"]:
         console.print(sh["note"], highlight=False, style="dim")
     groups: dict[tuple, list[dict]] = {}

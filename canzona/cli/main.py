@@ -236,7 +236,9 @@ def plan(
                         "shared by their TP group (shared Newton–Schulz, no gather) where the "
                         "cost model says it lowers the busiest GPU; all / all-split: every Muon "
                         "matrix TP splits along its long dimension, without / with the "
-                        "polynomial split (tp > 1).")] = "off",
+                        "polynomial split. At tp 1 the same choices share matrices over DP "
+                        "pairs (the bucket cut inside a matrix, between two rows; auto keeps "
+                        "them only where the busiest DP index gets lighter).")] = "off",
     comm_dtype: Annotated[str, typer.Option(
         "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
                              "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",

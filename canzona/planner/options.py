@@ -23,7 +23,8 @@ COSTS = ("flops", "numel")
 TP_SOLVERS = ("greedy", "cpsat")
 #: TPOptions.share: "off" (every TP-split matrix hosted whole), "auto" (the planner shares the
 #: heaviest Muon matrices over their TP group, ``planner.sharing``), "all" / "all-split" (every
-#: Muon matrix TP splits along its long dimension, without / with the polynomial split).
+#: Muon matrix TP splits along its long dimension, without / with the polynomial split); at
+#: tp = 1 the same choices share matrices over DP pairs (``sharing.pair_decision``).
 TP_SHARE = ("off", "auto", "all", "all-split")
 #: Objectives by name (``DPOptions.objective``); an ``Objective`` object is accepted too.
 OBJECTIVES = ("step-time", "max-load")
@@ -143,7 +144,9 @@ class TPOptions:
             group (shared Newton–Schulz over its shards, no gather) where the cost model says
             it lowers the busiest GPU (``planner.sharing``); ``all`` / ``all-split``: every Muon
             matrix TP splits along its long dimension is shared, without / with the polynomial
-            split (for tests and measurements).
+            split (for tests and measurements). At tp = 1 the same choices share whole
+            matrices over two DP ranks each (DP pairs: the bucket cut inside the matrix at a
+            row boundary; ``auto`` keeps them only where the busiest DP index gets lighter).
     """
 
     cmax_mib: float = 512.0

@@ -21,14 +21,17 @@ from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
+from .dp.solve import Solution
 from .errors import CanzonaError, CanzonaWarning, SizeError
-from .hardware import load_hardware
+from .hardware import HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .planning import DPProblem, build_plan, make_problem
+from .dp.polish import improve
+from .planning import DPProblem, build_plan, evaluate, make_problem, pair_owners, with_pairs
+from .sharing import pair_decision
 from .tp import TPContext, placements, schedule_tp, tp_plan
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
@@ -128,18 +131,31 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
-    if t.share != "off" and problem.sizes.tp == 1:
-        warnings.warn(f"TPOptions.share = {t.share!r} shares matrices over TP groups; at tp = 1 "
-                      "it has no effect (DP pairs are not planned yet).", CanzonaWarning,
-                      stacklevel=2)
     if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
         from .tp.schedule import share_decision
 
         say("sharing decision")
         problem = dataclasses.replace(problem, shared=share_decision(problem, t.hardware,
                                                                      t.share))
+    pairs: list[dict] = []
+    if t.share != "off" and problem.sizes.tp == 1 and not problem.pairs:
+        say("sharing decision (DP pairs)")
+        # auto: the bound's choice, and every eligible task with and without the split; the
+        # partition keeps whichever lowers the busiest DP index most (or none).
+        modes = ("auto", "all", "all-split") if t.share == "auto" else (t.share,)
+        for mode in modes:
+            cand = pair_decision(problem, hw, mode)
+            if cand and cand not in pairs:
+                pairs.append(cand)
+        if not pairs:
+            warnings.warn(f"TPOptions.share = {t.share!r}: no matrix is worth sharing over DP "
+                          f"pairs here (Muon, a dense matrix whose rows are its long dimension, "
+                          f"dp ≥ 2).", CanzonaWarning, stacklevel=2)
     say("DP partition")
-    sol = solve(problem, o, progress=progress, hardware=hw)
+    if pairs:
+        sol = _solve_pairs(problem, pairs, o, progress, hw, keep=t.share != "auto")
+    else:
+        sol = solve(problem, o, progress=progress, hardware=hw)
     tp_section = hosts = None
     if problem.sizes.tp > 1 and not dp_only:
         say("tp micro-groups")
@@ -154,6 +170,35 @@ def plan_problem(
     return build_plan(sol.problem, sol.cuts, solver=recorded, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status, tp=tp_section,
                       placements=hosts, hardware=hw)
+
+
+def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
+                 progress: Callable[[str], None] | None, hw: HardwareProfile, *,
+                 keep: bool = False) -> Solution:
+    """The DP partition with DP pairs: the plan without them first (parameters reordered as
+    usual), then for each candidate set of shared tasks, in that plan's bucket order, each task
+    cut into its two pieces and the cuts polished, so that a bucket cut may fall between a
+    task's pieces. A candidate is kept if it lowers the busiest DP index most (its load counts
+    every piece's compute and collectives), or with ``keep`` (``share="all"``: the one
+    candidate); a task whose pieces stay on one DP index is whole again."""
+    say = progress or (lambda _msg: None)
+    sol = solve(problem, o, progress=progress, hardware=hw)
+    say("DP pairs")
+    best, best_load = sol, max(evaluate(sol.problem, sol.cuts).load)
+    for pairs in candidates:
+        # polished from the plan without pairs (in its order), and solved afresh in Megatron's
+        polished = improve(with_pairs(sol.problem, pairs), sol.cuts, o.comm_limit)
+        fresh = solve(with_pairs(problem, pairs), dataclasses.replace(o, reorder=False),
+                      hardware=hw).cuts
+        for base, cuts in ((sol.problem, polished), (problem, fresh)):
+            owners = pair_owners(with_pairs(base, pairs), cuts)
+            # both pieces on one DP index: the task is whole again
+            used = with_pairs(base, {i: x for i, x in pairs.items()
+                                     if owners[i][0] != owners[i][1]})
+            load = max(evaluate(used, cuts).load)
+            if used.pairs and (load < best_load or keep and best is sol):
+                best, best_load = Solution(cuts, "heuristic", used.lower_bound(), used), load
+    return best
 
 
 def _objective_name(objective: object) -> str:

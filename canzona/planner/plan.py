@@ -36,9 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from .errors import PlanFileError
 from .settings import OptimizerSettings
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
+#: The version of a plan whose TP groups share matrices (and no DP pair does).
+TP_SHARE_VERSION = 3
 
 #: Bucket collective methods (``canzona.planner.comm``; the runtime's spelling).
 CollectiveMethod = Literal["equal", "padded", "per_root", "all_reduce", "all_to_all"]
@@ -322,10 +324,35 @@ class CommPlan(_Frozen):
                                   "(methods then chosen with the default profile).")
 
 
-class Plan(_Frozen):
-    """A canzona plan (schema version 2, or 3 when its TP groups share matrices)."""
+class PairTaskPlan(_Frozen):
+    """A Muon matrix task two DP indices share (tp = 1, ``TPOptions.share``): a bucket cut
+    falls inside the parameter, at row ``row``, so DP index ``owners[0]`` holds rows [0, row)
+    and ``owners[1]`` rows [row, m) of the parameter, its gradient and its momentum (the
+    indices between them, if any, hold nothing of that bucket). Both orthogonalise the matrix
+    with shared Newton–Schulz, exchanging over the DP group (one n × n Gram per iteration; a
+    wide matrix's row blocks are first swapped for column blocks ⌈cols/2⌉ wide, and back
+    after) and apply their rows. Pairs run in
+    ``phase`` order; no DP index is in two pairs of one phase, so the pairs of a phase run side
+    by side and every index meets its partners in the order they meet it."""
 
-    schema_version: Literal[2, 3] = BASE_VERSION
+    id: int = Field(ge=0, description="task id (plan.tasks); its owner is owners[0].")
+    owners: tuple[int, int] = Field(description="the two DP indices, ascending.")
+    phase: int = Field(ge=0, description="when the pair runs (an edge colouring of the pairs).")
+    row: int = Field(gt=0, description="the first row of owners[1]'s piece.")
+    split_poly: bool = Field(description="the polynomial bG + cG² computed in row blocks over "
+                                         "the pair and all-gathered.")
+    load: int = Field(ge=0, description="per piece, cost-model units: the longer of its FLOPs "
+                                        "and its collectives' time (at the profile's rate).")
+    flops: int = Field(ge=0, description="shared Newton–Schulz FLOPs per piece and step.")
+    modelled_s: float = Field(ge=0, description="per piece: compute and the collectives, "
+                                                "seconds (hardware profile; not measured).")
+
+
+class Plan(_Frozen):
+    """A canzona plan (schema version 2; 3 when its TP groups share matrices; 4 when DP pairs
+    do)."""
+
+    schema_version: Literal[2, 3, 4] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
@@ -335,14 +362,29 @@ class Plan(_Frozen):
     metrics: Metrics
     tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
     comm: CommPlan
+    dp_shared: tuple[PairTaskPlan, ...] = Field(
+        default=(), description="matrix tasks shared by adjacent DP pairs (written only when "
+                                "any; schema version 4).")
 
     @model_validator(mode="after")
     def _version_fits(self) -> Plan:
         shares = self.tp is not None and any(ix.shared for ix in self.tp.indices)
-        if shares and self.schema_version < SCHEMA_VERSION:
+        if shares and self.schema_version < TP_SHARE_VERSION:
             raise ValueError(f"tp.indices hold shared tasks, which need schema_version "
-                             f"{SCHEMA_VERSION} (found {self.schema_version})")
+                             f"{TP_SHARE_VERSION} (found {self.schema_version})")
+        if self.dp_shared and self.schema_version < SCHEMA_VERSION:
+            raise ValueError(f"dp_shared lists tasks shared by DP pairs, which need "
+                             f"schema_version {SCHEMA_VERSION} (found {self.schema_version})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_empty_pairs(self, handler):  # noqa: ANN001, ANN202
+        """``dp_shared`` is written only by a plan that has DP pairs (version 4): every other
+        plan stays byte for byte what version 2 or 3 wrote."""
+        out = handler(self)
+        if not self.dp_shared:
+            out.pop("dp_shared", None)
+        return out
 
     def to_json(self) -> str:
         """Canonical text: fields in schema order, two-space indent, trailing newline."""

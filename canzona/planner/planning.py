@@ -24,9 +24,8 @@ from .errors import SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BASE_VERSION, SCHEMA_VERSION, BucketPlan, BufferPlan, Metrics, Plan, PlanInputs,
-                   RankLayout, SlotPlan,
-                   SolverOptions, TaskPlan, TPPlan)
+from .plan import (BASE_VERSION, SCHEMA_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
+                   PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).
@@ -62,6 +61,21 @@ class BucketProblem:
 
 
 @dataclass(frozen=True, slots=True)
+class PairShare:
+    """A Muon task two adjacent DP indices share (tp = 1, ``TPOptions.share``;
+    ``sharing.pair_decision``): rows [0, ``row``) are one piece, [``row``, m) the other.
+    ``load``: per piece, the longer of its compute and its collectives in cost units (what the
+    DP side balances); ``flops``: per piece and step; ``compute_s``/``comm_s``: per piece."""
+
+    row: int
+    split_poly: bool
+    load: int
+    flops: int
+    compute_s: float
+    comm_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class DPProblem:
     """The α-balanced partitioning problem of one model at one set of sizes."""
 
@@ -82,6 +96,9 @@ class DPProblem:
     #: nothing is hosted. The load is max(compute, collectives) at the profile's rate (what the
     #: piece adds to its group's lockstep phase when others hide its collectives).
     shared: Mapping[int, tuple[float, bool, float, float]] = field(default_factory=dict)
+    #: Tasks adjacent DP pairs share (tp = 1): task id → its two pieces. ``with_pairs`` cuts
+    #: each such task's bucket item into two atomic items at the row boundary.
+    pairs: Mapping[int, PairShare] = field(default_factory=dict)
 
     @property
     def dp(self) -> int:
@@ -142,6 +159,66 @@ def make_problem(
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     return DPProblem(spec, sizes, settings, layout, tuple(tasks), costs, loads,
                      getattr(model, "name", "custom"), tuple(buckets), sum(loads), comm_dtype)
+
+
+def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
+    """``problem`` with ``pairs``: each task's item (a whole-parameter matrix) becomes two atomic
+    items, rows [0, row) and [row, m), each carrying one piece's load and FLOPs and its rows'
+    share of the state. The DP solvers then place the pieces like any matrix; a plan keeps a
+    pair only where the pieces land on adjacent DP indices (``pair_owners``)."""
+    if not pairs:
+        return dataclasses.replace(problem, pairs={})
+    buckets = []
+    total = problem.total
+    for b in problem.buckets:
+        items: list[Item] = []
+        for it in b.items:
+            x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
+            if x is None:
+                items.append(dataclasses.replace(it, slot=len(items)))
+                continue
+            items.extend(pair_items(it, problem.tasks[it.tasks[0]].shape, x.row, x.load,
+                                    x.flops, len(items)))
+            total += 2 * x.load - it.load
+        buckets.append(dataclasses.replace(b, items=tuple(items)))
+    return dataclasses.replace(problem, buckets=tuple(buckets), total=total, pairs=dict(pairs))
+
+
+def pair_items(it: Item, shape: tuple[int, ...], row: int, load: int, flops: int,
+               slot: int) -> tuple[Item, Item]:
+    """The two pieces of a whole-matrix item (``shape`` rows × cols) cut before ``row``: each
+    with one piece's ``load`` and ``flops``, and its rows' share of the item's state bytes."""
+    rows, cols = shape
+    mid = it.start + row * cols
+    first = it.state_bytes * row // rows
+    return (Item(slot, it.start, mid, load, flops, first, True, it.tasks),
+            Item(slot + 1, mid, it.end, load, flops, it.state_bytes - first, True, it.tasks))
+
+
+def pair_owners(problem: DPProblem, cuts: Cuts) -> dict[int, tuple[int, int]]:
+    """Task id → the DP indices of its two pieces, for every task of ``problem.pairs``."""
+    out: dict[int, list[int]] = {}
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for it in b.items:
+            if len(it.tasks) == 1 and it.tasks[0] in problem.pairs:
+                out.setdefault(it.tasks[0], []).append(problem.dp_index(b, owner_of(c, it.start)))
+    return {t: (d[0], d[1]) for t, d in out.items()}
+
+
+def pair_phases(owners: Mapping[int, tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """A phase per distinct pair of DP indices such that no index is in two pairs of one phase
+    (greedy edge colouring in (d0, d1) order: deterministic, at most 2Δ − 1 phases for Δ pairs
+    per index). The tasks of one pair share its phase (one lockstep run)."""
+    used: dict[int, set[int]] = {}
+    out: dict[tuple[int, int], int] = {}
+    for a, b in sorted(set(owners.values())):
+        busy = used.setdefault(a, set()) | used.setdefault(b, set())
+        ph = next(k for k in range(len(busy) + 1) if k not in busy)
+        used[a].add(ph)
+        used[b].add(ph)
+        out[(a, b)] = ph
+    return out
 
 
 def equal_cuts(b: BucketProblem) -> tuple[int, ...]:
@@ -207,7 +284,7 @@ def evaluate(problem: DPProblem, cuts: Cuts,
                 flops[d] += it.flops
                 state[d] += it.state_bytes
                 for t in it.tasks:
-                    owners[t] = d
+                    owners.setdefault(t, d)  # a pair's task: the owner of its first piece
                 continue
             # Divisible (AdamW) item, or a split matrix charged by fragments: share by elements.
             n = it.end - it.start
@@ -299,12 +376,21 @@ def build_plan(
         cost_model=problem.cost_model, bucket_size=problem.layout.bucket_size,
         grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
         comm_dtype=problem.comm_dtype, solver=solver)
-    shares = tp is not None and any(ix.shared for ix in tp.indices)
-    return Plan(schema_version=SCHEMA_VERSION if shares else BASE_VERSION,
+    pairs = pair_owners(problem, cuts)
+    phases = pair_phases(pairs)
+    dp_shared = tuple(
+        PairTaskPlan(id=i, owners=pairs[i], phase=phases[pairs[i]], row=x.row,
+                     split_poly=x.split_poly, load=x.load,
+                     flops=x.flops, modelled_s=round(x.compute_s + x.comm_s, 9))
+        for i, x in sorted(problem.pairs.items()))
+    tp_shares = tp is not None and any(ix.shared for ix in tp.indices)
+    version = SCHEMA_VERSION if dp_shared else TP_SHARE_VERSION if tp_shares else BASE_VERSION
+    return Plan(schema_version=version,
                 inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                 fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
                 buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
-                comm=comm_model.comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp))
+                comm=comm_model.comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp),
+                dp_shared=dp_shared)
 
 
 def _placement(placements: Mapping[int, tuple[int, int]] | None, task: int) -> dict[str, int]:

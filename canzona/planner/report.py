@@ -67,6 +67,29 @@ def useful_mean(plan: Plan) -> float:
     return total / (plan.inputs.dp * tp)
 
 
+def pairs_dict(plan: Plan) -> dict | None:
+    """The matrices DP pairs share (``plan.dp_shared``; None when none): how many, of which
+    kinds, how many with the polynomial split, the phases, and the busiest DP index against the
+    mean useful work (every task's single-device cost once, not its pieces and collectives)."""
+    if not plan.dp_shared:
+        return None
+    from .sharing import kind_of
+
+    m = plan.metrics
+    total = sum(m.dp_load) + sum(plan.tasks[x.id].cost - 2 * x.load for x in plan.dp_shared)
+    mean = total / plan.inputs.dp
+    kinds: dict[str, int] = {}
+    for x in plan.dp_shared:
+        k = kind_of(plan.tasks[x.id].param)
+        kinds[k] = kinds.get(k, 0) + 1
+    return {"tasks": len(plan.dp_shared), "split_poly": sum(x.split_poly for x in plan.dp_shared),
+            "phases": 1 + max(x.phase for x in plan.dp_shared),
+            "adjacent": sum(x.owners[1] == x.owners[0] + 1 for x in plan.dp_shared),
+            "kinds": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "useful_mean_load": mean, "max_load": max(m.dp_load),
+            "max_over_useful_mean": round(max(m.dp_load) / mean, 6) if mean else 1.0}
+
+
 def peak_within_cmax(plan: Plan) -> int:
     """The peak gathered bytes per host rank over the groups that are not oversized (≤ C_max)."""
     return max((g.peak_gathered_bytes for ix in plan.tp.indices  # type: ignore[union-attr]
@@ -223,6 +246,7 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
         tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
                                      m.max_over_mean, m.gap_to_lb_gpu))
     report["tp_schedule"] = tp_dict(plan, tp_rows)
+    report["dp_pairs"] = pairs_dict(plan)
     report["sharing"] = None
     if problem is not None:
         from .sharing import sharing_bound

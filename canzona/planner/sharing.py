@@ -1,6 +1,6 @@
 """Beyond the atomic bound: which matrix updates a few ranks would share, over which group, and
-the per-GPU bound that gives (issue 18, items 2 and 4 — the planner's decision and bound; the
-TP schedule and the runtime do not execute shared tasks yet).
+the per-GPU bound that gives (issue 18, items 2 and 4: the planner's decision and bound; the TP
+schedule and the runtime execute what ``TPOptions.share`` chooses).
 
 Whole-matrix ownership has a floor: no GPU finishes before the largest single task, so the atomic
 bound is LB = max(mean, largest task), the mean being the useful work per GPU (the single-device
@@ -14,8 +14,11 @@ iteration computes its partial Gram (one n × n all-reduce) and its rows of the 
 * ``tp``: the TP group of the owning DP index (k = tp) — for a TP-split matrix whose split
   dimension is its long one (column-parallel QKV and fc1, row-parallel proj and fc2 of the usual
   shapes): the shards *are* the row blocks, nothing is gathered to a host;
-* ``dp``: k = 2 or 4 adjacent DP indices (fixed pairs or quads, created once) — for a matrix TP
-  does not split (tp = 1): its ZeRO-1 cut moves to a row boundary of the long dimension.
+* ``dp``: k = 2 or 4 DP indices — for a matrix TP does not split (tp = 1): its ZeRO-1 cut moves
+  to a row boundary; a wide matrix's row blocks are blocks of its short dimension, so the ranks
+  swap them for column blocks before the iteration and back after (two all-to-alls). The
+  planner and the runtime do pairs (``pair_decision``, ``runtime.pairs``); quads are in the
+  bound only.
 
 The collectives sit on the critical path of every iteration (the next step needs the reduced
 Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a
@@ -32,16 +35,17 @@ the plan's cost units (a task's load per FLOP converts FLOPs and seconds).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from .cost import load_hardware
 from .formulas import lockstep_batches, lockstep_bytes
 from .hardware import HardwareProfile, LinkProfile
-from .planning import DPProblem, equal_cuts
+from .planning import DPProblem, PairShare, equal_cuts
 
-__all__ = ["ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
-           "lockstep_bytes", "lockstep_seconds", "share_options", "sharing_bound"]
+__all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
+           "lockstep_bytes", "lockstep_seconds", "pair_decision", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -131,9 +135,12 @@ def _all_gather_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
 
 
 def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: int,
-                 link: LinkProfile) -> ShareOption:
+                 link: LinkProfile, *, exchange: bool = False) -> ShareOption:
     """One sharing rank's Newton–Schulz FLOPs and collective seconds per step for an m × n
-    matrix (m ≥ n) shared by ``k`` ranks over ``link`` (``e`` bytes per element)."""
+    matrix (m ≥ n) shared by ``k`` ranks over ``link`` (``e`` bytes per element).
+    ``exchange``: the ranks hold blocks of the short dimension (a wide matrix cut between two
+    rows in a DP buffer) and swap them for long-dimension blocks before the iteration and back
+    after (``runtime.pairs``): two all-to-alls of each rank's m·n/k elements."""
     rows = -(-m // k)
     if split:
         poly_rows = -(-n // k)
@@ -142,6 +149,8 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     else:
         flops = steps * (4 * n * n * rows + 2 * n ** 3)
         comm = steps * _all_reduce_s(n * n, e, k, link)
+    if exchange:
+        comm += 2 * (link.latency_s + (k - 1) / k * (m * n / k) * e / link.busbw)
     return ShareOption(group, k, split, flops, comm)
 
 
@@ -160,9 +169,11 @@ def lockstep_seconds(pieces: list[tuple[float, float]], steps: int) -> float:
 
 
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
-                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp")) -> list[ShareOption]:
+                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp"),
+                  dp_sizes: tuple[int, ...] = DP_GROUP_SIZES) -> list[ShareOption]:
     """Every way ``task`` may be shared over the ``groups`` kinds (none for a non-Muon task or
-    one that cannot be)."""
+    one that cannot be). DP groups (``dp_sizes`` DP indices) share a whole parameter cut in its
+    buffer between two rows (a wide one's blocks exchanged for column blocks: its cost)."""
     t = problem.tasks[task]
     if problem.settings.name != "muon" or t.optimizer != "matrix" or len(t.shape) != 2:
         return []
@@ -179,11 +190,14 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
         if (p.tp_dim == long_dim or rows == cols) and t.part is None:
             link = hw.link(tp)
             out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
-    elif (tp == 1 or not t.tp_split) and "dp" in groups:
-        for k in DP_GROUP_SIZES:
-            if k <= sizes.dp and sizes.dp % k == 0 and m >= k:
+    elif (tp == 1 or not t.tp_split) and "dp" in groups and t.part is None:
+        # The ZeRO-1 cut moves to a row boundary; a wide matrix's row blocks are swapped for
+        # column blocks (its long dimension) before the iteration and back after.
+        for k in dp_sizes:
+            if k <= sizes.dp and sizes.dp % k == 0 and min(rows, cols) >= k:
                 link = hw.link(k * sizes.tp)
-                out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+                out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link,
+                                     exchange=rows < cols) for s in (False, True)]
     return out
 
 
@@ -200,7 +214,8 @@ def _useful_total(problem: DPProblem) -> float:
 
 def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100",
                   ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp"),
-                  lockstep: bool = False) -> SharingReport:
+                  lockstep: bool = False,
+                  dp_sizes: tuple[int, ...] = DP_GROUP_SIZES) -> SharingReport:
     """The atomic per-GPU bound and the bound with Muon tasks shared (see the module docstring).
 
     Args:
@@ -209,6 +224,7 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
             seconds into FLOPs.
         ns_bytes: bytes per element of the Newton–Schulz iteration (bf16: 2).
         groups: the sharing groups allowed (``("tp",)``: the TP schedule's ``share="auto"``).
+        dp_sizes: the DP group sizes allowed (``(2,)``: the pairs ``pair_decision`` plans).
         lockstep: choose among the options that fit by the longer of a piece's compute and its
             collectives (what it adds to a group run in lockstep, where the others hide the
             shorter) instead of by the FLOPs sharing adds.
@@ -237,7 +253,8 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         flops = problem.costs[i].flops
         unit = load / flops if flops else 0.0
         best = None
-        for o in share_options(problem, i, hw, ns_bytes=ns_bytes, groups=groups):
+        for o in share_options(problem, i, hw, ns_bytes=ns_bytes, groups=groups,
+                               dp_sizes=dp_sizes):
             path = (o.piece_flops + o.comm_s * rate) * unit
             over = max(0.0, (o.k * o.piece_flops - flops) * unit)
             fits = path <= target
@@ -261,6 +278,42 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
     path = max((s.path_load for s in shared), default=0.0)
     return SharingReport(name, gpus, mean, largest, atomic, max(bound, mean), extra,
                          tuple(shared), longest_path=max(path, float(unshared_max)))
+
+
+def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
+                  mode: str = "auto") -> dict[int, PairShare]:
+    """``TPOptions.share`` at tp = 1: the tasks adjacent DP pairs share (``auto``: those the bound
+    shares over pairs; ``all``/``all-split``: every eligible one — a whole Muon matrix of a
+    dense buffer). A piece's load is its compute plus its
+    collectives (a DP index rarely holds two pieces of one pair to hide one behind the other)."""
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    if problem.sizes.tp != 1 or problem.dp < 2 or problem.settings.name != "muon":
+        return {}
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    dense = {problem.tasks[i].param for b in problem.buckets for it in b.items for i in it.tasks
+             if not problem.layout.buffers[b.buffer].expert}
+    if mode in ("all", "all-split"):
+        chosen = {}
+        for t in problem.tasks:
+            opts = [o for o in share_options(problem, t.id, hw, groups=("dp",), dp_sizes=(2,))
+                    if o.split_poly == (mode == "all-split")]
+            if opts:
+                chosen[t.id] = opts[0]
+    else:
+        report = sharing_bound(problem, hardware=hw, groups=("dp",), dp_sizes=(2,))
+        chosen = {x.task: x.option for x in report.shared}
+    out = {}
+    for i, o in sorted(chosen.items()):
+        t = problem.tasks[i]
+        if t.param not in dense:
+            continue
+        flops = problem.costs[i].flops
+        unit = problem.loads[i] / flops if flops else 0.0
+        compute = o.piece_flops / rate
+        load = math.ceil((compute + o.comm_s) * rate * unit)
+        out[i] = PairShare(-(-t.shape[0] // 2), o.split_poly, load, o.piece_flops, compute,
+                           o.comm_s)
+    return out
 
 
 def kind_of(name: str) -> str:

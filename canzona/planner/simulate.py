@@ -130,7 +130,8 @@ class GroupWork:
 class RankWork:
     """A global rank's local optimizer work (outside the micro-groups)."""
 
-    matrix_s: float = 0.0  # owned whole matrices (tp = 1, or replicated under TP)
+    # owned whole matrices (tp = 1, or replicated under TP); DP pairs' pieces and their exchanges
+    matrix_s: float = 0.0
     adamw_s: float = 0.0  # element-wise updates of its slices
     matrix_flops: int = 0
     adamw_flops: int = 0
@@ -564,11 +565,21 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             for g in ix.groups:
                 grouped.update(gt.id for gt in g.tasks)
             grouped.update(x.id for x in ix.shared)
+    pairs = {x.id: x for x in plan.dp_shared}
     mat_flops = [0] * (dp * tp)
+    waits = [0.0] * (dp * tp)  # DP pairs' collectives, on the critical path of their pieces
     for task in plan.tasks:
-        if task.owner is not None and task.id not in grouped:
+        if task.owner is not None and task.id not in grouped and task.id not in pairs:
             for t in range(tp):
                 mat_flops[task.owner * tp + t] += task.flops
+    for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
+        rows, cols = plan.tasks[x.id].shape
+        o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
+                         inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype], hw.link(2),
+                         exchange=rows < cols)
+        for d in x.owners:
+            mat_flops[d] += o.piece_flops
+            waits[d] += o.comm_s
 
     flops_of = {task.id: task.flops for task in plan.tasks}
     groups: list[tuple[GroupWork, ...]] = []
@@ -609,7 +620,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 gs.append(GroupWork(gs_s, sc_s, tuple(f / mat_rate for f in fl), gb, tuple(fl)))
             groups.append(tuple(gs))
 
-    ranks = tuple(RankWork(mat_flops[r] / mat_rate,
+    ranks = tuple(RankWork(mat_flops[r] / mat_rate + waits[r],
                            max(adam_flops[r] / adam_rate,
                                adam_elems[r] * ADAMW_BYTES_PER_ELEMENT / hw.memory_bandwidth),
                            mat_flops[r], int(round(adam_flops[r]))) for r in range(dp * tp))

@@ -39,7 +39,7 @@ from .hardware import load_hardware
 from .layout import ParallelSizes, padded_vocab
 from .plan import Plan, gc_paused
 from .plan_load import check_structure, inconsistency
-from .planning import GRAD_BYTES, BucketProblem, DPProblem, Item, evaluate
+from .planning import GRAD_BYTES, BucketProblem, DPProblem, Item, evaluate, pair_items, pair_owners
 
 __all__ = ["check_plan", "load_plan", "parse_plan"]
 
@@ -133,6 +133,8 @@ def _check(plan: Plan, source: str) -> None:
 
     # Slots (TP-local shards) against their tasks: which parameters TP splits; the items of the
     # DP problem the cuts were chosen for.
+    pairs = {x.id: x for x in plan.dp_shared}
+    _check_pairs(plan, bad)
     slots: dict[str, tuple[int, str, int, tuple[int, int, int]]] = {}  # t, split?, numel, where
     buckets = []
     cuts = {}
@@ -169,8 +171,13 @@ def _check(plan: Plan, source: str) -> None:
                 else:
                     kind = "yes"
                 slots[sl.name] = (t_size, kind, local, (bi, j, k))
-                items.append(Item(k, sl.start, sl.end, load, flops, state,
-                                  t0.optimizer == "matrix", tuple(ids)))
+                item = Item(len(items), sl.start, sl.end, load, flops, state,
+                            t0.optimizer == "matrix", tuple(ids))
+                x = pairs.get(ids[0]) if len(ids) == 1 else None
+                if x is None:
+                    items.append(item)
+                else:  # shared by a DP pair: its two pieces (checked in _check_pairs)
+                    items.extend(pair_items(item, t0.shape, x.row, x.load, x.flops, len(items)))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
             cuts[(bi, b.index)] = b.cuts
 
@@ -263,7 +270,9 @@ def _check_loads(plan: Plan, buckets: list[BucketProblem], cuts: dict, slots: di
     problem = DPProblem(spec=None, sizes=ParallelSizes(dp=dp, tp=inp.tp, ep=inp.ep),  # type: ignore[arg-type]
                         settings=inp.optimizer, layout=SimpleNamespace(buffers=plan.buffers),  # type: ignore[arg-type]
                         tasks=(), costs=(), loads=loads, cost_model=inp.cost_model,
-                        buckets=tuple(buckets), total=sum(loads))
+                        buckets=tuple(buckets),
+                        total=sum(it.load for b in buckets for it in b.items),
+                        pairs={x.id: x for x in plan.dp_shared})
     fragments = inp.solver.strategy == "zero1"
     ev = evaluate(problem, cuts, split_mode="fragments" if fragments else "owner")
     for i, t in enumerate(tasks):
@@ -276,6 +285,12 @@ def _check_loads(plan: Plan, buckets: list[BucketProblem], cuts: dict, slots: di
                       f"is {t.owner} but the cuts of buffers[{bi}].buckets[{j}] put '{_name(t)}' "
                       f"(slot {k}) on DP index {d}: a matrix belongs to the rank whose slice holds "
                       f"its first element")
+    for k, x in enumerate(plan.dp_shared):
+        got = pair_owners(problem, cuts).get(x.id)
+        if got != tuple(x.owners):
+            raise bad(f"dp_shared[{k}].owners", f"are {list(x.owners)} but the cuts put the "
+                                               f"pieces of task {x.id} on DP indices "
+                                               f"{list(got or ())}")
     what = {
         "dp_load": "the cost of the tasks it owns plus its share of the AdamW elements",
         "dp_flops": "the flops of the tasks it owns plus its share of the AdamW elements",
@@ -310,6 +325,65 @@ def _check_loads(plan: Plan, buckets: list[BucketProblem], cuts: dict, slots: di
     if not _close(m.gap_to_bound, exp_gap):
         raise bad("metrics.gap_to_bound", f"is {m.gap_to_bound} but max(dp_load) / "
                                           f"certified_bound - 1 is {exp_gap}")
+
+
+def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
+    """The tasks DP pairs share (``dp_shared``): each a whole Muon matrix of a dense buffer,
+    at tp = 1, its cut row inside it, its two owners
+    distinct and ascending, no DP index in two pairs of one phase, its per-piece FLOPs the
+    shared Newton–Schulz's (the load adds the collectives' time: at least the FLOPs)."""
+    from .sharing import shared_piece
+
+    inp, tasks = plan.inputs, plan.tasks
+    if not plan.dp_shared:
+        return
+    if inp.tp != 1:
+        raise bad("dp_shared", f"lists {len(plan.dp_shared)} tasks but DP pairs are planned at "
+                               f"tp = 1 only (inputs.tp is {inp.tp})")
+    if inp.optimizer.name != "muon":
+        raise bad("dp_shared", f"lists tasks but sharing is Muon's (inputs.optimizer is "
+                               f"{inp.optimizer.name})")
+    expert = {sl.name for buf in plan.buffers if buf.expert for b in buf.buckets
+              for sl in b.slots}
+    link = load_hardware("h100").intra_node  # the FLOPs do not depend on the link
+    seen: set[int] = set()
+    phase: dict[tuple[int, int], int] = {}
+    busy: dict[tuple[int, int], tuple[int, int]] = {}
+    for k, x in enumerate(plan.dp_shared):
+        xf = f"dp_shared[{k}]"
+        if x.id >= len(tasks) or x.id in seen:
+            raise bad(f"{xf}.id", f"is {x.id}: not a task id, or listed twice")
+        seen.add(x.id)
+        t = tasks[x.id]
+        if t.optimizer != "matrix" or t.part is not None or len(t.shape) != 2 \
+                or t.param in expert:
+            raise bad(f"{xf}.id", f"task {x.id} ('{_name(t)}') is not a whole dense matrix")
+        rows, cols = t.shape
+        if not 0 < x.row < rows or (rows < cols and cols < 2):
+            raise bad(f"{xf}.row", f"is {x.row} but task {x.id} has rows 0 … {rows}")
+        a, b = x.owners
+        if not 0 <= a < b < inp.dp or t.owner != a:
+            raise bad(f"{xf}.owners", f"are {list(x.owners)} but must be two DP indices in "
+                                      f"[0, {inp.dp}), ascending, the first the task's owner "
+                                      f"({t.owner})")
+        if phase.setdefault((a, b), x.phase) != x.phase:
+            raise bad(f"{xf}.phase", f"is {x.phase} but pair {[a, b]} runs in phase "
+                                     f"{phase[(a, b)]}")
+        for d in (a, b):
+            other = busy.setdefault((d, x.phase), (a, b))
+            if other != (a, b):
+                raise bad(f"{xf}.phase", f"puts DP index {d} in pairs {list(other)} and "
+                                         f"{[a, b]} in phase {x.phase}: they would wait for "
+                                         f"each other")
+        o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
+                         inp.optimizer.ns_steps, 2, link)
+        if x.flops != o.piece_flops:
+            raise bad(f"{xf}.flops", f"is {x.flops} but shared Newton–Schulz of task {x.id} "
+                                     f"over 2 ranks is {o.piece_flops} per piece")
+        want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
+        if x.load < want - 1:
+            raise bad(f"{xf}.load", f"is {x.load} but a piece of task {x.id} costs at least "
+                                    f"{round(want)}")
 
 
 def _check_tp(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001

@@ -59,9 +59,15 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     matrix = {t.param for t in plan.tasks if t.optimizer == "matrix"}
     shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
               else set())
+    pairs = {x.id: x for x in plan.dp_shared}
     total = sum(t.state_bytes // plan.inputs.tp if t.id in shared else t.state_bytes
                 for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
-                and (t.host is None or t.host == tp_rank))
+                and (t.host is None or t.host == tp_rank) and t.id not in pairs)
+    for x in pairs.values():  # shared by a DP pair: each holds its rows of the state (momentum)
+        t = plan.tasks[x.id]
+        if dp_rank in x.owners:
+            first = t.state_bytes * x.row // t.shape[0]
+            total += first if dp_rank == x.owners[0] else t.state_bytes - first
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
 
 

@@ -66,6 +66,7 @@ from canzona.runtime.introspect import is_tp_split, local_tensor, named_params
 from canzona.runtime.megatron import MEGATRON_SUM_GRADS, find_gpt
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.optim._base import NonFiniteGradientError
+from canzona.runtime.pairs import PairRunner
 from canzona.runtime.schedule import build_schedule
 from canzona.runtime.tp import MicroGroupRunner, build_shared_tasks, build_tp_groups
 
@@ -303,6 +304,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
         update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
                                 self._adamw, device)
+        self._pairs = PairRunner(self._schedule.mine, dp_group=self._group, dp_rank=self._rank,
+                                 timeout_s=self._timeout, flight=self._flight)
         self._micro = MicroGroupRunner(
             build_tp_groups(plan, self._names, self._schedule.param_bucket,
                             self._schedule.param_range,
@@ -504,8 +507,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def _compute_matrix_directions(self) -> dict[int, Tensor]:
         """Phase 3: the update directions of every matrix this rank owns, in one kernel call."""
-        return update.matrix_directions(self._schedule.mine, self._buffers, self._params,
-                                        self.state, self._matrix, self._grads.received_anywhere)
+        out = update.matrix_directions(self._schedule.mine, self._buffers, self._params,
+                                       self.state, self._matrix, self._grads.received_anywhere)
+        # Matrices shared with another DP rank (plan.dp_shared): shared Newton–Schulz per pair.
+        out.update(self._pairs.directions(self._buffers, self._params, self.state, self._matrix,
+                                          self._grads.received_anywhere))
+        return out
 
     def _run_tp_microgroups(self) -> None:
         """Phase 3b (tp > 1): for each micro-group of this TP group, in plan order, the

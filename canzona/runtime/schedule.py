@@ -55,6 +55,17 @@ class MatrixTask:
     hi: int
     row0: int
     shape: tuple[int, int]
+    #: A piece of a matrix two DP ranks share (``plan.dp_shared``; ``runtime.pairs``): the
+    #: whole matrix's shape, the pair's DP indices, its phase and polynomial split.
+    full: tuple[int, int] | None = None
+    pair: tuple[int, int] | None = None
+    phase: int = 0
+    split_poly: bool = False
+
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        """The shape of the matrix this task orthogonalises (its piece's, for a shared one)."""
+        return self.full or self.shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +157,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     matrix_params: dict[int, None] = {}  # ordered set
     shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
               else set())
+    pairs = {x.id: x for x in plan.dp_shared}
     for t in plan.tasks:
         i = index[t.param]
         bi = param_bucket[i]
@@ -164,6 +176,25 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                 split_seen.add(i)
                 c0 = cuts[t.owner]
                 split[t.owner][bi].append(SplitParam(i, t.param, bi, lo - c0, hi - c0))
+        elif t.optimizer == "matrix" and t.id in pairs:
+            # Shared by two DP ranks: each holds a row block (the cut is inside the matrix).
+            x = pairs[t.id]
+            rows, cols = t.shape
+            rows_done[t.param] += rows
+            matrix_params[i] = None
+            for owner, r0, r1 in ((x.owners[0], 0, x.row), (x.owners[1], x.row, rows)):
+                a, z = lo + r0 * cols, lo + r1 * cols
+                holders = [r for r in range(dp) if cuts[r] < z and a < cuts[r + 1]]
+                if holders != [owner]:
+                    raise PlanMismatchError(
+                        f"the plan shares matrix '{t.param}' by DP indices {list(x.owners)} but "
+                        f"the cuts put rows [{r0}, {r1}) on DP ranks {holders}; the plan is "
+                        f"inconsistent.")
+                c0 = cuts[owner]
+                matrix[owner][bi].append(MatrixTask(
+                    t.id, i, t.param, None, bi, a - c0, z - c0, r0, (r1 - r0, cols),
+                    full=(rows, cols), pair=tuple(x.owners), phase=x.phase,  # type: ignore[arg-type]
+                    split_poly=x.split_poly))
         elif t.optimizer == "matrix":
             rows, cols = t.shape
             row0 = rows_done[t.param]

@@ -45,10 +45,11 @@ def matrix_directions(work: WorkOrder, buffers: Sequence[BucketBuffers], params:
                       received: Sequence[int]) -> dict[int, Tensor]:
     """Per owned matrix task id, its update direction from the averaged gradient in
     ``buffers[b].own``; tasks of parameters that no rank received a gradient for
-    (``received[i] == 0``) are left out. One kernel call for all of them: same shapes are batched
+    (``received[i] == 0``) are left out, and so are the pieces DP pairs share
+    (``runtime.pairs``). One kernel call for all of them: same shapes are batched
     across buckets (a kernel that overlapped a running all-gather would compete with it for cores
     and memory bandwidth, and lose the batching)."""
-    tasks = [t for ts in work.matrix for t in ts if received[t.param]]
+    tasks = [t for ts in work.matrix for t in ts if received[t.param] and t.pair is None]
     if not tasks:
         return {}
     grads = [buffers[t.bucket].own[t.lo:t.hi].view(t.shape) for t in tasks]
@@ -73,7 +74,7 @@ def apply_bucket(bucket: int, work: WorkOrder, buf: BucketBuffers, params: list[
             p = params[t.param].view(-1, t.shape[1])[t.row0:t.row0 + t.shape[0]]
         else:
             p = main[t.lo:t.hi].view(t.shape)
-        matrix.apply(p, u, full_shape=t.shape)  # lr, wd: the group's (synced)
+        matrix.apply(p, u, full_shape=t.full_shape)  # lr, wd: the group's (synced)
         if main is not None:
             own_params[t.lo:t.hi].copy_(main[t.lo:t.hi])
     slices = [a for a in work.adamw[bucket] if received[a.param]]

@@ -12,7 +12,7 @@ from canzona.planner import ParallelSizes, TPOptions
 from canzona.planner.errors import PlanFileError
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import plan
-from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, save_plan
+from canzona.planner.plan import BASE_VERSION, TP_SHARE_VERSION, save_plan
 from canzona.planner.report import useful_mean
 from canzona.planner.sharing import kind_of
 from canzona.planner.simulate import simulate_plan
@@ -40,7 +40,7 @@ def test_auto_shares_the_heavy_mlp_matrices_and_hosts_the_rest(q32):
         assert any(x.id == i for x in p.tp.indices[t.owner].shared)
     hosted = {gt.id for ix in p.tp.indices for g in ix.groups for gt in g.tasks}
     assert hosted and not hosted & shared
-    assert p.schema_version == SCHEMA_VERSION and p.tp.share == "auto"
+    assert p.schema_version == TP_SHARE_VERSION and p.tp.share == "auto"
 
 
 def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32):
@@ -129,11 +129,3 @@ def test_share_is_checked():
 
     with pytest.raises(CanzonaError, match="share"):
         TPOptions(share="sometimes")
-
-
-def test_share_at_tp1_is_a_note_and_changes_nothing():
-    from canzona.planner.errors import CanzonaWarning
-
-    with pytest.warns(CanzonaWarning, match="at tp = 1 it has no effect"):
-        p = plan("qwen3-0.6b", ParallelSizes(dp=2, tp=1), tp_options=TPOptions(share="auto"))
-    assert p.to_json() == plan("qwen3-0.6b", ParallelSizes(dp=2, tp=1)).to_json()

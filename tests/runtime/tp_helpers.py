@@ -133,16 +133,18 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
                   split: bool = False, accum: int = 1, clip: float | None = None,
                   steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
                   sequence_parallel: bool = False, bf16: bool = False,
-                  share: str = "off", cmax_mib: float = 0.05) -> dict:
+                  share: str = "off", cmax_mib: float = 0.05, plan=None) -> dict:
     """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end.
-    ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``)."""
+    ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
+    instead of ``plan_for``'s (a zero-argument callable making it)."""
     import canzona
 
     assert world == dp * tp
     dp_group, tp_group = groups(dp, tp)
     dp_rank, tp_rank = rank // tp, rank % tp
-    plan = plan_for(dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32",
-                    share=share, cmax_mib=cmax_mib)
+    plan = plan() if plan is not None else plan_for(
+        dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32", share=share,
+        cmax_mib=cmax_mib)
     low = torch.bfloat16 if bf16 else torch.float32
     ps = spec().params
     start = initial_full()

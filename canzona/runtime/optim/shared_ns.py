@@ -119,6 +119,8 @@ from canzona.runtime.optim.muon import (
 
 __all__ = [
     "Orientation",
+    "PeerPair",
+    "pair_exchange",
     "dp_row_block",
     "orientation",
     "shared_newton_schulz",
@@ -167,10 +169,10 @@ def shared_newton_schulz(
         equal to ``newton_schulz(whole)`` restricted to these rows up to summation order.
     """
     schedule = _checked("shared_newton_schulz", [block], coefficients, steps, eps)
-    k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    k = _size(group)
     if k == 1:
         return newton_schulz(block, schedule, eps=eps, dtype=dtype)
-    if dist.get_rank(group) < 0:
+    if _rank(group) < 0:
         raise ValueError("shared_newton_schulz: this rank is not a member of `group`")
     # One implementation: the lockstep loop of shared_newton_schulz_many with one matrix.
     return shared_newton_schulz_many([block], group=group, coefficients=schedule, steps=steps,
@@ -239,13 +241,13 @@ def shared_newton_schulz_many(
     if len(splits) != len(blocks) or len(names) != len(blocks):
         raise ValueError(f"shared_newton_schulz_many: {len(blocks)} blocks but "
                          f"{len(splits)} split flags and {len(names)} names")
-    k = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    k = _size(group)
     if not blocks:
         return []
     schedule = _checked("shared_newton_schulz_many", blocks, coefficients, steps, eps)
     if k == 1:  # the single-device kernel
         return [newton_schulz(b, schedule, eps=eps, dtype=dtype) for b in blocks]
-    r = dist.get_rank(group)
+    r = _rank(group)
     if r < 0:
         raise ValueError("shared_newton_schulz_many: this rank is not a member of `group`")
     me = dist.get_rank()
@@ -276,7 +278,7 @@ def shared_newton_schulz_many(
 
     def launch_gram(t: _Task, step: int) -> None:
         torch.mm(t.X.mT, t.X, out=t.gram)
-        t.work = launch(dist.all_reduce(t.gram, group=group, async_op=True),
+        t.work = launch(_all_reduce(t.gram, group),
                         f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
@@ -294,7 +296,7 @@ def shared_newton_schulz_many(
             if t.split:
                 torch.addmm(t.gram[t.lo:t.hi], t.gram[t.lo:t.hi], t.gram, beta=b, alpha=c,
                             out=t.send[:t.hi - t.lo])  # type: ignore[index]
-                t.work = launch(_all_gather(t.gathered, t.send, group=group, async_op=True),
+                t.work = launch(_gather(t.gathered, t.send, group),
                                 f"the polynomial all-gather (step {step}) of {t.label}")
             else:
                 torch.addmm(t.gram, t.gram, t.gram, beta=b, alpha=c, out=t.poly)
@@ -322,12 +324,92 @@ def _normalise_first(t: _Task, group: Any, eps: float, timeout_s: float | None, 
         t.gram.div_(norm).div_(norm)
         return
     sq = t.X.to(acc).square().sum().reshape(1)
-    wait_for(dist.all_reduce(sq, group=group, async_op=True),
+    wait_for(_all_reduce(sq, group),
              f"the norm all-reduce of {t.label}", timeout_s, me)
     t.X.div_(sq.sqrt().to(dt).clamp(min=eps))
     torch.mm(t.X.mT, t.X, out=t.gram)
-    wait_for(dist.all_reduce(t.gram, group=group, async_op=True),
+    wait_for(_all_reduce(t.gram, group),
              f"the Gram all-reduce (step 0) of {t.label}", timeout_s, me)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerPair:
+    """Two ranks of ``group`` sharing matrices through point-to-point messages instead of a
+    communicator of their own (DP pairs, ``runtime.pairs``): the all-reduce of a Gram is an
+    exchange and a sum, lower rank's block first on both sides (the same bits on both); the
+    all-gather of the split polynomial an exchange of blocks. ``ranks``: the two ranks in
+    ``group`` (None: the default group), ascending; ``me``: 0 or 1, which of them this is."""
+
+    ranks: tuple[int, int]
+    me: int
+    group: Any = None
+
+    @property
+    def peer(self) -> int:
+        return self.ranks[1 - self.me]
+
+
+class _Exchange:
+    """The two messages of a pair exchange as one async handle; ``finish`` runs once both are
+    done (the sum, or nothing for a gather)."""
+
+    def __init__(self, works: list[Any], finish: Any = None) -> None:
+        self.works, self.finish = works, finish
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self.works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout=timeout)
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _size(group: Any) -> int:
+    if isinstance(group, PeerPair):
+        return 2
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank(group: Any) -> int:
+    return group.me if isinstance(group, PeerPair) else dist.get_rank(group)
+
+
+def pair_exchange(messages: Sequence[tuple[Tensor, Tensor]], pair: PeerPair) -> list[Any]:
+    """Send each message's first tensor to the partner and receive its second from it, in
+    order, as one batch (on NCCL the sends and receives must be posted together, or both ranks
+    would wait in their sends). Returns the async handles."""
+    ops = []
+    for send, recv in messages:
+        ops.append(dist.P2POp(dist.isend, send, group=pair.group, group_peer=pair.peer))
+        ops.append(dist.P2POp(dist.irecv, recv, group=pair.group, group_peer=pair.peer))
+    return dist.batch_isend_irecv(ops)
+
+
+def _all_reduce(t: Tensor, group: Any) -> Any:
+    """An async sum of ``t`` over ``group`` (a process group, or a :class:`PeerPair`)."""
+    if not isinstance(group, PeerPair):
+        return dist.all_reduce(t, group=group, async_op=True)
+    other = torch.empty_like(t)
+    # t is the message (untouched until the exchange is waited for), then receives the sum:
+    # the same on both sides, as IEEE addition commutes
+    return _Exchange(pair_exchange([(t, other)], group), lambda: t.add_(other))
+
+
+def _gather(out: Tensor, block: Tensor, group: Any) -> Any:
+    """An async all-gather of equal ``block``s into ``out`` (rank order)."""
+    if not isinstance(group, PeerPair):
+        return _all_gather(out, block, group=group, async_op=True)
+    size = block.shape[0]
+    mine, theirs = (out[:size], out[size:]) if group.me == 0 else (out[size:], out[:size])
+    mine.copy_(block)
+    return _Exchange(pair_exchange([(block, theirs)], group))
 
 
 def _checked(who: str, blocks: Sequence[Tensor], coefficients: Any, steps: object,

@@ -1,0 +1,146 @@
+"""Plans whose DP pairs share Muon matrices (issue 18, tp = 1: ``TPOptions.share`` at tp 1):
+the decision, the loads against the plan without pairs, the schema (version 4 only for plans
+with pairs; every other plan byte for byte as before), determinism, the simulator, ``inspect``
+and the checks of an edited file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from canzona.planner import ParallelSizes, TPOptions
+from canzona.planner.errors import CanzonaWarning, PlanFileError
+from canzona.planner.hardware import load_hardware
+from canzona.planner.pipeline import inventory_of, plan
+from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, save_plan
+from canzona.planner.planning import make_problem, pair_phases
+from canzona.planner.report import pairs_dict
+from canzona.planner.sharing import kind_of, pair_decision, share_options
+from canzona.planner.simulate import workload_from_plan
+from canzona.planner.validate import load_plan
+
+
+def _plan(model: str, dp: int, share: str, **kw):
+    return plan(model, ParallelSizes(dp=dp, tp=1), tp_options=TPOptions(share=share), **kw)
+
+
+@pytest.fixture(scope="module")
+def q8():
+    """qwen3-8b at dp 256: past the atomic floor (the largest task is 3.4× the mean)."""
+    return {s: _plan("qwen3-8b", 256, s) for s in ("off", "auto")}
+
+
+def test_auto_shares_where_the_floor_binds_and_lowers_the_busiest_index(q8):
+    off, auto = q8["off"], q8["auto"]
+    assert auto.schema_version == SCHEMA_VERSION and off.schema_version == BASE_VERSION
+    kinds = {kind_of(auto.tasks[x.id].param) for x in auto.dp_shared}
+    assert "mlp.linear_fc1" in kinds
+    # the busiest DP index (pieces with their exchanges counted) against the plan without pairs
+    assert max(auto.metrics.dp_load) < 0.6 * max(off.metrics.dp_load)
+    rep = pairs_dict(auto)
+    assert rep["max_over_useful_mean"] < 2.0 < off.metrics.max_over_mean
+    for x in auto.dp_shared:  # the owner of a shared task is its first piece's index
+        assert auto.tasks[x.id].owner == x.owners[0] < x.owners[1]
+        assert 0 < x.row < auto.tasks[x.id].shape[0]
+
+
+def test_pairs_meet_in_phases_no_index_twice():
+    owners = {0: (0, 1), 1: (1, 2), 2: (2, 3), 3: (0, 3), 4: (0, 1)}
+    ph = pair_phases(owners)
+    assert ph[(0, 1)] == 0 and len(ph) == 4
+    for d in range(4):
+        used = [ph[p] for p in ph if d in p]
+        assert len(used) == len(set(used)), (d, used)
+
+
+def test_auto_keeps_the_plan_without_pairs_where_sharing_does_not_pay():
+    # qwen3-0.6b at dp 2: every task far below the mean; the exchanges would only add time
+    p = _plan("qwen3-0.6b", 2, "auto")
+    assert p.to_json() == _plan("qwen3-0.6b", 2, "off").to_json()
+
+
+def test_pair_plans_are_deterministic(tmp_path):
+    a, b = (_plan("qwen3-0.6b", 8, "all-split") for _ in range(2))
+    assert a.dp_shared and a.to_json() == b.to_json()
+    save_plan(a, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json").to_json() == a.to_json()
+
+
+def test_decision_only_for_dense_muon_matrices_at_tp1():
+    spec, _ = inventory_of("qwen3-0.6b")
+    pr = make_problem(spec, ParallelSizes(dp=4, tp=1))
+    hw = load_hardware("h100")
+    got = pair_decision(pr, hw, "all")
+    assert got and all(pr.tasks[i].optimizer == "matrix" and pr.tasks[i].part is None
+                       for i in got)
+    wide = [i for i in got if pr.tasks[i].shape[0] < pr.tasks[i].shape[1]]
+    tall = [i for i in got if pr.tasks[i].shape[0] >= pr.tasks[i].shape[1]]
+    assert wide and tall  # down projections (wide) are shared too: their blocks are exchanged
+    o_wide = share_options(pr, wide[0], hw, groups=("dp",), dp_sizes=(2,))[0]
+    assert o_wide.comm_s > 0
+    assert pair_decision(make_problem(spec, ParallelSizes(dp=4, tp=2)), hw, "all") == {}
+    shampoo = make_problem(spec, ParallelSizes(dp=4, tp=1), settings=None).settings
+    assert shampoo.name == "muon"
+    from canzona.planner.cost import OptimizerSettings
+
+    pr_s = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="shampoo"))
+    assert pair_decision(pr_s, hw, "all") == {}
+    with pytest.warns(CanzonaWarning, match="no matrix is worth sharing"):
+        plan("qwen3-0.6b", ParallelSizes(dp=4, tp=1), "shampoo",
+             tp_options=TPOptions(share="all"))
+
+
+def test_simulator_puts_each_piece_on_both_owners(q8):
+    p = q8["auto"]
+    w = workload_from_plan(p, load_hardware("h800"))
+    x = p.dp_shared[0]
+    for d in x.owners:
+        assert w.ranks[d].matrix_flops >= x.flops
+    total_off = sum(r.matrix_flops for r in workload_from_plan(q8["off"],
+                                                               load_hardware("h800")).ranks)
+    total = sum(r.matrix_flops for r in w.ranks)
+    assert total_off * 0.99 < total < total_off * 1.2  # the split polynomial adds no FLOPs
+
+
+def _edited(tmp_path, p, change) -> str:
+    data = json.loads(p.to_json())
+    change(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError) as exc:
+        load_plan(path)
+    return str(exc.value)
+
+
+def test_edited_pair_plans_are_refused(tmp_path):
+    p = _plan("qwen3-0.6b", 4, "all-split")
+    assert len(p.dp_shared) >= 2
+
+    def version(d):
+        d["schema_version"] = 3
+
+    def owners(d):
+        x = d["dp_shared"][0]
+        x["owners"] = x["owners"][::-1]
+
+    def flops(d):
+        d["dp_shared"][0]["flops"] += 1
+
+    def twice(d):
+        d["dp_shared"][1]["id"] = d["dp_shared"][0]["id"]
+
+    def row(d):
+        d["dp_shared"][0]["row"] = 10**9
+
+    def phase(d):
+        x = d["dp_shared"][0]
+        other = next(y for y in d["dp_shared"][1:] if set(y["owners"]) & set(x["owners"])
+                     and y["owners"] != x["owners"])
+        other["phase"] = x["phase"]
+
+    for change, field in ((version, "schema_version"), (owners, "dp_shared[0].owners"),
+                          (flops, "dp_shared[0].flops"), (twice, "dp_shared[1].id"),
+                          (row, "dp_shared[0].row"), (phase, ".phase")):
+        msg = _edited(tmp_path, p, change)
+        assert field in msg, (field, msg)
