@@ -377,6 +377,14 @@ def pairs_view(pr: dict | None) -> None:
     """The matrices DP pairs share (``report["dp_pairs"]``)."""
     if pr is None:
         return
+    if pr["optimizer"] != "muon":
+        console.print(
+            f"blocks hosted by two DP ranks (the bucket cut inside the matrix between two block "
+            f"rows; each preconditions its own blocks, nothing exchanged): {pr['tasks']} "
+            "matrices (" + ", ".join(f"{n} {k}" for k, n in pr["kinds"].items())
+            + f"); busiest DP index / mean useful work {pr['max_over_useful_mean']:.3f}",
+            highlight=False)
+        return
     console.print(
         f"shared by DP pairs (shared Newton–Schulz over two DP ranks, the bucket cut inside the "
         f"matrix at a row boundary): {pr['tasks']} matrices ("

@@ -341,10 +341,14 @@ class PairTaskPlan(_Frozen):
     row: int = Field(gt=0, description="the first row of owners[1]'s piece.")
     split_poly: bool = Field(description="the polynomial bG + cG² computed in row blocks over "
                                          "the pair and all-gathered.")
-    load: int = Field(ge=0, description="per piece, cost-model units: the longer of its FLOPs "
-                                        "and its collectives' time (at the profile's rate).")
-    flops: int = Field(ge=0, description="shared Newton–Schulz FLOPs per piece and step.")
-    modelled_s: float = Field(ge=0, description="per piece: compute and the collectives, "
+    loads: tuple[int, int] = Field(description="per piece, cost-model units (Muon: its FLOPs "
+                                               "and its exchanges' time at the profile's "
+                                               "rate).")
+    flops: tuple[int, int] = Field(description="per piece and step (Muon: shared "
+                                               "Newton–Schulz).")
+    state_bytes: tuple[int, int] = Field(description="per piece: the optimizer state its owner "
+                                                     "holds.")
+    modelled_s: float = Field(ge=0, description="per piece: compute and the exchanges, "
                                                 "seconds (hardware profile; not measured).")
 
 

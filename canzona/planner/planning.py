@@ -62,17 +62,27 @@ class BucketProblem:
 
 @dataclass(frozen=True, slots=True)
 class PairShare:
-    """A Muon task two adjacent DP indices share (tp = 1, ``TPOptions.share``;
-    ``sharing.pair_decision``): rows [0, ``row``) are one piece, [``row``, m) the other.
-    ``load``: per piece, the longer of its compute and its collectives in cost units (what the
-    DP side balances); ``flops``: per piece and step; ``compute_s``/``comm_s``: per piece."""
+    """A matrix task two DP indices split between them (tp = 1): rows [0, ``row``) are one
+    piece, [``row``, m) the other. Muon (``sharing.pair_decision``): the two share its
+    Newton–Schulz; Shampoo (``sharing.block_decision``): each preconditions its own blocks.
+    Per piece: ``loads`` in cost units (a shared piece's compute and collectives), ``flops``
+    per step, ``states`` bytes (None: the task's state split by rows);
+    ``compute_s``/``comm_s``: seconds per piece (modelled)."""
 
     row: int
     split_poly: bool
-    load: int
-    flops: int
+    loads: tuple[int, int]
+    flops: tuple[int, int]
     compute_s: float
     comm_s: float
+    states: tuple[int, int] | None = None
+
+    def state_bytes(self, whole: int, rows: int) -> tuple[int, int]:
+        """The two pieces' state bytes, given the whole task's and its rows."""
+        if self.states is not None:
+            return self.states
+        first = whole * self.row // rows
+        return first, whole - first
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,22 +187,22 @@ def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
             if x is None:
                 items.append(dataclasses.replace(it, slot=len(items)))
                 continue
-            items.extend(pair_items(it, problem.tasks[it.tasks[0]].shape, x.row, x.load,
-                                    x.flops, len(items)))
-            total += 2 * x.load - it.load
+            shape = problem.tasks[it.tasks[0]].shape
+            items.extend(pair_items(it, shape, x.row, x.loads, x.flops,
+                                    x.state_bytes(it.state_bytes, shape[0]), len(items)))
+            total += sum(x.loads) - it.load
         buckets.append(dataclasses.replace(b, items=tuple(items)))
     return dataclasses.replace(problem, buckets=tuple(buckets), total=total, pairs=dict(pairs))
 
 
-def pair_items(it: Item, shape: tuple[int, ...], row: int, load: int, flops: int,
+def pair_items(it: Item, shape: tuple[int, ...], row: int, loads: tuple[int, int],
+               flops: tuple[int, int], states: tuple[int, int],
                slot: int) -> tuple[Item, Item]:
-    """The two pieces of a whole-matrix item (``shape`` rows × cols) cut before ``row``: each
-    with one piece's ``load`` and ``flops``, and its rows' share of the item's state bytes."""
-    rows, cols = shape
-    mid = it.start + row * cols
-    first = it.state_bytes * row // rows
-    return (Item(slot, it.start, mid, load, flops, first, True, it.tasks),
-            Item(slot + 1, mid, it.end, load, flops, it.state_bytes - first, True, it.tasks))
+    """The two pieces of a whole-matrix item (``shape`` rows × cols) cut before ``row``, with
+    their loads, FLOPs and state bytes."""
+    mid = it.start + row * shape[1]
+    return (Item(slot, it.start, mid, loads[0], flops[0], states[0], True, it.tasks),
+            Item(slot + 1, mid, it.end, loads[1], flops[1], states[1], True, it.tasks))
 
 
 def pair_owners(problem: DPProblem, cuts: Cuts) -> dict[int, tuple[int, int]]:
@@ -377,11 +387,14 @@ def build_plan(
         grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
         comm_dtype=problem.comm_dtype, solver=solver)
     pairs = pair_owners(problem, cuts)
-    phases = pair_phases(pairs)
+    # Muon's pairs exchange, so they meet in phases; Shampoo's pieces never wait for each other
+    phases = pair_phases(pairs) if problem.settings.name == "muon" else {}
     dp_shared = tuple(
-        PairTaskPlan(id=i, owners=pairs[i], phase=phases[pairs[i]], row=x.row,
-                     split_poly=x.split_poly, load=x.load,
-                     flops=x.flops, modelled_s=round(x.compute_s + x.comm_s, 9))
+        PairTaskPlan(id=i, owners=pairs[i], phase=phases.get(pairs[i], 0), row=x.row,
+                     split_poly=x.split_poly, loads=x.loads, flops=x.flops,
+                     state_bytes=x.state_bytes(problem.costs[i].state_bytes,
+                                               problem.tasks[i].shape[0]),
+                     modelled_s=round(x.compute_s + x.comm_s, 9))
         for i, x in sorted(problem.pairs.items()))
     tp_shares = tp is not None and any(ix.shared for ix in tp.indices)
     version = SCHEMA_VERSION if dp_shared else TP_SHARE_VERSION if tp_shares else BASE_VERSION

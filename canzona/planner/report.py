@@ -76,13 +76,14 @@ def pairs_dict(plan: Plan) -> dict | None:
     from .sharing import kind_of
 
     m = plan.metrics
-    total = sum(m.dp_load) + sum(plan.tasks[x.id].cost - 2 * x.load for x in plan.dp_shared)
+    total = sum(m.dp_load) + sum(plan.tasks[x.id].cost - sum(x.loads) for x in plan.dp_shared)
     mean = total / plan.inputs.dp
     kinds: dict[str, int] = {}
     for x in plan.dp_shared:
         k = kind_of(plan.tasks[x.id].param)
         kinds[k] = kinds.get(k, 0) + 1
-    return {"tasks": len(plan.dp_shared), "split_poly": sum(x.split_poly for x in plan.dp_shared),
+    return {"optimizer": plan.inputs.optimizer.name, "tasks": len(plan.dp_shared),
+            "split_poly": sum(x.split_poly for x in plan.dp_shared),
             "phases": 1 + max(x.phase for x in plan.dp_shared),
             "adjacent": sum(x.owners[1] == x.owners[0] + 1 for x in plan.dp_shared),
             "kinds": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),

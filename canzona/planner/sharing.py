@@ -45,7 +45,7 @@ from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts
 
 __all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
-           "lockstep_bytes", "lockstep_seconds", "pair_decision", "share_options", "sharing_bound"]
+           "block_decision", "lockstep_bytes", "lockstep_seconds", "pair_decision", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -282,11 +282,13 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
 
 def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
                   mode: str = "auto") -> dict[int, PairShare]:
-    """``TPOptions.share`` at tp = 1: the tasks adjacent DP pairs share (``auto``: those the bound
+    """``TPOptions.share`` at tp = 1: the tasks DP pairs share (Shampoo: ``block_decision``) (``auto``: those the bound
     shares over pairs; ``all``/``all-split``: every eligible one — a whole Muon matrix of a
     dense buffer). A piece's load is its compute plus its
     collectives (a DP index rarely holds two pieces of one pair to hide one behind the other)."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    if problem.settings.name == "shampoo":
+        return block_decision(problem, mode)
     if problem.sizes.tp != 1 or problem.dp < 2 or problem.settings.name != "muon":
         return {}
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
@@ -311,8 +313,60 @@ def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
         unit = problem.loads[i] / flops if flops else 0.0
         compute = o.piece_flops / rate
         load = math.ceil((compute + o.comm_s) * rate * unit)
-        out[i] = PairShare(-(-t.shape[0] // 2), o.split_poly, load, o.piece_flops, compute,
-                           o.comm_s)
+        out[i] = PairShare(-(-t.shape[0] // 2), o.split_poly, (load, load),
+                           (o.piece_flops, o.piece_flops), compute, o.comm_s)
+    return out
+
+
+def block_row(rows: int, max_block: int) -> int | None:
+    """Where a Shampoo matrix with ``rows`` rows is cut into two runs of whole block rows
+    (blocks of ``max_block``, the remainder last): after ⌈blocks/2⌉ of them; None for one."""
+    blocks = -(-rows // max_block)
+    return None if blocks < 2 else -(-blocks // 2) * max_block
+
+
+def block_pieces(settings, rows: int, cols: int, row: int) -> tuple[tuple[int, int],  # noqa: ANN001
+                                                                    tuple[int, int]]:
+    """(FLOPs, state bytes) of the two pieces of a Shampoo matrix cut before block row ``row``:
+    each is the kernel on its own rows (blocks are preconditioned independently)."""
+    from . import optimizers
+    from .cost import STATE_BYTES
+
+    spec = optimizers.get(settings.name)
+    parts = ((row, cols), (rows - row, cols))
+    return (tuple(spec.flops(m, n, settings) for m, n in parts),  # type: ignore[return-value]
+            tuple(spec.state_numel(m, n, settings) * STATE_BYTES for m, n in parts))
+
+
+def piece_loads(load: int, flops: int, piece_flops: tuple[int, int]) -> tuple[int, int]:
+    """A task's load split over its pieces in proportion to their FLOPs."""
+    return tuple(load * f // flops if flops else 0 for f in piece_flops)  # type: ignore[return-value]
+
+
+def block_decision(problem: DPProblem, mode: str = "auto") -> dict[int, PairShare]:
+    """Shampoo at tp = 1: the matrices whose blocks two DP indices host (item 3 of issue 18).
+    A matrix is cut between two runs of whole block rows (``block_row``); each piece is the
+    Shampoo kernel on its rows, exactly the whole matrix's update on those rows, with no
+    exchange. ``auto``: the matrices heavier than a quarter of the mean load per DP index;
+    ``all``/``all-split``: every one with two block rows or more."""
+    st = problem.settings
+    if problem.sizes.tp != 1 or problem.dp < 2 or st.name != "shampoo":
+        return {}
+    dense = {problem.tasks[i].param for b in problem.buckets for it in b.items for i in it.tasks
+             if not problem.layout.buffers[b.buffer].expert}
+    floor = problem.total / problem.dp / 4 if mode == "auto" else -1
+    out = {}
+    for t in problem.tasks:
+        if t.optimizer != "matrix" or t.part is not None or len(t.shape) != 2 \
+                or t.param not in dense or problem.loads[t.id] <= floor:
+            continue
+        rows, cols = t.shape
+        row = block_row(rows, st.max_preconditioner_dim)
+        if row is None:
+            continue
+        flops, states = block_pieces(st, rows, cols, row)
+        loads = piece_loads(problem.loads[t.id], problem.costs[t.id].flops, flops)
+        out[t.id] = PairShare(row, False, loads, flops, 0.0, 0.0, states)
     return out
 
 

@@ -573,13 +573,15 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             for t in range(tp):
                 mat_flops[task.owner * tp + t] += task.flops
     for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
-        rows, cols = plan.tasks[x.id].shape
-        o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
-                         inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype], hw.link(2),
-                         exchange=rows < cols)
-        for d in x.owners:
-            mat_flops[d] += o.piece_flops
-            waits[d] += o.comm_s
+        for d, f in zip(x.owners, x.flops):
+            mat_flops[d] += f
+        if inp.optimizer.name == "muon":  # the shared Newton–Schulz's exchanges
+            rows, cols = plan.tasks[x.id].shape
+            o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
+                             inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype], hw.link(2),
+                             exchange=rows < cols)
+            for d in x.owners:
+                waits[d] += o.comm_s
 
     flops_of = {task.id: task.flops for task in plan.tasks}
     groups: list[tuple[GroupWork, ...]] = []

@@ -176,8 +176,9 @@ def _check(plan: Plan, source: str) -> None:
                 x = pairs.get(ids[0]) if len(ids) == 1 else None
                 if x is None:
                     items.append(item)
-                else:  # shared by a DP pair: its two pieces (checked in _check_pairs)
-                    items.extend(pair_items(item, t0.shape, x.row, x.load, x.flops, len(items)))
+                else:  # split over two DP indices: its two pieces (checked in _check_pairs)
+                    items.extend(pair_items(item, t0.shape, x.row, x.loads, x.flops,
+                                            x.state_bytes, len(items)))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
             cuts[(bi, b.index)] = b.cuts
 
@@ -328,21 +329,25 @@ def _check_loads(plan: Plan, buckets: list[BucketProblem], cuts: dict, slots: di
 
 
 def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
-    """The tasks DP pairs share (``dp_shared``): each a whole Muon matrix of a dense buffer,
-    at tp = 1, its cut row inside it, its two owners
-    distinct and ascending, no DP index in two pairs of one phase, its per-piece FLOPs the
-    shared Newton–Schulz's (the load adds the collectives' time: at least the FLOPs)."""
-    from .sharing import shared_piece
+    """The tasks split over two DP indices (``dp_shared``, tp = 1): each a whole matrix of a
+    dense buffer, its cut row inside it, its two owners distinct and ascending (the first the
+    task's owner). Muon (shared Newton–Schulz): no DP index in two pairs of one phase, per-piece
+    FLOPs the shared kernel's, loads at least those FLOPs (the exchanges add time), state split
+    by rows. Shampoo (blocks hosted apart): the cut on a block-row boundary, each piece's FLOPs
+    and state the kernel's on its rows, loads in proportion to the FLOPs, phase 0, no split."""
+    from .sharing import block_pieces, piece_loads, shared_piece
 
     inp, tasks = plan.inputs, plan.tasks
     if not plan.dp_shared:
         return
+    name = inp.optimizer.name
     if inp.tp != 1:
         raise bad("dp_shared", f"lists {len(plan.dp_shared)} tasks but DP pairs are planned at "
                                f"tp = 1 only (inputs.tp is {inp.tp})")
-    if inp.optimizer.name != "muon":
-        raise bad("dp_shared", f"lists tasks but sharing is Muon's (inputs.optimizer is "
-                               f"{inp.optimizer.name})")
+    if name not in ("muon", "shampoo"):
+        raise bad("dp_shared", f"lists tasks but only Muon (shared Newton–Schulz) and Shampoo "
+                               f"(blocks) split a matrix over DP indices (inputs.optimizer is "
+                               f"{name})")
     expert = {sl.name for buf in plan.buffers if buf.expert for b in buf.buckets
               for sl in b.slots}
     link = load_hardware("h100").intra_node  # the FLOPs do not depend on the link
@@ -359,13 +364,31 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                 or t.param in expert:
             raise bad(f"{xf}.id", f"task {x.id} ('{_name(t)}') is not a whole dense matrix")
         rows, cols = t.shape
-        if not 0 < x.row < rows or (rows < cols and cols < 2):
-            raise bad(f"{xf}.row", f"is {x.row} but task {x.id} has rows 0 … {rows}")
+        block = inp.optimizer.max_preconditioner_dim
+        if not 0 < x.row < rows or (name == "shampoo" and x.row % block):
+            where = f" on a block-row boundary (a multiple of {block})" if name == "shampoo" \
+                else ""
+            raise bad(f"{xf}.row", f"is {x.row} but task {x.id} has rows 0 … {rows}; the cut "
+                                   f"must be inside them{where}")
         a, b = x.owners
         if not 0 <= a < b < inp.dp or t.owner != a:
             raise bad(f"{xf}.owners", f"are {list(x.owners)} but must be two DP indices in "
                                       f"[0, {inp.dp}), ascending, the first the task's owner "
                                       f"({t.owner})")
+        if name == "shampoo":
+            flops, states = block_pieces(inp.optimizer, rows, cols, x.row)
+            loads = piece_loads(t.cost, t.flops, flops)
+            for field, got, want in (("flops", x.flops, flops), ("state_bytes", x.state_bytes,
+                                                                   states),
+                                     ("loads", x.loads, loads)):
+                if tuple(got) != tuple(want):
+                    raise bad(f"{xf}.{field}", f"are {list(got)} but the Shampoo kernel on rows "
+                                               f"[0, {x.row}) and [{x.row}, {rows}) of task "
+                                               f"{x.id} gives {list(want)}")
+            if x.phase or x.split_poly:
+                raise bad(f"{xf}.phase", "Shampoo's pieces exchange nothing: phase 0, "
+                                         "split_poly false")
+            continue
         if phase.setdefault((a, b), x.phase) != x.phase:
             raise bad(f"{xf}.phase", f"is {x.phase} but pair {[a, b]} runs in phase "
                                      f"{phase[(a, b)]}")
@@ -377,13 +400,17 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                                          f"each other")
         o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
                          inp.optimizer.ns_steps, 2, link)
-        if x.flops != o.piece_flops:
-            raise bad(f"{xf}.flops", f"is {x.flops} but shared Newton–Schulz of task {x.id} "
-                                     f"over 2 ranks is {o.piece_flops} per piece")
+        if tuple(x.flops) != (o.piece_flops, o.piece_flops):
+            raise bad(f"{xf}.flops", f"are {list(x.flops)} but shared Newton–Schulz of task "
+                                     f"{x.id} over 2 ranks is {o.piece_flops} per piece")
         want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
-        if x.load < want - 1:
-            raise bad(f"{xf}.load", f"is {x.load} but a piece of task {x.id} costs at least "
-                                    f"{round(want)}")
+        if min(x.loads) < want - 1:
+            raise bad(f"{xf}.loads", f"are {list(x.loads)} but a piece of task {x.id} costs at "
+                                     f"least {round(want)}")
+        first = t.state_bytes * x.row // rows
+        if tuple(x.state_bytes) != (first, t.state_bytes - first):
+            raise bad(f"{xf}.state_bytes", f"are {list(x.state_bytes)} but the momentum rows of "
+                                           f"the two pieces hold {[first, t.state_bytes - first]}")
 
 
 def _check_tp(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001

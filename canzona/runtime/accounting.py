@@ -63,11 +63,9 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     total = sum(t.state_bytes // plan.inputs.tp if t.id in shared else t.state_bytes
                 for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
                 and (t.host is None or t.host == tp_rank) and t.id not in pairs)
-    for x in pairs.values():  # shared by a DP pair: each holds its rows of the state (momentum)
-        t = plan.tasks[x.id]
+    for x in pairs.values():  # split over two DP indices: each holds its piece's state
         if dp_rank in x.owners:
-            first = t.state_bytes * x.row // t.shape[0]
-            total += first if dp_rank == x.owners[0] else t.state_bytes - first
+            total += x.state_bytes[x.owners.index(dp_rank)]
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
 
 

@@ -259,6 +259,11 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
                          for i, c, n in _runs(rows)]
                 E.add_pieces(f"optim.{view.name}.{key}", view.logical, boxes)
             continue
+        if t.part is None and len(view.logical) == 2 and t.shape[0] < view.logical[0] \
+                and not hasattr(t, "segments"):
+            # Shampoo's blocks hosted apart (plan.dp_shared, tp = 1): this rank's block rows
+            _add_block_rows(E, t, st, view.logical, kernel, saving=saving)
+            continue
         _add_task_state(E, t, st, rows, kernel, saving=saving, saved=saved)
     # -- matrices the TP group shares: each TP rank holds Muon's momentum of its own shard,
     #    element for element beside the weights, so it maps as the weights do -------------------
@@ -276,6 +281,29 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
         E.sd["optim.param_groups"] = ""
         E.after.append(lambda: _load_groups(opt, E.sd["optim.param_groups"]))
     return E
+
+
+def _add_block_rows(E: _Entries, t: Any, st: dict[str, Tensor], logical: tuple[int, ...],
+                    kernel: Any, *, saving: bool) -> None:
+    """The state of a run of whole block rows of a Shampoo matrix (rows [row0, row0 + rows)),
+    under the keys the whole matrix's state has: block (i, j) of the run is block
+    (i + row0 / block, j) of the matrix, its row-shaped tensors (moments, momentum) are boxes
+    of the whole ones, and ``step`` (the same on every piece) is written by the first."""
+    block = kernel.config.max_preconditioner_dim
+    if t.row0 % block:
+        raise CheckpointError(f"'{t.name}': rows from {t.row0} are not whole block rows of "
+                              f"{block}; the plan is inconsistent.")
+    base, b0 = f"optim.{_task_key(t)}", t.row0 // block
+    for key, x in st.items():
+        parts = key.split(".")
+        if key == "step":
+            if saving and t.row0:
+                continue
+            E.add_tensor(f"{base}.step", x)
+        elif len(parts) == 3:  # L.i.j, R.i.j, L_root.i.j, R_root.i.j
+            E.add_tensor(f"{base}.{parts[0]}.{int(parts[1]) + b0}.{parts[2]}", x)
+        else:  # rows × cols, beside the weights' rows
+            E.add_pieces(f"{base}.{key}", logical, [((t.row0, 0), x)])
 
 
 def _add_task_state(E: _Entries, t: Any, st: dict[str, Tensor], rows: Tensor, kernel: Any, *,

@@ -158,6 +158,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
               else set())
     pairs = {x.id: x for x in plan.dp_shared}
+    shares = plan.inputs.optimizer.name == "muon"  # shared Newton–Schulz; else blocks apart
     for t in plan.tasks:
         i = index[t.param]
         bi = param_bucket[i]
@@ -177,7 +178,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                 c0 = cuts[t.owner]
                 split[t.owner][bi].append(SplitParam(i, t.param, bi, lo - c0, hi - c0))
         elif t.optimizer == "matrix" and t.id in pairs:
-            # Shared by two DP ranks: each holds a row block (the cut is inside the matrix).
+            # Split over two DP ranks: each holds a row block (the cut is inside the matrix).
             x = pairs[t.id]
             rows, cols = t.shape
             rows_done[t.param] += rows
@@ -191,6 +192,10 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                         f"the cuts put rows [{r0}, {r1}) on DP ranks {holders}; the plan is "
                         f"inconsistent.")
                 c0 = cuts[owner]
+                if not shares:  # Shampoo: its blocks, preconditioned alone (plain tasks)
+                    matrix[owner][bi].append(MatrixTask(t.id, i, t.param, None, bi, a - c0,
+                                                        z - c0, r0, (r1 - r0, cols)))
+                    continue
                 matrix[owner][bi].append(MatrixTask(
                     t.id, i, t.param, None, bi, a - c0, z - c0, r0, (r1 - r0, cols),
                     full=(rows, cols), pair=tuple(x.owners), phase=x.phase,  # type: ignore[arg-type]

@@ -205,23 +205,24 @@ class _null:
 
 
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
-              clip: float | None = None, steps: int = STEPS, bf16: bool = False) -> dict:
+              clip: float | None = None, steps: int = STEPS, bf16: bool = False,
+              block: int | None = None) -> dict:
     """One process, the logical matrices: the kernel per matrix task (per part when split),
     torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
     micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
     non-square gradient are rank deficient, and LAPACK's basis of their null space depends on the
-    thread count."""
+    thread count. ``block``: Shampoo's max_preconditioner_dim (default its 1024)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps,
-                          bf16=bf16)
+                          bf16=bf16, block=block)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float | None,
-               steps: int, bf16: bool = False) -> dict:
+               steps: int, bf16: bool = False, block: int | None = None) -> dict:
     """``bf16``: the fp32 master (the main copies) starts as the bf16 parameters; every step's
     gradient is taken at the bf16 parameters and rounded to bf16 as the ranks hand it over."""
     import dp_helpers as H
@@ -230,6 +231,10 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
     low = torch.bfloat16 if bf16 else torch.float32
     full = {n: t.to(low).float().requires_grad_(True) for n, t in initial_full().items()}
     kernel = H._matrix_kernel(optimizer, LR[optimizer])
+    if block is not None:
+        import dataclasses
+
+        kernel = type(kernel)(dataclasses.replace(kernel.config, max_preconditioner_dim=block))
     tasks = []  # (parameter, first row, rows)
     for p in ps:
         if p.optimizer != "matrix":

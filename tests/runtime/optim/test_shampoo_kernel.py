@@ -101,3 +101,22 @@ def test_roots_recomputed_only_every_precondition_frequency_steps():
     changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
     # Roots are computed at steps 1, 4, 7: they change going into steps 4 and 7 only.
     assert changed == [False, False, True, False, False, True]
+
+
+def test_block_rows_apart_are_the_whole_kernel_bit_for_bit():
+    """Issue 18, item 3: a matrix's runs of whole block rows preconditioned as matrices of their
+    own (what two DP ranks do when the plan hosts a Shampoo matrix's blocks apart) give exactly
+    the whole matrix's update: blocks, their statistics and grafting are independent."""
+    import torch
+
+    from canzona.runtime.optim import Shampoo, ShampooConfig
+
+    k = Shampoo(ShampooConfig(lr=0.01, precondition_frequency=3, eps=1e-4, momentum=0.5,
+                              max_preconditioner_dim=32))
+    g = torch.Generator().manual_seed(0)
+    whole, top, bottom = k.init_state((112, 40)), k.init_state((64, 40)), k.init_state((48, 40))
+    for _ in range(7):
+        grad = torch.randn(112, 40, generator=g)
+        want = k.direction([grad], [whole])[0]
+        a, b = k.direction([grad[:64].clone(), grad[64:].clone()], [top, bottom])
+        assert torch.equal(torch.cat([a, b]), want)
