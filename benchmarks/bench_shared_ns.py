@@ -9,7 +9,8 @@ this order: **alone** — process 0 runs canzona's single-device ``newton_schulz
 matrix while process 1 waits in a barrier; **shared** — ``shared_newton_schulz`` with each
 process holding half the rows of the oriented matrix (one n × n all-reduce per step); **split** —
 the same with ``split_polynomial=True`` (each process also computes half of bG + cG², one
-all-gather per step). A shared time is the slower process's, from a common barrier to the end of
+all-gather per step); **pair** — ``shared`` over a ``PeerPair`` (the DP pairs' transport: each
+Gram exchanged point to point and summed, no collective). A shared time is the slower process's, from a common barrier to the end of
 its call. Round 0 is a warm-up and not reported; reported are the median and min–max over the
 other rounds, the achieved GFLOP/s (the single-device FLOP count over the time), the speed-up
 alone / shared, the relative difference (Frobenius) of the shared results from the alone one
@@ -35,10 +36,12 @@ import torch.distributed as dist
 
 from canzona.planner import formulas
 from canzona.runtime.optim.muon import DEFAULT_COEFFICIENTS, newton_schulz
-from canzona.runtime.optim.shared_ns import orientation, shared_newton_schulz, shared_ns_bytes
+from canzona.runtime.optim.shared_ns import (PeerPair, orientation, shared_newton_schulz,
+                                              shared_ns_bytes)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-VARIANTS = ("alone", "shared", "split")
+VARIANTS = ("alone", "shared", "split", "pair")
+SHARED = VARIANTS[1:]
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
@@ -73,8 +76,11 @@ def _rounds(rank: int, shape: tuple[int, int], args: argparse.Namespace) -> dict
                     dt = 0.0
             else:
                 t0 = time.perf_counter()
-                outs[v] = shared_newton_schulz(mine, coefficients=sched, steps=args.steps,
-                                               dtype=dtype, split_polynomial=v == "split",
+                # pair: the DP pairs' transport, point-to-point exchanges on the default group
+                group = PeerPair((0, 1), rank) if v == "pair" else None
+                outs[v] = shared_newton_schulz(mine, group=group, coefficients=sched,
+                                               steps=args.steps, dtype=dtype,
+                                               split_polynomial=v == "split",
                                                timeout_s=600, what=f"{shape} {v}")
                 dt = time.perf_counter() - t0
             slowest.fill_(dt)
@@ -84,7 +90,7 @@ def _rounds(rank: int, shape: tuple[int, int], args: argparse.Namespace) -> dict
     # The shared results' halves, gathered on process 0 (equal halves: pad the odd row).
     diffs: dict[str, float] = {}
     whole = {"alone": outs.get("alone")}
-    for v in ("shared", "split"):
+    for v in SHARED:
         block = torch.zeros((half, n), dtype=dtype)
         block[:outs[v].shape[0]] = outs[v]
         both = torch.empty((2 * half, n), dtype=dtype)
@@ -93,7 +99,7 @@ def _rounds(rank: int, shape: tuple[int, int], args: argparse.Namespace) -> dict
     if rank == 0:
         # float64 Newton–Schulz of the same input: how far each result is from exact arithmetic
         f64 = newton_schulz(oriented, sched, dtype=torch.float64)
-        for v in ("shared", "split"):
+        for v in SHARED:
             diffs[v] = _rel(whole[v], whole["alone"])
         for v in VARIANTS:
             diffs[f"{v}_vs_f64"] = _rel(whole[v], f64)
@@ -140,7 +146,7 @@ def _summary(name: str, r: dict, args: argparse.Namespace) -> dict:
         med = statistics.median(ts)
         row[v] = {"median_s": med, "min_s": min(ts), "max_s": max(ts),
                   "gflops": flops / med / 1e9}
-    for v in ("shared", "split"):
+    for v in SHARED:
         row[v]["speedup"] = row["alone"]["median_s"] / row[v]["median_s"]
         row[v]["rel_diff"] = r["diffs"][v]
     for v in VARIANTS:
@@ -178,10 +184,10 @@ def main(argv: list[str] | None = None) -> None:
           f"thread, {args.dtype}, {args.steps} Newton–Schulz steps, median (min–max) of "
           f"{args.reps} rounds after a warm-up; {wall:.1f} s in all")
     print()
-    print("| shape (oriented) | GFLOP | alone s | shared s | split s | speed-up shared | "
-          "speed-up split | GFLOP/s alone / shared / split | shared / split vs alone | "
-          "alone / shared / split vs float64 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape (oriented) | GFLOP | alone s | shared s | split s | pair s | speed-up shared "
+          "| speed-up split | speed-up pair | GFLOP/s alone / shared / split / pair | "
+          "shared / split / pair vs alone | alone / shared / split / pair vs float64 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         def cell(v: str) -> str:
             x = r[v]
@@ -189,10 +195,10 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"| {r['shape']} ({r['oriented'][0]}×{r['oriented'][1]}) | "
               f"{r['single_device_gflop']:.1f} | {cell('alone')} | {cell('shared')} | "
-              f"{cell('split')} | {r['shared']['speedup']:.2f}× | {r['split']['speedup']:.2f}× | "
-              f"{r['alone']['gflops']:.0f} / {r['shared']['gflops']:.0f} / "
-              f"{r['split']['gflops']:.0f} | {r['shared']['rel_diff']:.1e} / "
-              f"{r['split']['rel_diff']:.1e} | "
+              f"{cell('split')} | {cell('pair')} | {r['shared']['speedup']:.2f}× | "
+              f"{r['split']['speedup']:.2f}× | {r['pair']['speedup']:.2f}× | "
+              + " / ".join(f"{r[v]['gflops']:.0f}" for v in VARIANTS) + " | "
+              + " / ".join(f"{r[v]['rel_diff']:.1e}" for v in SHARED) + " | "
               + " / ".join(f"{r[v]['rel_diff_vs_float64']:.1e}" for v in VARIANTS) + " |")
 
 

@@ -5,7 +5,8 @@ whole-matrix plans, side by side on one model and cluster (torch-free, modelled)
 
 Per configuration, three plans: **canzona-greedy** (the paper: α-greedy DP cuts, TP greedy),
 **canzona** (``--share off``: every TP-split matrix hosted whole) and **canzona --share auto**
-(the planner shares matrices over their TP group). For each: the busiest GPU's load over the mean
+(the planner shares matrices over their TP group; at tp 1 over DP pairs). Then Shampoo at tp 1:
+whole matrices against block rows hosted by two DP ranks. For each: the busiest GPU's load over the mean
 useful work per GPU (every task's single-device cost once; a shared task's Gram all-reduces, which
 each rank waits for in turn, count in the busiest GPU's load), the bounds (the atomic LB, the bound
 with sharing over TP groups and DP pairs/quads, ``planner.sharing``), and the simulated optimizer
@@ -24,23 +25,28 @@ import warnings
 from canzona.planner import DPOptions, ParallelSizes, TPOptions
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import plan
-from canzona.planner.report import rebuild_problem, useful_mean
+from canzona.planner.report import pairs_dict, rebuild_problem, useful_mean
 from canzona.planner.sharing import sharing_bound
 from canzona.planner.simulate import simulate_plan
 
 CONFIGS = [("qwen3-32b", 32, 8), ("qwen3-8b", 64, 1), ("qwen3-32b", 128, 8),
-           ("llama3-70b", 256, 8)]
+           ("llama3-70b", 256, 8), ("qwen3-8b", 256, 1), ("qwen3-8b", 1024, 1)]
+#: Shampoo at tp 1: blocks hosted by two DP ranks (``--share auto``) against whole matrices
+SHAMPOO = [("qwen3-8b", 64), ("qwen3-8b", 256)]
 
 
 def _row(p, hw) -> dict:
     b = simulate_plan(p, hw).breakdown()
     if p.tp is not None:
         mx, mean = p.tp.metrics.max_gpu_load, useful_mean(p)
-    else:
-        mx, mean = max(p.metrics.dp_load), sum(p.metrics.dp_load) / p.inputs.dp
+        shared = sum(len(ix.shared) for ix in p.tp.indices)
+    else:  # tp 1: DP pairs' pieces and exchanges are in dp_load; the mean is the useful work
+        pairs = pairs_dict(p)
+        mx = max(p.metrics.dp_load)
+        mean = pairs["useful_mean_load"] if pairs else sum(p.metrics.dp_load) / p.inputs.dp
+        shared = len(p.dp_shared)
     return {"max_over_useful_mean": round(mx / mean, 4), "path_ms": round(
-        (b["compute"] + b["tp_gather_scatter"]) * 1e3, 2),
-        "shared": sum(len(ix.shared) for ix in p.tp.indices) if p.tp is not None else 0}
+        (b["compute"] + b["tp_gather_scatter"]) * 1e3, 2), "shared": shared}
 
 
 def main() -> None:
@@ -67,8 +73,16 @@ def main() -> None:
                     "greedy_over_shared_path": round(rows["canzona-greedy"]["path_ms"]
                                                      / rows["canzona --share auto"]["path_ms"], 3),
                     "seconds": round(time.perf_counter() - t0, 1)})
+    blocks = []
+    for model, dp in SHAMPOO:
+        sizes = ParallelSizes(dp=dp, tp=1)
+        rows = {s: _row(plan(model, sizes, "shampoo",
+                             tp_options=TPOptions(hardware=args.hardware, share=s)), hw)
+                for s in ("off", "auto")}
+        blocks.append({"model": model, "dp": dp, "rows": rows})
     if args.json:
-        print(json.dumps({"hardware": args.hardware, "configs": out}, indent=2))
+        print(json.dumps({"hardware": args.hardware, "configs": out, "shampoo": blocks},
+                         indent=2))
         return
     print(f"hardware {args.hardware}; max/mean: busiest GPU over the mean useful work per GPU; "
           "path: simulated compute + TP of the critical rank, ms")
@@ -83,6 +97,14 @@ def main() -> None:
         print(f"{name:26} {c['atomic_lb']:9.3f} {c['shared_lb']:8.3f}"
               f" | {cells[0]:>15} | {cells[1]:>15} | {s['max_over_useful_mean']:6.3f} "
               f"{s['path_ms']:7.1f} ({s['shared']:3d}) | {c['greedy_over_shared_path']:.2f}×")
+    print("\nShampoo, tp 1: whole matrices against block rows hosted by two DP ranks "
+          "(max/mean, path ms, matrices split)")
+    for c in blocks:
+        off, auto = c["rows"]["off"], c["rows"]["auto"]
+        print(f"{c['model']} dp{c['dp']:<5} whole {off['max_over_useful_mean']:6.3f} "
+              f"{off['path_ms']:7.1f} | blocks apart {auto['max_over_useful_mean']:6.3f} "
+              f"{auto['path_ms']:7.1f} ({auto['shared']:3d}) | "
+              f"{off['path_ms'] / auto['path_ms']:.2f}×")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .dp.polish import improve
 from .planning import DPProblem, build_plan, evaluate, make_problem, pair_owners, with_pairs
 from .sharing import pair_decision
 from .tp import TPContext, placements, schedule_tp, tp_plan
@@ -176,21 +175,22 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
                  progress: Callable[[str], None] | None, hw: HardwareProfile, *,
                  keep: bool = False) -> Solution:
     """The DP partition with DP pairs: the plan without them first (parameters reordered as
-    usual), then for each candidate set of shared tasks, in that plan's bucket order, each task
-    cut into its two pieces and the cuts polished, so that a bucket cut may fall between a
-    task's pieces. A candidate is kept if it lowers the busiest DP index most (its load counts
-    every piece's compute and collectives), or with ``keep`` (``share="all"``: the one
-    candidate); a task whose pieces stay on one DP index is whole again."""
+    usual), then for each candidate set of split tasks, each cut into its two pieces and the
+    partition solved again (every stage, the collectives' and the optimizer state's included) in
+    that plan's bucket order and in Megatron's, so that a bucket cut may fall between a task's
+    pieces. A result is kept if it lowers the busiest DP index most (its load counts every
+    piece's compute and exchanges), or with ``keep`` (``share="all"``: the first with pieces
+    apart); a task whose pieces stay on one DP index is whole again."""
     say = progress or (lambda _msg: None)
     sol = solve(problem, o, progress=progress, hardware=hw)
     say("DP pairs")
     best, best_load = sol, max(evaluate(sol.problem, sol.cuts).load)
+    whole = dataclasses.replace(o, reorder=False)
     for pairs in candidates:
-        # polished from the plan without pairs (in its order), and solved afresh in Megatron's
-        polished = improve(with_pairs(sol.problem, pairs), sol.cuts, o.comm_limit)
-        fresh = solve(with_pairs(problem, pairs), dataclasses.replace(o, reorder=False),
-                      hardware=hw).cuts
-        for base, cuts in ((sol.problem, polished), (problem, fresh)):
+        # the whole solve (its state and collective stages too) with the pieces, in the order
+        # of the plan without pairs (reordered) and in Megatron's
+        for base in (sol.problem,) if sol.problem is problem else (sol.problem, problem):
+            cuts = solve(with_pairs(base, pairs), whole, hardware=hw).cuts
             owners = pair_owners(with_pairs(base, pairs), cuts)
             # both pieces on one DP index: the task is whole again
             used = with_pairs(base, {i: x for i, x in pairs.items()

@@ -96,6 +96,15 @@ def _bases() -> dict[str, dict]:
         p = make_plan(tiny(), ParallelSizes(dp=2, tp=2), dp_options=small,
                       tp_options=TPOptions(share=share))
         out[f"shared-{share}-dp2-tp2"] = json.loads(p.to_json())
+    # schema version 4: matrices split over two DP indices at tp 1 (Muon pairs, with the
+    # polynomial split; Shampoo block rows hosted apart)
+    p = make_plan(tiny(), ParallelSizes(dp=4, tp=1), dp_options=small,
+                  tp_options=TPOptions(share="all-split"))
+    out["pairs-all-split-dp4"] = json.loads(p.to_json())
+    p = make_plan(tiny(), ParallelSizes(dp=4, tp=1),
+                  OptimizerSettings(name="shampoo", max_preconditioner_dim=32), dp_options=small,
+                  tp_options=TPOptions(share="all"))
+    out["shampoo-blocks-dp4"] = json.loads(p.to_json())
     return out
 
 
