@@ -30,7 +30,7 @@ from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
 from .planning import DPProblem, build_plan, evaluate, make_problem, pair_owners, with_pairs
-from .sharing import pair_decision
+from .sharing import pair_decision, priced_for
 from .tp import TPContext, placements, schedule_tp, tp_plan
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
@@ -147,9 +147,9 @@ def plan_problem(
             if cand and cand not in pairs:
                 pairs.append(cand)
         if not pairs:
-            warnings.warn(f"TPOptions.share = {t.share!r}: no matrix is worth sharing over DP "
-                          f"pairs here (Muon, a dense matrix whose rows are its long dimension, "
-                          f"dp ≥ 2).", CanzonaWarning, stacklevel=2)
+            warnings.warn(f"TPOptions.share = {t.share!r}: no matrix is worth splitting over DP "
+                          f"pairs here (a whole matrix of a dense buffer, Muon or Shampoo with "
+                          f"two block rows or more, dp ≥ 2).", CanzonaWarning, stacklevel=2)
     say("DP partition")
     if pairs:
         sol = _solve_pairs(problem, pairs, o, progress, hw, keep=t.share != "auto")
@@ -164,7 +164,7 @@ def plan_problem(
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
                              solver=o.solver, alpha=o.alpha,
                              time_limit_s=o.time_limit_s if o.solver == "cpsat" else None,
-                             seed=o.seed, workers=o.workers, reorder=sol.problem is not problem,
+                             seed=o.seed, workers=o.workers, reorder=_order(sol.problem) != _order(problem),
                              objective=_objective_name(o.objective))
     return build_plan(sol.problem, sol.cuts, solver=recorded, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status, tp=tp_section,
@@ -192,13 +192,27 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
         for base in (sol.problem,) if sol.problem is problem else (sol.problem, problem):
             cuts = solve(with_pairs(base, pairs), whole, hardware=hw).cuts
             owners = pair_owners(with_pairs(base, pairs), cuts)
-            # both pieces on one DP index: the task is whole again
-            used = with_pairs(base, {i: x for i, x in pairs.items()
-                                     if owners[i][0] != owners[i][1]})
+            # both pieces on one DP index: the task is whole again; pairs across two nodes
+            # exchange over the network
+            used = with_pairs(base, priced_for(base, {i: x for i, x in pairs.items()
+                                                      if owners[i][0] != owners[i][1]},
+                                               owners, hw))
             load = max(evaluate(used, cuts).load)
             if used.pairs and (load < best_load or keep and best is sol):
                 best, best_load = Solution(cuts, "heuristic", used.lower_bound(), used), load
     return best
+
+
+def _order(problem: DPProblem) -> list[tuple[int, ...]]:
+    """Every bucket's parameters in order (as task ids): whether a plan reordered them."""
+    out = []
+    for b in problem.buckets:
+        ids: list[int] = []
+        for it in b.items:
+            if not ids or ids[-1] != it.tasks[0]:  # a task's two pieces are one parameter
+                ids.append(it.tasks[0])
+        out.append(tuple(ids))
+    return out
 
 
 def _objective_name(objective: object) -> str:

@@ -367,8 +367,8 @@ class Plan(_Frozen):
     tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
     comm: CommPlan
     dp_shared: tuple[PairTaskPlan, ...] = Field(
-        default=(), description="matrix tasks shared by adjacent DP pairs (written only when "
-                                "any; schema version 4).")
+        default=(), description="matrix tasks split over two DP indices, tp = 1 (written only "
+                                "when any; schema version 4).")
 
     @model_validator(mode="after")
     def _version_fits(self) -> Plan:

@@ -267,8 +267,12 @@ def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -
     summary = plan_summary(plan)
     sent, secs = summary.index_sent, summary.index_seconds
     owned = [0] * inp.dp
+    split = {x.id: x for x in plan.dp_shared}
     for t in plan.tasks:
-        if t.owner is not None:
+        if t.id in split:  # a piece on each of its two DP indices
+            for d in split[t.id].owners:
+                owned[d] += 1
+        elif t.owner is not None:
             owned[t.owner] += 1
     mx, mean = max_mean(m.dp_load)
     heavy = sorted(plan.tasks, key=lambda t: (-t.cost, t.id))[:top]
@@ -327,10 +331,13 @@ def comm_dict(plan: Plan, summary: CommSummary) -> dict:
     where = {s.name: (bi, k) for bi, buf in enumerate(plan.buffers)
              for k, b in enumerate(buf.buckets) for s in b.slots}
     flops: dict[tuple[int, int], dict[int, int]] = {}
+    split = {x.id: x for x in plan.dp_shared}
     for t in plan.tasks:
         if t.owner is not None and t.param in where:
             per = flops.setdefault(where[t.param], {})
-            per[t.owner] = per.get(t.owner, 0) + t.flops
+            x = split.get(t.id)  # a task split over two DP indices: each its piece's FLOPs
+            for d, f in zip(x.owners, x.flops) if x else ((t.owner, t.flops),):
+                per[d] = per.get(d, 0) + f
     buckets = []
     lines = iter(summary.lines)
     for bi, buf in enumerate(plan.buffers):

@@ -45,7 +45,8 @@ from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts
 
 __all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
-           "block_decision", "lockstep_bytes", "lockstep_seconds", "pair_decision", "share_options", "sharing_bound"]
+           "block_decision", "lockstep_bytes", "lockstep_seconds", "pair_decision", "pair_link",
+           "price_pair", "priced_for", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -193,8 +194,8 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
     elif (tp == 1 or not t.tp_split) and "dp" in groups and t.part is None:
         # The ZeRO-1 cut moves to a row boundary; a wide matrix's row blocks are swapped for
         # column blocks (its long dimension) before the iteration and back after.
-        for k in dp_sizes:
-            if k <= sizes.dp and sizes.dp % k == 0 and min(rows, cols) >= k:
+        for k in dp_sizes:  # pairs: any two DP indices; quads (the bound): fixed groups
+            if k <= sizes.dp and (k == 2 or sizes.dp % k == 0) and min(rows, cols) >= k:
                 link = hw.link(k * sizes.tp)
                 out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link,
                                      exchange=rows < cols) for s in (False, True)]
@@ -282,16 +283,16 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
 
 def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
                   mode: str = "auto") -> dict[int, PairShare]:
-    """``TPOptions.share`` at tp = 1: the tasks DP pairs share (Shampoo: ``block_decision``) (``auto``: those the bound
-    shares over pairs; ``all``/``all-split``: every eligible one — a whole Muon matrix of a
-    dense buffer). A piece's load is its compute plus its
-    collectives (a DP index rarely holds two pieces of one pair to hide one behind the other)."""
+    """``TPOptions.share`` at tp = 1: the tasks DP pairs share (Shampoo: ``block_decision``;
+    ``auto``: those the bound shares over pairs; ``all``/``all-split``: every eligible one — a whole Muon matrix of a
+    dense buffer). A piece's load is its compute plus its exchanges (a DP index rarely holds two
+    pieces of one pair to hide one behind the other), priced on NVLink (``priced_for`` reprices
+    the pairs the cuts put on two nodes)."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     if problem.settings.name == "shampoo":
         return block_decision(problem, mode)
     if problem.sizes.tp != 1 or problem.dp < 2 or problem.settings.name != "muon":
         return {}
-    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     dense = {problem.tasks[i].param for b in problem.buckets for it in b.items for i in it.tasks
              if not problem.layout.buffers[b.buffer].expert}
     if mode in ("all", "all-split"):
@@ -304,18 +305,42 @@ def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
     else:
         report = sharing_bound(problem, hardware=hw, groups=("dp",), dp_sizes=(2,))
         chosen = {x.task: x.option for x in report.shared}
-    out = {}
-    for i, o in sorted(chosen.items()):
-        t = problem.tasks[i]
-        if t.param not in dense:
-            continue
-        flops = problem.costs[i].flops
-        unit = problem.loads[i] / flops if flops else 0.0
-        compute = o.piece_flops / rate
-        load = math.ceil((compute + o.comm_s) * rate * unit)
-        out[i] = PairShare(-(-t.shape[0] // 2), o.split_poly, (load, load),
-                           (o.piece_flops, o.piece_flops), compute, o.comm_s)
-    return out
+    return {i: price_pair(problem, i, o.split_poly, hw, hw.link(2))
+            for i, o in sorted(chosen.items()) if problem.tasks[i].param in dense}
+
+
+def pair_link(hw: HardwareProfile, owners: tuple[int, int], tp: int = 1) -> LinkProfile:
+    """The link between two DP indices (their global ranks d·tp): NVLink within a node."""
+    a, b = (d * tp // hw.gpus_per_node for d in owners)
+    return hw.intra_node if a == b else hw.inter_node
+
+
+def price_pair(problem: DPProblem, task: int, split: bool, hw: HardwareProfile,
+               link: LinkProfile) -> PairShare:
+    """A Muon task shared by two DP indices over ``link``: each piece's FLOPs and its load, its
+    compute plus its exchanges at the profile's rate, in the plan's cost units."""
+    t = problem.tasks[task]
+    rows, cols = t.shape
+    o = shared_piece("dp", 2, split, max(rows, cols), min(rows, cols),
+                     problem.settings.ns_steps, 2, link, exchange=rows < cols)
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    flops = problem.costs[task].flops
+    unit = problem.loads[task] / flops if flops else 0.0
+    compute = o.piece_flops / rate
+    load = math.ceil((compute + o.comm_s) * rate * unit)
+    return PairShare(-(-rows // 2), split, (load, load), (o.piece_flops, o.piece_flops), compute,
+                     o.comm_s)
+
+
+def priced_for(problem: DPProblem, pairs: dict[int, PairShare],
+               owners: dict[int, tuple[int, int]], hw: HardwareProfile) -> dict[int, PairShare]:
+    """``pairs`` with each Muon pair's exchanges priced on the link between its owners (the
+    decision assumed NVLink; a pair the cuts put on two nodes exchanges over the network)."""
+    if problem.settings.name != "muon":
+        return pairs
+    return {i: x if pair_link(hw, owners[i], problem.sizes.tp) is hw.intra_node
+            else price_pair(problem, i, x.split_poly, hw, hw.inter_node)
+            for i, x in pairs.items()}
 
 
 def block_row(rows: int, max_block: int) -> int | None:

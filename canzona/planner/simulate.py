@@ -74,7 +74,7 @@ from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
 from .formulas import LOCKSTEP_CMAX
-from .sharing import lockstep_batches, lockstep_bytes, lockstep_seconds, shared_piece
+from .sharing import lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link, shared_piece
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
@@ -567,21 +567,30 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             grouped.update(x.id for x in ix.shared)
     pairs = {x.id: x for x in plan.dp_shared}
     mat_flops = [0] * (dp * tp)
-    waits = [0.0] * (dp * tp)  # DP pairs' collectives, on the critical path of their pieces
+    waits = [0.0] * (dp * tp)  # DP pairs: their runs' time beyond the pieces' own compute
     for task in plan.tasks:
         if task.owner is not None and task.id not in grouped and task.id not in pairs:
             for t in range(tp):
                 mat_flops[task.owner * tp + t] += task.flops
+    runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]] = {}
     for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
         for d, f in zip(x.owners, x.flops):
             mat_flops[d] += f
-        if inp.optimizer.name == "muon":  # the shared Newton–Schulz's exchanges
+        if inp.optimizer.name == "muon":  # shared Newton–Schulz: exchanges with the partner
             rows, cols = plan.tasks[x.id].shape
             o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
-                             inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype], hw.link(2),
-                             exchange=rows < cols)
-            for d in x.owners:
-                waits[d] += o.comm_s
+                             inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype],
+                             pair_link(hw, x.owners), exchange=rows < cols)
+            runs.setdefault((x.phase, tuple(x.owners)), []).append(
+                (o.piece_flops / mat_rate, o.comm_s))
+    # The runtime runs the pairs first, phase by phase, each pair's matrices in lockstep: a pair
+    # starts when both partners are free, so waits chain along pairs of later phases.
+    free = [0.0] * (dp * tp)
+    for (_, (a, b)), pieces in sorted(runs.items()):
+        end = max(free[a], free[b]) + lockstep_seconds(pieces, inp.optimizer.ns_steps)
+        for d in (a, b):
+            waits[d] += end - free[d] - sum(c for c, _ in pieces)
+            free[d] = end
 
     flops_of = {task.id: task.flops for task in plan.tasks}
     groups: list[tuple[GroupWork, ...]] = []

@@ -39,7 +39,8 @@ from .hardware import load_hardware
 from .layout import ParallelSizes, padded_vocab
 from .plan import Plan, gc_paused
 from .plan_load import check_structure, inconsistency
-from .planning import GRAD_BYTES, BucketProblem, DPProblem, Item, evaluate, pair_items, pair_owners
+from .planning import (GRAD_BYTES, BucketProblem, DPProblem, Item, evaluate, owner_of, pair_items,
+                       pair_owners)
 
 __all__ = ["check_plan", "load_plan", "parse_plan"]
 
@@ -286,12 +287,23 @@ def _check_loads(plan: Plan, buckets: list[BucketProblem], cuts: dict, slots: di
                       f"is {t.owner} but the cuts of buffers[{bi}].buckets[{j}] put '{_name(t)}' "
                       f"(slot {k}) on DP index {d}: a matrix belongs to the rank whose slice holds "
                       f"its first element")
+    owners = pair_owners(problem, cuts)
+    whole_on = {it.tasks[0]: (owner_of(cuts[(b.buffer, b.bucket)], it.start),
+                              owner_of(cuts[(b.buffer, b.bucket)], it.end - 1))
+                for b in buckets for it in b.items if len(it.tasks) == 1
+                and it.tasks[0] in problem.pairs and it.end > it.start
+                and owner_of(cuts[(b.buffer, b.bucket)], it.start)
+                != owner_of(cuts[(b.buffer, b.bucket)], it.end - 1)}
     for k, x in enumerate(plan.dp_shared):
-        got = pair_owners(problem, cuts).get(x.id)
+        got = owners.get(x.id)
         if got != tuple(x.owners):
             raise bad(f"dp_shared[{k}].owners", f"are {list(x.owners)} but the cuts put the "
                                                f"pieces of task {x.id} on DP indices "
                                                f"{list(got or ())}")
+        if x.id in whole_on:
+            raise bad(f"dp_shared[{k}].row", f"is {x.row} but a cut falls inside a piece of "
+                                             f"task {x.id} (DP indices {list(whole_on[x.id])}): "
+                                             f"the cut between its pieces must be at that row")
     what = {
         "dp_load": "the cost of the tasks it owns plus its share of the AdamW elements",
         "dp_flops": "the flops of the tasks it owns plus its share of the AdamW elements",

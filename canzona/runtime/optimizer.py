@@ -507,11 +507,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def _compute_matrix_directions(self) -> dict[int, Tensor]:
         """Phase 3: the update directions of every matrix this rank owns, in one kernel call."""
-        out = update.matrix_directions(self._schedule.mine, self._buffers, self._params,
-                                       self.state, self._matrix, self._grads.received_anywhere)
-        # Matrices shared with another DP rank (plan.dp_shared): shared Newton–Schulz per pair.
-        out.update(self._pairs.directions(self._buffers, self._params, self.state, self._matrix,
-                                          self._grads.received_anywhere))
+        # Matrices shared with another DP rank (plan.dp_shared) first, phase by phase: every
+        # rank starts its pairs at once (after its whole matrices, a partner with more of them
+        # would keep the other waiting, and the waits would chain along the pairs).
+        out = self._pairs.directions(self._buffers, self._params, self.state, self._matrix,
+                                     self._grads.received_anywhere)
+        out.update(update.matrix_directions(self._schedule.mine, self._buffers, self._params,
+                                            self.state, self._matrix,
+                                            self._grads.received_anywhere))
         return out
 
     def _run_tp_microgroups(self) -> None:
@@ -681,6 +684,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         for c in self._collectives:
             c.drop()
         self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
+        self._pairs.groups = {}  # nor by the DP pairs' peers
         if self._flight is not None:
             self._flight.close()
         self._closed = True

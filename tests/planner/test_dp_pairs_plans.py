@@ -21,14 +21,16 @@ from canzona.planner.simulate import workload_from_plan
 from canzona.planner.validate import load_plan
 
 
-def _plan(model: str, dp: int, share: str, **kw):
-    return plan(model, ParallelSizes(dp=dp, tp=1), tp_options=TPOptions(share=share), **kw)
+def _plan(model: str, dp: int, share: str, hardware: str = "h100", **kw):
+    return plan(model, ParallelSizes(dp=dp, tp=1),
+                tp_options=TPOptions(share=share, hardware=hardware), **kw)
 
 
 @pytest.fixture(scope="module")
 def q8():
-    """qwen3-8b at dp 256: past the atomic floor (the largest task is 3.4× the mean)."""
-    return {s: _plan("qwen3-8b", 256, s) for s in ("off", "auto")}
+    """qwen3-8b at dp 256 on the H800 profile: past the atomic floor (the largest task is 3.4×
+    the mean)."""
+    return {s: _plan("qwen3-8b", 256, s, "h800") for s in ("off", "auto")}
 
 
 def test_auto_shares_where_the_floor_binds_and_lowers_the_busiest_index(q8):
@@ -36,10 +38,11 @@ def test_auto_shares_where_the_floor_binds_and_lowers_the_busiest_index(q8):
     assert auto.schema_version == SCHEMA_VERSION and off.schema_version == BASE_VERSION
     kinds = {kind_of(auto.tasks[x.id].param) for x in auto.dp_shared}
     assert "mlp.linear_fc1" in kinds
-    # the busiest DP index (pieces with their exchanges counted) against the plan without pairs
-    assert max(auto.metrics.dp_load) < 0.6 * max(off.metrics.dp_load)
+    # the busiest DP index (pieces with their exchanges counted, over the network where the
+    # pair spans two nodes) against the plan without pairs
+    assert max(auto.metrics.dp_load) < 0.95 * max(off.metrics.dp_load)
     rep = pairs_dict(auto)
-    assert rep["max_over_useful_mean"] < 2.0 < off.metrics.max_over_mean
+    assert rep["max_over_useful_mean"] < 0.95 * off.metrics.max_over_mean
     for x in auto.dp_shared:  # the owner of a shared task is its first piece's index
         assert auto.tasks[x.id].owner == x.owners[0] < x.owners[1]
         assert 0 < x.row < auto.tasks[x.id].shape[0]
@@ -88,7 +91,7 @@ def test_decision_only_for_dense_matrices_at_tp1():
     assert blocks and all(x.row % 1024 == 0 and x.comm_s == 0 for x in blocks.values())
     pr_soap = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="soap"))
     assert pair_decision(pr_soap, hw, "all") == {}
-    with pytest.warns(CanzonaWarning, match="no matrix is worth sharing"):
+    with pytest.warns(CanzonaWarning, match="no matrix is worth splitting"):
         plan("qwen3-0.6b", ParallelSizes(dp=4, tp=1), "soap",
              tp_options=TPOptions(share="all"))
 
@@ -141,7 +144,17 @@ def test_edited_pair_plans_are_refused(tmp_path):
                      and y["owners"] != x["owners"])
         other["phase"] = x["phase"]
 
-    for change, field in ((version, "schema_version"), (owners, "dp_shared[0].owners"),
+    def cut_inside(d):  # the cut between the pieces moved up one row: inside the first piece
+        x = d["dp_shared"][0]
+        t = d["tasks"][x["id"]]
+        for buf in d["buffers"]:
+            for b in buf["buckets"]:
+                for sl in b["slots"]:
+                    if sl["name"] == t["param"]:
+                        mid = sl["start"] + x["row"] * t["shape"][1]
+                        b["cuts"][b["cuts"].index(mid)] = mid - t["shape"][1]
+
+    for change, field in ((cut_inside, "dp_shared[0].row"), (version, "schema_version"), (owners, "dp_shared[0].owners"),
                           (flops, "dp_shared[0].flops"), (twice, "dp_shared[1].id"),
                           (row, "dp_shared[0].row"), (phase, ".phase")):
         msg = _edited(tmp_path, p, change)
