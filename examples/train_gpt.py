@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer soap --accum 2
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --share all   # DP pairs
 
 No DDP wrapper: canzona reduces the gradients itself (bucketed, asynchronous reduce-scatters
 started by backward hooks), updates the matrices this rank owns and all-gathers the parameters.
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--share", default="off", choices=["off", "auto", "all", "all-split"],
+                    help="split matrices over two DP ranks (Muon: shared Newton–Schulz; "
+                         "Shampoo: block rows hosted apart); all: every eligible one")
     ap.add_argument("--plan", help="load this plan instead of planning the model")
     ap.add_argument("--save-plan", help="write the plan here (rank 0)")
     ap.add_argument("--checkpoint", help="save a checkpoint here (crash-safe, any plan resumes it)")
@@ -110,7 +114,7 @@ def main() -> None:
     vocab = 256
     model = GPT(vocab, args.dim, args.layers, heads=4, seq=args.seq).to(device)
     plan = canzona.load_plan(args.plan) if args.plan else canzona.plan_model(
-        model, dp=world, optimizer=args.optimizer, bucket_size=1_000_000)
+        model, dp=world, optimizer=args.optimizer, bucket_size=1_000_000, share=args.share)
     if args.save_plan and rank == 0:
         save_plan(plan, args.save_plan)
     lr = args.lr if args.optimizer == "muon" else 3e-3
@@ -121,7 +125,8 @@ def main() -> None:
         m = plan.metrics
         print(f"{plan.inputs.model}: {plan.total_params:,} params, dp={world}, "
               f"{plan.inputs.optimizer.name}; optimizer state per rank {list(m.dp_state_bytes)} B, "
-              f"load max/mean {m.max_over_mean:.3f}", flush=True)
+              f"load max/mean {m.max_over_mean:.3f}; {len(plan.dp_shared)} matrices split over "
+              f"two DP ranks", flush=True)
 
     progress = {"step": torch.tensor(0)}  # saved with the checkpoint (extra=)
     if args.resume:

@@ -29,7 +29,8 @@ from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .planning import DPProblem, build_plan, evaluate, make_problem, pair_owners, with_pairs
+from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owners, pieces_apart,
+                       with_pairs)
 from .sharing import pair_decision, priced_for
 from .tp import TPContext, placements, schedule_tp, tp_plan
 
@@ -179,8 +180,9 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
     partition solved again (every stage, the collectives' and the optimizer state's included) in
     that plan's bucket order and in Megatron's, so that a bucket cut may fall between a task's
     pieces. A result is kept if it lowers the busiest DP index most (its load counts every
-    piece's compute and exchanges), or with ``keep`` (``share="all"``: the first with pieces
-    apart); a task whose pieces stay on one DP index is whole again."""
+    piece's compute and exchanges), or with ``keep`` (``share="all"``: the pieces moved apart
+    wherever a cut can move, ``planning.pieces_apart``; the first result with pieces apart, or a
+    lighter one); a task whose pieces stay on one DP index is whole again."""
     say = progress or (lambda _msg: None)
     sol = solve(problem, o, progress=progress, hardware=hw)
     say("DP pairs")
@@ -191,6 +193,8 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
         # of the plan without pairs (reordered) and in Megatron's
         for base in (sol.problem,) if sol.problem is problem else (sol.problem, problem):
             cuts = solve(with_pairs(base, pairs), whole, hardware=hw).cuts
+            if keep:  # "all": the pieces apart wherever a cut can move between them
+                cuts = pieces_apart(with_pairs(base, pairs), cuts)
             owners = pair_owners(with_pairs(base, pairs), cuts)
             # both pieces on one DP index: the task is whole again; pairs across two nodes
             # exchange over the network

@@ -216,6 +216,28 @@ def pair_owners(problem: DPProblem, cuts: Cuts) -> dict[int, tuple[int, int]]:
     return {t: (d[0], d[1]) for t, d in out.items()}
 
 
+def pieces_apart(problem: DPProblem, cuts: Cuts) -> Cuts:
+    """``share="all"``: every task of ``problem.pairs`` whose two pieces the cuts left on one DP
+    index is split between two, where a cut can move: the cut after its owner moves to the row
+    boundary (the next index takes the second piece and what followed it in the owner's range),
+    or, if that index's range ends inside the second piece, the cut before the owner moves there
+    (the previous index takes what preceded)."""
+    out = {k: list(c) for k, c in cuts.items()}
+    for b in problem.buckets:
+        c = out[(b.buffer, b.bucket)]
+        for first, second in zip(b.items, b.items[1:]):
+            if first.tasks != second.tasks or first.tasks[0] not in problem.pairs:
+                continue
+            d = owner_of(c, first.start)
+            if owner_of(c, second.start) != d:
+                continue
+            if d + 1 < b.ranks and c[d + 2] >= second.end:
+                c[d + 1] = second.start
+            elif d > 0 and c[d - 1] <= first.start:
+                c[d] = second.start
+    return {k: tuple(c) for k, c in out.items()}
+
+
 def pair_phases(owners: Mapping[int, tuple[int, int]]) -> dict[tuple[int, int], int]:
     """A phase per distinct pair of DP indices such that no index is in two pairs of one phase
     (greedy edge colouring in (d0, d1) order: deterministic, at most 2Δ − 1 phases for Δ pairs
