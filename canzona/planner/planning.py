@@ -216,26 +216,40 @@ def pair_owners(problem: DPProblem, cuts: Cuts) -> dict[int, tuple[int, int]]:
     return {t: (d[0], d[1]) for t, d in out.items()}
 
 
-def pieces_apart(problem: DPProblem, cuts: Cuts) -> Cuts:
-    """``share="all"``: every task of ``problem.pairs`` whose two pieces the cuts left on one DP
-    index is split between two, where a cut can move: the cut after its owner moves to the row
+def pieces_apart(problem: DPProblem, cuts: Cuts, *, slack: float = 0.05) -> Cuts:
+    """``share="all"``: tasks of ``problem.pairs`` whose two pieces the cuts left on one DP
+    index, split between two where a cut can move: the cut after the owner moves to the row
     boundary (the next index takes the second piece and what followed it in the owner's range),
-    or, if that index's range ends inside the second piece, the cut before the owner moves there
-    (the previous index takes what preceded)."""
-    out = {k: list(c) for k, c in cuts.items()}
+    or the cut before it (the previous index takes what preceded). A move is kept only if no
+    pair already apart comes together and the busiest DP index stays within ``slack`` of where it
+    was."""
+    out = {k: tuple(c) for k, c in cuts.items()}
+    ceiling = max(evaluate(problem, out).load) * (1 + slack)
     for b in problem.buckets:
-        c = out[(b.buffer, b.bucket)]
+        key = (b.buffer, b.bucket)
         for first, second in zip(b.items, b.items[1:]):
             if first.tasks != second.tasks or first.tasks[0] not in problem.pairs:
                 continue
+            c = out[key]
             d = owner_of(c, first.start)
             if owner_of(c, second.start) != d:
                 continue
-            if d + 1 < b.ranks and c[d + 2] >= second.end:
-                c[d + 1] = second.start
-            elif d > 0 and c[d - 1] <= first.start:
-                c[d] = second.start
-    return {k: tuple(c) for k, c in out.items()}
+            apart = {i for i, (x, y) in pair_owners(problem, out).items() if x != y}
+            for k in (d + 1, d):  # the cut after the owner, else the one before
+                if not 0 < k < b.ranks:
+                    continue
+                moved = list(c)
+                moved[k] = second.start
+                if any(a > z for a, z in zip(moved, moved[1:])):
+                    continue
+                trial = {**out, key: tuple(moved)}
+                now = pair_owners(problem, trial)
+                if any(now[i][0] == now[i][1] for i in apart) or now[first.tasks[0]][0] == \
+                        now[first.tasks[0]][1] or max(evaluate(problem, trial).load) > ceiling:
+                    continue
+                out = trial
+                break
+    return out
 
 
 def pair_phases(owners: Mapping[int, tuple[int, int]]) -> dict[tuple[int, int], int]:

@@ -259,8 +259,8 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
                          for i, c, n in _runs(rows)]
                 E.add_pieces(f"optim.{view.name}.{key}", view.logical, boxes)
             continue
-        if t.part is None and len(view.logical) == 2 and t.shape[0] < view.logical[0] \
-                and not hasattr(t, "segments"):
+        if not hasattr(t, "segments") and t.part is None and len(view.logical) == 2 \
+                and t.shape[0] < view.logical[0]:
             # Shampoo's blocks hosted apart (plan.dp_shared, tp = 1): this rank's block rows
             _add_block_rows(E, t, st, view.logical, kernel, saving=saving)
             continue

@@ -159,3 +159,26 @@ def test_edited_pair_plans_are_refused(tmp_path):
                           (row, "dp_shared[0].row"), (phase, ".phase")):
         msg = _edited(tmp_path, p, change)
         assert field in msg, (field, msg)
+
+
+def test_all_moves_pieces_apart_without_undoing_pairs_or_piling_up_load():
+    from canzona.planner.dp import solve
+    from canzona.planner.options import DPOptions
+    from canzona.planner.planning import evaluate, pair_owners, pieces_apart, with_pairs
+
+    spec, _ = inventory_of("qwen3-0.6b")
+    for opt in ("muon", "shampoo"):
+        from canzona.planner.cost import OptimizerSettings
+
+        pr = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name=opt))
+        pairs = pair_decision(pr, load_hardware("h100"), "all")
+        shared = with_pairs(pr, pairs)
+        cuts = solve(shared, DPOptions(reorder=False)).cuts
+        moved = pieces_apart(shared, cuts)
+        before, after = pair_owners(shared, cuts), pair_owners(shared, moved)
+        apart_before = {i for i, (a, b) in before.items() if a != b}
+        apart_after = {i for i, (a, b) in after.items() if a != b}
+        assert apart_before <= apart_after and len(apart_after) > len(apart_before), opt
+        assert max(evaluate(shared, moved).load) <= 1.05 * max(evaluate(shared, cuts).load)
+        for c in moved.values():
+            assert all(x <= y for x, y in zip(c, c[1:]))
