@@ -389,8 +389,9 @@ def pairs_view(pr: dict | None) -> None:
         f"shared by DP pairs (shared Newton–Schulz over two DP ranks, the bucket cut inside the "
         f"matrix at a row boundary): {pr['tasks']} matrices ("
         + ", ".join(f"{n} {k}" for k, n in pr["kinds"].items())
-        + f"), {pr['split_poly']} with the polynomial split, {pr['phases']} phases; pieces and "
-        f"their Gram all-reduces are in the loads: busiest DP index / mean useful work "
+        + f"), {pr['split_poly']} with the polynomial split, {pr['phases']} phases, "
+        f"{pr['across_nodes']} pairs across two nodes (exchanging over the network); pieces and "
+        f"their exchanges are in the loads: busiest DP index / mean useful work "
         f"{pr['max_over_useful_mean']:.3f}", highlight=False)
 
 

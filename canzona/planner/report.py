@@ -73,9 +73,15 @@ def pairs_dict(plan: Plan) -> dict | None:
     mean useful work (every task's single-device cost once, not its pieces and collectives)."""
     if not plan.dp_shared:
         return None
-    from .sharing import kind_of
+    from .errors import CanzonaError
+    from .hardware import DEFAULT_HARDWARE, load_hardware
+    from .sharing import kind_of, pair_link
 
     m = plan.metrics
+    try:
+        hw = load_hardware(plan.comm.hardware)
+    except CanzonaError:  # a profile file no longer there: the default's node size
+        hw = load_hardware(DEFAULT_HARDWARE)
     total = sum(m.dp_load) + sum(plan.tasks[x.id].cost - sum(x.loads) for x in plan.dp_shared)
     mean = total / plan.inputs.dp
     kinds: dict[str, int] = {}
@@ -86,6 +92,8 @@ def pairs_dict(plan: Plan) -> dict | None:
             "split_poly": sum(x.split_poly for x in plan.dp_shared),
             "phases": 1 + max(x.phase for x in plan.dp_shared),
             "adjacent": sum(x.owners[1] == x.owners[0] + 1 for x in plan.dp_shared),
+            "across_nodes": sum(pair_link(hw, tuple(x.owners)) is hw.inter_node
+                                for x in plan.dp_shared),
             "kinds": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
             "useful_mean_load": mean, "max_load": max(m.dp_load),
             "max_over_useful_mean": round(max(m.dp_load) / mean, 6) if mean else 1.0}
