@@ -5,12 +5,10 @@ and the checks of an edited file."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from canzona.planner import ParallelSizes, TPOptions
-from canzona.planner.errors import CanzonaWarning, PlanFileError
+from canzona.planner.errors import CanzonaWarning
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import inventory_of, plan
 from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, save_plan
@@ -108,17 +106,7 @@ def test_simulator_puts_each_piece_on_both_owners(q8):
     assert total_off * 0.99 < total < total_off * 1.2  # the split polynomial adds no FLOPs
 
 
-def _edited(tmp_path, p, change) -> str:
-    data = json.loads(p.to_json())
-    change(data)
-    path = tmp_path / "edited.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(PlanFileError) as exc:
-        load_plan(path)
-    return str(exc.value)
-
-
-def test_edited_pair_plans_are_refused(tmp_path):
+def test_edited_pair_plans_are_refused(refused_edit):
     p = _plan("qwen3-0.6b", 4, "all-split")
     assert len(p.dp_shared) >= 2
 
@@ -157,7 +145,7 @@ def test_edited_pair_plans_are_refused(tmp_path):
     for change, field in ((cut_inside, "dp_shared[0].row"), (version, "schema_version"), (owners, "dp_shared[0].owners"),
                           (flops, "dp_shared[0].flops"), (twice, "dp_shared[1].id"),
                           (row, "dp_shared[0].row"), (phase, ".phase")):
-        msg = _edited(tmp_path, p, change)
+        msg = refused_edit(p, change)
         assert field in msg, (field, msg)
 
 

@@ -4,12 +4,9 @@ plans that share; every other plan byte for byte as before) and the checks of an
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from canzona.planner import ParallelSizes, TPOptions
-from canzona.planner.errors import PlanFileError
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import plan
 from canzona.planner.plan import BASE_VERSION, TP_SHARE_VERSION, save_plan
@@ -92,17 +89,7 @@ def test_a_shared_plan_round_trips_and_is_deterministic(tmp_path, small_shared):
     assert _plan("qwen3-0.6b", 2, 2, "all", hardware="h100").to_json() == p.to_json()
 
 
-def _edited(tmp_path, p, edit) -> str:
-    data = json.loads(p.to_json())
-    edit(data)
-    path = tmp_path / "edited.plan.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(PlanFileError) as info:
-        load_plan(path)
-    return str(info.value)
-
-
-def test_edited_shared_plans_are_refused(tmp_path, small_shared):
+def test_edited_shared_plans_are_refused(refused_edit, small_shared):
     p = small_shared
     x = p.tp.indices[0].shared[0]
 
@@ -118,10 +105,10 @@ def test_edited_shared_plans_are_refused(tmp_path, small_shared):
     def twice(d):
         d["tp"]["indices"][0]["shared"].append(d["tp"]["indices"][0]["shared"][0])
 
-    assert "schema_version 3" in _edited(tmp_path, p, v2)
-    assert "shared by its TP group" in _edited(tmp_path, p, hosted)
-    assert "costs at least" in _edited(tmp_path, p, cheap)
-    assert "scheduled twice" in _edited(tmp_path, p, twice)
+    assert "schema_version 3" in refused_edit(p, v2)
+    assert "shared by its TP group" in refused_edit(p, hosted)
+    assert "costs at least" in refused_edit(p, cheap)
+    assert "scheduled twice" in refused_edit(p, twice)
 
 
 def test_share_is_checked():

@@ -182,23 +182,33 @@ def _checkpoint(rank, world, *, folder):
         return {f"{n}@{r0}": bool(torch.equal(m, scale * moment[n][r0:r0 + m.shape[0]]))
                 for n, r0, m in momenta(opt)}
 
+    def fill(opt, scale):
+        for n, r0, m in momenta(opt):
+            m.copy_(scale * moment[n][r0:r0 + m.shape[0]])
+
+    def pieces(opt):
+        return sum(1 for ts in opt._schedule.mine.matrix for t in ts if t.pair)
+
+    return _across(lambda: build(forced_plan()), lambda: build(T.plan_for(DP, 1)), fill, holds,
+                   pieces, f"{folder}/pairs")
+
+
+def _across(split, whole, fill, check, pieces, folder) -> dict:
+    """Save under the plan that splits matrices over DP pairs, load under the one that keeps
+    them whole (``to_whole``: what each rank holds), change the values, and back (``to_split``)."""
+    import canzona
+
     out = {}
-    opt = build(forced_plan())
-    out["pieces"] = sum(1 for ts in opt._schedule.mine.matrix for t in ts if t.pair)
-    for n, r0, m in momenta(opt):
-        m.copy_(moment[n][r0:r0 + m.shape[0]])
-    canzona.save_checkpoint(f"{folder}/pairs", None, opt)
-    opt.close()
-    opt = build(T.plan_for(DP, 1))
-    canzona.load_checkpoint(f"{folder}/pairs", None, opt)
-    out["to_whole"] = holds(opt, 1)
-    for n, r0, m in momenta(opt):
-        m.mul_(2)
-    canzona.save_checkpoint(f"{folder}/whole", None, opt)
-    opt.close()
-    opt = build(forced_plan())
-    canzona.load_checkpoint(f"{folder}/whole", None, opt)
-    out["to_pairs"] = holds(opt, 2)
+    opt = split()
+    out["pieces"] = pieces(opt)
+    fill(opt, 1)
+    for scale, then, key in ((1, whole, "to_whole"), (2, split, "to_split")):
+        canzona.save_checkpoint(f"{folder}-{key}", None, opt)
+        opt.close()
+        opt = then()
+        canzona.load_checkpoint(f"{folder}-{key}", None, opt)
+        out[key] = check(opt, scale)
+        fill(opt, 2)  # (what the way back saves)
     opt.close()
     return out
 
@@ -249,24 +259,11 @@ def _shampoo_checkpoint(rank, world, *, folder):
                            for key, v in k.init_state(tuple(p.shape)).items()}
         return cache[name]
 
-    out = {}
-    opt = build("all")
-    out["pieces"] = sum(1 for t, _ in state(opt) if t.shape[0] < want_of(t.name)["exp_avg"]
-                        .shape[0])
-    fill(opt, 1)
-    canzona.save_checkpoint(f"{folder}/blocks", None, opt)
-    opt.close()
-    opt = build("off")
-    canzona.load_checkpoint(f"{folder}/blocks", None, opt)
-    out["to_whole"] = check(opt, 1)
-    fill(opt, 2)
-    canzona.save_checkpoint(f"{folder}/whole", None, opt)
-    opt.close()
-    opt = build("all")
-    canzona.load_checkpoint(f"{folder}/whole", None, opt)
-    out["to_blocks"] = check(opt, 2)
-    opt.close()
-    return out
+    def pieces(opt):
+        return sum(1 for t, _ in state(opt) if t.shape[0] < want_of(t.name)["exp_avg"].shape[0])
+
+    return _across(lambda: build("all"), lambda: build("off"), fill, check, pieces,
+                   f"{folder}/blocks")
 
 
 def _value(full: dict, key: str, t, x):
@@ -294,8 +291,8 @@ def test_logical_checkpoints_across_pairs(world):
     assert sum(res["pieces"] for res in got) >= 4  # the forced plan has pairs
     for res in got:
         assert all(res["to_whole"].values()), res["to_whole"]
-        assert all(res["to_pairs"].values()), res["to_pairs"]
-    assert sum(len(res["to_pairs"]) for res in got) > 0
+        assert all(res["to_split"].values()), res["to_split"]
+    assert sum(len(res["to_split"]) for res in got) > 0
 
 
 def test_forced_plan_shares_gate_up_and_qkv():
@@ -359,5 +356,5 @@ def test_logical_checkpoints_across_shampoo_hosting(world):
     for res in got:
         assert res["to_whole"] and all(res["to_whole"].values()), \
             [k for k, v in res["to_whole"].items() if not v]
-        assert res["to_blocks"] and all(res["to_blocks"].values()), \
-            [k for k, v in res["to_blocks"].items() if not v]
+        assert res["to_split"] and all(res["to_split"].values()), \
+            [k for k, v in res["to_split"].items() if not v]
