@@ -43,3 +43,40 @@ def refused_edit(tmp_path):
         return str(info.value)
 
     return refuse
+
+
+class _Examples:
+    """``examples/<script>`` under torchrun (gloo, one thread per rank) from the repository
+    root, as the README runs it; every run must exit 0 without an abort at shutdown."""
+
+    def stdout(self, script: str, nproc: int, *args: str, timeout: float = 300) -> str:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parents[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), str(root / "examples" / script), *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"exit status {proc.returncode}:\n{out[-3000:]}"
+        assert "terminate called" not in out and "ChildFailedError" not in out, out[-3000:]
+        return proc.stdout
+
+    def losses(self, script: str, nproc: int, *args: str, timeout: float = 300) -> list[float]:
+        """The losses the run printed (at least two)."""
+        import re
+
+        out = self.stdout(script, nproc, *args, timeout=timeout)
+        losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", out, re.M)]
+        assert len(losses) >= 2, out
+        return losses
+
+
+@pytest.fixture
+def examples():
+    """:class:`_Examples`: run an example under torchrun."""
+    return _Examples()

@@ -9,11 +9,7 @@ repeat it more often). About 5 s a run, almost all of it process start-up.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,37 +17,23 @@ pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_gpt.py"
 RUNS = [("muon", 2), ("soap", 1)]
 
 
 @pytest.mark.parametrize(("optimizer", "accum"), RUNS, ids=[f"{o}-accum{a}" for o, a in RUNS])
-def test_example_trains_and_exits_cleanly(optimizer, accum):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLE), "--optimizer", optimizer, "--accum", str(accum), "--steps", "12"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{out[-3000:]}"
-    assert "terminate called" not in out and "ChildFailedError" not in out, out[-3000:]
-    losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", proc.stdout, re.M)]
-    assert len(losses) >= 2, proc.stdout
+def test_example_trains_and_exits_cleanly(optimizer, accum, examples):
+    losses = examples.losses("train_gpt.py", 2, "--optimizer", optimizer, "--accum", str(accum),
+                             "--steps", "12", timeout=180)
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
 
 
-def _run(nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), str(EXAMPLE), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
-    return proc.stdout
-
-
-def test_example_checkpoint_resumes_under_the_same_and_another_plan(tmp_path):
+def test_example_checkpoint_resumes_under_the_same_and_another_plan(tmp_path, examples):
     """``--checkpoint`` then ``--resume``: on 2 ranks the last loss is the uninterrupted run's;
     on 1 rank (another plan) it resumes at the saved step."""
+
+    def _run(nproc, *args):
+        return examples.stdout("train_gpt.py", nproc, *args, timeout=180)
+
     whole = _run(2, "--steps", "8")
     ck = str(tmp_path / "ck")
     first = _run(2, "--steps", "8", "--checkpoint", ck, "--save-every", "5")

@@ -6,40 +6,18 @@ falling loss and no abort at shutdown."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "train_megatron.py"
 
-
-def _run(nproc: int, *args: str) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), str(EXAMPLE), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"exit status {proc.returncode}:\n{out[-3000:]}"
-    assert "terminate called" not in out and "ChildFailedError" not in out, out[-3000:]
-    losses = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", proc.stdout, re.M)]
-    assert len(losses) >= 2, proc.stdout
-    return losses
-
-
-def test_example_plan_model_and_offline_plan(tmp_path):
+def test_example_plan_model_and_offline_plan(tmp_path, examples):
     from canzona.planner import ParallelSizes
     from canzona.planner.models import ModelConfig
     from canzona.planner.pipeline import plan
     from canzona.planner.plan import save_plan
 
-    live = _run(4, "--tp", "2", "--steps", "30")
+    live = examples.losses("train_megatron.py", 4, "--tp", "2", "--steps", "30")
     assert live[-1] < live[0] - 0.5, f"the loss did not fall: {live}"
     # the example's model as a config: the plan made offline applies without renaming
     cfg = ModelConfig(name="megatron-example", arch="qwen3", hidden=128, ffn=352, layers=2,
@@ -47,9 +25,10 @@ def test_example_plan_model_and_offline_plan(tmp_path):
                       qk_norm=True, dtype="fp32")
     path = tmp_path / "plan.json"
     save_plan(plan(cfg, ParallelSizes(dp=2, tp=2)), path)
-    assert _run(4, "--tp", "2", "--steps", "30", "--plan", str(path)) == live
+    assert examples.losses("train_megatron.py", 4, "--tp", "2", "--steps", "30", "--plan",
+                           str(path)) == live
 
 
-def test_example_bf16_tp2():
-    losses = _run(2, "--tp", "2", "--steps", "30", "--bf16")
+def test_example_bf16_tp2(examples):
+    losses = examples.losses("train_megatron.py", 2, "--tp", "2", "--steps", "30", "--bf16")
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
