@@ -24,11 +24,14 @@ from __future__ import annotations
 
 __all__ = [
     "ADAMW_FLOPS_PER_ELEMENT",
+    "GRAM_BLOCKS",
     "LOCKSTEP_CMAX",
     "SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY",
     "adamw_flops",
     "adamw_state_numel",
     "block_sizes",
+    "gram_blocks",
+    "gram_packed_numel",
     "lockstep_batches",
     "lockstep_bytes",
     "muon_flops",
@@ -216,13 +219,33 @@ def adamw_state_numel(numel: int) -> int:
 
 # --- shared Newton–Schulz in lockstep (issue 18) ------------------------------------------------
 
+#: The Gram of a shared Newton–Schulz is symmetric, so its all-reduce carries only its upper
+#: part, cut in this many block rows (each block row ``[r0, r1)`` sends ``G[r0:r1, r0:]``; the
+#: rest is its mirror): about n²/2·(1 + 1/GRAM_BLOCKS) elements instead of n².
+GRAM_BLOCKS = 16
+
+
+def gram_blocks(n: int) -> list[tuple[int, int]]:
+    """The block rows ``[r0, r1)`` of an n × n Gram whose upper parts ``G[r0:r1, r0:]`` are
+    all-reduced (:data:`GRAM_BLOCKS` of ⌈n/GRAM_BLOCKS⌉ rows, the last shorter)."""
+    _check_positive("n", n)
+    size = -(-n // GRAM_BLOCKS)
+    return [(r, min(n, r + size)) for r in range(0, n, size)]
+
+
+def gram_packed_numel(n: int) -> int:
+    """Elements of an n × n Gram's all-reduce: its block rows' upper parts (:func:`gram_blocks`)."""
+    return sum((r1 - r0) * (n - r0) for r0, r1 in gram_blocks(n))
+
+
 
 def lockstep_bytes(rows: int, n: int, k: int, split: bool, e: int) -> int:
     """Scratch bytes one matrix holds while shared in lockstep: its iterate twice (rows × n), the
-    Gram and the polynomial (n × n; with the split, the gathered k⌈n/k⌉ × n and its send block)
-    and the momentum direction handed in (rows × n, fp32)."""
+    Gram (n × n) and its packed upper part (:func:`gram_packed_numel`), the polynomial (n × n;
+    with the split, the gathered k⌈n/k⌉ × n and its send block) and the momentum direction
+    handed in (rows × n, fp32)."""
     poly = (k * -(-n // k) + -(-n // k)) * n if split else n * n
-    return (2 * rows * n + n * n + poly) * e + 4 * rows * n
+    return (2 * rows * n + n * n + gram_packed_numel(n) + poly) * e + 4 * rows * n
 
 
 #: A lockstep batch of shared matrices holds at most this many C_max of scratch: what the

@@ -7,7 +7,8 @@ bound is LB = max(mean, largest task), the mean being the useful work per GPU (t
 cost of every task, AdamW shards and replicated matrices included, over dp·tp GPUs). Muon's
 Newton–Schulz can be shared by k ranks exactly (``canzona.runtime.optim.shared_ns``): each rank
 holds a row block of the matrix oriented along its long dimension (m × n, m ≥ n) and per
-iteration computes its partial Gram (one n × n all-reduce) and its rows of the update:
+iteration computes its partial Gram (one all-reduce of its packed upper part, about n²/2) and
+its rows of the update:
 ``s·(4n²⌈m/k⌉ + 2n³)`` FLOPs per rank, or ``s·(4n²⌈m/k⌉ + 2⌈n/k⌉n²)`` with the polynomial split
 (one all-gather more per iteration). The sharing groups:
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .cost import load_hardware
-from .formulas import lockstep_batches, lockstep_bytes
+from .formulas import gram_packed_numel, lockstep_batches, lockstep_bytes
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts
 
@@ -143,13 +144,14 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     rows in a DP buffer) and swap them for long-dimension blocks before the iteration and back
     after (``runtime.pairs``): two all-to-alls of each rank's m·n/k elements."""
     rows = -(-m // k)
+    gram = gram_packed_numel(n)  # the Gram is symmetric: its upper block rows are reduced
     if split:
         poly_rows = -(-n // k)
         flops = steps * (4 * n * n * rows + 2 * poly_rows * n * n)
-        comm = steps * (_all_reduce_s(n * n, e, k, link) + _all_gather_s(k * poly_rows * n, e, k, link))
+        comm = steps * (_all_reduce_s(gram, e, k, link) + _all_gather_s(k * poly_rows * n, e, k, link))
     else:
         flops = steps * (4 * n * n * rows + 2 * n ** 3)
-        comm = steps * _all_reduce_s(n * n, e, k, link)
+        comm = steps * _all_reduce_s(gram, e, k, link)
     if exchange:
         comm += 2 * (link.latency_s + (k - 1) / k * (m * n / k) * e / link.busbw)
     return ShareOption(group, k, split, flops, comm)

@@ -409,9 +409,35 @@ def test_cost_formulas():
     assert shared_ns_flops(m // 2, n, 2, steps=1, split_polynomial=True) == \
         (4 * n * n * m + 2 * n ** 3) // 2
     assert shared_ns_bytes(n, 1) == 0
-    assert shared_ns_bytes(n, 2, steps=1) == n * n * 4
+    # the Gram's 16 upper block rows of 64 rows: Σ 64·(1024 − 64·i) = 17/32 of n²
+    g = formulas.gram_packed_numel(n)
+    assert g == sum(64 * (n - 64 * i) for i in range(16)) == 17 * n * n // 32
+    assert shared_ns_bytes(n, 2, steps=1) == g * 4
     assert shared_ns_bytes(n, 2, steps=1, split_polynomial=True, element_size=2) == \
-        (n * n + n * n // 2) * 2
+        (g + n * n // 2) * 2
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 64, 100])
+def test_gram_packing_round_trip(n):
+    """The all-reduce carries the Gram's upper block rows; unpacked, a symmetric Gram is back
+    bit for bit, and an asymmetric one keeps its diagonal blocks and mirrors the rest."""
+    from canzona.planner.formulas import gram_blocks, gram_packed_numel
+    from canzona.runtime.optim.shared_ns import _pack_gram, _unpack_gram
+
+    x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n))
+    g = x.mT @ x
+    sym = torch.triu(g) + torch.triu(g, 1).mT
+    packed = torch.empty(gram_packed_numel(n))
+    _pack_gram(sym, packed)
+    back = torch.full((n, n), float("nan"))
+    _unpack_gram(packed, back)
+    assert torch.equal(back, sym)
+    asym = torch.randn(n, n)
+    _pack_gram(asym, packed)
+    _unpack_gram(packed, back)
+    for r0, r1 in gram_blocks(n):
+        assert torch.equal(back[r0:r1, r0:], asym[r0:r1, r0:])
+        assert torch.equal(back[r1:, r0:r1], asym[r0:r1, r1:].mT)
 
 
 def test_many_in_lockstep_is_each_alone_bitwise(world2):

@@ -12,7 +12,10 @@ a wide one): X is m × n with m ≥ n, split into row blocks Xᵢ (mᵢ × n, Σ
     P = bG + cG²                 (n × n, identical on every rank)
     Xᵢ ← aXᵢ + XᵢP               (each rank its own rows, no communication)
 
-so one n × n all-reduce per step is all the ranks exchange. The first step's Gram also gives the
+so one n × n all-reduce per step is all the ranks exchange — of half of it, as G is symmetric:
+its upper block rows ``G[r0:r1, r0:]`` (``formulas.gram_blocks``: 16 of them, about
+n²/2·(1 + 1/16) elements) are packed, reduced and mirrored back (a diagonal block keeps both
+triangles as reduced, so G is what the whole all-reduce gives). The first step's Gram also gives the
 Frobenius norm, ‖X‖²_F = trace(G), so the normalisation ``X / max(‖X‖_F, eps)`` costs no extra
 collective: X and G are rescaled after that all-reduce (G by 1/norm²). Nothing depends on the
 order of the rows: (ΠX)ᵀ(ΠX) = XᵀX for any row permutation Π, so a rank's block may be any set
@@ -47,9 +50,11 @@ iteration dtype, ring algorithms; :func:`shared_ns_flops`, :func:`shared_ns_byte
                     FLOPs                    bytes sent
 ==================  =======================  =======================================
 single device       s·(4n²m + 2n³)           —
-shared              s·(4n²mᵢ + 2n³)          s·2(k−1)/k·n²·e  (the all-reduce of G)
-shared, split poly  s·(4n²mᵢ + 2⌈n/k⌉n²)     s·(2(k−1)/k·n² + (k−1)⌈n/k⌉n)·e
+shared              s·(4n²mᵢ + 2n³)          s·2(k−1)/k·g·e  (the all-reduce of G)
+shared, split poly  s·(4n²mᵢ + 2⌈n/k⌉n²)     s·(2(k−1)/k·g + (k−1)⌈n/k⌉n)·e
 ==================  =======================  =======================================
+
+(g = ``formulas.gram_packed_numel(n)`` ≈ 0.53·n², the packed upper part of G.)
 
 With even blocks (mᵢ = m/k) that is 4n²m/k + 2n³ per step, and (4n²m + 2n³)/k with the split.
 Latency: one all-reduce per step (two collectives per step with the split), each on the
@@ -109,6 +114,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.planner.formulas import gram_blocks, gram_packed_numel
 from canzona.runtime.collectives import wait_for
 from canzona.runtime.optim.muon import (
     DEFAULT_COEFFICIENTS,
@@ -187,6 +193,7 @@ class _Task:
     X: Tensor
     spare: Tensor
     gram: Tensor
+    packed: Tensor  # the Gram's upper block rows, what is all-reduced
     poly: Tensor
     send: Tensor | None
     gathered: Tensor | None
@@ -268,7 +275,8 @@ def shared_newton_schulz_many(
             poly = gathered[:n]
         else:
             poly = torch.empty((n, n), dtype=dt, device=b.device)
-        tasks.append(_Task(X, torch.empty_like(X), gram, poly, send, gathered, lo, hi, sp,
+        packed = torch.empty(gram_packed_numel(n), dtype=dt, device=b.device)
+        tasks.append(_Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, lo, hi, sp,
                            w or "a shared Newton–Schulz"))
 
     def launch(work: Any, name: str) -> tuple[Any, str]:
@@ -278,7 +286,8 @@ def shared_newton_schulz_many(
 
     def launch_gram(t: _Task, step: int) -> None:
         torch.mm(t.X.mT, t.X, out=t.gram)
-        t.work = launch(_all_reduce(t.gram, group),
+        _pack_gram(t.gram, t.packed)
+        t.work = launch(_all_reduce(t.packed, group),
                         f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
@@ -291,6 +300,7 @@ def shared_newton_schulz_many(
             launch_gram(t, step)
         for t in tasks:
             wait(t)
+            _unpack_gram(t.packed, t.gram)
             if step == 0:
                 _normalise_first(t, group, eps, timeout_s, me)
             if t.split:
@@ -306,6 +316,31 @@ def shared_newton_schulz_many(
             torch.addmm(t.X, t.X, t.poly, beta=a, out=t.spare)
             t.X, t.spare = t.spare, t.X
     return [t.X for t in tasks]
+
+
+def _gram_views(packed: Tensor, n: int) -> list[tuple[int, int, Tensor]]:
+    """(r0, r1, view) of each block row's upper part ``G[r0:r1, r0:]`` in ``packed``."""
+    out, at = [], 0
+    for r0, r1 in gram_blocks(n):
+        size = (r1 - r0) * (n - r0)
+        out.append((r0, r1, packed[at:at + size].view(r1 - r0, n - r0)))
+        at += size
+    return out
+
+
+def _pack_gram(gram: Tensor, packed: Tensor) -> None:
+    """The upper block rows of a symmetric ``gram`` into ``packed`` (``formulas.gram_blocks``):
+    the all-reduce carries about half the Gram."""
+    for r0, r1, v in _gram_views(packed, gram.shape[0]):
+        v.copy_(gram[r0:r1, r0:])
+
+
+def _unpack_gram(packed: Tensor, gram: Tensor) -> None:
+    """The reduced ``packed`` back into ``gram``: each block row's upper part, and its mirror
+    below the diagonal block (a diagonal block keeps both of its triangles as reduced)."""
+    for r0, r1, v in _gram_views(packed, gram.shape[0]):
+        gram[r0:r1, r0:].copy_(v)
+        gram[r1:, r0:r1].copy_(v[:, r1 - r0:].mT)
 
 
 def _normalise_first(t: _Task, group: Any, eps: float, timeout_s: float | None, me: int) -> None:
@@ -444,12 +479,12 @@ def shared_ns_flops(rows: int, n: int, k: int, *, steps: int = 5,
 
 def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = False,
                     element_size: int = 4) -> int:
-    """Bytes one rank sends per call under ring algorithms: per step the n × n all-reduce,
-    2(k−1)/k·n² elements, plus with the split the all-gather of its padded block,
+    """Bytes one rank sends per call under ring algorithms: per step the all-reduce of the
+    Gram's packed upper part, 2(k−1)/k·g elements (g = ``formulas.gram_packed_numel(n)``), plus with the split the all-gather of its padded block,
     (k−1)·⌈n/k⌉·n elements (the rare overflow guard's extra all-reduces not counted)."""
     if k <= 1:
         return 0
-    per_step = 2 * (k - 1) * n * n / k
+    per_step = 2 * (k - 1) * gram_packed_numel(n) / k
     if split_polynomial:
         per_step += (k - 1) * -(-n // k) * n
     return int(round(steps * per_step * element_size))
