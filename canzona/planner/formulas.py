@@ -36,6 +36,9 @@ __all__ = [
     "lockstep_bytes",
     "muon_flops",
     "muon_state_numel",
+    "poly_blocks",
+    "poly_flops",
+    "poly_packed_numel",
     "shampoo_flops",
     "shampoo_state_numel",
     "soap_flops",
@@ -238,13 +241,38 @@ def gram_packed_numel(n: int) -> int:
     return sum((r1 - r0) * (n - r0) for r0, r1 in gram_blocks(n))
 
 
+def poly_blocks(n: int, k: int) -> list[list[tuple[int, int]]]:
+    """The split polynomial P = bG + cG² (symmetric, n × n) over ``k`` ranks: per rank, the
+    block rows ``[r0, r1)`` whose upper parts ``P[r0:r1, r0:]`` it computes and all-gathers.
+    P is cut in 2k block rows of ⌈n/2k⌉ rows; rank r takes blocks r and 2k−1−r, a long upper
+    part and a short one, so every rank computes and sends about as much (exactly when 2k
+    divides n): n²(2k+1)/(4k²) elements."""
+    _check_positive("n", n)
+    _check_positive("k", k)
+    size = -(-n // (2 * k))
+    cut = [(min(n, i * size), min(n, (i + 1) * size)) for i in range(2 * k)]
+    return [[cut[r], cut[2 * k - 1 - r]] for r in range(k)]
+
+
+def poly_packed_numel(n: int, k: int) -> int:
+    """Elements each rank contributes to the split polynomial's all-gather: the largest of the
+    ranks' upper parts (:func:`poly_blocks`; the others are zero-padded to it)."""
+    return max(sum((r1 - r0) * (n - r0) for r0, r1 in mine) for mine in poly_blocks(n, k))
+
+
+def poly_flops(n: int, k: int) -> int:
+    """FLOPs of one step's split polynomial on the busiest rank: its upper parts,
+    b·G[r0:r1, r0:] + c·G[r0:r1, :]·G[:, r0:], 2·(r1−r0)·n·(n−r0) each."""
+    return 2 * n * poly_packed_numel(n, k)
+
+
 
 def lockstep_bytes(rows: int, n: int, k: int, split: bool, e: int) -> int:
     """Scratch bytes one matrix holds while shared in lockstep: its iterate twice (rows × n), the
     Gram (n × n) and its packed upper part (:func:`gram_packed_numel`), the polynomial (n × n;
-    with the split, the gathered k⌈n/k⌉ × n and its send block) and the momentum direction
-    handed in (rows × n, fp32)."""
-    poly = (k * -(-n // k) + -(-n // k)) * n if split else n * n
+    with the split, unpacked into the Gram's buffer, the gathered k packed parts and its own
+    instead, :func:`poly_packed_numel`) and the momentum direction handed in (rows × n, fp32)."""
+    poly = (k + 1) * poly_packed_numel(n, k) if split else n * n
     return (2 * rows * n + n * n + gram_packed_numel(n) + poly) * e + 4 * rows * n
 
 

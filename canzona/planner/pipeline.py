@@ -131,12 +131,18 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
+    shares: list[dict] = []
     if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
         from .tp.schedule import share_decision
 
         say("sharing decision")
-        problem = dataclasses.replace(problem, shared=share_decision(problem, t.hardware,
-                                                                     t.share))
+        # auto: the bound's choice (the tasks above the mean), and every eligible task with
+        # the polynomial split; the plan keeps whichever gives the lighter busiest GPU
+        for mode in ("auto", "all-split") if t.share == "auto" else (t.share,):
+            cand = share_decision(problem, t.hardware, mode)
+            if cand not in shares:
+                shares.append(cand)
+        problem = dataclasses.replace(problem, shared=shares[0])
     pairs: list[dict] = []
     if t.share != "off" and problem.sizes.tp == 1 and not problem.pairs:
         say("sharing decision (DP pairs)")
@@ -160,7 +166,21 @@ def plan_problem(
     if problem.sizes.tp > 1 and not dp_only:
         say("tp micro-groups")
         ctx = TPContext.build(sol.problem, t.comm_dtype)
-        schedule = schedule_tp(sol.problem, sol.cuts, t, ctx=ctx, warn=True)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            schedule = schedule_tp(sol.problem, sol.cuts, t, ctx=ctx, warn=True)
+        for shared in shares[1:]:  # share="auto": the other candidate sets of shared tasks
+            say("DP partition (other shared tasks)")
+            other = solve(dataclasses.replace(problem, shared=shared), o, progress=progress,
+                          hardware=hw)
+            octx = TPContext.build(other.problem, t.comm_dtype)
+            with warnings.catch_warnings(record=True) as onotes:
+                warnings.simplefilter("always")
+                osched = schedule_tp(other.problem, other.cuts, t, ctx=octx, warn=True)
+            if max(map(max, osched.grid())) < max(map(max, schedule.grid())):
+                sol, ctx, schedule, notes = other, octx, osched, onotes
+        for w in notes:  # the oversized-task note of the schedule kept
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         tp_section, hosts = tp_plan(sol.problem, schedule, ctx), placements(schedule)
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
                              solver=o.solver, alpha=o.alpha,

@@ -9,8 +9,9 @@ Newton–Schulz can be shared by k ranks exactly (``canzona.runtime.optim.shared
 holds a row block of the matrix oriented along its long dimension (m × n, m ≥ n) and per
 iteration computes its partial Gram (one all-reduce of its packed upper part, about n²/2) and
 its rows of the update:
-``s·(4n²⌈m/k⌉ + 2n³)`` FLOPs per rank, or ``s·(4n²⌈m/k⌉ + 2⌈n/k⌉n²)`` with the polynomial split
-(one all-gather more per iteration). The sharing groups:
+``s·(4n²⌈m/k⌉ + 2n³)`` FLOPs per rank, or ``s·(4n²⌈m/k⌉ + poly_flops(n, k))`` with the
+polynomial split (≈ n³/k: each rank the packed upper parts of two block rows of the symmetric
+polynomial; one all-gather of them more per iteration). The sharing groups:
 
 * ``tp``: the TP group of the owning DP index (k = tp) — for a TP-split matrix whose split
   dimension is its long one (column-parallel QKV and fc1, row-parallel proj and fc2 of the usual
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .cost import load_hardware
-from .formulas import gram_packed_numel, lockstep_batches, lockstep_bytes
+from .formulas import (gram_packed_numel, lockstep_batches, lockstep_bytes, poly_flops,
+                       poly_packed_numel)
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts
 
@@ -145,10 +147,10 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     after (``runtime.pairs``): two all-to-alls of each rank's m·n/k elements."""
     rows = -(-m // k)
     gram = gram_packed_numel(n)  # the Gram is symmetric: its upper block rows are reduced
-    if split:
-        poly_rows = -(-n // k)
-        flops = steps * (4 * n * n * rows + 2 * poly_rows * n * n)
-        comm = steps * (_all_reduce_s(gram, e, k, link) + _all_gather_s(k * poly_rows * n, e, k, link))
+    if split:  # each rank computes and all-gathers its packed upper parts of the symmetric P
+        flops = steps * (4 * n * n * rows + poly_flops(n, k))
+        comm = steps * (_all_reduce_s(gram, e, k, link)
+                        + _all_gather_s(k * poly_packed_numel(n, k), e, k, link))
     else:
         flops = steps * (4 * n * n * rows + 2 * n ** 3)
         comm = steps * _all_reduce_s(gram, e, k, link)

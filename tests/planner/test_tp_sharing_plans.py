@@ -36,8 +36,20 @@ def test_auto_shares_the_heavy_mlp_matrices_and_hosts_the_rest(q32):
         assert t.host is None and t.micro_group is None
         assert any(x.id == i for x in p.tp.indices[t.owner].shared)
     hosted = {gt.id for ix in p.tp.indices for g in ix.groups for gt in g.tasks}
-    assert hosted and not hosted & shared
+    assert not hosted & shared
+    matrices = {t.id for t in p.tasks if t.host is not None or t.id in shared}
+    assert hosted | shared == matrices  # every TP-split matrix hosted or shared, not both
     assert p.schema_version == TP_SHARE_VERSION and p.tp.share == "auto"
+
+
+def test_auto_keeps_the_lighter_of_its_candidates():
+    """``auto`` plans the bound's choice (the MLP matrices above the mean) and every eligible
+    task with the polynomial split, and keeps the lighter busiest GPU (at qwen3-32b dp32 tp8:
+    every matrix shared, their collectives hidden by each other's compute in lockstep)."""
+    for model, dp, hw in (("qwen3-32b", 32, "h800"), ("qwen3-0.6b", 4, "h100")):
+        auto = _plan(model, dp, 8 if dp == 32 else 2, "auto", hardware=hw)
+        split = _plan(model, dp, 8 if dp == 32 else 2, "all-split", hardware=hw)
+        assert auto.tp.metrics.max_gpu_load <= split.tp.metrics.max_gpu_load
 
 
 def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32):
@@ -50,8 +62,10 @@ def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32):
     def path(b):
         return b["compute"] + b["tp_gather_scatter"]
 
-    assert path(sim["auto"]) < 0.6 * path(sim["off"])  # 28.2 ms against 53.2 (h800)
-    assert q32["auto"].tp.metrics.max_gpu_load / useful_mean(q32["auto"]) < 1.25  # 1.186
+    assert path(sim["auto"]) < 0.5 * path(sim["off"])  # the issue: at most half
+    # the issue: ≤ 1.10 the mean useful work (single-device FLOPs; the shared polynomial's
+    # symmetric half makes the pieces lighter than that)
+    assert q32["auto"].tp.metrics.max_gpu_load / useful_mean(q32["auto"]) <= 1.10
 
 
 @pytest.mark.parametrize("model,dp,most", [("qwen3-32b", 128, 2.6), ("llama3-70b", 256, 2.7)])

@@ -406,15 +406,19 @@ def test_cost_formulas():
     m, n = 4096, 1024
     assert shared_ns_flops(m, n, 1) == formulas.muon_flops(m, n)
     assert shared_ns_flops(m // 2, n, 2, steps=1) == 4 * n * n * m // 2 + 2 * n ** 3
+    # the split: blocks [0, 256) + [768, 1024) on rank 0, [256, 768) on rank 1 — the upper
+    # parts of P hold 256·1024 + 256·256 = 256·768 + 256·512 elements on either rank
+    q = formulas.poly_packed_numel(n, 2)
+    assert q == 256 * (n + 256) == 256 * (768 + 512)
     assert shared_ns_flops(m // 2, n, 2, steps=1, split_polynomial=True) == \
-        (4 * n * n * m + 2 * n ** 3) // 2
+        4 * n * n * m // 2 + 2 * n * q
     assert shared_ns_bytes(n, 1) == 0
     # the Gram's 16 upper block rows of 64 rows: Σ 64·(1024 − 64·i) = 17/32 of n²
     g = formulas.gram_packed_numel(n)
     assert g == sum(64 * (n - 64 * i) for i in range(16)) == 17 * n * n // 32
     assert shared_ns_bytes(n, 2, steps=1) == g * 4
     assert shared_ns_bytes(n, 2, steps=1, split_polynomial=True, element_size=2) == \
-        (g + n * n // 2) * 2
+        (g + q) * 2
 
 
 @pytest.mark.parametrize("n", [1, 5, 17, 64, 100])
@@ -438,6 +442,31 @@ def test_gram_packing_round_trip(n):
     for r0, r1 in gram_blocks(n):
         assert torch.equal(back[r0:r1, r0:], asym[r0:r1, r0:])
         assert torch.equal(back[r1:, r0:r1], asym[r0:r1, r1:].mT)
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (5, 2), (17, 3), (64, 4), (100, 8)])
+def test_split_polynomial_upper_parts_cover_p(n, k):
+    """Each rank's packed upper parts of P (two block rows), gathered and unpacked, are
+    bG + cG² (to float64 rounding of the same products), every element computed once."""
+    from canzona.planner.formulas import poly_blocks, poly_packed_numel
+    from canzona.runtime.optim.shared_ns import _poly_views, _unpack_poly
+
+    x = torch.randn(2 * n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+    g = x.mT @ x
+    g = torch.triu(g) + torch.triu(g, 1).mT
+    b, c = -4.7750, 2.0315
+    size = poly_packed_numel(n, k)
+    gathered = torch.zeros(k * size, dtype=torch.float64)
+    rows = []
+    for r in range(k):
+        for r0, r1, v in _poly_views(gathered[r * size:(r + 1) * size], n, k, r):
+            torch.addmm(g[r0:r1, r0:], g[r0:r1], g[:, r0:], beta=b, alpha=c, out=v)
+            rows += range(r0, r1)
+    assert sorted(rows) == list(range(n))  # every block row on exactly one rank
+    assert all(sum((r1 - r0) * (n - r0) for r0, r1 in mine) <= size for mine in poly_blocks(n, k))
+    poly = torch.full((n, n), float("nan"), dtype=torch.float64)
+    _unpack_poly(gathered, poly, k)
+    torch.testing.assert_close(poly, b * g + c * g @ g, rtol=1e-12, atol=1e-9)
 
 
 def test_many_in_lockstep_is_each_alone_bitwise(world2):

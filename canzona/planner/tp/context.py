@@ -108,6 +108,68 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
     return base, owned
 
 
+# --- shared tasks in lockstep ----------------------------------------------------------------------
+
+
+def lockstep_terms(problem: DPProblem, task: int) -> tuple[float, float]:
+    """A task its TP group shares (``problem.shared``): its piece's (compute, collectives) on
+    every TP rank, in cost units (its recorded load is the longer of the two)."""
+    load, _, comp, comm = problem.shared[task]
+    longest = max(comp, comm)
+    per_s = load / longest if longest > 0 else 0.0
+    return comp * per_s, comm * per_s
+
+
+@dataclass(slots=True)
+class Lockstep:
+    """The shared pieces of one DP index, as the runtime runs them: in lockstep, each one's
+    collectives beside the others' compute (``sharing.lockstep_seconds``: per iteration the
+    longer of Σ compute and Σ collectives + the shortest compute). ``pieces``: Σ of their
+    recorded loads (what :func:`index_work` counts)."""
+
+    compute: float = 0.0
+    comm: float = 0.0
+    shortest: float = math.inf
+    pieces: float = 0.0
+
+    def add(self, c: float, a: float, load: float) -> None:
+        self.compute += c
+        self.comm += a
+        self.shortest = min(self.shortest, c)
+        self.pieces += load
+
+    def load(self) -> float:
+        """The phase's load (0 without pieces; scratch batches not modelled here: the TP
+        schedule's ``shared_phase_s`` has them)."""
+        return 0.0 if self.shortest == math.inf else max(self.compute, self.comm + self.shortest)
+
+    def copy(self) -> Lockstep:
+        return Lockstep(self.compute, self.comm, self.shortest, self.pieces)
+
+
+def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
+    """Per DP index, the ids of the tasks its TP group shares (``problem.shared``)."""
+    out: list[list[int]] = [[] for _ in range(problem.dp)]
+    if not problem.shared:
+        return out
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for it in b.items:
+            if it.atomic:
+                out[problem.dp_index(b, owner_of(c, it.start))] += [
+                    i for i in it.tasks if i in problem.shared]
+    return out
+
+
+def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
+    """Per DP index, its shared pieces in lockstep (:class:`Lockstep`)."""
+    out = [Lockstep() for _ in range(problem.dp)]
+    for d, ids in enumerate(shared_by_index(problem, cuts)):
+        for i in ids:
+            out[d].add(*lockstep_terms(problem, i), problem.shared[i][0])
+    return out
+
+
 def lpt_bins(loads: Sequence[int], tp: int) -> list[int]:
     """Longest-processing-time packing of ``loads`` on ``tp`` ranks: every rank's load."""
     heap = [0] * max(1, tp)
@@ -153,12 +215,14 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
 
 
 def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) -> list[float]:
-    """The DP side's TP-aware load: per DP index, its busiest GPU after LPT packing.
+    """The DP side's TP-aware load: per DP index, its busiest GPU after LPT packing, its shared
+    pieces counted as their lockstep phase (:class:`Lockstep`) rather than one by one.
 
     Use in place of the DP load (``evaluate(...).load``) when judging cuts under TP.
     """
     ctx = ctx or TPContext.build(problem)
     base, owned = index_work(problem, cuts, ctx)
+    steps = index_lockstep(problem, cuts)
     tp = problem.sizes.tp
-    return [base[d] + lpt_makespan([problem.loads[i] for i in owned[d]], tp)
-            for d in range(problem.dp)]
+    return [base[d] - steps[d].pieces + steps[d].load()
+            + lpt_makespan([problem.loads[i] for i in owned[d]], tp) for d in range(problem.dp)]

@@ -6,7 +6,8 @@ import heapq
 
 from ..objective import MAX_LOAD, Objective
 from ..planning import DPProblem, owner_of
-from .context import Cuts, TPContext, index_gpu_max, index_work, lb_gpu, lpt_bins, lpt_makespan
+from .context import (Cuts, Lockstep, TPContext, index_gpu_max, index_work, lb_gpu,
+                      lockstep_terms, lpt_bins, lpt_makespan, shared_by_index)
 
 
 def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None,
@@ -35,6 +36,14 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     loads = problem.loads
     base, owned = index_work(problem, cuts, ctx)
     bag = [[loads[i] for i in ids] for ids in owned]
+    shared = problem.shared
+    # an index's shared pieces run in lockstep: kept apart from the rest of its base
+    pieces: list[list[tuple[float, float, float]]] = [[] for _ in range(problem.dp)]
+    for d, ids in enumerate(shared_by_index(problem, cuts)):
+        for i in ids:
+            pieces[d].append((*lockstep_terms(problem, i), shared[i][0]))
+            base[d] -= shared[i][0]
+    lock = [_lockstep(x) for x in pieces]
     bound = lb_gpu(problem, ctx=ctx)
     scale = float(bound or 1)
 
@@ -44,26 +53,30 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         atoms[key] = [it for it in b.items if it.atomic]
         rank[key] = [owner_of(cuts[key], it.start) for it in atoms[key]]
 
-    shared = problem.shared
-
-    def split_of(it) -> tuple[list[int], float]:
-        """(loads to host, load on every TP rank): a shared task is its piece on every rank."""
+    def split_of(it) -> tuple[list[int], float, list[tuple[float, float, float]]]:
+        """(loads to host, load on every TP rank, shared pieces): a shared task is its piece on
+        every rank, in the index's lockstep phase."""
         return ([loads[i] for i in it.tasks if ctx.split[i] and i not in shared],
-                float(sum(shared[i][0] if i in shared else loads[i] for i in it.tasks
-                          if i in shared or not ctx.split[i])))
+                float(sum(loads[i] for i in it.tasks if i not in shared and not ctx.split[i])),
+                [(*lockstep_terms(problem, i), shared[i][0]) for i in it.tasks if i in shared])
 
     def value(d: int) -> float:
-        return base[d] + lpt_makespan(bag[d], tp)
+        return base[d] + lock[d].load() + lpt_makespan(bag[d], tp)
 
     cache: dict[int, list[int]] = {}  # index → LPT bins of its bag (a heap), while unchanged
 
-    def take(d: int, sp: list[int], rep: float, sign: int) -> None:
+    def take(d: int, sp: list[int], rep: float, sh: list, sign: int) -> None:
         cache.pop(d, None)
         if sign > 0:
             bag[d].extend(sp)
+            pieces[d].extend(sh)
         else:
             for y in sp:
                 bag[d].remove(y)
+            for y in sh:
+                pieces[d].remove(y)
+        if sh:
+            lock[d] = _lockstep(pieces[d])
         base[d] += sign * rep
 
     evals = 0  # work budget (deterministic, unlike a wall-clock limit)
@@ -86,8 +99,8 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                 # many as it has now): keeps the DP near-linear in the bucket's matrices.
                 have = max((rank[key].count(r) for r in set(rank[key])), default=0)
                 span = max(have, 2 * -(-m // R) + 1)
-                for k, (sp, rep) in enumerate(its):
-                    take(ds[rank[key][k]], sp, rep, -1)
+                for k, (sp, rep, sh) in enumerate(its):
+                    take(ds[rank[key][k]], sp, rep, sh, -1)
                 INF = float("inf")
                 g = [0.0] + [INF] * m  # g[i]: best objective with matrices < i placed on ranks ≤ r
                 choice = []
@@ -103,6 +116,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                             continue
                         bins = list(b0)  # a heap: the index's LPT bins without this bucket
                         rep_sum = 0.0
+                        phase = lock[d].copy()  # its lockstep phase without this bucket
                         for i in range(j, min(m, j + span) + 1):
                             evals += 1
                             if i > j:
@@ -110,13 +124,16 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                                 for x in sorted(its[i - 1][0], reverse=True):
                                     heapq.heapreplace(bins, bins[0] + x)
                                 rep_sum += its[i - 1][1]
-                            v = (base[d] + rep_sum + max(bins)) / scale
+                                for y in its[i - 1][2]:
+                                    phase.add(*y)
+                            rep_now = rep_sum + phase.load()
+                            v = (base[d] + rep_now + max(bins)) / scale
                             if phase == "max":
                                 tot = max(g[j], v)
                             elif phase == "excess":
                                 # Overload of every GPU above the target, squared: graded even
                                 # when an index's maximum sits on a plateau.
-                                tot = g[j] + sum(max(0.0, (base[d] + rep_sum + x) / scale - target)
+                                tot = g[j] + sum(max(0.0, (base[d] + rep_now + x) / scale - target)
                                                  ** 2 for x in bins)
                             else:
                                 tot = g[j] + v ** 8
@@ -135,8 +152,8 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                 if new != rank[key]:
                     changed = True
                 rank[key] = new
-                for k, (sp, rep) in enumerate(its):
-                    take(ds[new[k]], sp, rep, +1)
+                for k, (sp, rep, sh) in enumerate(its):
+                    take(ds[new[k]], sp, rep, sh, +1)
             if not changed:
                 break
 
@@ -157,3 +174,11 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     before = objective.gpu_score(index_gpu_max(problem, cuts, ctx), problem, cuts)
     after = objective.gpu_score(index_gpu_max(problem, out, ctx), problem, out)
     return out if after <= before else cuts
+
+
+def _lockstep(pieces: list[tuple[float, float, float]]) -> Lockstep:
+    out = Lockstep()
+    for x in pieces:
+        out.add(*x)
+    return out
+

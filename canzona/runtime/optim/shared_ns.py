@@ -36,12 +36,14 @@ than the single-device one, and differs from it by that norm rounding
 (``benchmarks/bench_shared_ns.py`` prints both distances); on the tests' sizes the two agree
 within 1e-5.
 
-**``split_polynomial``.** P costs 2n³ on every rank. With ``split_polynomial=True`` rank r
-computes only rows ⌈n/k⌉·r … ⌈n/k⌉·(r+1) of P (bG[rows] + cG[rows]·G) and one
-``all_gather_into_tensor`` of equal, zero-padded ⌈n/k⌉ × n blocks assembles it (the stock call:
-gloo has no uneven all-gather, NCCL no AllGatherV; the padded rows are the gathered buffer's
-tail, so P is a view of its first n rows and nothing is unpacked). P is then identical on every
-rank again.
+**``split_polynomial``.** P costs 2n³ on every rank. With ``split_polynomial=True`` the ranks
+share it, using its symmetry: P is cut in 2k block rows (``formulas.poly_blocks``), rank r takes
+blocks r and 2k−1−r (a long upper part and a short one) and computes only their upper parts
+``P[r0:r1, r0:] = bG[r0:r1, r0:] + cG[r0:r1, :]·G[:, r0:]``, about n²(2k+1)/(4k²) elements; one
+``all_gather_into_tensor`` of the packed parts, zero-padded to equal size (the stock call: gloo
+has no uneven all-gather, NCCL no AllGatherV), and P is unpacked and mirrored below its
+diagonal blocks, identical on every rank again. Compute and bytes are about half of whole
+row blocks of P (``formulas.poly_flops``, ``formulas.poly_packed_numel``).
 
 **Cost per rank and call** (s = ``steps``, mᵢ = this rank's rows, e = bytes per element of the
 iteration dtype, ring algorithms; :func:`shared_ns_flops`, :func:`shared_ns_bytes`):
@@ -51,15 +53,19 @@ iteration dtype, ring algorithms; :func:`shared_ns_flops`, :func:`shared_ns_byte
 ==================  =======================  =======================================
 single device       s·(4n²m + 2n³)           —
 shared              s·(4n²mᵢ + 2n³)          s·2(k−1)/k·g·e  (the all-reduce of G)
-shared, split poly  s·(4n²mᵢ + 2⌈n/k⌉n²)     s·(2(k−1)/k·g + (k−1)⌈n/k⌉n)·e
+shared, split poly  s·(4n²mᵢ + 2n·q)          s·(2(k−1)/k·g + (k−1)·q)·e
 ==================  =======================  =======================================
 
-(g = ``formulas.gram_packed_numel(n)`` ≈ 0.53·n², the packed upper part of G.)
+(g = ``formulas.gram_packed_numel(n)`` ≈ 0.53·n², the packed upper part of G; q =
+``formulas.poly_packed_numel(n, k)`` ≈ n²(2k+1)/(4k²), a rank's packed upper parts of P.)
 
-With even blocks (mᵢ = m/k) that is 4n²m/k + 2n³ per step, and (4n²m + 2n³)/k with the split.
+With even blocks (mᵢ = m/k) that is 4n²m/k + 2n³ per step, and about 4n²m/k + n³/k with the
+split (half of P's 2n³ over k ranks).
 Latency: one all-reduce per step (two collectives per step with the split), each on the
 critical path — the step's compute depends on it. Memory per rank: the block twice (iterate and
-ping-pong buffer) and two n × n matrices (G, P; the split's gathered buffer is k⌈n/k⌉ × n).
+ping-pong buffer), two n × n matrices (G, P; one with the split, whose P is unpacked into G's
+buffer), the packed Gram (g) and with the split the gathered parts ((k+1)·q:
+``formulas.lockstep_bytes``).
 The norm check (below) reads one scalar on the host per call (a device sync on CUDA).
 
 **Guard.** The Gram of the *unnormalised* block can overflow or lose its small entries to
@@ -114,7 +120,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.planner.formulas import gram_blocks, gram_packed_numel
+from canzona.planner.formulas import (
+    gram_blocks,
+    gram_packed_numel,
+    poly_blocks,
+    poly_flops,
+    poly_packed_numel,
+)
 from canzona.runtime.collectives import wait_for
 from canzona.runtime.optim.muon import (
     DEFAULT_COEFFICIENTS,
@@ -195,10 +207,8 @@ class _Task:
     gram: Tensor
     packed: Tensor  # the Gram's upper block rows, what is all-reduced
     poly: Tensor
-    send: Tensor | None
-    gathered: Tensor | None
-    lo: int
-    hi: int
+    send: Tensor | None  # split: this rank's upper parts of P, packed
+    gathered: Tensor | None  # split: every rank's, in rank order
     split: bool
     label: str
     work: Any = None
@@ -266,18 +276,19 @@ def shared_newton_schulz_many(
         X.copy_(b)
         gram = torch.empty((n, n), dtype=dt, device=b.device)
         send = gathered = None
-        lo = hi = 0
         if sp:
-            size = -(-n // k)
-            lo, hi = min(r * size, n), min((r + 1) * size, n)
-            send = torch.zeros((size, n), dtype=dt, device=b.device)
-            gathered = torch.empty((k * size, n), dtype=dt, device=b.device)
-            poly = gathered[:n]
-        else:
-            poly = torch.empty((n, n), dtype=dt, device=b.device)
+            size = poly_packed_numel(n, k)
+            send = torch.zeros(size, dtype=dt, device=b.device)  # the tail stays zero padding
+            gathered = torch.empty(k * size, dtype=dt, device=b.device)
+        # with the split, P is unpacked into G's buffer (G is not needed once this rank's
+        # parts of P are formed)
+        poly = gram if sp else torch.empty((n, n), dtype=dt, device=b.device)
         packed = torch.empty(gram_packed_numel(n), dtype=dt, device=b.device)
-        tasks.append(_Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, lo, hi, sp,
+        tasks.append(_Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
                            w or "a shared Newton–Schulz"))
+
+    def n_of(t: _Task) -> int:
+        return t.gram.shape[0]
 
     def launch(work: Any, name: str) -> tuple[Any, str]:
         if flight is not None:
@@ -304,8 +315,9 @@ def shared_newton_schulz_many(
             if step == 0:
                 _normalise_first(t, group, eps, timeout_s, me)
             if t.split:
-                torch.addmm(t.gram[t.lo:t.hi], t.gram[t.lo:t.hi], t.gram, beta=b, alpha=c,
-                            out=t.send[:t.hi - t.lo])  # type: ignore[index]
+                for r0, r1, v in _poly_views(t.send, n_of(t), k, r):  # type: ignore[arg-type]
+                    torch.addmm(t.gram[r0:r1, r0:], t.gram[r0:r1], t.gram[:, r0:], beta=b,
+                                alpha=c, out=v)
                 t.work = launch(_gather(t.gathered, t.send, group),
                                 f"the polynomial all-gather (step {step}) of {t.label}")
             else:
@@ -313,6 +325,7 @@ def shared_newton_schulz_many(
         for t in tasks:
             if t.split:
                 wait(t)
+                _unpack_poly(t.gathered, t.poly, k)  # type: ignore[arg-type]
             torch.addmm(t.X, t.X, t.poly, beta=a, out=t.spare)
             t.X, t.spare = t.spare, t.X
     return [t.X for t in tasks]
@@ -341,6 +354,28 @@ def _unpack_gram(packed: Tensor, gram: Tensor) -> None:
     for r0, r1, v in _gram_views(packed, gram.shape[0]):
         gram[r0:r1, r0:].copy_(v)
         gram[r1:, r0:r1].copy_(v[:, r1 - r0:].mT)
+
+
+def _poly_views(send: Tensor, n: int, k: int, rank: int) -> list[tuple[int, int, Tensor]]:
+    """(r0, r1, view) of each of ``rank``'s block rows' upper parts ``P[r0:r1, r0:]`` of the split
+    polynomial in its packed ``send`` (``formulas.poly_blocks``; the rest is padding)."""
+    out, at = [], 0
+    for r0, r1 in poly_blocks(n, k)[rank]:
+        size = (r1 - r0) * (n - r0)
+        out.append((r0, r1, send[at:at + size].view(r1 - r0, n - r0)))
+        at += size
+    return out
+
+
+def _unpack_poly(gathered: Tensor, poly: Tensor, k: int) -> None:
+    """Every rank's packed upper parts of P (gathered in rank order) into ``poly``, mirrored
+    below the diagonal blocks (each diagonal block is whole, computed by one rank)."""
+    n = poly.shape[0]
+    size = gathered.numel() // k
+    for rank in range(k):
+        for r0, r1, v in _poly_views(gathered[rank * size:(rank + 1) * size], n, k, rank):
+            poly[r0:r1, r0:].copy_(v)
+            poly[r1:, r0:r1].copy_(v[:, r1 - r0:].mT)
 
 
 def _normalise_first(t: _Task, group: Any, eps: float, timeout_s: float | None, me: int) -> None:
@@ -471,22 +506,25 @@ def _check_steps(steps: object) -> int:
 def shared_ns_flops(rows: int, n: int, k: int, *, steps: int = 5,
                     split_polynomial: bool = False) -> int:
     """Matmul FLOPs one rank spends in :func:`shared_newton_schulz` on ``rows`` × ``n``:
-    ``steps · (4n²·rows + 2·p·n²)`` with p = n rows of the polynomial, or ⌈n/k⌉ when split.
-    With k = 1 it is the single-device count (``formulas.muon_flops`` for rows ≥ n)."""
-    p = -(-n // k) if split_polynomial and k > 1 else n
-    return steps * (4 * n * n * rows + 2 * p * n * n)
+    ``steps · (4n²·rows + 2n³)``, or with the split ``steps · (4n²·rows + poly_flops(n, k))``
+    (the busiest rank's upper parts of P, ``formulas.poly_flops``). With k = 1 it is the
+    single-device count (``formulas.muon_flops`` for rows ≥ n)."""
+    poly = poly_flops(n, k) if split_polynomial and k > 1 else 2 * n ** 3
+    return steps * (4 * n * n * rows + poly)
 
 
 def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = False,
                     element_size: int = 4) -> int:
     """Bytes one rank sends per call under ring algorithms: per step the all-reduce of the
-    Gram's packed upper part, 2(k−1)/k·g elements (g = ``formulas.gram_packed_numel(n)``), plus with the split the all-gather of its padded block,
-    (k−1)·⌈n/k⌉·n elements (the rare overflow guard's extra all-reduces not counted)."""
+    Gram's packed upper part, 2(k−1)/k·g elements (g = ``formulas.gram_packed_numel(n)``),
+    plus with the split the all-gather of its padded packed parts of P, (k−1)·q elements
+    (q = ``formulas.poly_packed_numel(n, k)``; the rare overflow guard's extra all-reduces not
+    counted)."""
     if k <= 1:
         return 0
     per_step = 2 * (k - 1) * gram_packed_numel(n) / k
     if split_polynomial:
-        per_step += (k - 1) * -(-n // k) * n
+        per_step += (k - 1) * poly_packed_numel(n, k)
     return int(round(steps * per_step * element_size))
 
 
