@@ -7,9 +7,10 @@ Two processes (``torch.multiprocessing.spawn``, gloo over loopback, one intra-op
 Per shape (rows × cols as stored; a wide one is transposed to its long dimension) and round, in
 this order: **alone** — process 0 runs canzona's single-device ``newton_schulz`` on the whole
 matrix while process 1 waits in a barrier; **shared** — ``shared_newton_schulz`` with each
-process holding half the rows of the oriented matrix (one n × n all-reduce per step); **split** —
-the same with ``split_polynomial=True`` (each process also computes half of bG + cG², one
-all-gather per step); **pair** — ``shared`` over a ``PeerPair`` (the DP pairs' transport: each
+process holding half the rows of the oriented matrix (per step one all-reduce of the Gram's
+packed upper block rows); **split** — the same with ``split_polynomial=True`` (each process
+also forms the upper parts of two block rows of the symmetric bG + cG², one all-gather of them
+per step); **pair** — ``shared`` over a ``PeerPair`` (the DP pairs' transport: each
 Gram exchanged point to point and summed, no collective). A shared time is the slower process's, from a common barrier to the end of
 its call. Round 0 is a warm-up and not reported; reported are the median and min–max over the
 other rounds, the achieved GFLOP/s (the single-device FLOP count over the time), the speed-up

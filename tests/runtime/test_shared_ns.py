@@ -254,6 +254,41 @@ def world2(tmp_path_factory):
     return run_world(2, cases, str(tmp_path_factory.mktemp("shared_ns")))
 
 
+THREE = [(96, 40), (150, 37), (61, 61)]  # n = 37, 61: not a multiple of 2k, uneven blocks
+
+
+def three_case(rank: int, world: int) -> dict:
+    """k = 3 (odd: the polynomial's 6 block rows pair up unevenly, and 37 and 61 do not split
+    in them evenly): each rank's rows of each matrix, in lockstep, split and not."""
+    from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+
+    g = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(shape, generator=g) for shape in THREE]
+    parts = [f[f.shape[0] * rank // world:f.shape[0] * (rank + 1) // world] for f in fulls]
+    return {str(split): shared_newton_schulz_many(parts, dtype=torch.float32,
+                                                  split_polynomial=split)
+            for split in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory):
+    return run_world(3, [("three", three_case)], str(tmp_path_factory.mktemp("shared_ns3")))
+
+
+def test_three_ranks_equal_single_device(world3):
+    from canzona.runtime.optim.muon import _coefficient_schedule
+
+    g = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(shape, generator=g) for shape in THREE]
+    schedule = _coefficient_schedule((3.4445, -4.7750, 2.0315), 5)
+    ranks = results(world3, "three")
+    for split in ("False", "True"):
+        for j, full in enumerate(fulls):
+            got = torch.cat([r[split][j] for r in ranks])
+            ref = newton_schulz(full, schedule, dtype=torch.float32)
+            assert _rel(got, ref) < TOL, (split, THREE[j], _rel(got, ref))
+
+
 def _assemble(parts: list[dict], m: int, n: int, key, step=None) -> torch.Tensor:
     full = torch.full((m, n), float("nan"))
     for p in parts:
