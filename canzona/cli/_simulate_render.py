@@ -135,8 +135,10 @@ def compare_view(comp) -> None:
                   "bytes the busiest rank sends per iteration; FLOPs, state: max/mean over DP "
                   "indices; crit: the rank done last; ✗: not the exact optimizer[/]",
                   highlight=False)
+    share = comp.canzona_share
     for r in comp.runs:
-        console.print(f"[dim]{r.name}: {escape(DESCRIPTIONS[r.name])}[/]", highlight=False)
+        note = f" (matrices shared: {share})" if r.name == "canzona" and share != "off" else ""
+        console.print(f"[dim]{r.name}: {escape(DESCRIPTIONS[r.name] + note)}[/]", highlight=False)
     if comp.runs:
         for n in comp.runs[-1].sim.notes[:2]:
             console.print(f"[dim]{escape(n)}[/]", highlight=False)

@@ -234,7 +234,8 @@ def plan(
     share: Annotated[str, typer.Option(
         "--share", help="off; auto: Muon matrices heavier than the mean per-GPU work are "
                         "shared by their TP group (shared Newton–Schulz, no gather) where the "
-                        "cost model says it lowers the busiest GPU; all / all-split: every Muon "
+                        "cost model says it lowers the busiest GPU, or every eligible one with "
+                        "the polynomial split, whichever plan is lighter; all / all-split: every Muon "
                         "matrix TP splits along its long dimension, without / with the "
                         "polynomial split. At tp 1 the same choices share matrices over DP "
                         "pairs (the bucket cut inside a matrix, between two rows; auto keeps "
@@ -409,6 +410,9 @@ def compare(
         "--overlap-param-gather", help="ZeRO-1 all-gathers run into the next forward (the "
                                        "layer-wise optimizer's own all-gather cannot).")] = False,
     bucket_size: BucketSizeOpt = None,
+    share: Annotated[str, typer.Option(
+        "--share", help="The canzona row's plan shares Muon matrices (as canzona plan "
+                        "--share: off, auto, all, all-split); the other rows stay whole.")] = "off",
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a stacked bar per strategy to this file (.png, .pdf, .svg, …; a "
@@ -417,7 +421,7 @@ def compare(
 ) -> None:
     """Predict the optimizer step and iteration of every strategy (sc, layer-wise, Megatron's
     packed layout, zero1, the paper's greedy, canzona) on one model, sizes and cluster."""
-    from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, resolve_model
+    from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions, resolve_model
     from canzona.planner.strategies import STRATEGIES, compare as run_compare, compare_plan
 
     from . import _simulate_render, plots
@@ -431,10 +435,14 @@ def compare(
         raise CanzonaError("--strategies: name at least one of: " + ", ".join(STRATEGIES) + ".")
     kw = dict(strategies=chosen, mfu=mfu, seq=seq, tokens=tokens,
               forward_backward_s=forward_backward, overlap_param_gather=overlap_param_gather)
+    share = share.strip().lower()
     if plan_file is not None:
         if model is not None:
             raise CanzonaError("give --plan or --model, not both (--config goes with --plan only "
                                "for plans made from a config.json).")
+        if share != "off":
+            raise CanzonaError("--share applies when compare plans (--model/--config); the plan "
+                               "given with --plan already records what it shares.")
         from canzona.planner.validate import load_plan
         title = plan_file.name
     else:
@@ -453,9 +461,11 @@ def compare(
         else:
             settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(),  # type: ignore[arg-type]
                                                       "--optimizer"))
+            hw_name = (hardware or "h100").strip()
             comp = run_compare(model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings,
-                               hardware=(hardware or "h100").strip(),
-                               dp_options=DPOptions(bucket_size=bucket_size), progress=say, **kw)
+                               hardware=hw_name, dp_options=DPOptions(bucket_size=bucket_size),
+                               tp_options=TPOptions(hardware=hw_name, share=share), progress=say,
+                               **kw)
         if chart is not None:
             say("charts")
             plots.plot_compare(comp, chart)

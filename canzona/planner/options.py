@@ -142,7 +142,8 @@ class TPOptions:
         share: ``off`` (default: every TP-split matrix is hosted whole by one TP rank);
             ``auto``: Muon matrices heavier than the mean per-GPU work are shared by their TP
             group (shared Newton–Schulz over its shards, no gather) where the cost model says
-            it lowers the busiest GPU (``planner.sharing``); ``all`` / ``all-split``: every Muon
+            it lowers the busiest GPU (``planner.sharing``), or every eligible one with the
+            polynomial split, whichever plan has the lighter busiest GPU; ``all`` / ``all-split``: every Muon
             matrix TP splits along its long dimension is shared, without / with the polynomial
             split (for tests and measurements). At tp = 1 the same choices share whole
             matrices over two DP ranks each (DP pairs: the bucket cut inside the matrix at a

@@ -440,6 +440,16 @@ class Comparison:
                 return r
         raise KeyError(name)
 
+    @property
+    def canzona_share(self) -> str:
+        """What the canzona row's plan shares: ``off``, its TP group's ``share`` mode, or
+        ``dp-pairs`` (tp 1: matrices split over two DP indices)."""
+        if self.plan is None:
+            return "off"
+        if self.plan.dp_shared:
+            return "dp-pairs"
+        return self.plan.tp.share if self.plan.tp is not None and self.plan.tp.share else "off"
+
     def to_dict(self, *, stages: bool = False) -> dict:
         def row(r: StrategyRun) -> dict:
             d = r.sim.to_dict(stages=stages)
@@ -455,6 +465,7 @@ class Comparison:
                 "forward_backward_s": round(self.forward_backward_s, 9),
                 "forward_backward_given": self.forward_backward_given,
                 "overlap_param_gather": self.overlap_param_gather,
+                "canzona_share": self.canzona_share,
                 "strategies": [row(r) for r in self.runs]}
 
 
@@ -522,7 +533,7 @@ def compare_problem(problem: DPProblem, hardware: str | HardwareProfile = "h100"
                 greedy_plan = plan_problem(
                     problem, dp_options=dataclasses.replace(o, solver="greedy", alpha=1.0,
                                                   objective="max-load"),
-                    tp_options=dataclasses.replace(t, solver="greedy"))
+                    tp_options=dataclasses.replace(t, solver="greedy", share="off"))
             p = greedy_plan
         say(f"simulating {name}")
         w, fl, st = _build(name, problem, hw, p, matrix_dtype, adamw_dtype, gather_method)

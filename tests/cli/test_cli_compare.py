@@ -52,6 +52,25 @@ def test_compare_a_saved_plan_and_a_given_forward_backward():
     assert step["canzona"] <= step["canzona-greedy"]
 
 
+def test_compare_share_plans_the_canzona_row_with_sharing():
+    """``--share``: the canzona row's plan shares matrices (as ``canzona plan --share``), the
+    paper's greedy stays whole; at qwen3-32b dp32 tp8 the sharing plan's compute is under half
+    the greedy's (issue 18)."""
+    args = ("compare", "--model", "qwen3-32b", "--dp", 32, "--tp", 8, "--hardware", "h800",
+            "--strategies", "canzona-greedy,canzona", "--json")
+    whole, shared = (json.loads(run(*args, *extra).stdout) for extra in ((), ("--share", "auto")))
+    assert (whole["canzona_share"], shared["canzona_share"]) == ("off", "auto")
+
+    def compute(d, name):
+        row = next(s for s in d["strategies"] if s["strategy"] == name)
+        return row["simulation"]["breakdown"]["compute"]
+
+    assert compute(shared, "canzona-greedy") == compute(whole, "canzona-greedy")
+    assert compute(shared, "canzona") < 0.5 * compute(shared, "canzona-greedy")
+    r = run(*args[:-1], "--share", "auto")
+    assert "matrices shared: auto" in r.stdout
+
+
 def test_compare_plot_writes_the_bars_and_the_timeline(tmp_path):
     r = run("compare", "--model", "qwen3-0.6b", "--dp", 2, "--tp", 2, "--plot", tmp_path)
     assert r.exit_code == 0, r.output
@@ -70,11 +89,14 @@ def test_compare_plot_writes_the_bars_and_the_timeline(tmp_path):
     (("--model", "nope", "--dp", 2), "unknown model"),
     (("--model", "qwen3-0.6b", "--dp", 2, "--strategies", "fast"), "--strategies must be one of"),
     (("--model", "qwen3-0.6b", "--dp", 2, "--mfu", 0), "--mfu must be in"),
-    (("--model", "qwen3-0.6b", "--dp", 2, "--hardware", "h900"), "unknown hardware"),
+    (("--model", "qwen3-0.6b", "--dp", 2, "--hardware", "h900"), "--hardware must be one of"),
     (("--model", "qwen3-0.6b", "--dp", 2, "--plot", "/nonexistent/x.png"), "does not exist"),
     (("--model", "qwen3-0.6b", "--plan", PLANS / "qwen3-1.7b-dp16-tp8-muon.plan.json"),
      "not both"),
     (("--model", "qwen3-0.6b", "--dp", 3, "--tp", 3), "tp"),
+    (("--model", "qwen3-0.6b", "--dp", 2, "--share", "maybe"), "--share must be one of"),
+    (("--plan", PLANS / "qwen3-1.7b-dp16-tp8-muon.plan.json", "--share", "auto"),
+     "already records what it shares"),
 ])
 def test_compare_bad_input_is_one_line(args, words):
     r = run("compare", *args)
