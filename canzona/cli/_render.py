@@ -215,10 +215,17 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
         f"{human_bytes(c.max_sent_bytes)} ({_ratio(c.max_sent_bytes, c.zero1_max_sent_bytes)}); "
         "methods: " + ", ".join(f"{k} {n}" for k, n in c.methods.items()), highlight=False)
     console.print(
-        f"matrices split across DP ranks: {m.split_matrices}   solver status: {m.solver_status}   "
+        f"matrices split across DP ranks: {m.split_matrices}{_paired(plan)}   "
+        f"solver status: {m.solver_status}   "
         f"wall time: {wall_s:.2f} s", highlight=False)
     tp_summary(plan)
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
+
+
+def _paired(plan) -> str:  # noqa: ANN001
+    """After the count of matrices split across DP ranks (ZeRO-1 fragments): the ones two DP
+    ranks share by design (``plan.dp_shared``), which it does not count."""
+    return f" (and {len(plan.dp_shared)} shared by DP pairs)" if plan.dp_shared else ""
 
 
 # --- canzona inspect ---------------------------------------------------------------------------
@@ -302,7 +309,8 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
         f"status {m.solver_status})", highlight=False)
     console.print(
         f"{dp_scope(plan)}: max load {load(r['max_load'], cm)}, mean {load(r['mean_load'], cm)}; "
-        f"max/mean {r['max_over_mean']:.4f}; matrices split across DP ranks: {m.split_matrices}",
+        f"max/mean {r['max_over_mean']:.4f}; matrices split across DP ranks: "
+        f"{m.split_matrices}{_paired(plan)}",
         highlight=False)
     console.print(
         f"gap to LB = max(mean, largest task) {load(m.lower_bound, cm)}: "

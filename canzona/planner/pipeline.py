@@ -31,7 +31,7 @@ from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
 from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owners, pieces_apart,
                        with_pairs)
-from .sharing import pair_decision, priced_for
+from .sharing import pair_decision, pairs_in_nodes, priced_for
 from .tp import TPContext, placements, schedule_tp, tp_plan
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
@@ -215,6 +215,7 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
             cuts = solve(with_pairs(base, pairs), whole, hardware=hw).cuts
             if keep:  # "all": the pieces apart wherever a cut can move between them
                 cuts = pieces_apart(with_pairs(base, pairs), cuts)
+            cuts = pairs_in_nodes(base, pairs, cuts, hw)  # fewer pairs across two nodes
             owners = pair_owners(with_pairs(base, pairs), cuts)
             # both pieces on one DP index: the task is whole again; pairs across two nodes
             # exchange over the network

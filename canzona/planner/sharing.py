@@ -45,7 +45,7 @@ from .cost import load_hardware
 from .formulas import (gram_packed_numel, lockstep_batches, lockstep_bytes, poly_flops,
                        poly_packed_numel)
 from .hardware import HardwareProfile, LinkProfile
-from .planning import DPProblem, PairShare, equal_cuts
+from .planning import DPProblem, PairShare, equal_cuts, evaluate
 
 __all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
            "block_decision", "lockstep_bytes", "lockstep_seconds", "pair_decision", "pair_link",
@@ -345,6 +345,64 @@ def priced_for(problem: DPProblem, pairs: dict[int, PairShare],
     return {i: x if pair_link(hw, owners[i], problem.sizes.tp) is hw.intra_node
             else price_pair(problem, i, x.split_poly, hw, hw.inter_node)
             for i, x in pairs.items()}
+
+
+def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
+                   hw: HardwareProfile) -> dict:
+    """Cuts whose Muon pairs span two nodes less often: where the ranks of a bucket between a
+    pair's two pieces hold nothing, one piece's rank range moves to an empty rank in the other
+    piece's node (its whole range in that bucket, so nothing else changes owner but that
+    index). A move is kept if the busiest DP index gets no heavier and the summed load falls
+    (the pair exchanges over NVLink instead of the network; ``priced_for``'s pricing)."""
+    from .planning import owner_of, pair_owners, with_pairs
+
+    if base.settings.name != "muon" or not pairs:
+        return cuts
+    problem = with_pairs(base, pairs)  # NVLink-priced pieces; a pair on two nodes adds `extra`
+    extra = {i: price_pair(base, i, x.split_poly, hw, hw.inter_node).loads[0] - x.loads[0]
+             for i, x in pairs.items()}
+    tp = base.sizes.tp
+
+    def score(c: dict) -> tuple[float, float]:
+        load = list(evaluate(problem, c).load)
+        for i, (a, b) in pair_owners(problem, c).items():
+            if a != b and pair_link(hw, (a, b), tp) is not hw.intra_node:
+                load[a] += extra[i]
+                load[b] += extra[i]
+        return max(load), sum(load)
+
+    def node(d: int) -> int:
+        return d * tp // hw.gpus_per_node
+
+    out = {k: tuple(c) for k, c in cuts.items()}
+    best = score(out)
+    for bk in base.buckets:
+        key = (bk.buffer, bk.bucket)
+        items = next(b for b in problem.buckets if (b.buffer, b.bucket) == key).items
+        for first, second in zip(items, items[1:]):
+            if first.tasks != second.tasks or first.tasks[0] not in pairs:
+                continue
+            c = out[key]
+            ra, rb = owner_of(c, first.start), owner_of(c, second.start)
+            da, db = problem.dp_index(bk, ra), problem.dp_index(bk, rb)
+            if rb <= ra + 1 or node(da) == node(db) or c[ra + 1] != c[rb]:
+                continue  # adjacent, one node already, or ranks between them hold something
+            trials = []
+            for r in range(ra + 1, rb):  # rb's range to an empty rank r in a's node, or ra's
+                moved = list(c)
+                if node(problem.dp_index(bk, r)) == node(da):
+                    moved[r + 1:rb + 1] = [c[rb + 1]] * (rb - r)
+                    trials.append(moved)
+                if node(problem.dp_index(bk, r)) == node(db):
+                    moved = list(c)
+                    moved[ra + 1:r + 1] = [c[ra]] * (r - ra)
+                    trials.append(moved)
+            for moved in trials:
+                trial = {**out, key: tuple(moved)}
+                sc = score(trial)
+                if sc[0] <= best[0] and sc[1] < best[1]:
+                    out, best = trial, sc
+    return out
 
 
 def block_row(rows: int, max_block: int) -> int | None:

@@ -170,3 +170,40 @@ def test_all_moves_pieces_apart_without_undoing_pairs_or_piling_up_load():
         assert max(evaluate(shared, moved).load) <= 1.05 * max(evaluate(shared, cuts).load)
         for c in moved.values():
             assert all(x <= y for x, y in zip(c, c[1:]))
+
+
+def test_pairs_move_into_one_node_where_the_ranks_between_are_empty():
+    """``sharing.pairs_in_nodes``: with two GPUs per node most pairs of qwen3-1.7b dp16 span
+    two nodes; moving a piece's range to an empty rank in its partner's node makes fewer of
+    them do so, the busiest DP index no heavier (pairs across nodes priced on the network),
+    every cut still in order and every pair still apart."""
+    from canzona.planner import DPOptions, OptimizerSettings
+    from canzona.planner.dp import solve
+    from canzona.planner.planning import pair_owners, with_pairs
+    from canzona.planner.sharing import pair_link, pairs_in_nodes
+
+    hw = load_hardware("h800").model_copy(update={"gpus_per_node": 2})
+    spec, _ = inventory_of("qwen3-1.7b")
+    base = make_problem(spec, ParallelSizes(dp=16, tp=1), OptimizerSettings(name="muon"))
+    pairs = pair_decision(base, hw, "all")
+    prob = with_pairs(base, pairs)
+    cuts = solve(prob, DPOptions(reorder=False), hardware=hw).cuts
+    moved = pairs_in_nodes(base, pairs, cuts, hw)
+
+    def across(c):
+        return sum(pair_link(hw, o) is not hw.intra_node for o in pair_owners(prob, c).values())
+
+    def busiest(c):  # as _solve_pairs prices it
+        from canzona.planner.planning import evaluate
+        from canzona.planner.sharing import priced_for
+        owners = pair_owners(prob, c)
+        used = with_pairs(base, priced_for(base, {i: x for i, x in pairs.items()
+                                                  if owners[i][0] != owners[i][1]}, owners, hw))
+        return max(evaluate(used, c).load)
+
+    assert across(moved) < across(cuts)
+    assert busiest(moved) <= busiest(cuts)
+    for key, c in moved.items():
+        assert list(c) == sorted(c) and (c[0], c[-1]) == (cuts[key][0], cuts[key][-1])
+    before, after = pair_owners(prob, cuts), pair_owners(prob, moved)
+    assert all(after[i][0] != after[i][1] for i, o in before.items() if o[0] != o[1])
