@@ -26,6 +26,17 @@ def test_smallest_model_plans_match_the_record():
     assert mod.check(hashes, record, ("qwen3-0.6b",)) == []
 
 
+def test_tp_plans_without_reordering_match_the_record():
+    """qwen3-4b's TP plans (dp 8/16 × tp 4, with and without reordering; ~10 s): the joint DP × TP
+    refinement decides most of them — a regression there (a loop variable shadowed, its
+    per-GPU objective lost) left the smallest model's plans unchanged and these 1.3× worse."""
+    mod = _module()
+    record = json.loads(mod.RECORD.read_text())
+    hashes = mod.compute(("qwen3-4b",))
+    assert any(n.endswith("-tp4-no-reorder") for n in hashes)
+    assert mod.check(hashes, record, ("qwen3-4b",)) == []
+
+
 def test_changed_new_and_missing_plans_are_reported():
     mod = _module()
     record = {"a": "1" * 64, "b": "2" * 64, "gone": "3" * 64}

@@ -116,7 +116,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                             continue
                         bins = list(b0)  # a heap: the index's LPT bins without this bucket
                         rep_sum = 0.0
-                        phase = lock[d].copy()  # its lockstep phase without this bucket
+                        step = lock[d].copy()  # its lockstep phase without this bucket
                         for i in range(j, min(m, j + span) + 1):
                             evals += 1
                             if i > j:
@@ -125,8 +125,8 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                                     heapq.heapreplace(bins, bins[0] + x)
                                 rep_sum += its[i - 1][1]
                                 for y in its[i - 1][2]:
-                                    phase.add(*y)
-                            rep_now = rep_sum + phase.load()
+                                    step.add(*y)
+                            rep_now = rep_sum + step.load()
                             v = (base[d] + rep_now + max(bins)) / scale
                             if phase == "max":
                                 tot = max(g[j], v)
