@@ -230,7 +230,8 @@ GRAM_BLOCKS = 16
 
 def gram_blocks(n: int) -> list[tuple[int, int]]:
     """The block rows ``[r0, r1)`` of an n × n Gram whose upper parts ``G[r0:r1, r0:]`` are
-    all-reduced (:data:`GRAM_BLOCKS` of ⌈n/GRAM_BLOCKS⌉ rows, the last shorter)."""
+    all-reduced: ⌈n/GRAM_BLOCKS⌉ rows each, the last shorter, so at most :data:`GRAM_BLOCKS`
+    of them (fewer when GRAM_BLOCKS does not divide n, e.g. 9 for n = 17; n for n < 16)."""
     _check_positive("n", n)
     size = -(-n // GRAM_BLOCKS)
     return [(r, min(n, r + size)) for r in range(0, n, size)]

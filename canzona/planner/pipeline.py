@@ -33,6 +33,7 @@ from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owner
                        with_pairs)
 from .sharing import pair_decision, pairs_in_nodes, priced_for
 from .tp import TPContext, placements, schedule_tp, tp_plan
+from .tp.schedule import warn_oversized
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
 #: (e.g. ``canzona.runtime.introspect.inventory`` of a live module).
@@ -166,21 +167,17 @@ def plan_problem(
     if problem.sizes.tp > 1 and not dp_only:
         say("tp micro-groups")
         ctx = TPContext.build(sol.problem, t.comm_dtype)
-        with warnings.catch_warnings(record=True) as notes:
-            warnings.simplefilter("always")
-            schedule = schedule_tp(sol.problem, sol.cuts, t, ctx=ctx, warn=True)
+        schedule = schedule_tp(sol.problem, sol.cuts, t, ctx=ctx, warn=False)
         for shared in shares[1:]:  # share="auto": the other candidate sets of shared tasks
             say("DP partition (other shared tasks)")
             other = solve(dataclasses.replace(problem, shared=shared), o, progress=progress,
                           hardware=hw)
             octx = TPContext.build(other.problem, t.comm_dtype)
-            with warnings.catch_warnings(record=True) as onotes:
-                warnings.simplefilter("always")
-                osched = schedule_tp(other.problem, other.cuts, t, ctx=octx, warn=True)
+            osched = schedule_tp(other.problem, other.cuts, t, ctx=octx, warn=False)
             if max(map(max, osched.grid())) < max(map(max, schedule.grid())):
-                sol, ctx, schedule, notes = other, octx, osched, onotes
-        for w in notes:  # the oversized-task note of the schedule kept
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                sol, ctx, schedule = other, octx, osched
+        if schedule.oversized:  # the note of the schedule kept
+            warn_oversized(schedule.oversized, t, stacklevel=3)
         tp_section, hosts = tp_plan(sol.problem, schedule, ctx), placements(schedule)
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
                              solver=o.solver, alpha=o.alpha,

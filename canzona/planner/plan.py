@@ -223,14 +223,15 @@ class MicroGroupPlan(_Frozen):
 
 class SharedTaskPlan(_Frozen):
     """A TP-split Muon matrix task its TP group shares (``TPOptions.share``): every TP rank
-    orthogonalises the rows of its own shard with shared Newton–Schulz (one n × n Gram
-    all-reduce per iteration over the TP group) and applies its part; nothing is gathered. The
+    orthogonalises the rows of its own shard with shared Newton–Schulz (one all-reduce of the
+    symmetric n × n Gram's upper block rows per iteration over the TP group) and applies its part; nothing is gathered. The
     shared tasks run before the micro-groups, in this order on every TP rank."""
 
     id: int = Field(ge=0, description="task id (plan.tasks).")
     layout: int = Field(ge=0, description="index into tp.layouts (where each shard sits).")
-    split_poly: bool = Field(description="the polynomial bG + cG² computed in row blocks over "
-                                         "the TP group and all-gathered.")
+    split_poly: bool = Field(description="the symmetric polynomial bG + cG² computed over the "
+                                         "TP group (each rank the upper parts of two block "
+                                         "rows) and all-gathered.")
     load: int = Field(ge=0, description="per TP rank, cost-model units: its FLOPs and the time "
                                         "it waits for its collectives (at the profile's rate).")
     modelled_s: float = Field(ge=0, description="per TP rank: compute and the collectives, "
@@ -329,7 +330,7 @@ class PairTaskPlan(_Frozen):
     falls inside the parameter, at row ``row``, so DP index ``owners[0]`` holds rows [0, row)
     and ``owners[1]`` rows [row, m) of the parameter, its gradient and its momentum (the
     indices between them, if any, hold nothing of that bucket). Both orthogonalise the matrix
-    with shared Newton–Schulz, exchanging over the DP group (one n × n Gram per iteration; a
+    with shared Newton–Schulz, exchanging over the DP group (the Gram's upper block rows per iteration; a
     wide matrix's row blocks are first swapped for column blocks ⌈cols/2⌉ wide, and back
     after) and apply their rows. Pairs run in
     ``phase`` order; no DP index is in two pairs of one phase, so the pairs of a phase run side
@@ -339,8 +340,9 @@ class PairTaskPlan(_Frozen):
     owners: tuple[int, int] = Field(description="the two DP indices, ascending.")
     phase: int = Field(ge=0, description="when the pair runs (an edge colouring of the pairs).")
     row: int = Field(gt=0, description="the first row of owners[1]'s piece.")
-    split_poly: bool = Field(description="the polynomial bG + cG² computed in row blocks over "
-                                         "the pair and all-gathered.")
+    split_poly: bool = Field(description="the symmetric polynomial bG + cG² computed over the "
+                                         "pair (each rank the upper parts of two block rows) "
+                                         "and exchanged.")
     loads: tuple[int, int] = Field(description="per piece, cost-model units (Muon: its FLOPs "
                                                "and its exchanges' time at the profile's "
                                                "rate).")

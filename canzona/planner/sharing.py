@@ -352,8 +352,9 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
     """Cuts whose Muon pairs span two nodes less often: where the ranks of a bucket between a
     pair's two pieces hold nothing, one piece's rank range moves to an empty rank in the other
     piece's node (its whole range in that bucket, so nothing else changes owner but that
-    index). A move is kept if the busiest DP index gets no heavier and the summed load falls
-    (the pair exchanges over NVLink instead of the network; ``priced_for``'s pricing)."""
+    index). A move is kept if the busiest DP index gets no heavier, nor the largest optimizer
+    state, and the summed load falls (the pair exchanges over NVLink instead of the network;
+    ``priced_for``'s pricing)."""
     from .planning import owner_of, pair_owners, with_pairs
 
     if base.settings.name != "muon" or not pairs:
@@ -363,13 +364,14 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
              for i, x in pairs.items()}
     tp = base.sizes.tp
 
-    def score(c: dict) -> tuple[float, float]:
-        load = list(evaluate(problem, c).load)
+    def score(c: dict) -> tuple[float, float, int]:
+        ev = evaluate(problem, c)
+        load = list(ev.load)
         for i, (a, b) in pair_owners(problem, c).items():
             if a != b and pair_link(hw, (a, b), tp) is not hw.intra_node:
                 load[a] += extra[i]
                 load[b] += extra[i]
-        return max(load), sum(load)
+        return max(load), sum(load), max(ev.state_bytes)
 
     def node(d: int) -> int:
         return d * tp // hw.gpus_per_node
@@ -400,7 +402,7 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
             for moved in trials:
                 trial = {**out, key: tuple(moved)}
                 sc = score(trial)
-                if sc[0] <= best[0] and sc[1] < best[1]:
+                if sc[0] <= best[0] and sc[2] <= best[2] and sc[1] < best[1]:
                     out, best = trial, sc
     return out
 

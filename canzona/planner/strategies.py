@@ -442,13 +442,16 @@ class Comparison:
 
     @property
     def canzona_share(self) -> str:
-        """What the canzona row's plan shares: ``off``, its TP group's ``share`` mode, or
-        ``dp-pairs`` (tp 1: matrices split over two DP indices)."""
+        """What the canzona row's plan shares: ``off`` (nothing, whatever it was asked), the
+        ``share`` mode of a plan whose TP groups share matrices, or ``dp-pairs`` (tp 1: matrices
+        split over two DP indices)."""
         if self.plan is None:
             return "off"
         if self.plan.dp_shared:
             return "dp-pairs"
-        return self.plan.tp.share if self.plan.tp is not None and self.plan.tp.share else "off"
+        tp = self.plan.tp
+        shares = tp is not None and any(ix.shared for ix in tp.indices)
+        return tp.share if shares and tp.share else "off"
 
     def to_dict(self, *, stages: bool = False) -> dict:
         def row(r: StrategyRun) -> dict:

@@ -434,17 +434,24 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     oversized = tuple(problem.tasks[i].name for s in indices for g in s.groups if g.oversized
                       for i in g.tasks)
     if warn and oversized:
-        cap = settings.cmax_mib
-        shown = ", ".join(oversized[:5]) + (f" and {len(oversized) - 5} more" if len(oversized) > 5
-                                            else "")
-        warnings.warn(f"{len(oversized)} matrices exceed C_max = {cap:g} MiB when gathered and get "
-                      f"a micro-group of their own (raise C_max, --cmax or TPOptions.cmax_mib, to group them): {shown}.",
-                      OversizedTaskWarning, stacklevel=2)
+        warn_oversized(oversized, settings, stacklevel=3)
     if settings.solver == "greedy" or problem.sizes.tp == 1:
         status = "greedy"
     else:
         status = "cpsat-optimal" if all(s == "optimal" for s in statuses) else "cpsat-feasible"
     return TPSchedule(settings, ctx.comm_dtype, tuple(indices), status, oversized)
+
+
+def warn_oversized(oversized: tuple[str, ...], settings: TPOptions, *, stacklevel: int = 2
+                   ) -> None:
+    """The :class:`~canzona.planner.errors.OversizedTaskWarning` (a ``UserWarning``) naming the
+    matrices larger than C_max, which get a micro-group of their own."""
+    shown = ", ".join(oversized[:5]) + (f" and {len(oversized) - 5} more" if len(oversized) > 5
+                                        else "")
+    warnings.warn(f"{len(oversized)} matrices exceed C_max = {settings.cmax_mib:g} MiB when "
+                  f"gathered and get a micro-group of their own (raise C_max, --cmax or "
+                  f"TPOptions.cmax_mib, to group them): {shown}.", OversizedTaskWarning,
+                  stacklevel=stacklevel)
 
 
 def gpu_loads(problem: DPProblem, cuts: Cuts, schedule: TPSchedule | None = None,

@@ -13,7 +13,7 @@ a wide one): X is m × n with m ≥ n, split into row blocks Xᵢ (mᵢ × n, Σ
     Xᵢ ← aXᵢ + XᵢP               (each rank its own rows, no communication)
 
 so one n × n all-reduce per step is all the ranks exchange — of half of it, as G is symmetric:
-its upper block rows ``G[r0:r1, r0:]`` (``formulas.gram_blocks``: 16 of them, about
+its upper block rows ``G[r0:r1, r0:]`` (``formulas.gram_blocks``: up to 16 of them, about
 n²/2·(1 + 1/16) elements) are packed, reduced and mirrored back (a diagonal block keeps both
 triangles as reduced, so G is what the whole all-reduce gives). The first step's Gram also gives the
 Frobenius norm, ‖X‖²_F = trace(G), so the normalisation ``X / max(‖X‖_F, eps)`` costs no extra
