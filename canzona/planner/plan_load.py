@@ -82,18 +82,30 @@ def _convert(data: dict, source: str) -> dict:
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanFileError(_one_line(f"{source}: malformed plan (schema version 1, converting "
                                       f"to {SCHEMA_VERSION}): {exc}.")) from None
+    for name, value in (("dp", dp), ("tp", tp), ("ep", ep)):
+        if value < 1:
+            where = f"inputs.{name}" if name == "ep" else f"rank_layout.{name}"
+            raise PlanFileError(f"{source}: malformed plan (schema version 1): {where} is "
+                                f"{value}, must be ≥ 1; regenerate it with 'canzona plan'.")
     hw = load_hardware(DEFAULT_HARDWARE)
-    _, link = comm_model.plan_link(hw, dp, tp)
-    slices = comm_model.buffer_slices(buffers, ep)
-    methods = [comm_model.choose(s.sizes, grad_bytes=s.grad_bytes, param_bytes=s.param_bytes,
-                                 link=link).method for s in slices]
+    try:  # the comm section from the buckets' slices, which must fit the rank layout
+        _, link = comm_model.plan_link(hw, dp, tp)
+        slices = comm_model.buffer_slices(buffers, ep)
+        methods = [comm_model.choose(s.sizes, grad_bytes=s.grad_bytes,
+                                     param_bytes=s.param_bytes, link=link).method
+                   for s in slices]
+        comm = comm_model.comm_section(slices, methods, hw, dp=dp, tp=tp, converted_from=1)
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise PlanFileError(_one_line(
+            f"{source}: malformed plan (schema version 1, converting to {SCHEMA_VERSION}): its "
+            f"buckets do not fit rank_layout (dp {dp}, tp {tp}, ep {ep}): "
+            f"{type(exc).__name__}: {exc}; regenerate it with 'canzona plan'.")) from None
     it = iter(methods)
     out["buffers"] = [{**buf, "buckets": [{**b, "method": next(it)} for b in buf["buckets"]]}
                       for buf in out["buffers"]]
     inputs["solver"] = {**inputs["solver"], "objective": "max-load"}
     out["inputs"] = inputs
-    out["comm"] = comm_model.comm_section(slices, methods, hw, dp=dp, tp=tp,
-                                          converted_from=1).model_dump(mode="json")
+    out["comm"] = comm.model_dump(mode="json")
     out["schema_version"] = BASE_VERSION
     return out
 

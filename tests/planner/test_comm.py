@@ -365,6 +365,25 @@ def test_plan_comm_section_agrees_with_summarise(qwen_plan):
     assert p.comm == comm.comm_section(slices, methods, hw, dp=p.inputs.dp, tp=p.inputs.tp)
 
 
+@pytest.mark.parametrize("dp,words", [(0, "rank_layout.dp is 0, must be ≥ 1"),
+                                      (1, "its buckets do not fit rank_layout (dp 1")])
+def test_version_1_plan_whose_layout_does_not_fit_is_refused(qwen_plan, refused_edit,
+                                                             as_version_1, dp, words):
+    """A version-1 plan is converted (its comm section computed from the buckets) before it is
+    validated: a rank layout that does not fit its buckets is one clear line, not an IndexError
+    (found by the plan fuzzer)."""
+    assert qwen_plan.inputs.dp == 4
+    v1 = as_version_1(qwen_plan.to_json())
+
+    def edit(data: dict) -> None:
+        data.clear()
+        data.update(v1)
+        data["rank_layout"]["dp"] = dp
+
+    msg = refused_edit(qwen_plan, edit)
+    assert words in msg and "schema version 1" in msg and "\n" not in msg
+
+
 def test_version_1_plan_is_converted_on_load(qwen_plan, tmp_path, as_version_1):
     p = qwen_plan
     data = as_version_1(p.to_json())
