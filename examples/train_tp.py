@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2     # dp 2 × tp 2, gloo
     torchrun --standalone --nproc-per-node 2 examples/train_tp.py --tp 2     # dp 1 × tp 2
+    torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --share all-split
 
 The model keeps q/k/v and gate/up as separate projections; ``parallelize_module`` splits them
 column-wise and o/down row-wise over the ``tp`` dim of a 2-D DeviceMesh (dims ``dp``, ``tp``).
@@ -9,7 +10,9 @@ column-wise and o/down row-wise over the ``tp`` dim of a 2-D DeviceMesh (dims ``
 device_mesh=mesh)`` reduce-scatters the gradients over DP, and for each TP-split matrix gathers
 its shards to one host TP rank, updates the whole matrix there (Muon/Shampoo/SOAP) and scatters
 the update back, micro-group by micro-group. The embedding, norms and the output layer are not
-parallelised: replicated, updated identically on every TP rank. Data: arithmetic progressions
+parallelised: replicated, updated identically on every TP rank. ``--share`` (Muon): the TP group
+shares matrices instead (shared Newton–Schulz over the shards, nothing gathered; ``all-split``
+every one, with the polynomial split). Data: arithmetic progressions
 (each DP rank its own), so the loss falls within 100 steps.
 """
 
@@ -83,6 +86,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
+    ap.add_argument("--share", default="off", choices=["off", "auto", "all", "all-split"],
+                    help="Muon matrices shared by their TP group instead of gathered to a host")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -110,15 +115,17 @@ def main() -> None:
     parallelize_module(model, mesh["tp"], plan_tp)
 
     plan = canzona.plan_model(model, dp=dp, tp=args.tp, optimizer=args.optimizer,
-                              bucket_size=1_000_000)
+                              bucket_size=1_000_000, share=args.share)
     lr = 0.02 if args.optimizer == "muon" else 3e-3
     opt = canzona.CanzonaOptimizer(model, plan, lr=lr, adamw_lr=3e-3, device_mesh=mesh)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
     if rank == 0:
         groups = [len(ix.groups) for ix in plan.tp.indices]
+        shared = [len(ix.shared) for ix in plan.tp.indices]
         print(f"dp={dp} tp={args.tp}, {plan.total_params:,} params, {plan.inputs.optimizer.name}; "
-              f"micro-groups per DP index {groups}; gathered scratch per rank "
+              f"micro-groups per DP index {groups}, matrices shared by the TP group {shared}; "
+              f"TP scratch per rank (gathered matrices or a lockstep batch) "
               f"{opt.tp_scratch_bytes() / 2**10:.0f} KiB", flush=True)
 
     gen = torch.Generator().manual_seed(1234 + mesh.get_local_rank("dp"))  # data per DP rank
