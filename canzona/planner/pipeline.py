@@ -29,9 +29,9 @@ from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owners, pieces_apart,
+from .planning import (DPProblem, build_plan, make_problem, pair_owners, pieces_apart,
                        with_pairs)
-from .sharing import pair_decision, pairs_in_nodes, priced_for
+from .sharing import pair_decision, pair_waits, pairs_in_nodes, priced_for
 from .tp import TPContext, placements, schedule_tp, tp_plan
 from .tp.schedule import warn_oversized
 
@@ -203,7 +203,7 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
     say = progress or (lambda _msg: None)
     sol = solve(problem, o, progress=progress, hardware=hw)
     say("DP pairs")
-    best, best_load = sol, max(evaluate(sol.problem, sol.cuts).load)
+    best, best_load = sol, max(pair_waits(sol.problem, sol.cuts))
     whole = dataclasses.replace(o, reorder=False)
     for pairs in candidates:
         # the whole solve (its state and collective stages too) with the pieces, in the order
@@ -219,7 +219,7 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
             used = with_pairs(base, priced_for(base, {i: x for i, x in pairs.items()
                                                       if owners[i][0] != owners[i][1]},
                                                owners, hw))
-            load = max(evaluate(used, cuts).load)
+            load = max(pair_waits(used, cuts))  # the busiest index, waits between partners too
             if used.pairs and (load < best_load or keep and best is sol):
                 best, best_load = Solution(cuts, "heuristic", used.lower_bound(), used), load
     return best

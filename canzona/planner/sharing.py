@@ -407,6 +407,33 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
     return out
 
 
+def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
+    """Per DP index of a plan with Muon pairs (``problem.pairs``, priced as the plan records
+    them), its load counting the waits between partners as the runtime meets them (and the
+    simulator models them): pairs run first, phase by phase, each pair's matrices in lockstep,
+    and a pair starts when both partners are free — waits chain along the pairs of later
+    phases. The rest of an index's load follows its pairs."""
+    from .planning import pair_owners, pair_phases
+
+    load = list(evaluate(problem, cuts).load)
+    if problem.settings.name != "muon" or not problem.pairs:
+        return [float(x) for x in load]
+    owners = {i: o for i, o in pair_owners(problem, cuts).items() if o[0] != o[1]}
+    phases = pair_phases(owners)
+    runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]] = {}
+    for i, o in owners.items():
+        x = problem.pairs[i]
+        per_s = x.loads[0] / (x.compute_s + x.comm_s) if x.compute_s + x.comm_s else 0.0
+        runs.setdefault((phases[o], o), []).append((x.compute_s * per_s, x.comm_s * per_s))
+        for d, piece in zip(o, x.loads):
+            load[d] -= piece  # counted below, with its waits
+    free = [0.0] * problem.dp
+    for (_, (a, b)), pieces in sorted(runs.items()):
+        end = max(free[a], free[b]) + lockstep_seconds(pieces, problem.settings.ns_steps)
+        free[a] = free[b] = end
+    return [x + f for x, f in zip(load, free)]
+
+
 def block_row(rows: int, max_block: int) -> int | None:
     """Where a Shampoo matrix with ``rows`` rows is cut into two runs of whole block rows
     (blocks of ``max_block``, the remainder last): after ⌈blocks/2⌉ of them; None for one."""

@@ -207,3 +207,52 @@ def test_pairs_move_into_one_node_where_the_ranks_between_are_empty():
         assert list(c) == sorted(c) and (c[0], c[-1]) == (cuts[key][0], cuts[key][-1])
     before, after = pair_owners(prob, cuts), pair_owners(prob, moved)
     assert all(after[i][0] != after[i][1] for i, o in before.items() if o[0] != o[1])
+
+
+def test_pair_waits_count_the_chains_between_partners():
+    """``sharing.pair_waits``: an index in no pair keeps its load; an index in pairs is no
+    lighter than its pieces' compute and the rest of its work; and an index whose later-phase
+    pair partner first ran an earlier pair waits for it (the chain the simulator models)."""
+    from canzona.planner import DPOptions, OptimizerSettings
+    from canzona.planner.dp import solve
+    from canzona.planner.planning import evaluate, pair_owners, pair_phases, with_pairs
+    from canzona.planner.sharing import pair_waits
+
+    hw = load_hardware("h800")
+    spec, _ = inventory_of("qwen3-0.6b")
+    base = make_problem(spec, ParallelSizes(dp=8, tp=1), OptimizerSettings(name="muon"))
+    prob = with_pairs(base, pair_decision(base, hw, "all-split"))
+    cuts = solve(prob, DPOptions(reorder=False), hardware=hw).cuts
+    owners = {i: o for i, o in pair_owners(prob, cuts).items() if o[0] != o[1]}
+    phases = pair_phases(owners)
+    load, waits = evaluate(prob, cuts).load, pair_waits(prob, cuts)
+    paired = {d for o in owners.values() for d in o}
+    assert paired and len(set(phases.values())) > 1
+    for d in range(prob.dp):
+        if d not in paired:
+            assert waits[d] == load[d]
+        else:
+            comm = sum(x.comm_s * x.loads[0] / (x.compute_s + x.comm_s)
+                       for i, x in prob.pairs.items() if i in owners and d in owners[i])
+            assert waits[d] >= load[d] - comm - 1
+    # a pair of a later phase starts when both partners are free: a partner in no other pair
+    # waits for the other's earlier one (the chain)
+    from canzona.planner.sharing import lockstep_seconds
+
+    def dur(o):
+        return lockstep_seconds([(x.compute_s * x.loads[0] / (x.compute_s + x.comm_s),
+                                  x.comm_s * x.loads[0] / (x.compute_s + x.comm_s))
+                                 for i, x in prob.pairs.items() if owners.get(i) == o],
+                                prob.settings.ns_steps)
+
+    def rest(d):
+        return load[d] - sum(prob.pairs[i].loads[o.index(d)] for i, o in owners.items() if d in o)
+
+    chains = 0
+    for o, ph in phases.items():
+        for lead, follow in (o, o[::-1]):
+            first = [q for q, p in phases.items() if p < ph and lead in q]
+            if first and sum(follow in q for q in phases) == 1:  # its only pair
+                assert waits[follow] - rest(follow) >= max(map(dur, first)) + dur(o) - 1
+                chains += 1
+    assert chains, "no pair follows another"
