@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..cost import DTYPE_BYTES, load_hardware
 from ..errors import CanzonaError, OversizedTaskWarning
 from ..planning import DPProblem
-from .context import Cuts, TPContext, TPOptions, index_work
+from .context import Cuts, TPContext, TPOptions, index_work, shared_by_index
 
 # --- schedule records ------------------------------------------------------------------------------
 
@@ -422,7 +422,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     base, owned = index_work(problem, cuts, ctx)
     budget = [settings.total_time_limit_s]
     runs: list[list[SharedRun]] = [[] for _ in range(problem.dp)]
-    for i, d in sorted(_shared_owners(problem, cuts).items()):
+    owners = {i: d for d, ids in enumerate(shared_by_index(problem, cuts)) for i in ids}
+    for i, d in sorted(owners.items()):
         load, split, comp, comm = problem.shared[i]
         runs[d].append(SharedRun(i, split, load, comp, comm))
     indices = []
@@ -476,22 +477,4 @@ def gpu_loads(problem: DPProblem, cuts: Cuts, schedule: TPSchedule | None = None
             load[t] += problem.loads[i]
             heapq.heappush(heap, (load[t], t))
         out.append(load)
-    return out
-
-
-def _shared_owners(problem: DPProblem, cuts: Cuts) -> dict[int, int]:
-    """Task id → owning DP index of every shared task (atomic items: the rank holding its start)."""
-    from ..planning import owner_of
-
-    out: dict[int, int] = {}
-    if not problem.shared:
-        return out
-    for b in problem.buckets:
-        c = cuts[(b.buffer, b.bucket)]
-        for it in b.items:
-            if it.atomic:
-                d = problem.dp_index(b, owner_of(c, it.start))
-                for i in it.tasks:
-                    if i in problem.shared:
-                        out[i] = d
     return out
