@@ -441,8 +441,8 @@ def compare(
             raise CanzonaError("give --plan or --model, not both (--config goes with --plan only "
                                "for plans made from a config.json).")
         if share != "off":
-            raise CanzonaError("--share applies when compare makes the plans (--model/--config); the plan "
-                               "given with --plan already records what it shares.")
+            raise CanzonaError("--share applies when compare makes the plans (--model/--config); "
+                               "the plan given with --plan already records what it shares.")
         from canzona.planner.validate import load_plan
         title = plan_file.name
     else:
