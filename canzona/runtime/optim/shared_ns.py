@@ -113,7 +113,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -212,6 +212,10 @@ class _Task:
     split: bool
     label: str
     work: Any = None
+    #: views of ``packed``, ``send`` and ``gathered`` per block row, made once per call
+    gram_views: list = field(default_factory=list)
+    send_views: list = field(default_factory=list)
+    gathered_views: list = field(default_factory=list)
 
 
 def shared_newton_schulz_many(
@@ -284,11 +288,13 @@ def shared_newton_schulz_many(
         # parts of P are formed)
         poly = gram if sp else torch.empty((n, n), dtype=dt, device=b.device)
         packed = torch.empty(gram_packed_numel(n), dtype=dt, device=b.device)
-        tasks.append(_Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
-                           w or "a shared Newton–Schulz"))
-
-    def n_of(t: _Task) -> int:
-        return t.gram.shape[0]
+        t = _Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
+                  w or "a shared Newton–Schulz", gram_views=_gram_views(packed, n))
+        if sp:
+            t.send_views = _poly_views(send, n, k, r)
+            t.gathered_views = [v for q in range(k)
+                                for v in _poly_views(gathered[q * size:(q + 1) * size], n, k, q)]
+        tasks.append(t)
 
     def launch(work: Any, name: str) -> tuple[Any, str]:
         if flight is not None:
@@ -297,7 +303,7 @@ def shared_newton_schulz_many(
 
     def launch_gram(t: _Task, step: int) -> None:
         torch.mm(t.X.mT, t.X, out=t.gram)
-        _pack_gram(t.gram, t.packed)
+        _pack_gram(t.gram, t.packed, t.gram_views)
         t.work = launch(_all_reduce(t.packed, group),
                         f"the Gram all-reduce (step {step}) of {t.label}")
 
@@ -311,11 +317,11 @@ def shared_newton_schulz_many(
             launch_gram(t, step)
         for t in tasks:
             wait(t)
-            _unpack_gram(t.packed, t.gram)
+            _unpack_gram(t.packed, t.gram, t.gram_views)
             if step == 0:
                 _normalise_first(t, group, eps, timeout_s, me)
             if t.split:
-                for r0, r1, v in _poly_views(t.send, n_of(t), k, r):  # type: ignore[arg-type]
+                for r0, r1, v in t.send_views:
                     torch.addmm(t.gram[r0:r1, r0:], t.gram[r0:r1], t.gram[:, r0:], beta=b,
                                 alpha=c, out=v)
                 t.work = launch(_gather(t.gathered, t.send, group),
@@ -325,7 +331,7 @@ def shared_newton_schulz_many(
         for t in tasks:
             if t.split:
                 wait(t)
-                _unpack_poly(t.gathered, t.poly, k)  # type: ignore[arg-type]
+                _mirror_into(t.poly, t.gathered_views)
             torch.addmm(t.X, t.X, t.poly, beta=a, out=t.spare)
             t.X, t.spare = t.spare, t.X
     return [t.X for t in tasks]
@@ -341,19 +347,26 @@ def _gram_views(packed: Tensor, n: int) -> list[tuple[int, int, Tensor]]:
     return out
 
 
-def _pack_gram(gram: Tensor, packed: Tensor) -> None:
-    """The upper block rows of a symmetric ``gram`` into ``packed`` (``formulas.gram_blocks``):
-    the all-reduce carries about half the Gram."""
-    for r0, r1, v in _gram_views(packed, gram.shape[0]):
+def _pack_gram(gram: Tensor, packed: Tensor, views: list | None = None) -> None:
+    """The upper block rows of a symmetric ``gram`` into ``packed`` (``formulas.gram_blocks``;
+    ``views``: :func:`_gram_views` of ``packed``, made once): the all-reduce carries about half
+    the Gram."""
+    for r0, r1, v in views if views is not None else _gram_views(packed, gram.shape[0]):
         v.copy_(gram[r0:r1, r0:])
 
 
-def _unpack_gram(packed: Tensor, gram: Tensor) -> None:
+def _unpack_gram(packed: Tensor, gram: Tensor, views: list | None = None) -> None:
     """The reduced ``packed`` back into ``gram``: each block row's upper part, and its mirror
     below the diagonal block (a diagonal block keeps both of its triangles as reduced)."""
-    for r0, r1, v in _gram_views(packed, gram.shape[0]):
-        gram[r0:r1, r0:].copy_(v)
-        gram[r1:, r0:r1].copy_(v[:, r1 - r0:].mT)
+    _mirror_into(gram, views if views is not None else _gram_views(packed, gram.shape[0]))
+
+
+def _mirror_into(out: Tensor, views: list) -> None:
+    """Each block row's upper part ``(r0, r1, view)`` into ``out[r0:r1, r0:]`` and its mirror
+    below the diagonal block."""
+    for r0, r1, v in views:
+        out[r0:r1, r0:].copy_(v)
+        out[r1:, r0:r1].copy_(v[:, r1 - r0:].mT)
 
 
 def _poly_views(send: Tensor, n: int, k: int, rank: int) -> list[tuple[int, int, Tensor]]:
@@ -372,10 +385,8 @@ def _unpack_poly(gathered: Tensor, poly: Tensor, k: int) -> None:
     below the diagonal blocks (each diagonal block is whole, computed by one rank)."""
     n = poly.shape[0]
     size = gathered.numel() // k
-    for rank in range(k):
-        for r0, r1, v in _poly_views(gathered[rank * size:(rank + 1) * size], n, k, rank):
-            poly[r0:r1, r0:].copy_(v)
-            poly[r1:, r0:r1].copy_(v[:, r1 - r0:].mT)
+    _mirror_into(poly, [v for rank in range(k)
+                        for v in _poly_views(gathered[rank * size:(rank + 1) * size], n, k, rank)])
 
 
 def _normalise_first(t: _Task, group: Any, eps: float, timeout_s: float | None, me: int) -> None:
