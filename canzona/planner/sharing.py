@@ -427,11 +427,19 @@ def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
         runs.setdefault((phases[o], o), []).append((x.compute_s * per_s, x.comm_s * per_s))
         for d, piece in zip(o, x.loads):
             load[d] -= piece  # counted below, with its waits
-    free = [0.0] * problem.dp
-    for (_, (a, b)), pieces in sorted(runs.items()):
-        end = max(free[a], free[b]) + lockstep_seconds(pieces, problem.settings.ns_steps)
-        free[a] = free[b] = end
+    free = pair_timeline(runs, problem.settings.ns_steps, problem.dp)
     return [x + f for x, f in zip(load, free)]
+
+
+def pair_timeline(runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]],
+                  steps: int, ranks: int) -> list[float]:
+    """When each of ``ranks`` is done with its DP pairs: ``runs`` maps (phase, (a, b)) to the
+    pair's matrices' (compute, collectives); pairs run in phase order, each in lockstep
+    (:func:`lockstep_seconds`), and a pair starts when both partners are free."""
+    free = [0.0] * ranks
+    for (_, (a, b)), pieces in sorted(runs.items()):
+        free[a] = free[b] = max(free[a], free[b]) + lockstep_seconds(pieces, steps)
+    return free
 
 
 def block_row(rows: int, max_block: int) -> int | None:

@@ -74,7 +74,8 @@ from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
 from .formulas import LOCKSTEP_CMAX
-from .sharing import lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link, shared_piece
+from .sharing import (lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link,
+                      pair_timeline, shared_piece)
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
@@ -585,12 +586,11 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 (o.piece_flops / mat_rate, o.comm_s))
     # The runtime runs the pairs first, phase by phase, each pair's matrices in lockstep: a pair
     # starts when both partners are free, so waits chain along pairs of later phases.
-    free = [0.0] * (dp * tp)
-    for (_, (a, b)), pieces in sorted(runs.items()):
-        end = max(free[a], free[b]) + lockstep_seconds(pieces, inp.optimizer.ns_steps)
-        for d in (a, b):
-            waits[d] += end - free[d] - sum(c for c, _ in pieces)
-            free[d] = end
+    free = pair_timeline(runs, inp.optimizer.ns_steps, dp * tp)
+    for (_, pair), pieces in runs.items():
+        for d in pair:
+            waits[d] -= sum(c for c, _ in pieces)
+    waits = [w + f for w, f in zip(waits, free)]
 
     flops_of = {task.id: task.flops for task in plan.tasks}
     groups: list[tuple[GroupWork, ...]] = []
