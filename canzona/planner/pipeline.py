@@ -22,6 +22,7 @@ from pathlib import Path
 from .cost import OptimizerSettings
 from .dp import solve
 from .dp.solve import Solution
+from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
 from .hardware import HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
@@ -143,7 +144,8 @@ def plan_problem(
             cand = share_decision(problem, t.hardware, mode)
             if cand not in shares:
                 shares.append(cand)
-        problem = dataclasses.replace(problem, shared=shares[0])
+        problem = dataclasses.replace(problem, shared=shares[0],
+                                      lockstep_cap=LOCKSTEP_CMAX * t.cmax_bytes)
     pairs: list[dict] = []
     if t.share != "off" and problem.sizes.tp == 1 and not problem.pairs:
         say("sharing decision (DP pairs)")

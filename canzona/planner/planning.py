@@ -106,6 +106,9 @@ class DPProblem:
     #: nothing is hosted. The load is max(compute, collectives) at the profile's rate (what the
     #: piece adds to its group's lockstep phase when others hide its collectives).
     shared: Mapping[int, tuple[float, bool, float, float]] = field(default_factory=dict)
+    #: Scratch bytes one lockstep batch of shared tasks may hold (``formulas.LOCKSTEP_CMAX`` ·
+    #: C_max, set with ``shared``; 0: unbounded, every piece of an index in one lockstep).
+    lockstep_cap: int = 0
     #: Tasks adjacent DP pairs share (tp = 1): task id → its two pieces. ``with_pairs`` cuts
     #: each such task's bucket item into two atomic items at the row boundary.
     pairs: Mapping[int, PairShare] = field(default_factory=dict)

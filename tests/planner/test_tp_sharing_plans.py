@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import pytest
 
-from canzona.planner import ParallelSizes, TPOptions
+import dataclasses
+
+from canzona.planner import OptimizerSettings, ParallelSizes, TPOptions, build_inventory, get_preset
+from canzona.planner.dp import greedy, solve
+from canzona.planner.dp.reorder import reorder_problem
+from canzona.planner.dp.units import owners_to_cuts
+from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import plan
 from canzona.planner.plan import BASE_VERSION, TP_SHARE_VERSION, save_plan
+from canzona.planner.planning import evaluate, make_problem
 from canzona.planner.report import useful_mean
 from canzona.planner.sharing import kind_of
 from canzona.planner.simulate import simulate_plan
+from canzona.planner.tp import MIB, TPContext, index_gpu_max, schedule_tp
+from canzona.planner.tp.joint import lockstep_assign
+from canzona.planner.tp.schedule import share_decision
 from canzona.planner.validate import load_plan
 
 
@@ -68,17 +78,63 @@ def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32):
     assert q32["auto"].tp.metrics.max_gpu_load / useful_mean(q32["auto"]) <= 1.10
 
 
-@pytest.mark.parametrize("model,dp,most", [("qwen3-32b", 128, 2.6), ("llama3-70b", 256, 2.7)])
+@pytest.mark.parametrize("model,dp,most", [("qwen3-32b", 128, 1.25), ("llama3-70b", 256, 2.2)])
 def test_at_scale_the_floor_goes(model, dp, most):
     """8.2× and 13× the mean useful work per GPU with whole matrices; within ``most`` with
     sharing (the busiest GPU's load counts the collectives its lockstep phase does not hide),
-    and the simulated compute path at least three times shorter."""
+    and the simulated compute path at least three times shorter. qwen3-32b dp128: the issue's
+    1.25, reached by pairing each index's pieces (fc1 with proj, fc2 with QKV) so that compute
+    hides collectives (``tp.joint.lockstep_assign``); llama3-70b's fc1 piece over 8 ranks is
+    alone 1.6× the mean (k > tp is not done)."""
     off, auto = _plan(model, dp, 8, "off"), _plan(model, dp, 8, "auto")
     assert off.tp.metrics.max_gpu_load / useful_mean(off) > 8
     assert auto.tp.metrics.max_gpu_load / useful_mean(auto) <= most
     hw = load_hardware("h800")
     a, b = (simulate_plan(p, hw).breakdown() for p in (auto, off))
     assert a["compute"] + a["tp_gather_scatter"] <= (b["compute"] + b["tp_gather_scatter"]) / 3
+
+
+def _shared_problem(model: str, dp: int, tp: int, cmax_mib: float = 512.0):
+    pr = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp),
+                      OptimizerSettings(name="muon"))
+    return dataclasses.replace(pr, shared=share_decision(pr, "h800", "all-split"),
+                               lockstep_cap=int(LOCKSTEP_CMAX * cmax_mib * MIB))
+
+
+@pytest.mark.parametrize("model,dp,tp,cmax", [("qwen3-0.6b", 4, 2, 512.0),
+                                              ("qwen3-0.6b", 4, 2, 8.0),
+                                              ("qwen3-1.7b", 8, 4, 20.0)])
+def test_the_dp_side_sees_the_schedules_lockstep_phase(model, dp, tp, cmax):
+    """``index_gpu_max`` (what the DP side optimises) is the TP schedule's busiest GPU, the
+    shared pieces in lockstep batches under the scratch cap included: a small C_max cuts the
+    phase into batches whose collectives the others no longer hide."""
+    opts = TPOptions(cmax_mib=cmax, hardware="h800")
+    pr = _shared_problem(model, dp, tp, cmax)
+    sol = solve(pr)
+    ctx = TPContext.build(sol.problem)
+    sch = schedule_tp(sol.problem, sol.cuts, opts, ctx=ctx, warn=False)
+    assert [max(r) for r in sch.grid()] == pytest.approx(
+        index_gpu_max(sol.problem, sol.cuts, ctx), rel=1e-9, abs=4)
+
+
+@pytest.mark.parametrize("model,dp,tp", [("qwen3-1.7b", 16, 4), ("qwen3-4b", 32, 4)])
+def test_lockstep_assign_pairs_pieces_and_keeps_matrices_whole(model, dp, tp):
+    """From the paper's greedy cuts (Megatron's order), re-placing whole matrices freely
+    lowers the busiest GPU by more than a tenth here, every matrix stays whole and on a rank
+    of its bucket."""
+    pr = _shared_problem(model, dp, tp)
+    cuts = greedy(pr)
+    rank = lockstep_assign(pr, cuts)
+    assert rank is not None
+    for b in pr.buckets:
+        r = rank[(b.buffer, b.bucket)]
+        assert len(r) == len(b.items) and all(0 <= x < b.ranks for x in r)
+    rp, owners = reorder_problem(pr, rank)
+    new = owners_to_cuts(rp, owners)
+    assert evaluate(rp, new).split_matrices == 0
+    assert sorted(it.tasks for b in rp.buckets for it in b.items) == \
+        sorted(it.tasks for b in pr.buckets for it in b.items)
+    assert max(index_gpu_max(rp, new)) < 0.9 * max(index_gpu_max(pr, cuts))
 
 
 def test_off_is_the_plan_it_was():

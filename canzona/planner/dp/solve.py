@@ -13,7 +13,7 @@ from ..objective import MAX_LOAD, Objective, StepTime
 from ..options import SOLVERS, STEP_TIME_GAP_PP, DPOptions  # noqa: F401
 from ..planning import DPProblem, evaluate
 from ..tp.context import TPContext, index_gpu_max, lb_gpu
-from ..tp.joint import joint_refine
+from ..tp.joint import joint_refine, lockstep_assign
 from .bounds import packing_bound, pigeonhole_bound
 from .cpsat import solve_cpsat
 from .greedy import greedy
@@ -255,6 +255,24 @@ def _search(run: _Run, start: Cuts) -> tuple[DPProblem, Cuts, bool]:
     return problem, start, True
 
 
+def _lockstep_reorder(run: _Run, used: DPProblem, cuts: Cuts, gpu: float, ctx: TPContext
+                      ) -> tuple[DPProblem, Cuts, float]:
+    """Tasks the TP group shares: whole matrices re-placed freely among DP indices
+    (``tp.joint.lockstep_assign``: which pieces share an index decides its lockstep phase), the
+    bucket reordered, its AdamW elements re-spread; kept if the per-GPU score falls."""
+    rank = lockstep_assign(used, cuts, ctx=ctx)
+    if rank is None:
+        return used, cuts, gpu
+    run.say("lockstep placement")
+    rp, owners = reorder_problem(used, rank)
+    rcuts = _rebalance(run, rp, owners_to_cuts(rp, owners))
+    rctx = TPContext.build(rp)
+    score = run.gpu_score(rp, rcuts, rctx)
+    if score < gpu:
+        return rp, rcuts, score
+    return used, cuts, gpu
+
+
 def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
               greedy_cuts: Cuts | None) -> tuple[DPProblem, Cuts]:
     """Under TP, judge by the busiest GPU (DP index × TP rank), not the busiest DP index: refine
@@ -274,6 +292,8 @@ def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
             _state_excess(used, refined) > _state_excess(used, cuts) else 0.0
         if refined_gpu < gpu - slack:
             cuts, gpu = refined, refined_gpu
+    if used.shared and run.options.reorder:
+        used, cuts, gpu = _lockstep_reorder(run, used, cuts, gpu, ctx)
     if greedy_cuts is not None:
         # Only for a real gain: per-GPU maxima are often flat (the largest matrix), and a tie
         # broken by a sliver of AdamW work must not bring back a badly balanced DP partition.

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError
+from ..formulas import lockstep_batches, lockstep_bytes
 from ..options import MIB, TP_SOLVERS, TPOptions  # noqa: F401  (re-exported by tp)
 from ..planning import Cuts, DPProblem, equal_cuts, owner_of
 from ..shards import ShardMap, shard_map
@@ -111,40 +112,57 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
 # --- shared tasks in lockstep ----------------------------------------------------------------------
 
 
-def lockstep_terms(problem: DPProblem, task: int) -> tuple[float, float]:
-    """A task its TP group shares (``problem.shared``): its piece's (compute, collectives) on
-    every TP rank, in cost units (its recorded load is the longer of the two)."""
-    load, _, comp, comm = problem.shared[task]
+#: One shared piece as its DP index's lockstep sees it: (order key: the task id, compute,
+#: collectives, recorded load, scratch bytes), the first four in cost units.
+Piece = tuple[int, float, float, float, int]
+
+
+def lockstep_piece(problem: DPProblem, task: int) -> Piece:
+    """A task its TP group shares (``problem.shared``): its piece on every TP rank, as the
+    lockstep phase sees it (compute and collectives in cost units: its recorded load is the
+    longer of the two; the scratch it holds, ``formulas.lockstep_bytes``)."""
+    load, split, comp, comm = problem.shared[task]
     longest = max(comp, comm)
     per_s = load / longest if longest > 0 else 0.0
-    return comp * per_s, comm * per_s
+    t = problem.tasks[task]
+    tp = problem.sizes.tp
+    m, n = max(t.shape), min(t.shape)
+    return (task, comp * per_s, comm * per_s, load,
+            lockstep_bytes(-(-m // tp), n, tp, split, 2))
 
 
 @dataclass(slots=True)
 class Lockstep:
-    """The shared pieces of one DP index, as the runtime runs them: in lockstep, each one's
-    collectives beside the others' compute (``sharing.lockstep_seconds``: per iteration the
-    longer of Σ compute and Σ collectives + the shortest compute). ``pieces``: Σ of their
-    recorded loads (what :func:`index_work` counts)."""
+    """The shared pieces of one DP index, as the runtime runs them: in task order, cut into
+    batches whose scratch fits ``cap`` (``formulas.lockstep_batches``; 0: one batch), each batch
+    in lockstep, each piece's collectives beside the others' compute
+    (``sharing.lockstep_seconds``: per iteration the longer of Σ compute and Σ collectives + the
+    shortest compute). ``pieces``: Σ of their recorded loads (what :func:`index_work` counts)."""
 
-    compute: float = 0.0
-    comm: float = 0.0
-    shortest: float = math.inf
+    cap: int = 0
+    items: list[Piece] = field(default_factory=list)
     pieces: float = 0.0
 
-    def add(self, c: float, a: float, load: float) -> None:
-        self.compute += c
-        self.comm += a
-        self.shortest = min(self.shortest, c)
-        self.pieces += load
+    def add(self, piece: Piece) -> None:
+        self.items.append(piece)
+        self.pieces += piece[3]
+
+    def remove(self, piece: Piece) -> None:
+        self.items.remove(piece)
+        self.pieces -= piece[3]
 
     def load(self) -> float:
-        """The phase's load (0 without pieces; scratch batches not modelled here: the TP
-        schedule's ``shared_phase_s`` has them)."""
-        return 0.0 if self.shortest == math.inf else max(self.compute, self.comm + self.shortest)
+        """The phase's load (0 without pieces)."""
+        if not self.items:
+            return 0.0
+        items = sorted(self.items)
+        batches = (lockstep_batches(items, [x[4] for x in items], self.cap) if self.cap
+                   else [items])
+        return sum(max(sum(x[1] for x in b), sum(x[2] for x in b) + min(x[1] for x in b))
+                   for b in batches)
 
     def copy(self) -> Lockstep:
-        return Lockstep(self.compute, self.comm, self.shortest, self.pieces)
+        return Lockstep(self.cap, list(self.items), self.pieces)
 
 
 def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
@@ -163,10 +181,10 @@ def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
 
 def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
     """Per DP index, its shared pieces in lockstep (:class:`Lockstep`)."""
-    out = [Lockstep() for _ in range(problem.dp)]
+    out = [Lockstep(problem.lockstep_cap) for _ in range(problem.dp)]
     for d, ids in enumerate(shared_by_index(problem, cuts)):
         for i in ids:
-            out[d].add(*lockstep_terms(problem, i), problem.shared[i][0])
+            out[d].add(lockstep_piece(problem, i))
     return out
 
 

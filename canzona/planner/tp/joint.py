@@ -6,8 +6,8 @@ import heapq
 
 from ..objective import MAX_LOAD, Objective
 from ..planning import DPProblem, owner_of
-from .context import (Cuts, Lockstep, TPContext, index_gpu_max, index_work, lb_gpu,
-                      lockstep_terms, lpt_bins, lpt_makespan, shared_by_index)
+from .context import (Cuts, Lockstep, Piece, TPContext, index_gpu_max, index_work, lb_gpu,
+                      lockstep_piece, lpt_bins, lpt_makespan, shared_by_index)
 
 
 def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None,
@@ -38,12 +38,13 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     bag = [[loads[i] for i in ids] for ids in owned]
     shared = problem.shared
     # an index's shared pieces run in lockstep: kept apart from the rest of its base
-    pieces: list[list[tuple[float, float, float]]] = [[] for _ in range(problem.dp)]
+    pieces: list[list[Piece]] = [[] for _ in range(problem.dp)]
     for d, ids in enumerate(shared_by_index(problem, cuts)):
         for i in ids:
-            pieces[d].append((*lockstep_terms(problem, i), shared[i][0]))
+            pieces[d].append(lockstep_piece(problem, i))
             base[d] -= shared[i][0]
-    lock = [_lockstep(x) for x in pieces]
+    cap = problem.lockstep_cap
+    lock = [_lockstep(x, cap) for x in pieces]
     bound = lb_gpu(problem, ctx=ctx)
     scale = float(bound or 1)
 
@@ -53,12 +54,12 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         atoms[key] = [it for it in b.items if it.atomic]
         rank[key] = [owner_of(cuts[key], it.start) for it in atoms[key]]
 
-    def split_of(it) -> tuple[list[int], float, list[tuple[float, float, float]]]:
+    def split_of(it) -> tuple[list[int], float, list[Piece]]:
         """(loads to host, load on every TP rank, shared pieces): a shared task is its piece on
         every rank, in the index's lockstep phase."""
         return ([loads[i] for i in it.tasks if ctx.split[i] and i not in shared],
                 float(sum(loads[i] for i in it.tasks if i not in shared and not ctx.split[i])),
-                [(*lockstep_terms(problem, i), shared[i][0]) for i in it.tasks if i in shared])
+                [lockstep_piece(problem, i) for i in it.tasks if i in shared])
 
     def value(d: int) -> float:
         return base[d] + lock[d].load() + lpt_makespan(bag[d], tp)
@@ -76,7 +77,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
             for y in sh:
                 pieces[d].remove(y)
         if sh:
-            lock[d] = _lockstep(pieces[d])
+            lock[d] = _lockstep(pieces[d], cap)
         base[d] += sign * rep
 
     evals = 0  # work budget (deterministic, unlike a wall-clock limit)
@@ -125,7 +126,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                                     heapq.heapreplace(bins, bins[0] + x)
                                 rep_sum += its[i - 1][1]
                                 for y in its[i - 1][2]:
-                                    step.add(*y)
+                                    step.add(y)
                             rep_now = rep_sum + step.load()
                             v = (base[d] + rep_now + max(bins)) / scale
                             if phase == "max":
@@ -176,9 +177,160 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     return out if after <= before else cuts
 
 
-def _lockstep(pieces: list[tuple[float, float, float]]) -> Lockstep:
-    out = Lockstep()
+def _lockstep(pieces: list[Piece], cap: int) -> Lockstep:
+    out = Lockstep(cap)
     for x in pieces:
-        out.add(*x)
+        out.add(x)
     return out
 
+
+
+def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None,
+                    max_moves: int = 20_000) -> dict[tuple[int, int], list[int]] | None:
+    """Whole matrices re-placed among DP indices when parameters may change places inside their
+    bucket (``DPOptions.reorder``): per bucket, the rank of each item (as ``dp.reorder``'s
+    ``assign_free`` gives them), or None when no move lowers the busiest GPU.
+
+    :func:`joint_refine` keeps every bucket's order, so it cannot bring two matrices of one
+    bucket together past a third; with few matrices per DP index and tasks the TP group shares,
+    which pieces share an index decides its lockstep phase (a compute-heavy piece hides the
+    collectives of a light one; three light ones are collective-bound), and that needs any
+    subset. A move/swap search on the busiest index, on the per-GPU objective of
+    :func:`index_gpu_max` (its shared pieces in lockstep, the pieces it hosts LPT-packed over
+    its TP ranks), the AdamW shares held where they are. Matrices alike (same loads, lockstep
+    terms and allowed DP indices) form one class, so a step costs O(classes), not O(matrices).
+    """
+    ctx = ctx or TPContext.build(problem)
+    tp = problem.sizes.tp
+    loads, shared = problem.loads, problem.shared
+    dp = problem.dp
+    base, _ = index_work(problem, cuts, ctx)
+    # classes of alike matrices: (hosted loads, load on every TP rank, shared pieces, allowed)
+    classes: dict[tuple, int] = {}
+    sig: list[tuple] = []
+    members: list[list[tuple[tuple[int, int], int]]] = []
+    where: dict[tuple[tuple[int, int], int], int] = {}
+    first: list[int] = []  # per class, its lowest task id: where its pieces run in a batch
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        c = cuts[key]
+        allowed = tuple(problem.dp_index(b, r) for r in range(b.ranks))
+        for k, it in enumerate(b.items):
+            if not it.atomic:
+                continue
+            d = problem.dp_index(b, owner_of(c, it.start))
+            sp = tuple(sorted((loads[i] for i in it.tasks if ctx.split[i] and i not in shared),
+                              reverse=True))
+            rep = float(sum(loads[i] for i in it.tasks if i not in shared and not ctx.split[i]))
+            # a piece's task id only orders the lockstep's batches: alike matrices are one class
+            sh = tuple(lockstep_piece(problem, i)[1:] for i in it.tasks if i in shared)
+            base[d] -= rep + sum(x[2] for x in sh)  # index_work counted them: the item moves
+            s = (sp, rep, sh, allowed)
+            ci = classes.setdefault(s, len(sig))
+            if ci == len(sig):
+                sig.append(s)
+                members.append([])
+            if ci == len(first):
+                first.append(min(it.tasks))
+            members[ci].append((key, k))
+            first[ci] = min(first[ci], *it.tasks)
+            where[(key, k)] = d
+    nc = len(sig)
+    if not any(s[2] for s in sig):
+        return None
+    count = [[0] * nc for _ in range(dp)]
+    for ci, ms in enumerate(members):
+        for m in ms:
+            count[where[m]][ci] += 1
+    allowed_of = [set(s[3]) for s in sig]
+
+    def value(d: int, row: list[int]) -> float:
+        lock = Lockstep(problem.lockstep_cap)
+        bag: list[int] = []
+        rep = 0.0
+        for ci, n in enumerate(row):
+            if n:
+                sp, r, sh, _ = sig[ci]
+                rep += n * r
+                bag.extend(sp * n)
+                for y in sh:
+                    for _ in range(n):
+                        lock.add((first[ci], *y))
+        return base[d] + rep + lock.load() + lpt_makespan(bag, tp)
+
+    vals = [value(d, count[d]) for d in range(dp)]
+    moved = False
+    for _ in range(max_moves):
+        top = max(range(dp), key=lambda d: (vals[d], -d))
+        L = vals[top]
+        best = None  # (worst of the two, top's new value, c1, d2, c2, new vals)
+        for c1 in range(nc):
+            if not count[top][c1]:
+                continue
+            row = count[top][:]
+            row[c1] -= 1
+            v_top = value(top, row)
+            if v_top >= L - 1e-9 * L:
+                continue
+            for d2 in sig[c1][3]:
+                if d2 == top:
+                    continue
+                row2 = count[d2][:]
+                row2[c1] += 1
+                v2 = value(d2, row2)
+                cand = (max(v_top, v2), v_top + v2)
+                if cand[0] < L and (best is None or cand < best[0]):
+                    best = (cand, c1, d2, None, v_top, v2)
+                for c2 in range(nc):
+                    if not count[d2][c2] or c2 == c1 or top not in allowed_of[c2]:
+                        continue
+                    row_t = row[:]
+                    row_t[c2] += 1
+                    row_2 = row2[:]
+                    row_2[c2] -= 1
+                    a, b2 = value(top, row_t), value(d2, row_2)
+                    cand = (max(a, b2), a + b2)
+                    if cand[0] < L and (best is None or cand < best[0]):
+                        best = (cand, c1, d2, c2, a, b2)
+        if best is None:
+            break
+        _, c1, d2, c2, a, b2 = best
+        count[top][c1] -= 1
+        count[d2][c1] += 1
+        if c2 is not None:
+            count[d2][c2] -= 1
+            count[top][c2] += 1
+        vals[top], vals[d2] = a, b2
+        moved = True
+    if not moved:
+        return None
+    # Materialise: an item stays on its index while the index keeps one of its class.
+    left = [row[:] for row in count]
+    rank: dict[tuple[int, int], list[int]] = {(b.buffer, b.bucket): [0] * len(b.items)
+                                              for b in problem.buckets}
+    spill: list[list[tuple[tuple[int, int], int]]] = [[] for _ in range(nc)]
+    for ci, ms in enumerate(members):
+        for m in ms:
+            d = where[m]
+            if left[d][ci]:
+                left[d][ci] -= 1
+                rank[m[0]][m[1]] = d
+            else:
+                spill[ci].append(m)
+    for ci, ms in enumerate(spill):
+        it = iter(ms)
+        for d in range(dp):
+            for _ in range(left[d][ci]):
+                key, k = next(it)
+                rank[key][k] = d
+    # DP index → rank in the bucket's group; AdamW items keep the rank of their first element
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        buf = problem.layout.buffers[b.buffer]
+        for k, it in enumerate(b.items):
+            if it.atomic:
+                if buf.expert:
+                    rank[key][k] = (rank[key][k] - buf.ep_rank) // problem.sizes.ep
+            else:
+                rank[key][k] = owner_of(cuts[key], it.start)
+    return rank
