@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (``derandomize``: a seed from each test's
+# source), so CI passes or fails alike on a clean clone; ``HYPOTHESIS_PROFILE=explore`` draws
+# fresh ones (how the fuzzers find new bugs: run it now and then, keep what it finds as a case).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _as_version_1(plan_json: str) -> dict:
