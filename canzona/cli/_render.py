@@ -24,8 +24,8 @@ from rich.text import Text
 
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
-from canzona.planner.report import (busiest_index, max_mean, oversized_groups, peak_within_cmax,
-                                     useful_mean)
+from canzona.planner.report import (busiest_index, max_mean, oversized_groups, pairs_dict,
+                                    peak_within_cmax, useful_mean)
 
 from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
@@ -218,6 +218,7 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
         f"matrices split across DP ranks: {m.split_matrices}{_paired(plan)}   "
         f"solver status: {m.solver_status}   "
         f"wall time: {wall_s:.2f} s", highlight=False)
+    pairs_view(pairs_dict(plan))
     tp_summary(plan)
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
 

@@ -72,6 +72,20 @@ def test_plan_default_name_in_the_current_folder(tmp_path, monkeypatch):
     assert "load (numel)" in r.output
 
 
+def test_plan_at_tp1_says_what_dp_pairs_share(tmp_path):
+    """``--share all`` at tp 1: the summary names the matrices DP pairs share, as the plan
+    records them, and the busiest DP index against the mean useful work."""
+    out = tmp_path / "p.json"
+    r = run("plan", "-m", "qwen3-0.6b", "--dp", 4, "--share", "all", "-o", out)
+    assert r.exit_code == 0, r.output
+    p = load_plan(out)
+    assert p.dp_shared
+    text = " ".join(r.output.split())
+    assert "shared by DP pairs (shared Newton–Schulz over two DP ranks" in text
+    assert f"{len(p.dp_shared)} matrices (" in text
+    assert "busiest DP index / mean useful work" in text
+
+
 def test_plan_is_byte_identical_on_rerun(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for out in (a, b):
