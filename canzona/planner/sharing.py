@@ -37,6 +37,7 @@ the plan's cost units (a task's load per FLOP converts FLOPs and seconds).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -363,21 +364,30 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
     extra = {i: price_pair(base, i, x.split_poly, hw, hw.inter_node).loads[0] - x.loads[0]
              for i, x in pairs.items()}
     tp = base.sizes.tp
+    # A trial moves one bucket's cuts: its loads and states are the totals with that bucket's
+    # share swapped (integers, so exactly what evaluating the whole problem gives).
+    alone = {(b.buffer, b.bucket): dataclasses.replace(problem, buckets=(b,))
+             for b in problem.buckets}
 
-    def score(c: dict) -> tuple[float, float, int]:
-        ev = evaluate(problem, c)
-        load = list(ev.load)
+    def part(key: tuple[int, int], c: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        ev = evaluate(alone[key], {key: c})
+        return list(ev.load), list(ev.state_bytes)
+
+    def score(c: dict, load: list[int], state: list[int]) -> tuple[float, float, int]:
+        load = list(load)
         for i, (a, b) in pair_owners(problem, c).items():
             if a != b and pair_link(hw, (a, b), tp) is not hw.intra_node:
                 load[a] += extra[i]
                 load[b] += extra[i]
-        return max(load), sum(load), max(ev.state_bytes)
+        return max(load), sum(load), max(state)
 
     def node(d: int) -> int:
         return d * tp // hw.gpus_per_node
 
     out = {k: tuple(c) for k, c in cuts.items()}
-    best = score(out)
+    ev = evaluate(problem, out)
+    tot_load, tot_state = list(ev.load), list(ev.state_bytes)
+    best = score(out, tot_load, tot_state)
     for bk in base.buckets:
         key = (bk.buffer, bk.bucket)
         items = next(b for b in problem.buckets if (b.buffer, b.bucket) == key).items
@@ -399,11 +409,15 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
                     moved = list(c)
                     moved[ra + 1:r + 1] = [c[ra]] * (r - ra)
                     trials.append(moved)
+            old = part(key, out[key])
             for moved in trials:
                 trial = {**out, key: tuple(moved)}
-                sc = score(trial)
+                new = part(key, trial[key])
+                load = [t - o + n for t, o, n in zip(tot_load, old[0], new[0])]
+                state = [t - o + n for t, o, n in zip(tot_state, old[1], new[1])]
+                sc = score(trial, load, state)
                 if sc[0] <= best[0] and sc[2] <= best[2] and sc[1] < best[1]:
-                    out, best = trial, sc
+                    out, best, tot_load, tot_state, old = trial, sc, load, state, new
     return out
 
 
