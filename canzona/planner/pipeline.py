@@ -144,8 +144,9 @@ def plan_problem(
             cand = share_decision(problem, t.hardware, mode)
             if cand not in shares:
                 shares.append(cand)
-        problem = dataclasses.replace(problem, shared=shares[0],
-                                      lockstep_cap=LOCKSTEP_CMAX * t.cmax_bytes)
+        problem = dataclasses.replace(problem, shared=shares[0])
+    if problem.shared:  # the DP side batches the lockstep as the schedule will
+        problem = dataclasses.replace(problem, lockstep_cap=LOCKSTEP_CMAX * t.cmax_bytes)
     pairs: list[dict] = []
     if t.share != "off" and problem.sizes.tp == 1 and not problem.pairs:
         say("sharing decision (DP pairs)")

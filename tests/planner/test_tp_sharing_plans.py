@@ -137,6 +137,16 @@ def test_lockstep_assign_pairs_pieces_and_keeps_matrices_whole(model, dp, tp):
     assert max(index_gpu_max(rp, new)) < 0.9 * max(index_gpu_max(pr, cuts))
 
 
+def test_lockstep_placement_keeps_the_state_guard():
+    """Under step-time the free re-placement must gain for real, and more where it piles the
+    optimizer state up (as the joint refinement): at qwen3-4b dp32 tp4 it would gain 2e-9 of
+    the busiest GPU for 18 % more state on the busiest index, and is not kept."""
+    from canzona.planner.dp.solve import _state_excess
+
+    sol = solve(_shared_problem("qwen3-4b", 32, 4))
+    assert _state_excess(sol.problem, sol.cuts) == 0
+
+
 def test_off_is_the_plan_it_was():
     a = plan("qwen3-0.6b", ParallelSizes(dp=2, tp=2))
     b = _plan("qwen3-0.6b", 2, 2, "off", hardware="h100")

@@ -260,15 +260,20 @@ def _lockstep_reorder(run: _Run, used: DPProblem, cuts: Cuts, gpu: float, ctx: T
     """Tasks the TP group shares: whole matrices re-placed freely among DP indices
     (``tp.joint.lockstep_assign``: which pieces share an index decides its lockstep phase), the
     bucket reordered, its AdamW elements re-spread; kept if the per-GPU score falls."""
+    if run.options.comm_limit is not None:  # the spread cuts would not respect it
+        return used, cuts, gpu
     rank = lockstep_assign(used, cuts, ctx=ctx)
     if rank is None:
         return used, cuts, gpu
     run.say("lockstep placement")
     rp, owners = reorder_problem(used, rank)
     rcuts = _rebalance(run, rp, owners_to_cuts(rp, owners))
-    rctx = TPContext.build(rp)
-    score = run.gpu_score(rp, rcuts, rctx)
-    if score < gpu:
+    score = run.gpu_score(rp, rcuts, TPContext.build(rp))
+    # as the joint refinement: a real gain, and under step-time more than STEP_TIME_GAP_PP
+    # points of LB_gpu where it piles optimizer state up
+    slack = STEP_TIME_GAP_PP / 100 * lb_gpu(used, ctx=ctx) if run.state_aware and \
+        _state_excess(rp, rcuts) > _state_excess(used, cuts) else 0.0
+    if score < gpu * (1 - JOINT_TP_MARGIN) - slack:
         return rp, rcuts, score
     return used, cuts, gpu
 

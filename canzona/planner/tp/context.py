@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError
-from ..formulas import lockstep_batches, lockstep_bytes
+from ..formulas import lockstep_bytes
 from ..options import MIB, TP_SOLVERS, TPOptions  # noqa: F401  (re-exported by tp)
 from ..planning import Cuts, DPProblem, equal_cuts, owner_of
 from ..shards import ShardMap, shard_map
@@ -142,27 +142,46 @@ class Lockstep:
     cap: int = 0
     items: list[Piece] = field(default_factory=list)
     pieces: float = 0.0
+    compute: float = 0.0  # Σ over the items, and the least compute: one batch in O(1)
+    comm: float = 0.0
+    shortest: float = math.inf
+    nbytes: int = 0
 
     def add(self, piece: Piece) -> None:
         self.items.append(piece)
         self.pieces += piece[3]
-
-    def remove(self, piece: Piece) -> None:
-        self.items.remove(piece)
-        self.pieces -= piece[3]
+        self.compute += piece[1]
+        self.comm += piece[2]
+        self.shortest = min(self.shortest, piece[1])
+        self.nbytes += piece[4]
 
     def load(self) -> float:
         """The phase's load (0 without pieces)."""
         if not self.items:
             return 0.0
-        items = sorted(self.items)
-        batches = (lockstep_batches(items, [x[4] for x in items], self.cap) if self.cap
-                   else [items])
-        return sum(max(sum(x[1] for x in b), sum(x[2] for x in b) + min(x[1] for x in b))
-                   for b in batches)
+        if not self.cap or self.nbytes <= self.cap:  # one batch
+            return max(self.compute, self.comm + self.shortest)
+        # formulas.lockstep_batches over the pieces in task order, each batch's phase summed
+        # (written out: the joint refinement calls this in its innermost loop)
+        cap, out = self.cap, 0.0
+        comp = comm = 0.0
+        least = math.inf
+        held = cap + 1  # the first piece opens a batch
+        for _, c, a, _, b in sorted(self.items):
+            if held + b <= cap:
+                comp += c
+                comm += a
+                least = min(least, c)
+                held += b
+            else:
+                if least != math.inf:
+                    out += max(comp, comm + least)
+                comp, comm, least, held = c, a, c, b
+        return out + max(comp, comm + least)
 
     def copy(self) -> Lockstep:
-        return Lockstep(self.cap, list(self.items), self.pieces)
+        return Lockstep(self.cap, list(self.items), self.pieces, self.compute, self.comm,
+                        self.shortest, self.nbytes)
 
 
 def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:

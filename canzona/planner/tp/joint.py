@@ -270,17 +270,17 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
             row = count[top][:]
             row[c1] -= 1
             v_top = value(top, row)
-            if v_top >= L - 1e-9 * L:
-                continue
+            # (a lockstep phase may grow when a piece leaves, so swaps are tried regardless)
             for d2 in sig[c1][3]:
                 if d2 == top:
                     continue
                 row2 = count[d2][:]
                 row2[c1] += 1
-                v2 = value(d2, row2)
-                cand = (max(v_top, v2), v_top + v2)
-                if cand[0] < L and (best is None or cand < best[0]):
-                    best = (cand, c1, d2, None, v_top, v2)
+                if v_top < L:
+                    v2 = value(d2, row2)
+                    cand = (max(v_top, v2), v_top + v2)
+                    if cand[0] < L and (best is None or cand < best[0]):
+                        best = (cand, c1, d2, None, v_top, v2)
                 for c2 in range(nc):
                     if not count[d2][c2] or c2 == c1 or top not in allowed_of[c2]:
                         continue
