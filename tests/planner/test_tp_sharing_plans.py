@@ -23,7 +23,7 @@ from canzona.planner.simulate import simulate_plan
 from canzona.planner.tp import MIB, TPContext, index_gpu_max, schedule_tp
 from canzona.planner.tp.joint import lockstep_assign
 from canzona.planner.tp.schedule import share_decision
-from canzona.planner.validate import load_plan
+from canzona.planner.validate import load_plan, parse_plan
 
 
 def _plan(model: str, dp: int, tp: int, share: str, hardware: str = "h800"):
@@ -87,6 +87,7 @@ def test_at_scale_the_floor_goes(model, dp, most):
     hides collectives (``tp.joint.lockstep_assign``); llama3-70b's fc1 piece over 8 ranks is
     alone 1.6× the mean (k > tp is not done)."""
     off, auto = _plan(model, dp, 8, "off"), _plan(model, dp, 8, "auto")
+    assert parse_plan(auto.to_json()).to_json() == auto.to_json()  # a plan file's every check
     assert off.tp.metrics.max_gpu_load / useful_mean(off) > 8
     assert auto.tp.metrics.max_gpu_load / useful_mean(auto) <= most
     hw = load_hardware("h800")
