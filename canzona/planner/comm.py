@@ -105,17 +105,14 @@ def _ring(sizes: Sequence[int], e: int) -> Traffic:
 def _chain(sizes: Sequence[int], e: int, *, broadcast: bool) -> Traffic:
     """One chain reduce (or broadcast) per non-empty slice."""
     R = len(sizes)
-    sent, recv = [0] * R, [0] * R
     roots = [r for r, s in enumerate(sizes) if s > 0]
+    # every rank sends and receives every root's slice once, but one of each chain
+    total = sum(sizes[r] * e for r in roots)
+    sent, recv = [total] * R, [total] * R
     for r in roots:
         b = sizes[r] * e
-        quiet_sender = (r - 1) % R if broadcast else r  # broadcast: the tail; reduce: the root
-        quiet_receiver = r if broadcast else (r + 1) % R  # broadcast: the root; reduce: the head
-        for m in range(R):
-            if m != quiet_sender:
-                sent[m] += b
-            if m != quiet_receiver:
-                recv[m] += b
+        sent[(r - 1) % R if broadcast else r] -= b  # broadcast: the tail; reduce: the root
+        recv[r if broadcast else (r + 1) % R] -= b  # broadcast: the root; reduce: the head
     return Traffic(len(roots), tuple(sent), tuple(recv))
 
 

@@ -30,30 +30,36 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     if m <= 3 and slice_cost is None:
         return _bucket_dp_small(u, base, cap, phase)
     P = u.prefix
-    blk = P[None, :] - P[:, None]  # blk[j, i] = load of units j..i-1
-    valid = np.triu(np.ones((m + 1, m + 1), dtype=bool))
+    # Laid out [i, j] (j: where rank r's units start, i: where they end), so that the minimum
+    # over j runs along contiguous rows; buffers reused across ranks.
+    blk = P[:, None] - P[None, :]  # blk[i, j] = load of units j..i-1
+    valid = np.tril(np.ones((m + 1, m + 1), dtype=bool))
     if cap is not None:
-        span = u.bounds[None, :] - u.bounds[:, None]
+        span = u.bounds[:, None] - u.bounds[None, :]
         valid &= span <= cap
     inf = np.inf
+    # what every rank adds: the per-slice term where a slice is allowed, +inf where it is not
+    extra = np.where(valid, 0.0 if slice_cost is None else slice_cost.T, inf)
     choice = np.zeros((R, m + 1), dtype=np.int64)
     g = np.full(m + 1, inf)
     g[0] = 0.0
     if limit is not None:
-        lblk = limit[0][None, :] - limit[0][:, None]
+        lblk = limit[0][:, None] - limit[0][None, :]
+    tot = np.empty((m + 1, m + 1))
+    cols = np.arange(m + 1)
+    power = _POWERS.get(phase)
     for r in range(R):
-        rank_cost = base[r] + blk
+        np.add(blk, base[r], out=tot)  # rank r's load for every slice
         if limit is not None:
-            rank_cost = np.where(limit[1][r] + lblk <= limit[2], rank_cost, inf)
-        if phase == "max":
-            tot = np.maximum(g[:, None], rank_cost)
+            tot = np.where(limit[1][r] + lblk <= limit[2], tot, inf)
+        if power is None:
+            np.maximum(g[None, :], tot, out=tot)
         else:
-            tot = g[:, None] + rank_cost ** _POWERS[phase]
-        if slice_cost is not None:
-            tot = tot + slice_cost
-        tot = np.where(valid, tot, inf)
-        choice[r] = np.argmin(tot, axis=0)  # first (smallest j) on ties: deterministic
-        g = tot[choice[r], np.arange(m + 1)]
+            np.power(tot, power, out=tot)
+            np.add(g[None, :], tot, out=tot)
+        np.add(tot, extra, out=tot)
+        choice[r] = np.argmin(tot, axis=1)  # first (smallest j) on ties: deterministic
+        g = tot[cols, choice[r]]
     if not np.isfinite(g[m]):
         raise OptionError("{DPOptions.comm_limit} is too tight: some bucket cannot be cut into "
                           "slices that small at parameter boundaries; raise it.",
