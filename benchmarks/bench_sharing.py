@@ -5,7 +5,9 @@ whole-matrix plans, side by side on one model and cluster (torch-free, modelled)
 
 Per configuration, three plans: **canzona-greedy** (the paper: α-greedy DP cuts, TP greedy),
 **canzona** (``--share off``: every TP-split matrix hosted whole) and **canzona --share auto**
-(the planner shares matrices over their TP group; at tp 1 over DP pairs). Then Shampoo at tp 1:
+(the planner shares matrices over their TP group; at tp 1 over DP pairs), and at tp > 1 the
+last again with ``--objective max-load`` (the compute alone, where the default step-time also
+weighs the bucket collectives the placement changes). Then Shampoo at tp 1:
 whole matrices against block rows hosted by two DP ranks. For each: the busiest GPU's load over the mean
 useful work per GPU (every task's single-device cost once; a shared task's Gram all-reduces, which
 each rank waits for in turn, count in the busiest GPU's load), the bounds (the atomic LB, the bound
@@ -46,7 +48,8 @@ def _row(p, hw) -> dict:
         mean = pairs["useful_mean_load"] if pairs else sum(p.metrics.dp_load) / p.inputs.dp
         shared = len(p.dp_shared)
     return {"max_over_useful_mean": round(mx / mean, 4), "path_ms": round(
-        (b["compute"] + b["tp_gather_scatter"]) * 1e3, 2), "shared": shared}
+        (b["compute"] + b["tp_gather_scatter"]) * 1e3, 2), "shared": shared,
+        "dp_collectives_ms": round(p.comm.predicted_s * 1e3, 1)}
 
 
 def main() -> None:
@@ -67,6 +70,10 @@ def main() -> None:
         bound = sharing_bound(rebuild_problem(whole), hardware=hw)
         rows = {"canzona-greedy": _row(greedy, hw), "canzona": _row(whole, hw),
                 "canzona --share auto": _row(shared, hw)}
+        if tp > 1:  # the compute alone decides (the default weighs the DP collectives too)
+            rows["canzona --share auto --objective max-load"] = _row(plan(
+                model, sizes, dp_options=DPOptions(objective="max-load"),
+                tp_options=TPOptions(hardware=args.hardware, share="auto")), hw)
         out.append({"model": model, "dp": dp, "tp": tp, "rows": rows,
                     "atomic_lb": round(bound.atomic_ratio, 4),
                     "shared_lb": round(bound.shared_ratio, 4),
@@ -97,6 +104,16 @@ def main() -> None:
         print(f"{name:26} {c['atomic_lb']:9.3f} {c['shared_lb']:8.3f}"
               f" | {cells[0]:>15} | {cells[1]:>15} | {s['max_over_useful_mean']:6.3f} "
               f"{s['path_ms']:7.1f} ({s['shared']:3d}) | {c['greedy_over_shared_path']:.2f}×")
+    print("\n--share auto, default objective (step-time) against --objective max-load (the compute "
+          "alone): max/mean, path ms, the bucket collectives `canzona plan` predicts per iteration")
+    for c in out:
+        r = c["rows"]
+        if "canzona --share auto --objective max-load" not in r:
+            continue
+        cells = [f"{x['max_over_useful_mean']:6.3f} {x['path_ms']:6.1f} {x['dp_collectives_ms']:7.1f} ms"
+                 for x in (r["canzona --share auto"], r["canzona --share auto --objective max-load"])]
+        name = f"{c['model']} dp{c['dp']} tp{c['tp']}"
+        print(f"{name:26} step-time {cells[0]} | max-load {cells[1]}")
     print("\nShampoo, tp 1: whole matrices against block rows hosted by two DP ranks "
           "(max/mean, path ms, matrices split)")
     for c in blocks:

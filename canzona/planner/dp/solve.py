@@ -49,6 +49,7 @@ class _Run:
     greedy_score: float = 0.0  # the paper's greedy, the score no result may exceed
     state_aware: bool = False  # step-time: the optimizer state breaks near-ties of the load
     reference_load: float | None = None  # the best max load seen, when a heavier one was kept
+    hardware: HardwareProfile | None = None  # step-time: the communication model's profile
 
     def score(self, problem: DPProblem, cuts: Cuts) -> float:
         return self.objective.score(problem, cuts)
@@ -78,7 +79,8 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
     o = options or DPOptions()
     custom = o.objective if isinstance(o.objective, Objective) else None
     run = _Run(problem, o, custom or MAX_LOAD, progress or (lambda _msg: None),
-               bound=pigeonhole_bound(problem), state_aware=o.objective == "step-time")
+               bound=pigeonhole_bound(problem), state_aware=o.objective == "step-time",
+               hardware=hardware)
     run.say("greedy")
     start = greedy(problem, alpha=o.alpha)
     run.greedy_score = run.score(problem, start)
@@ -273,9 +275,17 @@ def _lockstep_reorder(run: _Run, used: DPProblem, cuts: Cuts, gpu: float, ctx: T
     # points of LB_gpu where it piles optimizer state up
     slack = STEP_TIME_GAP_PP / 100 * lb_gpu(used, ctx=ctx) if run.state_aware and \
         _state_excess(rp, rcuts) > _state_excess(used, cuts) else 0.0
-    if score < gpu * (1 - JOINT_TP_MARGIN) - slack:
-        return rp, rcuts, score
-    return used, cuts, gpu
+    if score >= gpu * (1 - JOINT_TP_MARGIN) - slack:
+        return used, cuts, gpu
+    if run.state_aware:
+        # step-time: the pieces an index pairs may hold more bytes than the mean (qwen3-32b
+        # dp128 tp8: fc1 + proj), and its bucket slices then slow the collectives by more than
+        # the busiest GPU gains: kept only if the modelled step is shorter
+        hw = run.hardware or load_hardware(DEFAULT_HARDWARE)
+        if _modelled_step(rp, _communication(run, rp, rcuts, hw), hw) >= \
+                _modelled_step(used, _communication(run, used, cuts, hw), hw):
+            return used, cuts, gpu
+    return rp, rcuts, score
 
 
 def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
