@@ -117,18 +117,24 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
 Piece = tuple[int, float, float, float, int]
 
 
+def lockstep_scratch(problem: DPProblem, task: int) -> int:
+    """Scratch bytes a task its TP group shares holds in a lockstep batch
+    (``formulas.lockstep_bytes`` of its piece: its rows of the oriented matrix, bf16): what the
+    TP schedule batches by and what :class:`Lockstep` models."""
+    t = problem.tasks[task]
+    tp = problem.sizes.tp
+    m, n = max(t.shape), min(t.shape)
+    return lockstep_bytes(-(-m // tp), n, tp, problem.shared[task][1], 2)
+
+
 def lockstep_piece(problem: DPProblem, task: int) -> Piece:
     """A task its TP group shares (``problem.shared``): its piece on every TP rank, as the
     lockstep phase sees it (compute and collectives in cost units: its recorded load is the
     longer of the two; the scratch it holds, ``formulas.lockstep_bytes``)."""
-    load, split, comp, comm = problem.shared[task]
+    load, _, comp, comm = problem.shared[task]
     longest = max(comp, comm)
     per_s = load / longest if longest > 0 else 0.0
-    t = problem.tasks[task]
-    tp = problem.sizes.tp
-    m, n = max(t.shape), min(t.shape)
-    return (task, comp * per_s, comm * per_s, load,
-            lockstep_bytes(-(-m // tp), n, tp, split, 2))
+    return (task, comp * per_s, comm * per_s, load, lockstep_scratch(problem, task))
 
 
 @dataclass(slots=True)

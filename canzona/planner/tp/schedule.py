@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from ..cost import DTYPE_BYTES, load_hardware
 from ..errors import CanzonaError, OversizedTaskWarning
 from ..planning import DPProblem
-from .context import Cuts, TPContext, TPOptions, index_work, shared_by_index
+from .context import (Cuts, TPContext, TPOptions, index_work, lockstep_scratch,
+                      shared_by_index)
 
 # --- schedule records ------------------------------------------------------------------------------
 
@@ -316,12 +317,9 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
         # index_work counted each piece alone (max of its compute and collectives); the group
         # runs them in lockstep: its phase, at the profile's rate, replaces their sum.
         from ..formulas import LOCKSTEP_CMAX
-        from ..sharing import lockstep_batches, lockstep_bytes, lockstep_seconds
+        from ..sharing import lockstep_batches, lockstep_seconds
 
-        sizes = []
-        for x in runs:
-            m, n = max(pr.tasks[x.task].shape), min(pr.tasks[x.task].shape)
-            sizes.append(lockstep_bytes(-(-m // tp), n, tp, x.split_poly, 2))
+        sizes = [lockstep_scratch(pr, x.task) for x in runs]
         # the runtime runs them in batches whose scratch fits C_max, each batch in lockstep
         phase_s = sum(lockstep_seconds([(x.compute_s, x.comm_s) for x in b], pr.settings.ns_steps)
                       for b in lockstep_batches(list(runs), sizes, LOCKSTEP_CMAX * cap))
