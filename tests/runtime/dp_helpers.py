@@ -102,15 +102,17 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, C
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
     results = {}
+    path = os.path.join(out, f"rank{rank}.pt")
     try:
         for name, fn in cases:
             try:
                 results[name] = ("ok", fn(rank, world))
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 results[name] = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                torch.save(results, path)  # kept if the world fails before the end
             dist.barrier()
     finally:
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+        torch.save(results, path)
         dist.destroy_process_group()
     # The cases build optimizers without close() (the shutdown the README asks of trainers), and
     # torch 2.13 keeps the default group, so gloo's threads may outlive it into interpreter
@@ -122,9 +124,28 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, C
 
 def run_world(world: int, cases: list[tuple[str, Callable]], out: str) -> list[dict]:
     """Run every case on ``world`` gloo ranks (one spawn); per rank, ``{case: result}``."""
-    torch.multiprocessing.spawn(_worker, args=(world, free_port(), out, cases), nprocs=world,
-                                join=True)
+    try:
+        torch.multiprocessing.spawn(_worker, args=(world, free_port(), out, cases), nprocs=world,
+                                    join=True)
+    except Exception as exc:
+        # A case that raised on one rank leaves the others in its collectives until they time
+        # out, and the spawn reports that timeout: name the case errors the ranks saved.
+        raise RuntimeError(f"the {world}-rank world failed; case errors the ranks saved:\n"
+                           + _saved_errors(world, out)) from exc
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _saved_errors(world: int, out: str) -> str:
+    lines = []
+    for r in range(world):
+        path = os.path.join(out, f"rank{r}.pt")
+        if not os.path.exists(path):
+            lines.append(f"rank {r}: saved nothing")
+            continue
+        for case, (status, *rest) in torch.load(path, weights_only=False).items():
+            if status != "ok":
+                lines.append(f"rank {r}, case {case}: {rest[0]}\n{rest[1]}")
+    return "\n".join(lines) or "none"
 
 
 def results(ranks: list[dict], case: str) -> list:

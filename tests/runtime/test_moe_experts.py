@@ -89,9 +89,13 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits(model, x), y.reshape(-1))
 
 
-def offline_plan(world: int, folder: str):
-    """The plan ``canzona plan --config config.json --names hf`` makes for the tiny Qwen3-MoE."""
+def offline_plan(rank: int, world: int, folder: str):
+    """The plan ``canzona plan --config config.json --names hf`` makes for the tiny Qwen3-MoE.
+    Every rank writes the file whole and in one step (a rename): one rank rewriting the file
+    another was reading made that rank's plan fail on a half-written JSON (and the world time
+    out in the next collective)."""
     import json
+    import os
     from pathlib import Path
 
     from canzona.planner import ParallelSizes
@@ -100,8 +104,10 @@ def offline_plan(world: int, folder: str):
 
     d = hf_qwen3_moe().config.to_dict()
     d["dtype"] = "float32"
-    path = Path(folder) / "config.json"
-    path.write_text(json.dumps(d))
+    path = Path(folder) / "config.json"  # the plan names it: one path on every rank
+    mine = path.with_name(f"config.rank{rank}.json")
+    mine.write_text(json.dumps(d))
+    os.replace(mine, path)
     return plan(path, ParallelSizes(dp=world, tp=1), "muon",
                 dp_options=DPOptions(bucket_size=2000), names="hf")
 
@@ -112,7 +118,7 @@ def train_canzona(rank: int, world: int, *, which: str, folder: str = "") -> dic
     offline = which.endswith("-offline")
     which = which.removesuffix("-offline")
     model = MODELS[which]()
-    plan = (offline_plan(world, folder) if offline
+    plan = (offline_plan(rank, world, folder) if offline
             else canzona.plan_model(model, dp=world, bucket_size=2000))
     opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
                                    adamw_weight_decay=0.01)
