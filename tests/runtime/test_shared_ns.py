@@ -4,7 +4,9 @@ holding a row block of the long-dimension-oriented matrix, equals canzona's sing
 Newton–Schulz, with and without the polynomial split: tall, wide (transposed), square, fused
 gate/up (Megatron's stride-2 TP shards), a row-parallel TP shard, a DP row cut, uneven and empty
 row blocks, the quintic schedule, overflowing and underflowing inputs; with k = 1 bitwise the
-single-device result. One spawn of 2 ranks runs every case; the references run here.
+single-device result. One spawn of 2 ranks runs every case; the references run here. A spawn
+of 4 ranks (two DP indices × two TP ranks) runs the k > tp cases: a TP-split weight whose shards
+are each cut between a DP pair (``TPPair``), and a lockstep of matrices with a group each.
 Single-process tests cover the orientation helpers, the cost formulas and argument checks."""
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dp_helpers import results, run_world
 from canzona.runtime.optim import Muon, MuonConfig
 from canzona.runtime.optim.muon import newton_schulz
 from canzona.runtime.optim.shared_ns import (
+    PeerPair,
+    TPPair,
     dp_row_block,
     orientation,
     shared_newton_schulz,
@@ -29,6 +33,7 @@ from canzona.runtime.optim.shared_ns import (
 )
 
 STEPS = 10
+TP = 2  # the TP group of the k > tp cases (4 ranks: two DP indices × two TP ranks)
 LR, WD = 0.02, 0.1
 TOL = 1e-5
 
@@ -76,6 +81,12 @@ def reference(spec: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
 def _rows_of(spec: dict, world: int, rank: int):
     """The orientation and this rank's oriented rows (ranges), from the spec's partition."""
     shape = spec["shape"]
+    if spec.get("group") == "tp_pair":  # TP rank t's shard, its first `cut` rows on DP index 0
+        d, t = divmod(rank, TP)
+        o, blocks = tp_row_blocks(shape, spec["tp_split_dim"], TP, stride=spec.get("stride", 1))
+        rows = [i for a, b in blocks[t] for i in range(a, b)]
+        rows = rows[:spec["cut"]] if d == 0 else rows[spec["cut"]:]
+        return o, [(i, i + 1) for i in rows]
     if "tp_split_dim" in spec:
         o, blocks = tp_row_blocks(shape, spec["tp_split_dim"], world, stride=spec.get("stride", 1))
         return o, blocks[rank]
@@ -105,6 +116,10 @@ def shared_case(rank: int, world: int, spec: dict) -> dict:
     kind = spec.get("group", "world")
     if kind == "pair":  # a sub-group, created once (here: both ranks)
         group = dist.new_group([0, 1])
+    elif kind == "tp_pair":  # ranks d·TP + t: TP groups per DP index d, pairs (t, TP + t)
+        d, t = divmod(rank, TP)
+        tp_groups = [dist.new_group([e * TP + u for u in range(TP)]) for e in range(world // TP)]
+        group = TPPair(tp_groups[d], PeerPair((t, TP + t), d))
     elif kind == "self":  # k = 1: every rank alone
         groups = [dist.new_group([r]) for r in range(world)]
         group = groups[rank]
@@ -122,7 +137,7 @@ def shared_case(rank: int, world: int, spec: dict) -> dict:
         return o.orient(full)[idx]
 
     theta = mine(_param0(spec))
-    if "tp_split_dim" in spec:  # the shard as stored, oriented, is exactly these rows
+    if "tp_split_dim" in spec and kind != "tp_pair":  # the shard, oriented, is these rows
         shard = _stored_shard(_param0(spec), spec, ranges)
         assert torch.equal(o.orient(shard), theta)
     buf = torch.zeros_like(theta)
@@ -177,6 +192,22 @@ SHARED = [dict(s, name=f"{s['name']}-{'split' if split else 'full'}", split=spli
 ALONE = [_spec("k1-tall", (96, 32), group="self"), _spec("k1-wide", (40, 112), group="self"),
          _spec("k1-split", (64, 48), group="self", split=True)]
 SPECS = {s["name"]: s for s in SHARED + ALONE}
+
+
+# k = 2·tp = 4: a TP-split weight whose shards are each cut at a row boundary between two DP
+# indices (TPPair: the Gram all-reduced over the TP group, then summed with the partner's)
+TP_PAIR = [dict(s, name=f"{s['name']}-{'split' if split else 'full'}", split=split,
+                group="tp_pair")
+           for s in [
+               # fused gate/up, Megatron's stride-2 shards [gate_t; up_t], cut inside each
+               _spec("tp_pair_gate_up", (2 * 64, 40), tp_split_dim=0, stride=2, cut=41),
+               _spec("tp_pair_column", (96, 32), tp_split_dim=0, cut=30),
+               # a row-parallel weight: its shard's oriented rows are stored columns
+               _spec("tp_pair_row_parallel", (40, 96), tp_split_dim=1, cut=17),
+               # DP index 0 holds none of the rows (a cut at the shard's start)
+               _spec("tp_pair_empty", (64, 24), tp_split_dim=0, cut=0)]
+           for split in (False, True)]
+SPECS.update({s["name"]: s for s in TP_PAIR})
 
 
 def bf16_case(rank: int, world: int) -> dict:
@@ -248,10 +279,44 @@ def timeout_case(rank: int, world: int):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    cases = [(name, partial(shared_case, spec=spec)) for name, spec in SPECS.items()]
+    cases = [(s["name"], partial(shared_case, spec=s)) for s in SHARED + ALONE]
     cases += [("bf16", bf16_case), ("many", many_case), ("outsider", mismatch_case),
               ("timeout", timeout_case)]
     return run_world(2, cases, str(tmp_path_factory.mktemp("shared_ns")))
+
+
+def mixed_case(rank: int, world: int) -> dict:
+    """One lockstep of matrices shared by different ranks (a group per matrix): one by this DP
+    index's TP group, one by the TP group and the partner DP index (TPPair, split and not), one
+    by this rank alone — each the same bits as computed alone."""
+    import torch.distributed as dist
+
+    from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+
+    d, t = divmod(rank, TP)
+    tp_groups = [dist.new_group([e * TP + u for u in range(TP)]) for e in range(world // TP)]
+    self_groups = [dist.new_group([r]) for r in range(world)]
+    pair = TPPair(tp_groups[d], PeerPair((t, TP + t), d))
+    g = torch.Generator().manual_seed(11 + d)  # each DP index's own TP-shared matrix
+    own = torch.randn(2 * TP * 12, 20, generator=g)[rank % TP::TP]
+    g = torch.Generator().manual_seed(5)  # the same matrix on all four ranks
+    both = torch.randn(4 * 15, 24, generator=g)[rank::world]
+    alone = torch.randn(30, 16, generator=g)
+    blocks = [own, both, both, alone]
+    groups = [tp_groups[d], pair, pair, self_groups[rank]]
+    splits = [False, False, True, False]
+    many = shared_newton_schulz_many(blocks, group=groups, dtype=torch.float32,
+                                     split_polynomial=splits)
+    each = [shared_newton_schulz(b, group=gr, dtype=torch.float32, split_polynomial=sp)
+            for b, gr, sp in zip(blocks, groups, splits)]
+    return {"same": [torch.equal(x, y) for x, y in zip(many, each)], "both": many[1]}
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    cases = [(s["name"], partial(shared_case, spec=s)) for s in TP_PAIR]
+    cases.append(("mixed", mixed_case))
+    return run_world(2 * TP, cases, str(tmp_path_factory.mktemp("shared_ns4")))
 
 
 THREE = [(96, 40), (150, 37), (61, 61)]  # n = 37, 61: not a multiple of 2k, uneven blocks
@@ -319,6 +384,29 @@ def test_shared_equals_single_device_muon(world2, name):
               for step in range(STEPS)]
     errors.append(_rel(o.restore(_assemble(parts, m, n, "theta")), theta_ref))
     assert all(e <= TOL for e in errors), f"{name}: {['%.1e' % e for e in errors]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [s["name"] for s in TP_PAIR])
+def test_tp_group_and_dp_pair_equal_single_device_muon(world4, name):
+    """k > tp: two TP ranks × two DP indices share one matrix, each rank a row block of its TP
+    shard — the single-device Muon update within 1e-5, every step."""
+    test_shared_equals_single_device_muon(world4, name)
+
+
+@pytest.mark.slow
+def test_a_lockstep_of_matrices_with_their_own_groups(world4):
+    """Per-matrix groups in one lockstep: each result the bits it gets alone, and the TPPair
+    matrix (rows dealt round-robin to the four ranks) the single-device orthogonalisation."""
+    parts = results(world4, "mixed")
+    assert all(all(p["same"]) for p in parts), [p["same"] for p in parts]
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(4 * 15, 24, generator=g)
+    got = torch.empty_like(full)
+    for r, p in enumerate(parts):
+        got[r::4] = p["both"]
+    ref = newton_schulz(full, MuonConfig().schedule, dtype=torch.float32)
+    assert _rel(got, ref) < TOL
 
 
 @pytest.mark.slow
@@ -454,6 +542,14 @@ def test_cost_formulas():
     assert shared_ns_bytes(n, 2, steps=1) == g * 4
     assert shared_ns_bytes(n, 2, steps=1, split_polynomial=True, element_size=2) == \
         (g + q) * 2
+    # a TP group of 4 and its DP partner (k = 8): the TP ring's 2·3/4·g, then g to the partner;
+    # the split's all-gather over the TP group 3·q8, then the DP index's 4·q8 to the partner
+    q8 = formulas.poly_packed_numel(n, 8)
+    assert shared_ns_bytes(n, 8, steps=1, tp_pair=True) == round((1.5 * g + g) * 4)
+    assert shared_ns_bytes(n, 8, steps=1, split_polynomial=True, tp_pair=True) == \
+        round((1.5 * g + g + 7 * q8) * 4)
+    with pytest.raises(ValueError, match="k = 2·tp"):
+        shared_ns_bytes(n, 3, tp_pair=True)
 
 
 @pytest.mark.parametrize("n", [1, 5, 17, 64, 100])

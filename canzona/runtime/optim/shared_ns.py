@@ -85,7 +85,10 @@ number of rows ≥ 0 per rank. The collectives are asynchronous and waited for t
 ``what``), so on CUDA/NCCL the current stream is ordered after the communicator's stream and the
 same code runs on CPU (gloo) and GPU. The process group is the k sharing ranks; groups are
 created once by the caller (adjacent DP indices in pairs or quads, or a TP sub-group), never
-per call.
+per call. Two DP ranks may instead share through point-to-point messages (:class:`PeerPair`),
+and a TP-split matrix may be shared by its TP group and the partner DP index's (:class:`TPPair`,
+k = 2·tp: each rank a row block of its TP shard, the ZeRO-1 cut inside the shard) — more ranks
+than the TP group, for a matrix whose TP piece alone outweighs a GPU's share.
 
 **Orientation and where row blocks come from** (:func:`orientation`, :func:`tp_row_blocks`,
 :func:`dp_row_block`). A torch weight is ``[out, in]``. The sharing cut must run along the long
@@ -138,6 +141,7 @@ from canzona.runtime.optim.muon import (
 __all__ = [
     "Orientation",
     "PeerPair",
+    "TPPair",
     "pair_exchange",
     "dp_row_block",
     "orientation",
@@ -169,8 +173,10 @@ def shared_newton_schulz(
     Args:
         block: This rank's row block ``[rows, n]`` (rows ≥ 0) of the matrix oriented along its
             long dimension (see :func:`orientation`); not modified. Any view (e.g. ``shard.mT``).
-        group: The k sharing ranks (``None``: the default group). Without an initialised
-            process group, or with k = 1, the single-device kernel runs on ``block``.
+        group: The k sharing ranks (``None``: the default group): a process group, a
+            :class:`PeerPair` (two DP ranks) or a :class:`TPPair` (a TP group and its partner
+            DP index, k = 2·tp). Without an initialised process group, or with k = 1, the
+            single-device kernel runs on ``block``.
         coefficients: As ``MuonConfig.ns_coefficients``: one (a, b, c), a tuple of triples
             cycled step by step, or ``"quintic"``; ``MuonConfig.schedule`` works too.
         steps: Newton–Schulz steps (``MuonConfig.ns_steps``).
@@ -211,6 +217,7 @@ class _Task:
     gathered: Tensor | None  # split: every rank's, in rank order
     split: bool
     label: str
+    group: Any = None  # the ranks sharing this matrix
     work: Any = None
     #: views of ``packed``, ``send`` and ``gathered`` per block row, made once per call
     gram_views: list = field(default_factory=list)
@@ -249,7 +256,11 @@ def shared_newton_schulz_many(
         what: Names of the matrices for timeout errors (one per matrix, or none).
         flight: a ``runtime.flight.FlightRecorder`` told of every collective launched (so a
             hang on NCCL names the matrix and step), or None.
-        group, coefficients, steps, eps, dtype, timeout_s: As :func:`shared_newton_schulz`;
+        group: As :func:`shared_newton_schulz`, one for all matrices, or a list with one per
+            matrix (matrices shared by different ranks in one lockstep: a TP group's own and
+            those it shares with a partner DP index, :class:`TPPair`). The ranks of each group
+            pass its matrices in the same relative order.
+        coefficients, steps, eps, dtype, timeout_s: As :func:`shared_newton_schulz`;
             every rank of ``group`` passes the same matrices (same n, in the same order).
 
     Returns:
@@ -262,18 +273,26 @@ def shared_newton_schulz_many(
     if len(splits) != len(blocks) or len(names) != len(blocks):
         raise ValueError(f"shared_newton_schulz_many: {len(blocks)} blocks but "
                          f"{len(splits)} split flags and {len(names)} names")
-    k = _size(group)
+    groups = list(group) if isinstance(group, (list, tuple)) else [group] * len(blocks)
+    if len(groups) != len(blocks):
+        raise ValueError(f"shared_newton_schulz_many: {len(blocks)} blocks but {len(groups)} "
+                         f"groups")
     if not blocks:
         return []
     schedule = _checked("shared_newton_schulz_many", blocks, coefficients, steps, eps)
-    if k == 1:  # the single-device kernel
-        return [newton_schulz(b, schedule, eps=eps, dtype=dtype) for b in blocks]
-    r = _rank(group)
-    if r < 0:
-        raise ValueError("shared_newton_schulz_many: this rank is not a member of `group`")
-    me = dist.get_rank()
+    ks = [_size(g) for g in groups]
+    out: list[Tensor | None] = [None] * len(blocks)
+    for j, k in enumerate(ks):
+        if k == 1:  # the single-device kernel (no collective)
+            out[j] = newton_schulz(blocks[j], schedule, eps=eps, dtype=dtype)
+    me = dist.get_rank() if any(k > 1 for k in ks) else 0
     tasks = []
-    for b, sp, w in zip(blocks, splits, names):
+    for b, sp, w, grp, k in zip(blocks, splits, names, groups, ks):
+        if k == 1:
+            continue
+        r = _rank(grp)
+        if r < 0:
+            raise ValueError("shared_newton_schulz_many: this rank is not a member of `group`")
         rows, n = b.shape
         dt = b.dtype if dtype is None else dtype
         X = torch.empty((rows, n), dtype=dt, device=b.device)
@@ -289,7 +308,7 @@ def shared_newton_schulz_many(
         poly = gram if sp else torch.empty((n, n), dtype=dt, device=b.device)
         packed = torch.empty(gram_packed_numel(n), dtype=dt, device=b.device)
         t = _Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
-                  w or "a shared Newton–Schulz", gram_views=_gram_views(packed, n))
+                  w or "a shared Newton–Schulz", grp, gram_views=_gram_views(packed, n))
         if sp:
             t.send_views = _poly_views(send, n, k, r)
             t.gathered_views = [v for q in range(k)
@@ -304,7 +323,7 @@ def shared_newton_schulz_many(
     def launch_gram(t: _Task, step: int) -> None:
         torch.mm(t.X.mT, t.X, out=t.gram)
         _pack_gram(t.gram, t.packed, t.gram_views)
-        t.work = launch(_all_reduce(t.packed, group),
+        t.work = launch(_all_reduce(t.packed, t.group),
                         f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
@@ -319,12 +338,12 @@ def shared_newton_schulz_many(
             wait(t)
             _unpack_gram(t.packed, t.gram, t.gram_views)
             if step == 0:
-                _normalise_first(t, group, eps, timeout_s, me)
+                _normalise_first(t, t.group, eps, timeout_s, me)
             if t.split:
                 for r0, r1, v in t.send_views:
                     torch.addmm(t.gram[r0:r1, r0:], t.gram[r0:r1], t.gram[:, r0:], beta=b,
                                 alpha=c, out=v)
-                t.work = launch(_gather(t.gathered, t.send, group),
+                t.work = launch(_gather(t.gathered, t.send, t.group),
                                 f"the polynomial all-gather (step {step}) of {t.label}")
             else:
                 torch.addmm(t.gram, t.gram, t.gram, beta=b, alpha=c, out=t.poly)
@@ -334,7 +353,8 @@ def shared_newton_schulz_many(
                 _mirror_into(t.poly, t.gathered_views)
             torch.addmm(t.X, t.X, t.poly, beta=a, out=t.spare)
             t.X, t.spare = t.spare, t.X
-    return [t.X for t in tasks]
+    shared = iter(tasks)
+    return [x if x is not None else next(shared).X for x in out]
 
 
 def _gram_views(packed: Tensor, n: int) -> list[tuple[int, int, Tensor]]:
@@ -430,6 +450,50 @@ class PeerPair:
         return self.ranks[1 - self.me]
 
 
+@dataclass(frozen=True, slots=True)
+class TPPair:
+    """k = 2·tp ranks sharing a TP-split matrix: this rank's TP group (``tp``, a process group
+    of the tp ranks at one DP index) and the same TP rank at the partner DP index (``pair``, a
+    :class:`PeerPair` on the DP group). Each rank holds a row block of its TP shard (the shard's
+    ZeRO-1 range cut at a row boundary between the two DP indices). A sum over the k ranks is an
+    all-reduce over the TP group, then an exchange and a sum with the partner (every rank ends
+    with the same bits: the TP all-reduce gives both TP groups' ranks their group's sum, and the
+    pair's sum commutes); an all-gather is one over the TP group into this DP index's half, then
+    an exchange of the halves. Rank order: DP index (``pair.me``) first, then TP rank.
+
+    No communicator beyond the TP groups the trainer has and the DP group: the partner is
+    reached point to point. The pair exchange of a matrix starts once its TP all-reduce is
+    waited for (the lockstep waits matrix by matrix, so it overlaps the other matrices' TP
+    collectives, not its own). Both DP indices must run the same matrices in the same order."""
+
+    tp: Any
+    pair: PeerPair
+
+
+class _Then:
+    """An async handle ``first`` whose follow-up ``then()`` (another handle) is launched once
+    ``first`` is done, and waited for with it: the two stages of a :class:`TPPair` sum."""
+
+    def __init__(self, first: Any, then: Any) -> None:
+        self.first, self.then, self.second = first, then, None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self.second is None:
+            if timeout is None:
+                self.first.wait()
+            else:
+                self.first.wait(timeout=timeout)
+            self.second = self.then()
+        if timeout is None:
+            self.second.wait()
+        else:
+            self.second.wait(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.second is not None and self.second.is_completed()
+
+
 class _Exchange:
     """The two messages of a pair exchange as one async handle; ``finish`` runs once both are
     done (the sum, or nothing for a gather)."""
@@ -455,11 +519,18 @@ class _Exchange:
 def _size(group: Any) -> int:
     if isinstance(group, PeerPair):
         return 2
+    if isinstance(group, TPPair):
+        return 2 * dist.get_world_size(group.tp)
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def _rank(group: Any) -> int:
-    return group.me if isinstance(group, PeerPair) else dist.get_rank(group)
+    if isinstance(group, PeerPair):
+        return group.me
+    if isinstance(group, TPPair):
+        r = dist.get_rank(group.tp)
+        return -1 if r < 0 else group.pair.me * dist.get_world_size(group.tp) + r
+    return dist.get_rank(group)
 
 
 def pair_exchange(messages: Sequence[tuple[Tensor, Tensor]], pair: PeerPair) -> list[Any]:
@@ -475,6 +546,9 @@ def pair_exchange(messages: Sequence[tuple[Tensor, Tensor]], pair: PeerPair) -> 
 
 def _all_reduce(t: Tensor, group: Any) -> Any:
     """An async sum of ``t`` over ``group`` (a process group, or a :class:`PeerPair`)."""
+    if isinstance(group, TPPair):
+        return _Then(dist.all_reduce(t, group=group.tp, async_op=True),
+                     lambda: _all_reduce(t, group.pair))
     if not isinstance(group, PeerPair):
         return dist.all_reduce(t, group=group, async_op=True)
     other = torch.empty_like(t)
@@ -485,6 +559,12 @@ def _all_reduce(t: Tensor, group: Any) -> Any:
 
 def _gather(out: Tensor, block: Tensor, group: Any) -> Any:
     """An async all-gather of equal ``block``s into ``out`` (rank order)."""
+    if isinstance(group, TPPair):  # this DP index's half over the TP group, then the halves
+        half = out.shape[0] // 2
+        mine, theirs = ((out[:half], out[half:]) if group.pair.me == 0
+                        else (out[half:], out[:half]))
+        return _Then(_all_gather(mine, block, group=group.tp, async_op=True),
+                     lambda: _Exchange(pair_exchange([(mine, theirs)], group.pair)))
     if not isinstance(group, PeerPair):
         return _all_gather(out, block, group=group, async_op=True)
     size = block.shape[0]
@@ -525,15 +605,30 @@ def shared_ns_flops(rows: int, n: int, k: int, *, steps: int = 5,
 
 
 def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = False,
-                    element_size: int = 4) -> int:
+                    element_size: int = 4, tp_pair: bool = False) -> int:
     """Bytes one rank sends per call under ring algorithms: per step the all-reduce of the
     Gram's packed upper part, 2(k−1)/k·g elements (g = ``formulas.gram_packed_numel(n)``),
     plus with the split the all-gather of its padded packed parts of P, (k−1)·q elements
     (q = ``formulas.poly_packed_numel(n, k)``; the rare overflow guard's extra all-reduces not
-    counted)."""
+    counted).
+
+    ``tp_pair`` (a :class:`TPPair`, k = 2·t over t TP ranks): the all-reduce over the TP group,
+    2(t−1)/t·g, then the whole reduced g to the partner; with the split the all-gather over the
+    TP group, (t−1)·q, then this DP index's t·q to the partner."""
     if k <= 1:
         return 0
-    per_step = 2 * (k - 1) * gram_packed_numel(n) / k
+    g = gram_packed_numel(n)
+    if tp_pair:
+        if k % 2:
+            raise ValueError(f"shared_ns_bytes: a TP group and its DP partner are k = 2·tp "
+                             f"ranks, not k = {k}")
+        t = k // 2
+        per_step = 2 * (t - 1) * g / t + g
+        if split_polynomial:
+            q = poly_packed_numel(n, k)
+            per_step += (t - 1) * q + t * q
+        return int(round(steps * per_step * element_size))
+    per_step = 2 * (k - 1) * g / k
     if split_polynomial:
         per_step += (k - 1) * poly_packed_numel(n, k)
     return int(round(steps * per_step * element_size))
