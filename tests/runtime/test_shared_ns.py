@@ -205,7 +205,9 @@ TP_PAIR = [dict(s, name=f"{s['name']}-{'split' if split else 'full'}", split=spl
                # a row-parallel weight: its shard's oriented rows are stored columns
                _spec("tp_pair_row_parallel", (40, 96), tp_split_dim=1, cut=17),
                # DP index 0 holds none of the rows (a cut at the shard's start)
-               _spec("tp_pair_empty", (64, 24), tp_split_dim=0, cut=0)]
+               _spec("tp_pair_empty", (64, 24), tp_split_dim=0, cut=0),
+               # ‖X‖²_F overflows float32: the guard's scalar and Gram all-reduces over k ranks
+               _spec("tp_pair_huge", (64, 24), tp_split_dim=0, cut=21, grad0_scale=1e20)]
            for split in (False, True)]
 SPECS.update({s["name"]: s for s in TP_PAIR})
 
@@ -542,12 +544,12 @@ def test_cost_formulas():
     assert shared_ns_bytes(n, 2, steps=1) == g * 4
     assert shared_ns_bytes(n, 2, steps=1, split_polynomial=True, element_size=2) == \
         (g + q) * 2
-    # a TP group of 4 and its DP partner (k = 8): the TP ring's 2·3/4·g, then g to the partner;
-    # the split's all-gather over the TP group 3·q8, then the DP index's 4·q8 to the partner
+    # a TP group of 4 and its DP partner (k = 8): reduce-scatter and all-gather over TP, 2·3/4·g,
+    # and a quarter of g to the partner; the split's q8 to the partner, then 3·(2·q8) over TP
     q8 = formulas.poly_packed_numel(n, 8)
-    assert shared_ns_bytes(n, 8, steps=1, tp_pair=True) == round((1.5 * g + g) * 4)
+    assert shared_ns_bytes(n, 8, steps=1, tp_pair=True) == round((1.5 * g + g / 4) * 4)
     assert shared_ns_bytes(n, 8, steps=1, split_polynomial=True, tp_pair=True) == \
-        round((1.5 * g + g + 7 * q8) * 4)
+        round((1.5 * g + g / 4 + q8 + 6 * q8) * 4)
     with pytest.raises(ValueError, match="k = 2·tp"):
         shared_ns_bytes(n, 3, tp_pair=True)
 

@@ -154,6 +154,7 @@ __all__ = [
 
 # torch ≥ 2.10 renamed the tensor collectives (the old names warn).
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def shared_newton_schulz(
@@ -306,13 +307,15 @@ def shared_newton_schulz_many(
         # with the split, P is unpacked into G's buffer (G is not needed once this rank's
         # parts of P are formed)
         poly = gram if sp else torch.empty((n, n), dtype=dt, device=b.device)
-        packed = torch.empty(gram_packed_numel(n), dtype=dt, device=b.device)
+        # a TPPair reduce-scatters the packed Gram over the TP group: padded to a multiple of tp
+        packed = torch.zeros(_padded(gram_packed_numel(n), grp), dtype=dt, device=b.device)
         t = _Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
                   w or "a shared Newton–Schulz", grp, gram_views=_gram_views(packed, n))
         if sp:
             t.send_views = _poly_views(send, n, k, r)
+            at = [_gather_slot(grp, q) * size for q in range(k)]
             t.gathered_views = [v for q in range(k)
-                                for v in _poly_views(gathered[q * size:(q + 1) * size], n, k, q)]
+                                for v in _poly_views(gathered[at[q]:at[q] + size], n, k, q)]
         tasks.append(t)
 
     def launch(work: Any, name: str) -> tuple[Any, str]:
@@ -455,16 +458,19 @@ class TPPair:
     """k = 2·tp ranks sharing a TP-split matrix: this rank's TP group (``tp``, a process group
     of the tp ranks at one DP index) and the same TP rank at the partner DP index (``pair``, a
     :class:`PeerPair` on the DP group). Each rank holds a row block of its TP shard (the shard's
-    ZeRO-1 range cut at a row boundary between the two DP indices). A sum over the k ranks is an
-    all-reduce over the TP group, then an exchange and a sum with the partner (every rank ends
-    with the same bits: the TP all-reduce gives both TP groups' ranks their group's sum, and the
-    pair's sum commutes); an all-gather is one over the TP group into this DP index's half, then
-    an exchange of the halves. Rank order: DP index (``pair.me``) first, then TP rank.
+    ZeRO-1 range cut at a row boundary between the two DP indices). A sum over the k ranks is
+    hierarchical: a reduce-scatter over the TP group, each TP rank's 1/tp chunk exchanged with
+    the partner and summed, an all-gather over the TP group — only 1/tp of the Gram crosses
+    between the DP indices, on every TP rank's own link, and every rank ends with the same bits
+    (the pair's sum commutes). An all-gather (the split polynomial) swaps this rank's block
+    with the partner, then gathers both over the TP group. Rank order: DP index (``pair.me``)
+    first, then TP rank.
 
     No communicator beyond the TP groups the trainer has and the DP group: the partner is
-    reached point to point. The pair exchange of a matrix starts once its TP all-reduce is
-    waited for (the lockstep waits matrix by matrix, so it overlaps the other matrices' TP
-    collectives, not its own). Both DP indices must run the same matrices in the same order."""
+    reached point to point. Each stage starts once the one before it is waited for (the
+    lockstep waits matrix by matrix, so a matrix's later stages overlap the other matrices'
+    collectives and compute, not its own). Both DP indices must run the same matrices in the
+    same order."""
 
     tp: Any
     pair: PeerPair
@@ -544,11 +550,43 @@ def pair_exchange(messages: Sequence[tuple[Tensor, Tensor]], pair: PeerPair) -> 
     return dist.batch_isend_irecv(ops)
 
 
+def _padded(numel: int, group: Any) -> int:
+    """``numel`` rounded up to a multiple of the TP size of a :class:`TPPair` (its
+    reduce-scatter's equal chunks); unchanged for other groups."""
+    if not isinstance(group, TPPair):
+        return numel
+    tp = dist.get_world_size(group.tp)
+    return -(-numel // tp) * tp
+
+
+def _gather_slot(group: Any, rank: int) -> int:
+    """Where rank ``rank``'s block lies in what :func:`_gather` gathers, in blocks: rank order,
+    except for a :class:`TPPair` (rank = DP index · tp + TP rank), whose gather holds per TP
+    rank both DP indices' blocks."""
+    if not isinstance(group, TPPair):
+        return rank
+    tp = dist.get_world_size(group.tp)
+    d, t = divmod(rank, tp)
+    return 2 * t + d
+
+
+def _reduce_scatter(out: Tensor, t: Tensor, group: Any) -> Any:
+    return _reduce_scatter_tensor(out, t, group=group, async_op=True)
+
+
 def _all_reduce(t: Tensor, group: Any) -> Any:
     """An async sum of ``t`` over ``group`` (a process group, or a :class:`PeerPair`)."""
     if isinstance(group, TPPair):
-        return _Then(dist.all_reduce(t, group=group.tp, async_op=True),
-                     lambda: _all_reduce(t, group.pair))
+        # hierarchical: reduce-scatter over the TP group, each TP rank sums its 1/tp chunk with
+        # the partner's (1/tp of the bytes cross to the other DP index), all-gather over TP
+        tp = dist.get_world_size(group.tp)
+        if t.dim() != 1 or t.numel() % tp:  # the guard's scalar and whole Gram: two stages
+            return _Then(dist.all_reduce(t, group=group.tp, async_op=True),
+                         lambda: _all_reduce(t, group.pair))
+        chunk = torch.empty(t.numel() // tp, dtype=t.dtype, device=t.device)
+        return _Then(_reduce_scatter(chunk, t, group.tp),
+                     lambda: _Then(_all_reduce(chunk, group.pair),
+                                   lambda: _all_gather(t, chunk, group=group.tp, async_op=True)))
     if not isinstance(group, PeerPair):
         return dist.all_reduce(t, group=group, async_op=True)
     other = torch.empty_like(t)
@@ -559,12 +597,17 @@ def _all_reduce(t: Tensor, group: Any) -> Any:
 
 def _gather(out: Tensor, block: Tensor, group: Any) -> Any:
     """An async all-gather of equal ``block``s into ``out`` (rank order)."""
-    if isinstance(group, TPPair):  # this DP index's half over the TP group, then the halves
-        half = out.shape[0] // 2
-        mine, theirs = ((out[:half], out[half:]) if group.pair.me == 0
-                        else (out[half:], out[:half]))
-        return _Then(_all_gather(mine, block, group=group.tp, async_op=True),
-                     lambda: _Exchange(pair_exchange([(mine, theirs)], group.pair)))
+    if isinstance(group, TPPair):
+        # the block swapped with the partner (one block crosses to the other DP index), then
+        # both DP indices' blocks gathered over the TP group: ``out`` holds, per TP rank, DP
+        # index 0's block then 1's (:func:`_gather_slot`)
+        size = block.shape[0]
+        two = torch.empty(2 * size, dtype=block.dtype, device=block.device)
+        me = group.pair.me
+        two[me * size:(me + 1) * size].copy_(block)
+        theirs = two[(1 - me) * size:(2 - me) * size]
+        return _Then(_Exchange(pair_exchange([(block, theirs)], group.pair)),
+                     lambda: _all_gather(out, two, group=group.tp, async_op=True))
     if not isinstance(group, PeerPair):
         return _all_gather(out, block, group=group, async_op=True)
     size = block.shape[0]
@@ -612,9 +655,10 @@ def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = 
     (q = ``formulas.poly_packed_numel(n, k)``; the rare overflow guard's extra all-reduces not
     counted).
 
-    ``tp_pair`` (a :class:`TPPair`, k = 2·t over t TP ranks): the all-reduce over the TP group,
-    2(t−1)/t·g, then the whole reduced g to the partner; with the split the all-gather over the
-    TP group, (t−1)·q, then this DP index's t·q to the partner."""
+    ``tp_pair`` (a :class:`TPPair`, k = 2·t over t TP ranks): a reduce-scatter and an
+    all-gather over the TP group, 2(t−1)/t·g, and a 1/t chunk of g to the partner DP index; with
+    the split, this rank's q to the partner, then the all-gather of both over the TP group,
+    (t−1)·2q. Only g/t (+ q) per rank and step crosses between the DP indices."""
     if k <= 1:
         return 0
     g = gram_packed_numel(n)
@@ -623,10 +667,10 @@ def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = 
             raise ValueError(f"shared_ns_bytes: a TP group and its DP partner are k = 2·tp "
                              f"ranks, not k = {k}")
         t = k // 2
-        per_step = 2 * (t - 1) * g / t + g
+        per_step = 2 * (t - 1) * g / t + g / t
         if split_polynomial:
             q = poly_packed_numel(n, k)
-            per_step += (t - 1) * q + t * q
+            per_step += q + (t - 1) * 2 * q
         return int(round(steps * per_step * element_size))
     per_step = 2 * (k - 1) * g / k
     if split_polynomial:
