@@ -423,7 +423,9 @@ def sharing_view(sh: dict | None) -> None:
         groups.setdefault((x["group"], x["k"], x["split_poly"]), []).append(x)
     for (g, k, split), xs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         kinds = sorted({kind_of(x["name"]) for x in xs})
-        where = "its TP group" if g == "tp" else f"{k} adjacent DP indices"
+        where = {"tp": "its TP group",
+                 "tp_pair": "its TP group and the same TP ranks at a second DP index; "
+                            "not planned yet"}.get(g, f"{k} adjacent DP indices")
         console.print(f"  {len(xs)} tasks in the bound shared by {k} ranks ({where}"
                       f"{', polynomial split' if split else ''}): {', '.join(kinds)}",
                       highlight=False)

@@ -16,6 +16,12 @@ polynomial; one all-gather of them more per iteration). The sharing groups:
 * ``tp``: the TP group of the owning DP index (k = tp) — for a TP-split matrix whose split
   dimension is its long one (column-parallel QKV and fc1, row-parallel proj and fc2 of the usual
   shapes): the shards *are* the row blocks, nothing is gathered to a host;
+* ``tp_pair``: the TP group and the same TP ranks at a second DP index (k = 2·tp) — for a
+  tall column-parallel matrix whose piece over its TP group alone outweighs a GPU's share
+  (llama3-70b's fused gate/up at tp 8): each TP shard's ZeRO-1 cut moves to a row boundary
+  between the two DP indices; the Gram is reduce-scattered over TP, its 1/tp chunks summed
+  across the pair, all-gathered over TP (``runtime.optim.shared_ns.TPPair``: the kernel). In
+  the bound only: the planner and the runtime's optimizer do not place such pieces yet;
 * ``dp``: k = 2 or 4 DP indices — for a matrix TP does not split (tp = 1): its ZeRO-1 cut moves
   to a row boundary; a wide matrix's row blocks are blocks of its short dimension, so the ranks
   swap them for column blocks before the iteration and back after (two all-to-alls). The
@@ -52,7 +58,7 @@ __all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of",
            "block_decision", "lockstep_bytes", "lockstep_seconds", "pair_decision", "pair_link",
            "price_pair", "priced_for", "share_options", "sharing_bound"]
 
-Group = Literal["tp", "dp"]
+Group = Literal["tp", "tp_pair", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
 DP_GROUP_SIZES = (2, 4)
 
@@ -160,6 +166,28 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     return ShareOption(group, k, split, flops, comm)
 
 
+def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
+                  tp_link: LinkProfile, pair_link: LinkProfile) -> ShareOption:
+    """One rank's FLOPs and collective seconds per step for an m × n matrix (m ≥ n) shared by a
+    TP group of ``tp`` and the same TP ranks at a partner DP index (k = 2·tp; the kernel's
+    ``TPPair``): the Gram reduce-scattered and all-gathered over the TP group (``tp_link``),
+    each rank's 1/tp chunk summed with the partner's (``pair_link``); with the split, this
+    rank's packed parts of P swapped with the partner, then both gathered over the TP group."""
+    k = 2 * tp
+    rows = -(-m // k)
+    gram = gram_packed_numel(n)
+    comm = (2 * (tp_link.latency_s + (tp - 1) / tp * gram * e / tp_link.busbw)
+            + pair_link.latency_s + gram / tp * e / pair_link.busbw)
+    if split:
+        q = poly_packed_numel(n, k)
+        flops = steps * (4 * n * n * rows + poly_flops(n, k))
+        comm += (pair_link.latency_s + q * e / pair_link.busbw
+                 + _all_gather_s(2 * tp * q, e, tp, tp_link))
+    else:
+        flops = steps * (4 * n * n * rows + 2 * n ** 3)
+    return ShareOption("tp_pair", k, split, flops, steps * comm)
+
+
 def lockstep_seconds(pieces: list[tuple[float, float]], steps: int) -> float:
     """Seconds of the shared matrices of one group run in lockstep
     (``runtime.optim.shared_ns.shared_newton_schulz_many``), from each one's (compute, collective)
@@ -175,7 +203,7 @@ def lockstep_seconds(pieces: list[tuple[float, float]], steps: int) -> float:
 
 
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
-                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp"),
+                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "tp_pair", "dp"),
                   dp_sizes: tuple[int, ...] = DP_GROUP_SIZES) -> list[ShareOption]:
     """Every way ``task`` may be shared over the ``groups`` kinds (none for a non-Muon task or
     one that cannot be). DP groups (``dp_sizes`` DP indices) share a whole parameter cut in its
@@ -196,6 +224,14 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
         if (p.tp_dim == long_dim or rows == cols) and t.part is None:
             link = hw.link(tp)
             out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+        # More ranks than the TP group: each shard cut at a row boundary between two DP
+        # indices — a ZeRO-1 cut of a shard is a block of its stored rows, so the shard must be
+        # a row block of the oriented matrix with whole rows (a tall column-parallel weight).
+        if (p.tp_dim == 0 and rows >= cols and t.part is None and sizes.dp >= 2
+                and "tp_pair" in groups):
+            pair = hw.link(2 * tp)  # two DP indices: their global ranks lie tp apart
+            out += [tp_pair_piece(tp, s, m, n, steps, ns_bytes, hw.link(tp), pair)
+                    for s in (False, True)]
     elif (tp == 1 or not t.tp_split) and "dp" in groups and t.part is None:
         # The ZeRO-1 cut moves to a row boundary; a wide matrix's row blocks are swapped for
         # column blocks (its long dimension) before the iteration and back after.
@@ -219,7 +255,7 @@ def _useful_total(problem: DPProblem) -> float:
 
 
 def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100",
-                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "dp"),
+                  ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "tp_pair", "dp"),
                   lockstep: bool = False,
                   dp_sizes: tuple[int, ...] = DP_GROUP_SIZES) -> SharingReport:
     """The atomic per-GPU bound and the bound with Muon tasks shared (see the module docstring).

@@ -78,7 +78,8 @@ def test_tp_sharing_needs_the_split_dim_to_be_the_long_one():
     by_kind = {kind_of(t.name): share_options(pr, t.id, hw) for t in pr.tasks
                if t.optimizer == "matrix"}
     assert by_kind["self_attention.linear_qkv"] == []  # 512 × 1024, split along the 512
-    assert {o.group for o in by_kind["mlp.linear_fc1"]} == {"tp"}  # 8192 × 1024, split rows
+    # 8192 × 1024, split rows: its TP group, or that and a second DP index's (its shards tall)
+    assert {o.group for o in by_kind["mlp.linear_fc1"]} == {"tp", "tp_pair"}
 
 
 @pytest.mark.parametrize("dp,ks", [(6, {2}), (8, {2, 4}), (1, set())])
@@ -106,3 +107,43 @@ def test_deterministic_and_serialisable():
     pr = _problem("qwen3-8b", 64, 2)
     a, b = sharing_bound(pr).to_dict(), sharing_bound(pr).to_dict()
     assert a == b and a["atomic_lb_over_mean"] >= a["shared_lb_over_mean"] >= 1.0
+
+
+def test_llama3_70b_at_scale_needs_more_ranks_than_the_tp_group():
+    """llama3-70b dp256 tp8: fc1's piece over its TP group alone is 1.58× the mean useful work,
+    so the TP-only bound cannot reach 1.5; a TP group and its partner DP index (k = 16) can.
+    Only tall column-parallel weights get that option (a ZeRO-1 cut of a row-parallel shard is
+    a block of its short dimension), and only with a second DP index."""
+    pr = _problem("llama3-70b", 256, 8)
+    tp_only = sharing_bound(pr, hardware="h800", groups=("tp", "dp"))
+    both = sharing_bound(pr, hardware="h800")
+    assert tp_only.longest_path / tp_only.mean > 2.0
+    assert max(s.piece_load for s in tp_only.shared) / tp_only.mean > 1.5
+    fc1 = [s for s in both.shared if kind_of(s.name) == "mlp.linear_fc1"]
+    assert len(fc1) == 80 and all((s.option.group, s.option.k) == ("tp_pair", 16) for s in fc1)
+    assert all(s.option.group == "tp" for s in both.shared if s not in fc1)  # k = tp suffices
+    assert both.shared_ratio < 1.1 and both.longest_path / both.mean < 1.55
+    hw = load_hardware("h800")
+    groups = {kind_of(t.name): {o.group for o in share_options(pr, t.id, hw)}
+              for t in pr.tasks if t.optimizer == "matrix"}
+    assert "tp_pair" in groups["mlp.linear_fc1"] and "tp_pair" not in groups["mlp.linear_fc2"]
+    one = _problem("llama3-70b", 1, 8)
+    assert all(o.group != "tp_pair" for t in one.tasks if t.optimizer == "matrix"
+               for o in share_options(one, t.id, hw))
+
+
+def test_tp_pair_pieces_halve_the_tp_groups_row_work():
+    """k = 2·tp: each rank's rows halve against the TP group alone; the Gram's TP collectives
+    are the TP group's, and only 1/tp of it (plus the split's blocks) crosses to the partner."""
+    from canzona.planner.formulas import gram_packed_numel
+    from canzona.planner.sharing import shared_piece, tp_pair_piece
+
+    hw = load_hardware("h800")
+    m, n, s, tp = 57344, 8192, 5, 8
+    alone = shared_piece("tp", tp, False, m, n, s, 2, hw.intra_node)
+    pair = tp_pair_piece(tp, False, m, n, s, 2, hw.intra_node, hw.inter_node)
+    assert pair.k == 16 and alone.piece_flops - pair.piece_flops == s * 4 * n * n * (m // 16)
+    g = gram_packed_numel(n)
+    tp_part = 2 * (hw.intra_node.latency_s + 7 / 8 * g * 2 / hw.intra_node.busbw)
+    cross = hw.inter_node.latency_s + g / 8 * 2 / hw.inter_node.busbw
+    assert pair.comm_s == pytest.approx(s * (tp_part + cross))
