@@ -11,7 +11,8 @@ weighs the bucket collectives the placement changes). Then Shampoo at tp 1:
 whole matrices against block rows hosted by two DP ranks. For each: the busiest GPU's load over the mean
 useful work per GPU (every task's single-device cost once; a shared task's Gram all-reduces, which
 each rank waits for in turn, count in the busiest GPU's load), the bounds (the atomic LB, the bound
-with sharing over TP groups and DP pairs/quads, ``planner.sharing``), and the simulated optimizer
+with sharing over TP groups, a TP group with a second DP index, and DP pairs/quads,
+``planner.sharing``), and the simulated optimizer
 step's compute path (compute + exposed TP gather/scatter of the critical rank, ``canzona
 simulate``, no backward to hide the DP collectives behind, so they are left out: they are the same
 buckets in all three). Ratios: greedy / shared of that path.

@@ -1,0 +1,127 @@
+"""More ranks than the TP group (issue 18, k > tp): what sharing the heaviest matrix over a TP group
+and a second DP index (``TPPair``, k = 2·tp) could give at scale, before the planner places it
+(torch-free, modelled, layout-free).
+
+    python benchmarks/bench_k_beyond_tp.py [--hardware h800] [--json]
+
+Per configuration: each kind of shared piece's compute and collectives per orthogonalisation
+(``planner.sharing``: over its TP group, k = tp, and for fc1 also k = 2·tp), the bound with
+sharing (``sharing_bound``: work, and the longest critical path, a piece alone with its
+collectives) with and without k = 2·tp, and a **layout-free placement**: every piece on some DP
+index (no bucket order, no cuts: a floor on what the partition can reach), greedily, heaviest
+first, each onto the index whose lockstep is then the shortest; an index runs its pieces as the runtime does
+(``tp.context.Lockstep``: in batches of 2 · C_max scratch, per iteration the longer of Σ compute
+and Σ collectives + the shortest compute). Printed: the busiest index's lockstep over the mean
+useful work per GPU, and the mean of Σ collectives per index (a shared piece's Gram collectives
+do not shrink with k, so they bound what any placement reaches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from canzona.planner.formulas import lockstep_bytes
+from canzona.planner.hardware import load_hardware
+from canzona.planner.inventory import build_inventory
+from canzona.planner.layout import ParallelSizes
+from canzona.planner.models import get_preset
+from canzona.planner.options import MIB
+from canzona.planner.planning import make_problem
+from canzona.planner.settings import OptimizerSettings
+from canzona.planner.sharing import kind_of, share_options, sharing_bound
+from canzona.planner.tp.context import Lockstep
+
+CONFIGS = [("llama3-70b", 256, 8), ("qwen3-32b", 128, 8)]
+CMAX_MIB = 512  # TPOptions' default C_max; a lockstep batch holds 2 · C_max
+
+
+def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int]]:
+    """(kind, compute s, collectives s, scratch bytes) of every shared piece: each matrix over
+    its TP group with the polynomial split, fc1 (with ``pair``) as two pieces over k = 2·tp."""
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    out = []
+    for t in problem.tasks:
+        if t.optimizer != "matrix":
+            continue
+        kind = kind_of(t.name)
+        m, n = max(t.shape), min(t.shape)
+        group = "tp_pair" if pair and kind == "mlp.linear_fc1" else "tp"
+        o = next((o for o in share_options(problem, t.id, hw) if o.group == group
+                  and o.split_poly), None)
+        if o is None:
+            raise SystemExit(f"{t.name}: no {group} option")
+        piece = (kind, o.piece_flops / rate, o.comm_s, lockstep_bytes(-(-m // o.k), n, o.k, True, 2))
+        out += [piece] * (o.k // problem.sizes.tp)
+    return out
+
+
+def _place(pieces, dp: int, cap: int) -> list[Lockstep]:
+    """Heaviest piece first, each onto the index whose lockstep is then the shortest (ties:
+    the lowest index)."""
+    bins = [Lockstep(cap) for _ in range(dp)]
+    order = sorted(range(len(pieces)), key=lambda i: (-(pieces[i][1] + pieces[i][2]), i))
+    for i in order:
+        _, comp, comm, nbytes = pieces[i]
+        item = (i, comp, comm, max(comp, comm), nbytes)
+        best = None
+        for d, b in enumerate(bins):
+            trial = b.copy()
+            trial.add(item)
+            key = (trial.load(), d)
+            if best is None or key < best[0]:
+                best = (key, d)
+        bins[best[1]].add(item)
+    return bins
+
+
+def run(model: str, dp: int, tp: int, hardware: str) -> dict:
+    hw = load_hardware(hardware)
+    pr = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp),
+                      OptimizerSettings(name="muon"), cost="flops")
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    flops_total = sum(c.flops for c in pr.costs)
+    out: dict = {"config": f"{model} dp{dp} tp{tp}"}
+    for label, groups in (("k = tp", ("tp", "dp")), ("k = 2·tp", ("tp", "tp_pair", "dp"))):
+        r = sharing_bound(pr, hardware=hw, groups=groups)
+        mean_s = r.mean * flops_total / sum(pr.loads) / rate  # useful work per GPU, seconds
+        pieces = _pieces(pr, hw, pair=label != "k = tp")
+        bins = _place(pieces, dp, 2 * CMAX_MIB * MIB)
+        kinds = {}
+        for kind, comp, comm, _ in pieces:
+            kinds.setdefault(kind, (round(comp * 1e3, 2), round(comm * 1e3, 2)))
+        out[label] = {
+            "bound_work": round(r.shared_ratio, 3),
+            "bound_longest_path": round(r.longest_path / r.mean, 3),
+            "placed_max_over_mean": round(max(b.load() for b in bins) / mean_s, 3),
+            "mean_collectives_over_mean": round(sum(b.comm for b in bins) / dp / mean_s, 3),
+            "pieces_ms": kinds, "mean_useful_ms": round(mean_s * 1e3, 2)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hardware", default="h800")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = [run(m, dp, tp, args.hardware) for m, dp, tp in CONFIGS]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"hardware {args.hardware}; per GPU over the mean useful work; pieces: compute / "
+          "collectives ms per orthogonalisation")
+    for row in rows:
+        print(f"\n{row['config']} (mean useful work {row['k = tp']['mean_useful_ms']} ms per GPU)")
+        for label in ("k = tp", "k = 2·tp"):
+            x = row[label]
+            print(f"  fc1 over {label:9s} bound {x['bound_work']:.3f}, longest path "
+                  f"{x['bound_longest_path']:.3f} | layout-free placement: busiest "
+                  f"{x['placed_max_over_mean']:.3f}, mean Σ collectives "
+                  f"{x['mean_collectives_over_mean']:.3f}")
+        for kind, (comp, comm) in row["k = 2·tp"]["pieces_ms"].items():
+            k = "2·tp" if kind == "mlp.linear_fc1" else "tp"
+            print(f"    {kind:28s} k = {k:4s} {comp:6.2f} / {comm:5.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
