@@ -8,7 +8,8 @@ Per configuration, three plans: **canzona-greedy** (the paper: α-greedy DP cuts
 (the planner shares matrices over their TP group; at tp 1 over DP pairs), and at tp > 1 the
 last again with ``--objective max-load`` (the compute alone, where the default step-time also
 weighs the bucket collectives the placement changes). Then Shampoo at tp 1:
-whole matrices against block rows hosted by two DP ranks. For each: the busiest GPU's load over the mean
+whole matrices against block rows hosted by two DP ranks, and at tp > 1 hosted against
+preconditioned shard by shard (where every shard is whole blocks). For each: the busiest GPU's load over the mean
 useful work per GPU (every task's single-device cost once; a shared task's Gram all-reduces, which
 each rank waits for in turn, count in the busiest GPU's load), the bounds (the atomic LB, the bound
 with sharing over TP groups, a TP group with a second DP index, and DP pairs/quads,
@@ -36,6 +37,8 @@ CONFIGS = [("qwen3-32b", 32, 8), ("qwen3-8b", 64, 1), ("qwen3-32b", 128, 8),
            ("llama3-70b", 256, 8), ("qwen3-8b", 256, 1), ("qwen3-8b", 1024, 1)]
 #: Shampoo at tp 1: blocks hosted by two DP ranks (``--share auto``) against whole matrices
 SHAMPOO = [("qwen3-8b", 64), ("qwen3-8b", 256)]
+#: Shampoo at tp > 1: blocks preconditioned shard by shard (``--share all``) against hosting
+SHAMPOO_TP = [("qwen3-8b", 64, 4), ("qwen3-8b", 256, 4), ("qwen3-32b", 32, 8)]
 
 
 def _row(p, hw) -> dict:
@@ -88,9 +91,16 @@ def main() -> None:
                              tp_options=TPOptions(hardware=args.hardware, share=s)), hw)
                 for s in ("off", "auto")}
         blocks.append({"model": model, "dp": dp, "rows": rows})
+    shards = []
+    for model, dp, tp in SHAMPOO_TP:
+        sizes = ParallelSizes(dp=dp, tp=tp)
+        rows = {s: _row(plan(model, sizes, "shampoo",
+                             tp_options=TPOptions(hardware=args.hardware, share=s)), hw)
+                for s in ("off", "all", "auto")}
+        shards.append({"model": model, "dp": dp, "tp": tp, "rows": rows})
     if args.json:
-        print(json.dumps({"hardware": args.hardware, "configs": out, "shampoo": blocks},
-                         indent=2))
+        print(json.dumps({"hardware": args.hardware, "configs": out, "shampoo": blocks,
+                          "shampoo_tp": shards}, indent=2))
         return
     print(f"hardware {args.hardware}; max/mean: busiest GPU over the mean useful work per GPU; "
           "path: simulated compute + TP of the critical rank, ms")
@@ -123,6 +133,16 @@ def main() -> None:
               f"{off['path_ms']:7.1f} | blocks apart {auto['max_over_useful_mean']:6.3f} "
               f"{auto['path_ms']:7.1f} ({auto['shared']:3d}) | "
               f"{off['path_ms'] / auto['path_ms']:.2f}×")
+    print("\nShampoo, tp > 1: whole matrices hosted against blocks preconditioned shard by shard "
+          "(--share all; max/mean, path ms, DP collectives ms, matrices shared), and what "
+          "--share auto keeps under the default step-time objective")
+    for c in shards:
+        off, every, auto = (c["rows"][k] for k in ("off", "all", "auto"))
+        name = f"{c['model']} dp{c['dp']} tp{c['tp']}"
+        print(f"{name:22} hosted {off['max_over_useful_mean']:6.3f} {off['path_ms']:6.2f} "
+              f"{off['dp_collectives_ms']:6.1f} | shard blocks {every['max_over_useful_mean']:6.3f} "
+              f"{every['path_ms']:6.2f} {every['dp_collectives_ms']:6.1f} ({every['shared']:3d}) | "
+              f"auto keeps {'shard blocks' if auto['shared'] else 'hosting'}")
 
 
 if __name__ == "__main__":

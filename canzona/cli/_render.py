@@ -412,7 +412,7 @@ def sharing_view(sh: dict | None) -> None:
 
     console.print(
         f"beyond whole matrices (per GPU, {sh['gpus']} GPUs): atomic LB = max(mean, largest task) "
-        f"= {sh['atomic_lb_over_mean']:.3f}× the mean useful work; with Muon tasks shared by a "
+        f"= {sh['atomic_lb_over_mean']:.3f}× the mean useful work; with tasks shared by a "
         f"few ranks the bound is {sh['shared_lb_over_mean']:.3f}×, the longest critical path "
         f"(a piece and its collectives) {sh['longest_path_over_mean']:.3f}× (canzona plan --share "
         "auto shares over TP groups at tp > 1, over DP pairs at tp = 1)", highlight=False)
@@ -423,7 +423,8 @@ def sharing_view(sh: dict | None) -> None:
         groups.setdefault((x["group"], x["k"], x["split_poly"]), []).append(x)
     for (g, k, split), xs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         kinds = sorted({kind_of(x["name"]) for x in xs})
-        where = {"tp": "its TP group",
+        where = {"tp": "its TP group" if sh["optimizer"] != "shampoo"
+                 else "its TP group, each rank the blocks of its own shard",
                  "tp_pair": "its TP group and the same TP ranks at a second DP index; "
                             "not planned yet"}.get(g, f"{k} adjacent DP indices")
         console.print(f"  {len(xs)} tasks in the bound shared by {k} ranks ({where}"
@@ -481,11 +482,18 @@ def tp_summary(plan: Plan) -> None:
             k = kind_of(plan.tasks[x.id].param)
             kinds[k] = kinds.get(k, 0) + 1
         split = sum(x.split_poly for x in shared)
+        listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        if plan.inputs.optimizer.name == "shampoo":
+            console.print(
+                f"preconditioned shard by shard (--share {plan.tp.share}: each TP rank Shampoo's "
+                f"blocks of its own shard, whole blocks of the matrix; no gather, no collective; "
+                f"run before the micro-groups): {len(shared)} matrices ({listed}); max / mean "
+                f"useful work {m.max_gpu_load / useful_mean(plan):.3f}", highlight=False)
+            return
         console.print(
             f"shared by their TP group (--share {plan.tp.share}: shared Newton–Schulz over the "
-            f"shards, no gather; run before the micro-groups): {len(shared)} matrices ("
-            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-            + f"), {split} with the polynomial split; their Gram all-reduces are in the loads: "
+            f"shards, no gather; run before the micro-groups): {len(shared)} matrices ({listed}"
+            f"), {split} with the polynomial split; their Gram all-reduces are in the loads: "
             f"max / mean useful work (each task's single-device cost) "
             f"{m.max_gpu_load / useful_mean(plan):.3f}", highlight=False)
 

@@ -239,7 +239,10 @@ def plan(
                         "matrix TP splits along its long dimension, without / with the "
                         "polynomial split. At tp 1 the same choices share matrices over DP "
                         "pairs (the bucket cut inside a matrix, between two rows; auto keeps "
-                        "them only where the busiest DP index gets lighter).")] = "off",
+                        "them only where the busiest DP index gets lighter). Shampoo: at tp > 1 "
+                        "every matrix whose TP shards are whole blocks is preconditioned shard "
+                        "by shard (no gather); at tp 1 block rows are hosted by two DP "
+                        "ranks.")] = "off",
     comm_dtype: Annotated[str, typer.Option(
         "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
                              "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
-from .dp.solve import Solution
+from .dp.solve import Solution, modelled_step
 from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
 from .hardware import HardwareProfile, load_hardware
@@ -144,6 +144,9 @@ def plan_problem(
             cand = share_decision(problem, t.hardware, mode)
             if cand not in shares:
                 shares.append(cand)
+        if t.share == "auto" and problem.settings.name == "shampoo" and shares[0]:
+            # Shampoo's shard blocks save compute only: against none, the modelled step decides
+            shares.append({})
         problem = dataclasses.replace(problem, shared=shares[0])
     if problem.shared:  # the DP side batches the lockstep as the schedule will
         problem = dataclasses.replace(problem, lockstep_cap=LOCKSTEP_CMAX * t.cmax_bytes)
@@ -173,11 +176,19 @@ def plan_problem(
         schedule = schedule_tp(sol.problem, sol.cuts, t, ctx=ctx, warn=False)
         for shared in shares[1:]:  # share="auto": the other candidate sets of shared tasks
             say("DP partition (other shared tasks)")
-            other = solve(dataclasses.replace(problem, shared=shared), o, progress=progress,
-                          hardware=hw)
+            other = solve(dataclasses.replace(problem, shared=shared, lockstep_cap=(
+                LOCKSTEP_CMAX * t.cmax_bytes if shared else 0)), o, progress=progress,
+                hardware=hw)
             octx = TPContext.build(other.problem, t.comm_dtype)
             osched = schedule_tp(other.problem, other.cuts, t, ctx=octx, warn=False)
-            if max(map(max, osched.grid())) < max(map(max, schedule.grid())):
+            if not shared and _objective_name(o.objective) == "step-time":
+                # sharing against none: by the modelled step (the busiest GPU and the bucket
+                # collectives), as the partition itself is judged
+                better = modelled_step(other.problem, other.cuts, hw) < \
+                    modelled_step(sol.problem, sol.cuts, hw)
+            else:
+                better = max(map(max, osched.grid())) < max(map(max, schedule.grid()))
+            if better:
                 sol, ctx, schedule = other, octx, osched
         if schedule.oversized:  # the note of the schedule kept
             warn_oversized(schedule.oversized, t, stacklevel=3)

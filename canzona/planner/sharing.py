@@ -55,7 +55,7 @@ from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts, evaluate
 
 __all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
-           "block_decision", "lockstep_bytes", "lockstep_seconds", "pair_decision", "pair_link",
+           "block_decision", "lockstep_bytes", "shard_block_decision", "shard_blocks_aligned", "lockstep_seconds", "pair_decision", "pair_link",
            "price_pair", "priced_for", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "tp_pair", "dp"]
@@ -279,10 +279,28 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
     largest = max((problem.loads[i] for i in matrix), default=0)
     atomic = max(mean, float(largest))
     name = problem.settings.name
+    if name == "shampoo" and problem.sizes.tp > 1:
+        # blocks shard by shard: no FLOPs added, no collective
+        blocks = shard_block_decision(problem, hw)
+        shared = []
+        for i, (piece, _, _, _) in sorted(blocks.items()):
+            t = problem.tasks[i]
+            flops = problem.costs[i].flops
+            o = ShareOption("tp", problem.sizes.tp, False,
+                            int(piece * flops / problem.loads[i]) if problem.loads[i] else 0, 0.0)
+            shared.append(SharedTask(i, t.name, (max(t.shape), min(t.shape)), problem.loads[i],
+                                     o, piece, piece, 0.0))
+        rest = max((problem.loads[i] for i in matrix if i not in blocks), default=0)
+        top = max([s.piece_load for s in shared] + [float(rest)], default=0.0)
+        return SharingReport(name, gpus, mean, largest, atomic, max(mean, top), 0.0,
+                             tuple(shared), longest_path=top,
+                             note="Shampoo: the matrices whose TP shards are whole blocks are "
+                                  "preconditioned shard by shard (no gather); the others stay "
+                                  "whole")
     if name != "muon":
         return SharingReport(name, gpus, mean, largest, atomic, atomic, 0.0, (),
-                             note=f"sharing applies to Muon's Newton–Schulz; {name} tasks stay "
-                                  "whole")
+                             note=f"sharing applies to Muon's Newton–Schulz (and Shampoo's "
+                                  f"blocks); {name} tasks stay whole")
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     order = sorted(matrix, key=lambda i: (-problem.loads[i], i))
     shared: list[SharedTask] = []
@@ -541,6 +559,61 @@ def block_decision(problem: DPProblem, mode: str = "auto") -> dict[int, PairShar
         flops, states = block_pieces(st, rows, cols, row)
         loads = piece_loads(problem.loads[t.id], problem.costs[t.id].flops, flops)
         out[t.id] = PairShare(row, False, loads, flops, 0.0, 0.0, states)
+    return out
+
+
+def shard_blocks_aligned(smap, block: int) -> bool:  # noqa: ANN001  (shards.ShardMap)
+    """Whether every TP rank's shard of a matrix (``shards.ShardMap``) is whole blocks of the
+    matrix's Shampoo block grid (``block`` per side, the remainder last), laid out so that the
+    shard's own grid is those blocks: every segment starts on a block boundary, in the shard and
+    in the matrix, and is whole blocks long (or ends both at the matrix's end and the shard's).
+    Then each TP rank preconditions its own blocks and gets the whole matrix's update on them."""
+    if smap.dim is None or len(smap.full_shape) != 2:
+        return False
+    full, local = smap.full_shape[smap.dim], smap.local_shape[smap.dim]
+    for s in smap.segments:
+        if s.local_start % block or s.full_start % block:
+            return False
+        if s.length % block and not (s.full_start + s.length == full
+                                     and s.local_start + s.length == local):
+            return False
+    return True
+
+
+def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100"
+                         ) -> dict[int, tuple[float, bool, float, float]]:
+    """Shampoo at tp > 1 (item 3 of issue 18): the TP-split matrices whose shards are whole
+    blocks (:func:`shard_blocks_aligned`), each preconditioned by its TP group shard by shard —
+    every TP rank its own blocks, nothing gathered, no host, no collective; exactly the whole
+    matrix's update (Shampoo's statistics, roots, grafting and momentum are per block or per
+    element). Task id → (load per TP rank, False, compute seconds, 0.0), what
+    ``DPProblem.shared`` holds; the load is the task's load in proportion to its shard's FLOPs.
+    Always at least as light as hosting (the same FLOPs over tp ranks, no gather): every
+    eligible matrix."""
+    from . import optimizers
+    from .shards import shard_map
+
+    st, sizes = problem.settings, problem.sizes
+    if st.name != "shampoo" or sizes.tp == 1:
+        return {}
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    spec = optimizers.get(st.name)
+    kv = problem.spec.config.kv_heads if problem.spec.config is not None else None
+    out = {}
+    for t in problem.tasks:
+        if t.optimizer != "matrix" or not t.tp_split or t.part is not None or len(t.shape) != 2:
+            continue
+        p = problem.spec[t.param]
+        if p.is_expert or len(p.shape) != 2:
+            continue
+        smap = shard_map(p, sizes.tp, kv_groups=kv)
+        if not shard_blocks_aligned(smap, st.max_preconditioner_dim):
+            continue
+        flops = problem.costs[t.id].flops
+        piece = spec.flops(*smap.local_shape, st)
+        load = problem.loads[t.id] * piece / flops if flops else 0.0
+        out[t.id] = (load, False, piece / rate, 0.0)
     return out
 
 

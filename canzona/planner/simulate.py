@@ -70,6 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .comm import ELEMENT_BYTES, bucket_comm, buffer_slices, plan_link
+from . import optimizers
 from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
@@ -608,6 +609,13 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 fl, pieces, sizes = 0, [], []
                 cap = LOCKSTEP_CMAX * plan.tp.cmax_bytes
                 for x in ix.shared:
+                    if inp.optimizer.name == "shampoo":  # its own shard's blocks, no collective
+                        piece = optimizers.get("shampoo").flops(
+                            *plan.tp.layouts[x.layout].local_shape, inp.optimizer)
+                        fl += piece
+                        pieces.append((piece / mat_rate, 0.0))
+                        sizes.append(0)
+                        continue
                     rows, cols = plan.tasks[x.id].shape
                     m, n = max(rows, cols), min(rows, cols)
                     o = shared_piece("tp", tp, x.split_poly, m, n, steps,

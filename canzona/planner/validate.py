@@ -546,6 +546,31 @@ def _check_tp(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001
                   f"is {got_a2a[d][t]} but the micro-groups' split sizes give {a2a[d][t]}")
 
 
+def _check_shard_blocks(plan: Plan, x, L, xf: str, bad) -> float:  # noqa: ANN001
+    """A Shampoo matrix its TP group preconditions shard by shard: every shard whole blocks of
+    the matrix (``sharing.shard_blocks_aligned``), its per-rank load at least its shard's
+    FLOPs. Returns that load."""
+    from . import optimizers
+    from .shards import Segment, ShardMap
+    from .sharing import shard_blocks_aligned
+
+    inp, t = plan.inputs, plan.tasks[x.id]
+    st = inp.optimizer
+    smap = ShardMap(L.dim, inp.tp, tuple(L.local_shape), tuple(L.full_shape),
+                    tuple(Segment(*seg) for seg in L.segments))
+    if x.split_poly or not shard_blocks_aligned(smap, st.max_preconditioner_dim):
+        raise bad(f"{xf}.layout", f"Shampoo task {x.id} ('{_name(t)}') is preconditioned shard "
+                                  f"by shard, but its shards in tp.layouts[{x.layout}] are not "
+                                  f"whole blocks of {st.max_preconditioner_dim} (or split_poly is "
+                                  f"set): each rank's blocks would differ from the matrix's")
+    piece = optimizers.get(st.name).flops(*L.local_shape, st)
+    want = piece * t.cost / t.flops if t.flops else 0.0
+    if x.load < want - 1:
+        raise bad(f"{xf}.load", f"is {x.load} but Shampoo on task {x.id}'s shard costs "
+                                f"{round(want)} per rank")
+    return x.load
+
+
 def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: list[int],
                   bad) -> dict[int, float]:  # noqa: ANN001
     """The tasks TP groups share (``tp.indices[d].shared``): each a Muon matrix TP splits along
@@ -567,9 +592,10 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
             xf = f"tp.indices[{d}].shared[{k}]"
             t = tasks[x.id]
             L = T.layouts[x.layout]
-            if inp.optimizer.name != "muon":
-                raise bad(f"{xf}.id", f"shares task {x.id} but sharing is Muon's (inputs.optimizer "
-                                      f"is {inp.optimizer.name})")
+            if inp.optimizer.name not in ("muon", "shampoo"):
+                raise bad(f"{xf}.id", f"shares task {x.id} but only Muon (shared Newton–Schulz) "
+                                      f"and Shampoo (blocks shard by shard) share over TP "
+                                      f"(inputs.optimizer is {inp.optimizer.name})")
             if L.dim is None or L.full_shape != t.shape or len(t.shape) != 2:
                 raise bad(f"{xf}.layout", f"tp.layouts[{x.layout}] has full shape "
                                           f"{list(L.full_shape)} (dim {L.dim}) but task {x.id} "
@@ -581,6 +607,9 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
             if local_numel[x.layout] != slots[t.param][2] or t.part is not None:
                 raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}') must be a whole TP-split "
                                           f"parameter whose shard is tp.layouts[{x.layout}]")
+            if inp.optimizer.name == "shampoo":
+                out[x.id] = _check_shard_blocks(plan, x, L, xf, bad)
+                continue
             rows, cols = t.shape
             if rows != cols and L.dim != (0 if rows > cols else 1):
                 raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}', {rows}×{cols}) is split "

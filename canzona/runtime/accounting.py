@@ -60,13 +60,26 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
               else set())
     pairs = {x.id: x for x in plan.dp_shared}
-    total = sum(t.state_bytes // plan.inputs.tp if t.id in shared else t.state_bytes
+    total = sum(_shared_state(plan, t) if t.id in shared else t.state_bytes
                 for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
                 and (t.host is None or t.host == tp_rank) and t.id not in pairs)
     for x in pairs.values():  # split over two DP indices: each holds its piece's state
         if dp_rank in x.owners:
             total += x.state_bytes[x.owners.index(dp_rank)]
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
+
+
+def _shared_state(plan: Plan, t: Any) -> int:
+    """One TP rank's state of a task its TP group shares: Muon's momentum, one TP-th; Shampoo,
+    the kernel's state of its shard (its blocks, moments, and a step counter of its own)."""
+    if plan.inputs.optimizer.name != "shampoo":
+        return t.state_bytes // plan.inputs.tp
+    assert plan.tp is not None
+    x = next(x for ix in plan.tp.indices for x in ix.shared if x.id == t.id)
+    m, n = plan.tp.layouts[x.layout].local_shape
+    st = plan.inputs.optimizer  # as the planner's Shampoo spec counts a matrix's state
+    return STATE_BYTES * formulas.shampoo_state_numel(
+        m, n, max_preconditioner_dim=st.max_preconditioner_dim, grafting=st.shampoo_grafting)
 
 
 def adamw_and_main_bytes(plan: Plan, d: int, matrix: set[str], main_params: str | None) -> int:

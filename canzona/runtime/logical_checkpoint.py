@@ -12,7 +12,9 @@ the boxes each rank holds and read back as the boxes each rank needs under *its*
                                    matrix and its split parts are rows of the same tensor, so
                                    Muon's momentum follows a change between them)
     optim.<name>[#<part>].<key>    Shampoo/SOAP: per matrix task, its owner's whole state, rows
-                                   (and left statistics' columns) in canonical order
+                                   (and left statistics' columns) in canonical order; Shampoo's
+                                   blocks preconditioned shard by shard (tp > 1): each TP rank's
+                                   blocks under the matrix's block indices
     optim.<name>[#<part>].rows     only where a state could not be put in canonical order
                                    (Shampoo with several row blocks): the order it is in
     optim.param_groups             the hyper-parameters (JSON)
@@ -269,6 +271,9 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
     #    element for element beside the weights, so it maps as the weights do -------------------
     for x in opt._micro.shared:
         view = L.views[x.param]
+        if x.blocks:  # Shampoo: this rank's shard's blocks are blocks of the matrix
+            _add_shard_blocks(E, x, opt.state[opt._params[x.param]], L, opt, saving=saving)
+            continue
         for key, val in opt.state[opt._params[x.param]].items():
             flat = val.view(-1)
             E.add_pieces(f"optim.{view.name}.{key}", view.logical, view.pieces(flat, 0, flat.numel()))
@@ -281,6 +286,57 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
         E.sd["optim.param_groups"] = ""
         E.after.append(lambda: _load_groups(opt, E.sd["optim.param_groups"]))
     return E
+
+
+def _add_shard_blocks(E: _Entries, x: Any, st: dict[str, Tensor], L: _Layout, opt: Any, *,
+                      saving: bool) -> None:
+    """The Shampoo state of one TP rank's shard of a matrix its TP group preconditions shard by
+    shard, as the rank hosting the whole matrix would hold it (``_add_task_state``: the
+    planner's row order of the matrix, with that order's canonical rows under ``.rows`` where
+    it is not the canonical one): the shard's block (i, j) is the matrix's block whose rows
+    (columns, for a split along columns) the shard's segment there holds; its element-shaped
+    tensors (moments, momentum) are boxes of the matrix's; ``step`` is the same on every
+    shard."""
+    from types import SimpleNamespace
+
+    plan = opt.plan
+    block = opt._matrix.config.max_preconditioner_dim
+    lay = next(plan.tp.layouts[s.layout] for ix in plan.tp.indices for s in ix.shared
+               if s.id == x.id)
+    segs = [s for s in lay.segments if s[0] == opt._tp_rank]
+
+    def whole(i: int) -> int:  # the shard's block index along the split dim → the matrix's
+        at = i * block
+        for _, local, full, n in segs:
+            if local <= at < local + n and not (at - local) % block and not full % block:
+                return (full + at - local) // block
+        raise CheckpointError(f"'{x.name}': block {i} of TP rank {opt._tp_rank}'s shard is not "
+                              f"a block of the matrix (blocks of {block}); the plan is "
+                              f"inconsistent.")
+
+    base = f"optim.{_task_key(x)}"
+    whole_task = SimpleNamespace(name=x.name, param=x.param, dim=x.dim, full_shape=x.full_shape,
+                                 segments=tuple(sorted(lay.segments, key=lambda s: s[2])))
+    rows = L.task_rows(whole_task)
+    if not torch.equal(rows, torch.arange(len(rows))):
+        if saving:
+            E.sd[f"{base}.rows"] = rows
+        else:  # the saved state must be in this order (checked before the collective)
+            E.needs[f"{base}.rows"] = tuple(rows.shape)
+            E.sd[f"{base}.rows"] = torch.empty_like(rows)
+            E.after.append(_RowsCheck(x.name, E.sd, f"{base}.rows", rows, opt._matrix.name))
+    for key, val in st.items():
+        parts = key.split(".")
+        if key == "step":
+            E.add_tensor(f"{base}.step", val)
+        elif len(parts) == 3:  # L.i.j, R.i.j, L_root.i.j, R_root.i.j
+            i, j = int(parts[1]), int(parts[2])
+            i, j = (whole(i), j) if x.dim == 0 else (i, whole(j))
+            E.add_tensor(f"{base}.{parts[0]}.{i}.{j}", val)
+        else:  # the shard's segments, where they lie in the matrix
+            E.add_pieces(f"{base}.{key}", tuple(x.full_shape),
+                         [((full, 0), val[local:local + n]) if x.dim == 0
+                          else ((0, full), val[:, local:local + n]) for _, local, full, n in segs])
 
 
 def _add_block_rows(E: _Entries, t: Any, st: dict[str, Tensor], logical: tuple[int, ...],

@@ -149,6 +149,9 @@ class SharedTask:
     local_shape: tuple[int, int]
     full_shape: tuple[int, int]
     split_poly: bool
+    #: Shampoo: this rank preconditions the blocks of its own shard (whole blocks of the
+    #: matrix), no collective; else Muon's shared Newton–Schulz over the TP group
+    blocks: bool = False
 
 
 def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int],
@@ -162,9 +165,10 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
     mine = next((ix for ix in T.indices if ix.dp_index == dp_rank), None)
     if mine is None or not mine.shared:
         return ()
-    if plan.inputs.optimizer.name != "muon":
+    name = plan.inputs.optimizer.name
+    if name not in ("muon", "shampoo"):
         raise PlanMismatchError(f"the plan shares matrices over TP but its optimizer is "
-                                f"{plan.inputs.optimizer.name}; sharing is Muon's.")
+                                f"{name}; only Muon and Shampoo share.")
     index = {n: i for i, n in enumerate(names)}
     tasks = {t.id: t for t in plan.tasks}
     out = []
@@ -178,7 +182,7 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
                                     "a split matrix; the plan is inconsistent.")
         out.append(SharedTask(t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
                               lay.dim, tuple(lay.local_shape), tuple(lay.full_shape),  # type: ignore[arg-type]
-                              x.split_poly))
+                              x.split_poly, name == "shampoo"))
     return tuple(out)
 
 
@@ -252,7 +256,8 @@ class MicroGroupRunner:
         sizes = {}
         for x in tasks:
             m, n = max(x.full_shape), min(x.full_shape)
-            sizes[x.id] = lockstep_bytes(-(-m // self.tp), n, self.tp, x.split_poly, e)
+            sizes[x.id] = 0 if x.blocks else lockstep_bytes(-(-m // self.tp), n, self.tp,
+                                                            x.split_poly, e)
         out = []
         for batch in lockstep_batches(list(tasks), [sizes[x.id] for x in tasks], self.shared_cap):
             out.append((batch, [sizes[x.id] for x in batch]))
@@ -316,13 +321,40 @@ class MicroGroupRunner:
         (one Gram all-reduce per matrix and iteration, each running while the others compute;
         ``runtime.optim.shared_ns.shared_newton_schulz_many``) returning this shard's rows, and
         each update applied with the full matrix's learning-rate scale. The result is the
-        single-device Muon update up to summation order."""
+        single-device Muon update up to summation order. Shampoo: each rank its shard's blocks
+        (:meth:`_run_blocks`)."""
         if not self.shared:
             return
-        cfg = matrix.config
         todo = [x for x in self.shared if received[x.param]]  # alike on every rank
+        if any(x.blocks for x in todo):
+            self._run_blocks([x for x in todo if x.blocks], state, matrix)
+            todo = [x for x in todo if not x.blocks]
+        if not todo:
+            return
+        cfg = matrix.config
         for batch, _ in self._batches(todo, cfg.ns_dtype):
             self._run_batch(batch, group, state, matrix)
+
+    def _run_blocks(self, tasks: Sequence[SharedTask], state: MutableMapping[Tensor, Any],
+                    matrix: Any) -> None:
+        """Shampoo's blocks of this rank's shard of each matrix (whole blocks of the matrix,
+        so its statistics, roots, grafting and momentum are the whole matrix's on them): the
+        kernel on the shard, in one call, and the update applied to the shard. No collective;
+        a non-finite shard is left as the kernel says (``None``: untouched)."""
+        grads, states = [], []
+        for x in tasks:
+            grads.append(self._buffers[x.bucket].own[x.lo:x.hi].view(x.local_shape))
+            states.append(state[self._params[x.param]])
+        updates = matrix.direction(grads, states, names=[x.name for x in tasks])
+        for x, update in zip(tasks, updates):
+            if update is None:
+                continue
+            buf = self._buffers[x.bucket]
+            p = (self._params[x.param] if buf.main is None
+                 else buf.main[x.lo:x.hi].view(x.local_shape))
+            matrix.apply(p, update.to(torch.float32), full_shape=x.full_shape)
+            if buf.main is not None:
+                buf.own_params[x.lo:x.hi].copy_(buf.main[x.lo:x.hi])
 
     def _run_batch(self, batch: Sequence[SharedTask], group: Any,
                    state: MutableMapping[Tensor, Any], matrix: Any) -> None:

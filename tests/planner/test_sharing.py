@@ -99,8 +99,41 @@ def test_qwen3_8b_at_scale_shares_over_dp_quads():
 
 
 def test_other_optimizers_stay_whole():
-    r = sharing_bound(_problem("qwen3-0.6b", 16, 2, optimizer="shampoo"))
+    r = sharing_bound(_problem("qwen3-0.6b", 16, 2, optimizer="soap"))
     assert r.shared == () and r.shared_lb == r.atomic_lb and "Muon" in r.note
+
+
+def test_shampoo_blocks_shard_by_shard_where_the_shards_are_whole_blocks():
+    """Shampoo at tp > 1: a TP-split matrix whose every shard is whole blocks of the matrix's
+    grid is preconditioned shard by shard (each piece exactly its shard's FLOPs, nothing added);
+    QKV, whose shards interleave 512-row Q and 128-row K/V segments, stays whole. qwen3-8b tp 4:
+    fc1 (3072 rows per gate/up segment), fc2 and proj (3072 and 1024 columns) are whole blocks."""
+    from canzona.planner import optimizers
+    from canzona.planner.sharing import shard_block_decision, shard_blocks_aligned
+    from canzona.planner.shards import shard_map
+
+    pr = _problem("qwen3-8b", 64, 4, optimizer="shampoo")
+    chosen = shard_block_decision(pr, "h800")
+    kinds = {kind_of(pr.tasks[i].name) for i in chosen}
+    assert kinds == {"mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj"}
+    spec, st = optimizers.get("shampoo"), pr.settings
+    kv = pr.spec.config.kv_heads
+    for t in pr.tasks:
+        if t.optimizer != "matrix" or not t.tp_split:
+            continue
+        smap = shard_map(pr.spec[t.param], 4, kv_groups=kv)
+        assert (t.id in chosen) == shard_blocks_aligned(smap, st.max_preconditioner_dim)
+        if t.id in chosen:  # the four shards' blocks are the matrix's blocks: FLOPs add up
+            load, split, comp, comm = chosen[t.id]
+            assert 4 * spec.flops(*smap.local_shape, st) == pytest.approx(
+                pr.costs[t.id].flops, abs=4)  # the amortised roots are rounded per piece
+            assert not split and comm == 0.0 and load == pytest.approx(pr.loads[t.id] / 4)
+    r = sharing_bound(pr, hardware="h800")
+    assert {s.task for s in r.shared} == set(chosen) and r.shared_ratio < r.atomic_ratio
+    # qwen3-32b tp 8: fc1's 3200-row gate/up segments are not whole blocks of 1024
+    big = _problem("qwen3-32b", 8, 8, optimizer="shampoo")
+    assert "mlp.linear_fc1" not in {kind_of(big.tasks[i].name)
+                                    for i in shard_block_decision(big, "h800")}
 
 
 def test_deterministic_and_serialisable():

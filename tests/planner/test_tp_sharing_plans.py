@@ -207,3 +207,73 @@ def test_share_is_checked():
 
     with pytest.raises(CanzonaError, match="share"):
         TPOptions(share="sometimes")
+
+
+def _shampoo(dp: int, share: str, objective: str = "max-load", block: int = 256):
+    return plan("qwen3-0.6b", ParallelSizes(dp=dp, tp=4),
+                OptimizerSettings(name="shampoo", max_preconditioner_dim=block),
+                dp_options=DPOptions(objective=objective),
+                tp_options=TPOptions(share=share, hardware="h800"))
+
+
+def test_shampoo_blocks_shard_by_shard_plan_simulate_and_validate(tmp_path):
+    """Shampoo at tp 4 with blocks of 256 (qwen3-0.6b): fc1's 768-row gate/up segments, fc2's and
+    proj's 768 and 512 columns are whole blocks, each TP rank preconditions its own (no gather,
+    no micro-group for them); QKV's 128-row K/V segments are not, so it stays hosted. The busiest
+    GPU gets lighter, the simulated compute path shorter, and the plan file passes every check —
+    but not with blocks of 1024, which its shards do not hold whole."""
+
+    whole, shard = _shampoo(32, "off"), _shampoo(32, "all")
+    shared = [x for ix in shard.tp.indices for x in ix.shared]
+    assert {kind_of(shard.tasks[x.id].param) for x in shared} == {
+        "mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj"}
+    assert len(shared) == 3 * 28 and not any(x.split_poly for x in shared)
+    hosted = {kind_of(shard.tasks[t.id].param) for ix in shard.tp.indices for g in ix.groups
+              for t in g.tasks}
+    assert hosted == {"self_attention.linear_qkv"}
+    # the busiest GPU 1.83× → 1.22× the mean: hosting left whole fc1s on single TP ranks
+    assert shard.tp.metrics.max_gpu_load < 0.7 * whole.tp.metrics.max_gpu_load
+    hw = load_hardware("h800")
+
+    def path(p):  # the simulated compute and exposed TP gather/scatter of the critical rank
+        b = simulate_plan(p, hw).breakdown()
+        return b["compute"] + b["tp_gather_scatter"]
+
+    assert path(shard) < path(whole)
+    path = tmp_path / "shard.json"
+    save_plan(shard, path)
+    assert load_plan(path) == shard
+    # the check a plan file's shared Shampoo task passes, against blocks of 1024
+    from canzona.planner.validate import _check_shard_blocks
+
+    def bad(field, msg):
+        return ValueError(f"{field}: {msg}")
+
+    ix = next(ix for ix in shard.tp.indices if ix.shared)
+    x = ix.shared[0]
+    lay = shard.tp.layouts[x.layout]
+    assert _check_shard_blocks(shard, x, lay, "x", bad) == x.load
+    opt = shard.inputs.optimizer.model_copy(update={"max_preconditioner_dim": 1024})
+    coarse = shard.model_copy(update={"inputs": shard.inputs.model_copy(update={
+        "optimizer": opt})})
+    with pytest.raises(ValueError, match="not whole blocks of 1024"):
+        _check_shard_blocks(coarse, x, lay, "x", bad)
+
+
+def test_shampoo_auto_weighs_the_step():
+    """``--share auto`` with Shampoo: shard blocks save compute only. Under max-load the plan
+    keeps them for the lighter busiest GPU; under step-time only if the modelled step (busiest
+    GPU + bucket collectives) is shorter than hosting's — at qwen3-8b dp64 tp4 on the H800
+    profile it is not: the partition with them moves more bytes (the collectives take ~300 ms,
+    Shampoo's compute ~2 ms), so auto hosts them there."""
+    assert any(ix.shared for ix in _shampoo(32, "auto").tp.indices)
+
+    def q8(share):
+        return plan("qwen3-8b", ParallelSizes(dp=64, tp=4), OptimizerSettings(name="shampoo"),
+                    tp_options=TPOptions(share=share, hardware="h800"))
+
+    auto, every = q8("auto"), q8("all")
+    assert not any(ix.shared for ix in auto.tp.indices)
+    assert any(ix.shared for ix in every.tp.indices)
+    assert every.tp.metrics.max_gpu_load < auto.tp.metrics.max_gpu_load
+    assert auto.comm.predicted_s < every.comm.predicted_s

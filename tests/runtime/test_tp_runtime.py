@@ -36,6 +36,11 @@ CASES4 = {
     "muon_shared": dict(optimizer="muon", share="all", roundtrip=True, cmax_mib=1.0),
     "muon_shared_split": dict(optimizer="muon", share="all-split"),
     "muon_shared_bf16": dict(optimizer="muon", share="all-split", bf16=True, steps=5),
+    # Shampoo with blocks of 16: every shard (fc1's 48-row gate/up segments, QKV's 32- and
+    # 16-row groups, fc2's and proj's 48 and 32 columns) is whole blocks, so each TP rank
+    # preconditions its own shard's blocks (no gather), with a state_dict round trip
+    "shampoo_shard_blocks": dict(optimizer="shampoo", share="all", block=16, roundtrip=True),
+    "shampoo_hosted_blocks": dict(optimizer="shampoo", block=16, steps=5),
 }
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
 SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")
@@ -143,12 +148,65 @@ def _shared_checkpoint(rank, world, *, folder):
     return out
 
 
+def _shampoo_run(rank, steps, opt_of, *, switch=None, folder=""):
+    """Train the tiny model's TP shards with Shampoo (blocks of 16) for ``steps`` steps, from
+    the start; with ``switch`` = (step, other plan's share): at that step save a logical
+    checkpoint, load it into an optimizer of the other plan and go on with that one."""
+    import canzona
+
+    ps = T.spec().params
+    start = T.initial_full()
+    local = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, rank), 2)) for p in ps]
+    opt = opt_of(local, "all" if switch is None or switch[1] == "off" else "off")
+    _, tp_group = T.groups(1, 2)
+    for step in range(steps):
+        if switch is not None and step == switch[0]:
+            canzona.save_checkpoint(folder, None, opt)
+            opt.close()
+            opt = opt_of(local, switch[1])
+            canzona.load_checkpoint(folder, None, opt)
+        full = {p.name: T.full_of(p, w, 2, tp_group).float().requires_grad_(True)
+                for p, (_, w) in zip(ps, local)}
+        grads = torch.autograd.grad(T.loss(full, step, 0), list(full.values()))
+        torch.autograd.backward([w for _, w in local],
+                                [T.local_of(p, g, 2, rank) for p, g in zip(ps, grads)])
+        opt.step()
+        opt.zero_grad()
+    shared = len(opt._micro.shared)
+    opt.close()
+    return {p.name: T.full_of(p, w, 2, tp_group).float() for p, (_, w) in zip(ps, local)}, shared
+
+
+def _shampoo_checkpoint(rank, world, *, folder):
+    """Logical checkpoints across Shampoo's shard-by-shard blocks: 6 steps with every matrix's
+    blocks preconditioned shard by shard, against 3 steps so, a save, a load into the plan that
+    hosts them whole, and 3 steps more (statistics, roots, grafting moments and step carried
+    over) — and the other way round."""
+    import canzona
+
+    _, tp_group = T.groups(1, 2)
+
+    def opt_of(local, share):
+        return canzona.CanzonaOptimizer(
+            local, T.plan_for(1, 2, "shampoo", share=share, block=16), lr=T.LR["shampoo"],
+            adamw_lr=T.ADAMW_LR, adamw_weight_decay=0.01, tp_group=tp_group,
+            matrix_options=T.SHAMPOO_OPTIONS)
+
+    straight, n_shared = _shampoo_run(rank, 6, opt_of)
+    to_hosted, n_hosted = _shampoo_run(rank, 6, opt_of, switch=(3, "off"), folder=f"{folder}/a")
+    to_shared, _ = _shampoo_run(rank, 6, opt_of, switch=(3, "all"), folder=f"{folder}/b")
+    return {"straight": straight, "to_hosted": to_hosted, "to_shared": to_shared,
+            "shared": (n_shared, n_hosted)}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(k, functools.partial(_case, dp=1, tp=2, **v)) for k, v in CASES2.items()]
     folder = str(tmp_path_factory.mktemp("tp2-ck"))
     cases += [("refusals", _refusals),
-              ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder))]
+              ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder)),
+              ("shampoo_checkpoint", functools.partial(_shampoo_checkpoint,
+                                                       folder=f"{folder}/shampoo"))]
     return H.run_world(2, cases, str(tmp_path_factory.mktemp("tp2")))
 
 
@@ -161,6 +219,19 @@ def test_logical_checkpoints_cross_sharing(world2):
         assert len(res["to_shared"]) == 8 and res["state_dict"]  # every matrix shared
         hosted |= set(res["to_hosted"])
     assert len(hosted) == 8  # the hosts of the two ranks hold every matrix between them
+
+
+def test_logical_checkpoints_cross_shampoos_shard_blocks(world2):
+    """A Shampoo state saved with the blocks preconditioned shard by shard resumes with them
+    hosted whole, and back: the same parameters as without the switch (the two plans compute
+    the same blocks; the hosted plan's gather sums nothing, so within 1e-5)."""
+    got = _results(world2, "shampoo_checkpoint")
+    for res in got:
+        assert res["shared"] == (8, 0)  # every matrix shared, then every one hosted
+        for name, want in res["straight"].items():
+            for key in ("to_hosted", "to_shared"):
+                err = ((res[key][name] - want).norm() / want.norm()).item()
+                assert err <= 1e-5, f"{key} {name}: relative error {err:.3g}"
 
 
 _results = H.results
@@ -228,7 +299,7 @@ def test_overlap_off_gives_the_same_bits(world4):
 
 
 @pytest.mark.parametrize("case", ["muon", "shampoo", "soap", "muon_split", "muon_bf16_main_fp32",
-                                  "muon_shared", "muon_shared_bf16"])
+                                  "muon_shared", "muon_shared_bf16", "shampoo_shard_blocks"])
 def test_state_bytes_equal_the_prediction(world4, case):
     got = _results(world4, case)
     for res in got:
@@ -251,6 +322,19 @@ def test_megatron_forward_dp2_tp2_equals_one_process(world4, optimizer):
     for rank, res in enumerate(got):
         assert res["losses"] == pytest.approx(ref["losses"][rank // 2::2], rel=1e-5)
     _check(got, ref)
+
+
+def test_shampoo_shards_are_preconditioned_where_they_lie(world4):
+    """The Shampoo plan shares every matrix (its shards are whole blocks of 16): no micro-group,
+    no gather; the hosted plan of the same blocks gathers them."""
+    shard = _results(world4, "shampoo_shard_blocks")[0]["plan"]
+    hosted = _results(world4, "shampoo_hosted_blocks")[0]["plan"]
+    assert shard.inputs.optimizer.max_preconditioner_dim == 16
+    for ix in shard.tp.indices:
+        assert not ix.groups and all(not x.split_poly for x in ix.shared)
+    assert sum(len(ix.shared) for ix in shard.tp.indices) == 8  # every matrix
+    assert all(not ix.shared for ix in hosted.tp.indices)
+    assert sum(len(g.tasks) for ix in hosted.tp.indices for g in ix.groups) == 8
 
 
 def test_shared_runs_batch_by_cmax(world4):

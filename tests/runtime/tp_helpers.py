@@ -36,11 +36,15 @@ def spec():
 
 
 def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
-             cmax_mib: float = 0.05, dtype: str = "fp32", share: str = "off"):
+             cmax_mib: float = 0.05, dtype: str = "fp32", share: str = "off",
+             block: int | None = None):
     """The plan: fp32 gather/scatter (exactness), a C_max small enough for several groups;
-    ``share``: ``TPOptions.share`` (the TP group shares matrices)."""
+    ``share``: ``TPOptions.share`` (the TP group shares matrices); ``block``: Shampoo's
+    max_preconditioner_dim (default its 1024)."""
     extra = {"shampoo": {"shampoo_precondition_frequency": 3},
              "soap": {"soap_precondition_frequency": 3}}.get(optimizer, {})
+    if block is not None:
+        extra["max_preconditioner_dim"] = block
     settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
     return make_plan(CFG.model_copy(update={"dtype": dtype}), ParallelSizes(dp=dp, tp=tp), settings,
                      dp_options=DPOptions(bucket_size=20_000),
@@ -133,7 +137,8 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
                   split: bool = False, accum: int = 1, clip: float | None = None,
                   steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
                   sequence_parallel: bool = False, bf16: bool = False,
-                  share: str = "off", cmax_mib: float = 0.05, plan=None) -> dict:
+                  share: str = "off", cmax_mib: float = 0.05, plan=None,
+                  block: int | None = None) -> dict:
     """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
     instead of ``plan_for``'s (a zero-argument callable making it)."""
@@ -144,7 +149,7 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
     dp_rank, tp_rank = rank // tp, rank % tp
     plan = plan() if plan is not None else plan_for(
         dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32", share=share,
-        cmax_mib=cmax_mib)
+        cmax_mib=cmax_mib, block=block)
     low = torch.bfloat16 if bf16 else torch.float32
     ps = spec().params
     start = initial_full()

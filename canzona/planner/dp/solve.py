@@ -113,8 +113,8 @@ def solve(problem: DPProblem, options: DPOptions | None = None, *,
             run.reference_load = None
             paper = _communication(run, problem, _rebalance(run, problem, start), hw)
             if _within_compute_slack(run, problem, paper, used, cuts) and \
-                    _modelled_step(problem, paper, hw) < \
-                    (1 - PAPER_STEP_MARGIN) * _modelled_step(used, cuts, hw):
+                    modelled_step(problem, paper, hw) < \
+                    (1 - PAPER_STEP_MARGIN) * modelled_step(used, cuts, hw):
                 used, cuts = problem, paper
                 status = "optimal" if _max_load(used, cuts) <= run.bound else "heuristic"
     return Solution(cuts, status, run.bound, used)
@@ -139,7 +139,7 @@ def _within_compute_slack(run: _Run, problem: DPProblem, cuts: Cuts, used: DPPro
     return _max_load(problem, cuts) <= _max_load(used, ours) + STEP_TIME_GAP_PP / 100 * run.bound
 
 
-def _modelled_step(problem: DPProblem, cuts: Cuts, hw: HardwareProfile) -> float:
+def modelled_step(problem: DPProblem, cuts: Cuts, hw: HardwareProfile) -> float:
     """The step the ``step-time`` objective models, without its state term or ceiling: the
     busiest DP index's compute (under TP, the busiest GPU's) plus the predicted collectives,
     in load units. The last stage keeps the paper's greedy cuts (through the communication
@@ -282,8 +282,8 @@ def _lockstep_reorder(run: _Run, used: DPProblem, cuts: Cuts, gpu: float, ctx: T
         # dp128 tp8: fc1 + proj), and its bucket slices then slow the collectives by more than
         # the busiest GPU gains: kept only if the modelled step is shorter
         hw = run.hardware or load_hardware(DEFAULT_HARDWARE)
-        if _modelled_step(rp, _communication(run, rp, rcuts, hw), hw) >= \
-                _modelled_step(used, _communication(run, used, cuts, hw), hw):
+        if modelled_step(rp, _communication(run, rp, rcuts, hw), hw) >= \
+                modelled_step(used, _communication(run, used, cuts, hw), hw):
             return used, cuts, gpu
     return rp, rcuts, score
 

@@ -121,6 +121,8 @@ def lockstep_scratch(problem: DPProblem, task: int) -> int:
     """Scratch bytes a task its TP group shares holds in a lockstep batch
     (``formulas.lockstep_bytes`` of its piece: its rows of the oriented matrix, bf16): what the
     TP schedule batches by and what :class:`Lockstep` models."""
+    if problem.settings.name != "muon":  # Shampoo's blocks shard by shard: its state only
+        return 0
     t = problem.tasks[task]
     tp = problem.sizes.tp
     m, n = max(t.shape), min(t.shape)

@@ -371,9 +371,12 @@ def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
     """``TPOptions.share``: the tasks shared over their TP group (``auto``: those the bound of
     ``planner.sharing`` shares; ``all``/``all-split``: every eligible one): task id → (load per
     TP rank, polynomial split, compute seconds, collective seconds), what ``DPProblem.shared``
-    holds; the load is max(compute, collectives) in cost units."""
-    from ..sharing import share_options, sharing_bound
+    holds; the load is max(compute, collectives) in cost units. Shampoo: the matrices whose
+    shards are whole blocks, preconditioned shard by shard (``sharing.shard_block_decision``)."""
+    from ..sharing import shard_block_decision, share_options, sharing_bound
 
+    if problem.settings.name == "shampoo":  # blocks preconditioned shard by shard, every mode
+        return shard_block_decision(problem, hardware)
     hw = load_hardware(hardware)
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     out = {}
