@@ -147,6 +147,12 @@ def plan_problem(
         if t.share == "auto" and problem.settings.name == "shampoo" and shares[0]:
             # Shampoo's shard blocks save compute only: against none, the modelled step decides
             shares.append({})
+        if problem.settings.name == "shampoo" and not shares[0]:
+            warnings.warn(f"TPOptions.share = {t.share!r}: no Shampoo matrix here has TP shards "
+                          f"that are whole blocks of max_preconditioner_dim = "
+                          f"{problem.settings.max_preconditioner_dim}, so every one is hosted "
+                          f"whole (a block size dividing the shards' segments allows it).",
+                          CanzonaWarning, stacklevel=2)
         problem = dataclasses.replace(problem, shared=shares[0])
     if problem.shared:  # the DP side batches the lockstep as the schedule will
         problem = dataclasses.replace(problem, lockstep_cap=LOCKSTEP_CMAX * t.cmax_bytes)

@@ -277,3 +277,14 @@ def test_shampoo_auto_weighs_the_step():
     assert any(ix.shared for ix in every.tp.indices)
     assert every.tp.metrics.max_gpu_load < auto.tp.metrics.max_gpu_load
     assert auto.comm.predicted_s < every.comm.predicted_s
+
+
+def test_shampoo_share_with_no_whole_block_shards_says_so():
+    """Blocks of 1024 against qwen3-0.6b's tp-4 shards (768 rows, 768 and 512 columns): nothing
+    can be preconditioned shard by shard, and the planner says why instead of sharing nothing
+    silently."""
+    from canzona.planner.errors import CanzonaWarning
+
+    with pytest.warns(CanzonaWarning, match="whole blocks of max_preconditioner_dim = 1024"):
+        p = _shampoo(8, "all", block=1024)
+    assert not any(ix.shared for ix in p.tp.indices)
