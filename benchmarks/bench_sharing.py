@@ -97,6 +97,10 @@ def main() -> None:
         rows = {s: _row(plan(model, sizes, "shampoo",
                              tp_options=TPOptions(hardware=args.hardware, share=s)), hw)
                 for s in ("off", "all", "auto")}
+        rows["all max-load"] = _row(plan(model, sizes, "shampoo",
+                                         dp_options=DPOptions(objective="max-load"),
+                                         tp_options=TPOptions(hardware=args.hardware,
+                                                              share="all")), hw)
         shards.append({"model": model, "dp": dp, "tp": tp, "rows": rows})
     if args.json:
         print(json.dumps({"hardware": args.hardware, "configs": out, "shampoo": blocks,
@@ -134,15 +138,18 @@ def main() -> None:
               f"{auto['path_ms']:7.1f} ({auto['shared']:3d}) | "
               f"{off['path_ms'] / auto['path_ms']:.2f}×")
     print("\nShampoo, tp > 1: whole matrices hosted against blocks preconditioned shard by shard "
-          "(--share all; max/mean, path ms, DP collectives ms, matrices shared), and what "
-          "--share auto keeps under the default step-time objective")
+          "(--share all; max/mean, path ms, DP collectives ms, matrices shared; again with "
+          "--objective max-load), and what --share auto keeps under the default step-time "
+          "objective")
     for c in shards:
-        off, every, auto = (c["rows"][k] for k in ("off", "all", "auto"))
+        off, every, auto, ml = (c["rows"][k] for k in ("off", "all", "auto", "all max-load"))
         name = f"{c['model']} dp{c['dp']} tp{c['tp']}"
         print(f"{name:22} hosted {off['max_over_useful_mean']:6.3f} {off['path_ms']:6.2f} "
               f"{off['dp_collectives_ms']:6.1f} | shard blocks {every['max_over_useful_mean']:6.3f} "
               f"{every['path_ms']:6.2f} {every['dp_collectives_ms']:6.1f} ({every['shared']:3d}) | "
-              f"auto keeps {'shard blocks' if auto['shared'] else 'hosting'}")
+              f"max-load {ml['max_over_useful_mean']:6.3f} {ml['path_ms']:6.2f} "
+              f"{ml['dp_collectives_ms']:6.1f} | auto keeps "
+              f"{'shard blocks' if auto['shared'] else 'hosting'}")
 
 
 if __name__ == "__main__":
