@@ -87,7 +87,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
     ap.add_argument("--share", default="off", choices=["off", "auto", "all", "all-split"],
-                    help="Muon matrices shared by their TP group instead of gathered to a host")
+                    help="Muon matrices shared by their TP group instead of gathered to a host "
+                         "(Shampoo: blocks preconditioned shard by shard where the TP shards "
+                         "are whole blocks, see --block)")
+    ap.add_argument("--block", type=int, default=None,
+                    help="Shampoo's max_preconditioner_dim (default 1024; 16 makes every TP "
+                         "shard of the default model whole blocks)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -114,8 +119,9 @@ def main() -> None:
             plan_tp[f"blocks.{i}.{name}"] = RowwiseParallel()
     parallelize_module(model, mesh["tp"], plan_tp)
 
+    extra = {} if args.block is None else {"max_preconditioner_dim": args.block}
     plan = canzona.plan_model(model, dp=dp, tp=args.tp, optimizer=args.optimizer,
-                              bucket_size=1_000_000, share=args.share)
+                              bucket_size=1_000_000, share=args.share, **extra)
     lr = 0.02 if args.optimizer == "muon" else 3e-3
     opt = canzona.CanzonaOptimizer(model, plan, lr=lr, adamw_lr=3e-3, device_mesh=mesh)
     sched = torch.optim.lr_scheduler.LambdaLR(

@@ -63,3 +63,17 @@ def test_tp_example_shares_matrices_over_the_tp_group(examples):
     got = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", shared, re.M)]
     assert len(got) == len(hosted) >= 2 and got[-1] < got[0]
     assert max(abs(a - b) for a, b in zip(got, hosted)) < 2e-3, (got, hosted)
+
+
+def test_tp_example_preconditions_shampoo_blocks_shard_by_shard(examples):
+    """examples/train_tp.py with Shampoo and blocks of 16: every TP shard is whole blocks, so
+    each rank preconditions its own (nothing gathered), with the losses of the hosted plan of
+    the same blocks (the same math: each block's update is the same)."""
+    shard = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "20", "--optimizer",
+                            "shampoo", "--block", "16", "--share", "all", timeout=240)
+    hosted = examples.losses("train_tp.py", 4, "--tp", "2", "--steps", "20", "--optimizer",
+                             "shampoo", "--block", "16", timeout=240)
+    assert "micro-groups per DP index [0, 0], matrices shared by the TP group [7, 7]" in shard
+    got = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", shard, re.M)]
+    assert len(got) == len(hosted) >= 2 and got[-1] < got[0]
+    assert max(abs(a - b) for a, b in zip(got, hosted)) < 1e-4, (got, hosted)
