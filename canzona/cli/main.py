@@ -241,8 +241,8 @@ def plan(
                         "pairs (the bucket cut inside a matrix, between two rows; auto keeps "
                         "them only where the busiest DP index gets lighter). Shampoo: at tp > 1 "
                         "every matrix whose TP shards are whole blocks is preconditioned shard "
-                        "by shard (no gather); at tp 1 block rows are hosted by two DP "
-                        "ranks.")] = "off",
+                        "by shard (no gather; auto: where the objective prefers it to "
+                        "hosting); at tp 1 block rows are hosted by two DP ranks.")] = "off",
     comm_dtype: Annotated[str, typer.Option(
         "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
                              "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",

@@ -148,10 +148,10 @@ class TPOptions:
             split (for tests and measurements). At tp = 1 the same choices share whole
             matrices over two DP ranks each (DP pairs: the bucket cut inside the matrix at a
             row boundary; ``auto`` keeps them only where the busiest DP index gets lighter).
-            Shampoo (any mode but ``off``): at tp > 1 every TP-split matrix whose shards are
-            whole blocks is preconditioned by its TP group shard by shard
-            (``sharing.shard_block_decision``: no gather); at tp = 1 block rows are hosted by
-            two DP ranks.
+            Shampoo: at tp > 1 every TP-split matrix whose shards are whole blocks is
+            preconditioned by its TP group shard by shard (``sharing.shard_block_decision``: no
+            gather) under ``all``/``all-split``, and under ``auto`` where the objective prefers
+            that plan to hosting; at tp = 1 block rows are hosted by two DP ranks.
     """
 
     cmax_mib: float = 512.0

@@ -219,9 +219,9 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
     p = problem.spec[t.param]
     tp = sizes.expert_tp if p.is_expert else sizes.tp
     out = []
-    if t.tp_split and tp > 1 and tp == sizes.tp and "tp" in groups:  # the dense TP group
+    if t.tp_split and tp > 1 and tp == sizes.tp:  # the dense TP group
         # The TP shards are row blocks of the oriented matrix when the split dim is the long one.
-        if (p.tp_dim == long_dim or rows == cols) and t.part is None:
+        if (p.tp_dim == long_dim or rows == cols) and t.part is None and "tp" in groups:
             link = hw.link(tp)
             out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
         # More ranks than the TP group: each shard cut at a row boundary between two DP
@@ -588,8 +588,9 @@ def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "
     matrix's update (Shampoo's statistics, roots, grafting and momentum are per block or per
     element). Task id → (load per TP rank, False, compute seconds, 0.0), what
     ``DPProblem.shared`` holds; the load is the task's load in proportion to its shard's FLOPs.
-    Always at least as light as hosting (the same FLOPs over tp ranks, no gather): every
-    eligible matrix."""
+    Every eligible matrix: on the GPUs it is never heavier than hosting (the same FLOPs over tp
+    ranks, no gather); whether the plan keeps them is the objective's call
+    (``pipeline.plan_problem``: ``share="auto"`` compares with hosting)."""
     from . import optimizers
     from .shards import shard_map
 

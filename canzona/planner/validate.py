@@ -575,7 +575,8 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                   bad) -> dict[int, float]:  # noqa: ANN001
     """The tasks TP groups share (``tp.indices[d].shared``): each a Muon matrix TP splits along
     its long dimension, its layout its own, its per-rank load the shared Newton–Schulz FLOPs in
-    the plan's cost units. Returns task id → that load."""
+    the plan's cost units — or a Shampoo matrix whose shards are whole blocks
+    (:func:`_check_shard_blocks`). Returns task id → that load."""
     from .sharing import shared_piece
 
     inp, tasks, T = plan.inputs, plan.tasks, plan.tp

@@ -41,9 +41,10 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
 
     Under TP (``tp_rank`` of DP index ``dp_rank``): a TP-split matrix task's (full-matrix) state
-    counts on its host only, a shared one's (Muon's momentum, by rows) one TP-th on every TP
-    rank, a replicated matrix task's whole on every TP rank, and the AdamW fragments are those
-    of the rank's own local slices.
+    counts on its host only, a shared one's on every TP rank (Muon's momentum by rows: one
+    TP-th; Shampoo's blocks shard by shard: the state of its shard), a replicated matrix
+    task's whole on every TP rank, and the AdamW fragments are those of the rank's own local
+    slices.
 
     Raises:
         ValueError: ``main_params``, ``dp_rank`` or ``tp_rank`` is not allowed.
@@ -57,10 +58,10 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
         raise ValueError(f"dp_rank = {dp_rank!r} is not allowed; choose 0 … {plan.inputs.dp - 1}")
     dp_rank = int(dp_rank)
     matrix = {t.param for t in plan.tasks if t.optimizer == "matrix"}
-    shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
-              else set())
+    shared = ({x.id: x for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
+              else {})
     pairs = {x.id: x for x in plan.dp_shared}
-    total = sum(_shared_state(plan, t) if t.id in shared else t.state_bytes
+    total = sum(_shared_state(plan, t, shared[t.id]) if t.id in shared else t.state_bytes
                 for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
                 and (t.host is None or t.host == tp_rank) and t.id not in pairs)
     for x in pairs.values():  # split over two DP indices: each holds its piece's state
@@ -69,13 +70,13 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
 
 
-def _shared_state(plan: Plan, t: Any) -> int:
-    """One TP rank's state of a task its TP group shares: Muon's momentum, one TP-th; Shampoo,
-    the kernel's state of its shard (its blocks, moments, and a step counter of its own)."""
+def _shared_state(plan: Plan, t: Any, x: Any) -> int:
+    """One TP rank's state of a task its TP group shares (``x``, its entry in the plan): Muon's
+    momentum, one TP-th; Shampoo, the kernel's state of its shard (its blocks, moments, and a
+    step counter of its own)."""
     if plan.inputs.optimizer.name != "shampoo":
         return t.state_bytes // plan.inputs.tp
     assert plan.tp is not None
-    x = next(x for ix in plan.tp.indices for x in ix.shared if x.id == t.id)
     m, n = plan.tp.layouts[x.layout].local_shape
     st = plan.inputs.optimizer  # as the planner's Shampoo spec counts a matrix's state
     return STATE_BYTES * formulas.shampoo_state_numel(

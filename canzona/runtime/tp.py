@@ -339,20 +339,32 @@ class MicroGroupRunner:
                     matrix: Any) -> None:
         """Shampoo's blocks of this rank's shard of each matrix (whole blocks of the matrix,
         so its statistics, roots, grafting and momentum are the whole matrix's on them): the
-        kernel on the shard, in one call, and the update applied to the shard. No collective;
-        a non-finite shard is left as the kernel says (``None``: untouched)."""
+        kernel on the shard, in one call, and the update applied to the shard. No collective.
+        A shard whose update the kernel leaves out (``None``) or makes non-finite is left
+        untouched (gradients are checked before the step on every rank alike; the kernel's own
+        roots could still fail on one shard)."""
         grads, states = [], []
         for x in tasks:
             grads.append(self._buffers[x.bucket].own[x.lo:x.hi].view(x.local_shape))
             states.append(state[self._params[x.param]])
         updates = matrix.direction(grads, states, names=[x.name for x in tasks])
-        for x, update in zip(tasks, updates):
-            if update is None:
+        kept = [(x, u.to(torch.float32)) for x, u in zip(tasks, updates) if u is not None]
+        self._apply_shards([x for x, _ in kept], [u for _, u in kept], matrix)
+
+    def _apply_shards(self, tasks: Sequence[SharedTask], updates: Sequence[Tensor],
+                      matrix: Any) -> None:
+        """Each finite update to its shard (with fp32 main copies, to the main copy, then into
+        the parameter buffer the DP all-gather sends), with the full matrix's learning-rate
+        scale; a non-finite one leaves its shard untouched. One host read for all."""
+        finite = torch.stack([torch.isfinite(u).all() for u in updates]).tolist() if updates \
+            else []
+        for x, update, ok in zip(tasks, updates, finite):
+            if not ok:
                 continue
             buf = self._buffers[x.bucket]
             p = (self._params[x.param] if buf.main is None
                  else buf.main[x.lo:x.hi].view(x.local_shape))
-            matrix.apply(p, update.to(torch.float32), full_shape=x.full_shape)
+            matrix.apply(p, update, full_shape=x.full_shape)
             if buf.main is not None:
                 buf.own_params[x.lo:x.hi].copy_(buf.main[x.lo:x.hi])
 
@@ -383,18 +395,8 @@ class MicroGroupRunner:
         updates = [(ortho.mT if flip else ortho).to(torch.float32)
                    for ortho, flip in zip(orthos, flips)]
         # The Grams are all-reduced, so a non-finite matrix makes every rank's rows non-finite
-        # alike: every rank leaves its shard untouched (as hosted tasks do). One host read.
-        finite = torch.stack([torch.isfinite(u).all() for u in updates]).tolist() if updates \
-            else []
-        for x, update, ok in zip(todo, updates, finite):
-            if not ok:
-                continue
-            buf = self._buffers[x.bucket]
-            p = (self._params[x.param] if buf.main is None
-                 else buf.main[x.lo:x.hi].view(x.local_shape))
-            matrix.apply(p, update, full_shape=x.full_shape)
-            if buf.main is not None:
-                buf.own_params[x.lo:x.hi].copy_(buf.main[x.lo:x.hi])
+        # alike: every rank leaves its shard untouched (as hosted tasks do).
+        self._apply_shards(todo, updates, matrix)
 
     def _raise_together(self, error: Exception | None, matrix: Any, group: Any) -> None:
         """Under ``nonfinite="raise"``: every TP rank raises when a host did."""

@@ -160,6 +160,8 @@ def test_llama3_70b_at_scale_needs_more_ranks_than_the_tp_group():
     groups = {kind_of(t.name): {o.group for o in share_options(pr, t.id, hw)}
               for t in pr.tasks if t.optimizer == "matrix"}
     assert "tp_pair" in groups["mlp.linear_fc1"] and "tp_pair" not in groups["mlp.linear_fc2"]
+    fc1 = next(t.id for t in pr.tasks if kind_of(t.name) == "mlp.linear_fc1")
+    assert {o.group for o in share_options(pr, fc1, hw, groups=("tp_pair",))} == {"tp_pair"}
     one = _problem("llama3-70b", 1, 8)
     assert all(o.group != "tp_pair" for t in one.tasks if t.optimizer == "matrix"
                for o in share_options(one, t.id, hw))

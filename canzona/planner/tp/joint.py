@@ -189,7 +189,9 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
                     max_moves: int = 20_000) -> dict[tuple[int, int], list[int]] | None:
     """Whole matrices re-placed among DP indices when parameters may change places inside their
     bucket (``DPOptions.reorder``): per bucket, the rank of each item (as ``dp.reorder``'s
-    ``assign_free`` gives them), or None when no move lowers the busiest GPU.
+    ``assign_free`` gives them), or None when no move lowers the busiest GPU. The search runs
+    from the partition's cuts and from a fresh placement (:func:`_fresh_counts`); the lower end
+    is kept.
 
     :func:`joint_refine` keeps every bucket's order, so it cannot bring two matrices of one
     bucket together past a third; with few matrices per DP index and tasks the TP group shares,
@@ -244,19 +246,25 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
             count[where[m]][ci] += 1
     allowed_of = [set(s[3]) for s in sig]
 
+    held: dict[tuple[int, ...], float] = {}  # an index's work from its class counts alone
+
     def value(d: int, row: list[int]) -> float:
-        lock = Lockstep(problem.lockstep_cap)
-        bag: list[int] = []
-        rep = 0.0
-        for ci, n in enumerate(row):
-            if n:
-                sp, r, sh, _ = sig[ci]
-                rep += n * r
-                bag.extend(sp * n)
-                for y in sh:
-                    for _ in range(n):
-                        lock.add((first[ci], *y))
-        return base[d] + rep + lock.load() + lpt_makespan(bag, tp)
+        key = tuple(row)
+        work = held.get(key)
+        if work is None:
+            lock = Lockstep(problem.lockstep_cap)
+            bag: list[int] = []
+            rep = 0.0
+            for ci, n in enumerate(row):
+                if n:
+                    sp, r, sh, _ = sig[ci]
+                    rep += n * r
+                    bag.extend(sp * n)
+                    for y in sh:
+                        for _ in range(n):
+                            lock.add((first[ci], *y))
+            work = held[key] = rep + lock.load() + lpt_makespan(bag, tp)
+        return base[d] + work
 
     start = [row[:] for row in count]
     count, vals, moved = _search(count, value, sig, allowed_of, nc, dp, max_moves)

@@ -308,7 +308,8 @@ def shared_newton_schulz_many(
         # parts of P are formed)
         poly = gram if sp else torch.empty((n, n), dtype=dt, device=b.device)
         # a TPPair reduce-scatters the packed Gram over the TP group: padded to a multiple of tp
-        packed = torch.zeros(_padded(gram_packed_numel(n), grp), dtype=dt, device=b.device)
+        # (the padding is summed, never read)
+        packed = torch.empty(_padded(gram_packed_numel(n), grp), dtype=dt, device=b.device)
         t = _Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
                   w or "a shared Newton–Schulz", grp, gram_views=_gram_views(packed, n))
         if sp:
