@@ -399,9 +399,11 @@ def pairs_view(pr: dict | None) -> None:
         f"matrix at a row boundary): {pr['tasks']} matrices ("
         + ", ".join(f"{n} {k}" for k, n in pr["kinds"].items())
         + f"), {pr['split_poly']} with the polynomial split, {pr['phases']} phases, "
-        f"{pr['across_nodes']} pairs across two nodes (exchanging over the network); pieces and "
-        f"their exchanges are in the loads: busiest DP index / mean useful work "
-        f"{pr['max_over_useful_mean']:.3f}", highlight=False)
+        f"{pr['across_nodes']} pairs across two nodes (exchanging over the network); busiest DP "
+        f"index / mean useful work {pr['run_max_over_useful_mean']:.3f} with each pair's "
+        f"matrices in lockstep (one's exchanges beside the others' compute, as the runtime runs "
+        f"them), {pr['max_over_useful_mean']:.3f} with every piece's exchanges in its load",
+        highlight=False)
 
 
 def sharing_view(sh: dict | None) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
+from .bundles import bundle_pairs
 from .dp.solve import Solution, modelled_step
 from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
@@ -28,6 +29,7 @@ from .hardware import HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
+from .objective import StepTime
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
 from .planning import (DPProblem, build_plan, make_problem, pair_owners, pieces_apart,
@@ -216,14 +218,30 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
     usual), then for each candidate set of split tasks, each cut into its two pieces and the
     partition solved again (every stage, the collectives' and the optimizer state's included) in
     that plan's bucket order and in Megatron's, so that a bucket cut may fall between a task's
-    pieces. A result is kept if it lowers the busiest DP index most (its load counts every
-    piece's compute and exchanges), or with ``keep`` (``share="all"``: the pieces moved apart
-    wherever a cut can move, ``planning.pieces_apart``; the first result with pieces apart, or a
-    lighter one); a task whose pieces stay on one DP index is whole again."""
+    pieces; and, where parameters may be reordered, the candidates as bundles of fixed
+    partners (``bundles.bundle_pairs``). A result is kept if it lowers the score most: the
+    busiest DP index (its load counts every piece's compute and exchanges and the waits
+    between partners), plus under the ``step-time`` objective the bucket collectives; or with
+    ``keep`` (``share="all"``: the pieces moved apart wherever a cut can move,
+    ``planning.pieces_apart``; the first result with pieces apart, or a better one); a task
+    whose pieces stay on one DP index is whole again."""
     say = progress or (lambda _msg: None)
     sol = solve(problem, o, progress=progress, hardware=hw)
     say("DP pairs")
-    best, best_load = sol, max(pair_waits(sol.problem, sol.cuts))
+    terms = StepTime(problem, hw) if _objective_name(o.objective) == "step-time" else None
+
+    def score(used: DPProblem, cuts: dict) -> float:
+        load = max(pair_waits(used, cuts))  # the busiest index, waits between partners too
+        return load + terms.bucket_terms(used, cuts) if terms is not None else load
+
+    best, best_score = sol, score(sol.problem, sol.cuts)
+
+    def consider(used: DPProblem, cuts: dict) -> None:
+        nonlocal best, best_score
+        got = score(used, cuts)
+        if used.pairs and (got < best_score or keep and best is sol):
+            best, best_score = Solution(cuts, "heuristic", used.lower_bound(), used), got
+
     whole = dataclasses.replace(o, reorder=False)
     for pairs in candidates:
         # the whole solve (its state and collective stages too) with the pieces, in the order
@@ -236,12 +254,15 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
             owners = pair_owners(with_pairs(base, pairs), cuts)
             # both pieces on one DP index: the task is whole again; pairs across two nodes
             # exchange over the network
-            used = with_pairs(base, priced_for(base, {i: x for i, x in pairs.items()
-                                                      if owners[i][0] != owners[i][1]},
-                                               owners, hw))
-            load = max(pair_waits(used, cuts))  # the busiest index, waits between partners too
-            if used.pairs and (load < best_load or keep and best is sol):
-                best, best_load = Solution(cuts, "heuristic", used.lower_bound(), used), load
+            consider(with_pairs(base, priced_for(base, {i: x for i, x in pairs.items()
+                                                        if owners[i][0] != owners[i][1]},
+                                                 owners, hw)), cuts)
+    if o.reorder:
+        say("DP pairs (bundles)")
+        for pairs in candidates:
+            got = bundle_pairs(problem, pairs, hw)
+            if got is not None:
+                consider(*got)
     return best
 
 

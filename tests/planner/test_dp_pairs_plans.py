@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from canzona.planner import ParallelSizes, TPOptions
+from canzona.planner import DPOptions, ParallelSizes, TPOptions
 from canzona.planner.errors import CanzonaWarning
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import inventory_of, plan
@@ -15,7 +15,7 @@ from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, save_plan
 from canzona.planner.planning import make_problem, pair_phases
 from canzona.planner.report import pairs_dict
 from canzona.planner.sharing import kind_of, pair_decision, share_options
-from canzona.planner.simulate import workload_from_plan
+from canzona.planner.simulate import simulate_plan, workload_from_plan
 from canzona.planner.validate import load_plan
 
 
@@ -55,10 +55,24 @@ def test_pairs_meet_in_phases_no_index_twice():
         assert len(used) == len(set(used)), (d, used)
 
 
-def test_auto_keeps_the_plan_without_pairs_where_sharing_does_not_pay():
-    # qwen3-0.6b at dp 2: every task far below the mean; the exchanges would only add time
-    p = _plan("qwen3-0.6b", 2, "auto")
-    assert p.to_json() == _plan("qwen3-0.6b", 2, "off").to_json()
+def test_auto_weighs_pairs_by_the_objective():
+    # qwen3-0.6b at dp 2: every task far below the mean. By the compute alone (max-load) the
+    # exchanges would only add time: the plan without pairs, byte for byte.
+    def mk(share: str, objective: str):
+        return _plan("qwen3-0.6b", 2, share, dp_options=DPOptions(objective=objective))
+
+    assert mk("auto", "max-load").to_json() == mk("off", "max-load").to_json()
+    # By the modelled step (the default), pairs whose cuts inside matrices even out the bucket
+    # collectives more than they add compute: the simulated compute plus the predicted
+    # collectives is shorter than without them.
+    auto, off = mk("auto", "step-time"), mk("off", "step-time")
+    hw = load_hardware("h100")
+
+    def step(p) -> float:  # noqa: ANN001
+        return simulate_plan(p, hw).breakdown()["compute"] + p.comm.predicted_s
+
+    assert auto.dp_shared and step(auto) < step(off)
+    assert max(auto.metrics.dp_load) > max(off.metrics.dp_load)  # the compute alone: worse
 
 
 def test_pair_plans_are_deterministic(tmp_path):
@@ -103,7 +117,10 @@ def test_simulator_puts_each_piece_on_both_owners(q8):
     total_off = sum(r.matrix_flops for r in workload_from_plan(q8["off"],
                                                                load_hardware("h800")).ranks)
     total = sum(r.matrix_flops for r in w.ranks)
-    assert total_off * 0.99 < total < total_off * 1.2  # the split polynomial adds no FLOPs
+    # every shared task's whole FLOPs replaced by its two pieces' (the split polynomial computes
+    # the symmetric P's upper parts only, fewer than the whole task's dense polynomial)
+    expected = total_off + sum(sum(x.flops) - p.tasks[x.id].flops for x in p.dp_shared)
+    assert total == expected and total < total_off
 
 
 def test_edited_pair_plans_are_refused(refused_edit):

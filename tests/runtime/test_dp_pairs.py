@@ -82,6 +82,40 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
         return load_plan(path)
 
 
+def bundle_plan(split: bool = True):
+    """A dp-4 plan from the bundle stage (``planner.bundles``): DP indices paired (0, 1) and
+    (2, 3) up front, each pair sharing several matrices in one lockstep, the buckets'
+    parameters reordered by DP index (the shared one at the boundary between the partners)."""
+    import os
+    import tempfile
+
+    from canzona import load_plan
+    from canzona.planner import OptimizerSettings, ParallelSizes
+    from canzona.planner.bundles import bundle_pairs
+    from canzona.planner.hardware import LinkProfile, load_hardware
+    from canzona.planner.inventory import build_inventory
+    from canzona.planner.plan import SolverOptions
+    from canzona.planner.planning import build_plan, make_problem
+    from canzona.planner.sharing import pair_decision
+
+    problem = make_problem(build_inventory(T.CFG), ParallelSizes(dp=DP, tp=1),
+                           OptimizerSettings(name="muon"), bucket_size=20_000,
+                           comm_dtype="fp32")
+    # exchanges nearly free (this model's matrices are tiny beside an NVLink latency), so
+    # the search shares what evens the loads out
+    h100 = load_hardware("h100")
+    hw = h100.model_copy(update={"intra_node": LinkProfile(busbw=1e15, latency_s=0.0)})
+    got = bundle_pairs(problem, pair_decision(problem, hw, "all-split" if split else "all"), hw)
+    assert got is not None
+    plan = build_plan(*got, solver=SolverOptions(strategy="canzona", solver="none",
+                                                 reorder=True))
+    with tempfile.TemporaryDirectory() as tmp:  # written and read back: a valid plan
+        path = os.path.join(tmp, "bundles.json")
+        with open(path, "w") as f:
+            f.write(plan.to_json())
+        return load_plan(path)
+
+
 BLOCK = 32  # Shampoo's max_preconditioner_dim here: every matrix has two block rows or more
 
 
@@ -106,6 +140,9 @@ CASES = {
     "forced_split": dict(plan=functools.partial(forced_plan, split=True)),
     "forced": dict(plan=functools.partial(forced_plan, split=False), accum=2, clip=0.05),
     "forced_bf16": dict(plan=functools.partial(forced_plan, bf16=True), bf16=True, steps=5),
+    # pairs as bundles: several matrices per pair in one lockstep, on a reordered layout
+    "bundles": dict(plan=bundle_plan, roundtrip=True),
+    "bundles_nosplit": dict(plan=functools.partial(bundle_plan, split=False), accum=2),
     # Shampoo (item 3): block rows hosted apart, against the same blocks hosted whole
     "shampoo_blocks": dict(optimizer="shampoo", plan=shampoo_plan, roundtrip=True),
     "shampoo_whole": dict(optimizer="shampoo", plan=functools.partial(shampoo_plan, "off")),
@@ -293,6 +330,15 @@ def test_logical_checkpoints_across_pairs(world):
         assert all(res["to_whole"].values()), res["to_whole"]
         assert all(res["to_split"].values()), res["to_split"]
     assert sum(len(res["to_split"]) for res in got) > 0
+
+
+def test_bundle_plan_pairs_fixed_partners_with_several_matrices():
+    plan = bundle_plan()
+    per_pair: dict[tuple[int, int], int] = {}
+    for x in plan.dp_shared:
+        per_pair[tuple(x.owners)] = per_pair.get(tuple(x.owners), 0) + 1
+    assert set(per_pair) <= {(0, 1), (2, 3)} and max(per_pair.values()) >= 2, per_pair
+    assert plan.inputs.solver.reorder and {x.phase for x in plan.dp_shared} == {0}
 
 
 def test_forced_plan_shares_gate_up_and_qkv():

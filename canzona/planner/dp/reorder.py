@@ -112,7 +112,7 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000,
     left = [row[:] for row in count]
     done: set[tuple[tuple[int, int], int]] = set()
     ends = [d for pair in zip(range(dp), range(dp - 1, -1, -1)) for d in pair][:dp]
-    for b in _state_heavy(problem) if spread_heavy else ():
+    for b in state_heavy(problem) if spread_heavy else ():
         key = (b.buffer, b.bucket)
         for k, it in enumerate(b.items):
             if not it.atomic:
@@ -136,7 +136,7 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000,
 HEAVY_STATE = 1 / 16
 
 
-def _state_heavy(problem: DPProblem) -> list[BucketProblem]:
+def state_heavy(problem: DPProblem) -> list[BucketProblem]:
     """Dense buckets holding an AdamW tensor with more than HEAVY_STATE of the mean optimizer
     state per DP index (a tied embedding, an output layer), heaviest first."""
     total = sum(it.state_bytes for b in problem.buckets for it in b.items)
@@ -150,11 +150,13 @@ def _state_heavy(problem: DPProblem) -> list[BucketProblem]:
     return sorted(out, key=lambda b: (-heavy(b), b.buffer, b.bucket))
 
 
-def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]]
+def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]], *,
+                    last: dict[tuple[int, int], set[int]] | None = None
                     ) -> tuple[DPProblem, dict[tuple[int, int], list[int]]]:
-    """The problem with every bucket's parameters sorted by rank (stable), offsets rebuilt with
-    Megatron's rules (64-element starts, bucket ends padded to lcm(group size, 128)); and per
-    bucket the ranks of its matrices in the new order."""
+    """The problem with every bucket's parameters sorted by rank (stable; the items of
+    ``last[bucket]`` after the others of their rank), offsets rebuilt with Megatron's rules
+    (64-element starts, bucket ends padded to lcm(group size, 128)); and per bucket the ranks
+    of its matrices in the new order."""
     owners: dict[tuple[int, int], list[int]] = {}
     new_buffers = []
     new_buckets: list[BucketProblem] = []
@@ -166,8 +168,9 @@ def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]]
         for bk in buf.buckets:
             bp = by_key[(bi, bk.index)]
             ranks = rank[(bi, bk.index)]
+            after = (last or {}).get((bi, bk.index), set())
             atomic = sorted((k for k, it in enumerate(bp.items) if it.atomic),
-                            key=lambda k: (ranks[k], k))
+                            key=lambda k: (ranks[k], k in after, k))
             divisible = [k for k, it in enumerate(bp.items) if not it.atomic]
             own = [ranks[k] for k in atomic]
             # AdamW parameters go where the matrices' ranks leave the widest free range, so the
@@ -195,4 +198,4 @@ def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]]
     return dataclasses.replace(problem, layout=layout, buckets=tuple(new_buckets)), owners
 
 
-__all__ = ["assign_free", "reorder_problem"]
+__all__ = ["assign_free", "reorder_problem", "state_heavy"]

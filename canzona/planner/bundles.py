@@ -1,0 +1,291 @@
+"""DP pairs chosen as bundles (tp = 1, Muon): partners fixed first, each pair of DP indices
+sharing several matrices in one lockstep run.
+
+The pair stage of the pipeline (``pipeline._solve_pairs``) cuts candidate matrices into two
+pieces and lets the DP partition place the pieces like any matrix. Partners then rarely share a
+second matrix, so every piece carries its Gram exchanges on its critical path, and a piece's
+load (compute + exchanges) is seldom small enough to fill a DP index's last gap: qwen3-8b at
+dp 64 stays at 1.054× the mean (fc1 0.856 + proj 0.198), which is also the best any placement
+of independently priced pieces reaches.
+
+Pairs that share several matrices run them in lockstep (``runtime.pairs``; the model is
+:func:`~canzona.planner.sharing.lockstep_seconds`): per Newton–Schulz iteration one matrix's
+exchange runs while the next one computes, so the exchanges of a bundle hide behind its compute
+and a shared matrix costs each partner about half its compute. Here the DP indices are paired
+up front, (2s, 2s + 1) — one node, as ``pair_link`` wants — and a search decides, for every
+matrix, whether one DP index holds it whole or a pair shares it. An index's load is its whole
+matrices plus its pair's lockstep (``sharing.pair_waits``: each index is in one pair, so no
+pair waits for another). Start: heaviest matrix first, each where the busiest index it touches
+ends lightest (whole on the lightest index, or shared by the pair whose lockstep grows least);
+then moves and swaps off the busiest index while that lowers it.
+
+A bucket's two pieces of a matrix are neighbours (the cut between the partners falls inside
+it), so a pair shares at most one matrix of each bucket. The result is laid out with
+``dp.reorder`` (each bucket's parameters sorted by DP index, the shared one at the boundary
+between its partners); a trainer whose buffers keep Megatron's order cannot use it
+(``DPOptions.reorder`` off skips this stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from . import comm
+from .dp.reorder import state_heavy, reorder_problem
+from .dp.units import spread_cuts
+from .hardware import HardwareProfile
+from .planning import BucketProblem, Cuts, DPProblem, PairShare, pair_owners, with_pairs
+from .sharing import lockstep_seconds, pair_link
+
+__all__ = ["bundle_pairs"]
+
+Place = tuple[str, int]  # ("w", DP index): whole there; ("s", pair): shared by that pair
+
+
+class _Search:
+    """The placement of every matrix item: whole on a DP index or shared by a fixed pair."""
+
+    def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare]) -> None:
+        self.dp = problem.dp
+        self.npairs = problem.dp // 2
+        self.steps = problem.settings.ns_steps
+        self.load: list[int] = []  # per item, whole
+        self.piece: list[tuple[float, float] | None] = []  # (compute, exchanges) per partner
+        self.key: list[tuple[int, int]] = []  # its bucket
+        self.ref: list[tuple[tuple[int, int], int]] = []  # (bucket, item index in the bucket)
+        for b in problem.buckets:
+            for k, it in enumerate(b.items):
+                if not it.atomic:
+                    continue
+                x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
+                piece = None
+                if x is not None and x.compute_s + x.comm_s > 0:
+                    per = x.loads[0] / (x.compute_s + x.comm_s)  # load units per second
+                    piece = (x.compute_s * per, x.comm_s * per)
+                self.load.append(it.load)
+                self.piece.append(piece)
+                self.key.append((b.buffer, b.bucket))
+                self.ref.append(((b.buffer, b.bucket), k))
+        self.where: list[Place] = [("w", 0)] * len(self.load)
+        self.own = [0.0] * self.dp
+        self.whole: list[set[int]] = [set() for _ in range(self.dp)]
+        self.shared: list[list[int]] = [[] for _ in range(self.npairs)]
+        self.lock = [0.0] * self.npairs
+
+    # -- costs -------------------------------------------------------------------------------
+    def lockstep(self, items: list[int]) -> float:
+        if not items:
+            return 0.0
+        return lockstep_seconds([self.piece[i] for i in items], self.steps)  # type: ignore[misc]
+
+    def cost(self, d: int) -> float:
+        return self.own[d] + (self.lock[d // 2] if d < 2 * self.npairs else 0.0)
+
+    def indices(self, place: Place) -> tuple[int, ...]:
+        return (place[1],) if place[0] == "w" else (2 * place[1], 2 * place[1] + 1)
+
+    def trial(self, ops: list[tuple[int, Place]]) -> dict[int, float] | None:
+        """New loads of the DP indices ``ops`` touch (item → new place), or None when a pair
+        would share two matrices of one bucket."""
+        own: dict[int, float] = {}
+        bundles: dict[int, list[int]] = {}
+        for i, new in ops:
+            for place, sign in ((self.where[i], -1), (new, 1)):
+                if place[0] == "w":
+                    own[place[1]] = own.get(place[1], self.own[place[1]]) + sign * self.load[i]
+                else:
+                    got = bundles.setdefault(place[1], list(self.shared[place[1]]))
+                    if sign < 0:
+                        got.remove(i)
+                    else:
+                        got.append(i)
+        for s, got in bundles.items():
+            if len({self.key[i] for i in got}) != len(got):
+                return None
+        out = {}
+        for d in {d for i, new in ops for p in (self.where[i], new) for d in self.indices(p)}:
+            lock = 0.0
+            if d < 2 * self.npairs:
+                s = d // 2
+                lock = self.lockstep(bundles[s]) if s in bundles else self.lock[s]
+            out[d] = own.get(d, self.own[d]) + lock
+        return out
+
+    def apply(self, ops: list[tuple[int, Place]]) -> None:
+        touched = set()
+        for i, new in ops:
+            for place, add in ((self.where[i], False), (new, True)):
+                if place[0] == "w":
+                    self.own[place[1]] += self.load[i] if add else -self.load[i]
+                    (self.whole[place[1]].add if add else self.whole[place[1]].discard)(i)
+                else:
+                    (self.shared[place[1]].append if add else self.shared[place[1]].remove)(i)
+                    touched.add(place[1])
+            self.where[i] = new
+        for s in touched:
+            self.lock[s] = self.lockstep(self.shared[s])
+
+    # -- construction and search -------------------------------------------------------------
+    def place(self, i: int) -> None:
+        lightest = min(range(self.dp), key=lambda d: (self.cost(d), d))
+        best: tuple[float, int, Place] = (self.cost(lightest) + self.load[i], 0, ("w", lightest))
+        if self.piece[i] is not None:
+            for s in range(self.npairs):
+                if any(self.key[j] == self.key[i] for j in self.shared[s]):
+                    continue
+                lock = self.lockstep(self.shared[s] + [i])
+                worst = max(self.own[2 * s], self.own[2 * s + 1]) + lock
+                if (worst, 1, ("s", s)) < best:
+                    best = (worst, 1, ("s", s))
+        new = best[2]
+        if new[0] == "w":
+            self.own[new[1]] += self.load[i]
+            self.whole[new[1]].add(i)
+        else:
+            self.shared[new[1]].append(i)
+            self.lock[new[1]] = self.lockstep(self.shared[new[1]])
+        self.where[i] = new
+
+    def moves(self, top: int) -> list[list[tuple[int, Place]]]:
+        """Moves and swaps that take work off DP index ``top``."""
+        out: list[list[tuple[int, Place]]] = []
+        here: list[int] = sorted(self.whole[top])
+        if top < 2 * self.npairs:
+            here += self.shared[top // 2]
+        seen = set()
+        for i in here:
+            sig = (self.load[i], self.piece[i], self.where[i][0])
+            if sig in seen:
+                continue
+            seen.add(sig)
+            for d in range(self.dp):
+                if ("w", d) != self.where[i]:
+                    out.append([(i, ("w", d))])
+                for j in self.whole[d] if d != top else ():
+                    if self.load[j] < self.load[i] or self.where[i][0] == "s":
+                        out.append([(i, ("w", d)), (j, self.where[i])])
+            if self.piece[i] is None:
+                continue
+            for s in range(self.npairs):
+                if ("s", s) != self.where[i]:
+                    out.append([(i, ("s", s))])
+                    if self.where[i][0] == "s":
+                        for j in self.shared[s]:
+                            out.append([(i, ("s", s)), (j, self.where[i])])
+        return out
+
+    def improve(self, max_moves: int) -> None:
+        for _ in range(max_moves):
+            costs = [self.cost(d) for d in range(self.dp)]
+            top = max(range(self.dp), key=lambda d: (costs[d], -d))
+            ceiling = costs[top]
+            best: tuple[float, float] | None = None
+            chosen = None
+            for ops in self.moves(top):
+                if any(new[0] == "s" and self.piece[i] is None for i, new in ops):
+                    continue
+                got = self.trial(ops)
+                if got is None:
+                    continue
+                worst = max(got.values())
+                if worst >= ceiling:
+                    continue
+                score = (worst, sum(got.values()) - sum(costs[d] for d in got))
+                if best is None or score < best:
+                    best, chosen = score, ops
+            if chosen is None:
+                return
+            self.apply(chosen)
+
+
+def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: HardwareProfile, *,
+                 max_moves: int = 5000) -> tuple[DPProblem, Cuts] | None:
+    """A partition with DP pairs as bundles: (the reordered problem with the pairs it uses,
+    its cuts), or None where it does not apply (not Muon, tp > 1, expert buffers, fewer than
+    two DP indices, no candidate, or partners (2s, 2s + 1) on two nodes)."""
+    if problem.settings.name != "muon" or problem.sizes.tp != 1 or problem.dp < 2 or not pairs \
+            or any(buf.expert for buf in problem.layout.buffers) \
+            or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
+        return None
+    search = _Search(problem, pairs)
+    for i in sorted(range(len(search.load)), key=lambda i: (-search.load[i], i)):
+        search.place(i)
+    search.improve(max_moves)
+    # Lay it out: each bucket's parameters by DP index, a shared one last among its first
+    # partner's (its second piece then opens the second partner's range).
+    rank = {(b.buffer, b.bucket): [0] * len(b.items) for b in problem.buckets}
+    last: dict[tuple[int, int], set[int]] = {}
+    used: dict[int, PairShare] = {}
+    for i, (key, k) in enumerate(search.ref):
+        kind, at = search.where[i]
+        rank[key][k] = at if kind == "w" else 2 * at
+        if kind == "s":
+            last.setdefault(key, set()).add(k)
+            task = next(b for b in problem.buckets if (b.buffer, b.bucket) == key).items[k].tasks[0]
+            used[task] = pairs[task]
+    if not used:
+        return None
+    rp, owners = reorder_problem(problem, rank, last=last)
+    paired = with_pairs(rp, used)
+    expanded: dict[tuple[int, int], list[int]] = {}
+    for b, pb in zip(rp.buckets, paired.buckets):
+        key = (b.buffer, b.bucket)
+        ranks = iter(owners[key])
+        out: list[int] = []
+        for it in b.items:
+            if not it.atomic:
+                continue
+            d = next(ranks)
+            out += [d, d + 1] if len(it.tasks) == 1 and it.tasks[0] in used else [d]
+        assert len(out) == sum(1 for it in pb.items if it.atomic)
+        expanded[key] = out
+    cuts = _cheaper_cuts(paired, expanded, hw)
+    got = pair_owners(paired, cuts)
+    assert all(got[t] == (2 * search.where[i][1], 2 * search.where[i][1] + 1)
+               for i, (key, k) in enumerate(search.ref) if search.where[i][0] == "s"
+               for t in [next(b for b in problem.buckets
+                              if (b.buffer, b.bucket) == key).items[k].tasks[0]]), \
+        "a shared matrix's pieces left their partners"
+    return paired, cuts
+
+
+def _compact_cuts(b: BucketProblem, owners: list[int]) -> tuple[int, ...]:
+    """Cut points of bucket ``b`` given its matrices' ranks, the AdamW elements after a matrix
+    on its rank (those before the first matrix on the first one's): the fewest non-empty
+    slices, so the fewest per-root calls."""
+    atomic = [it for it in b.items if it.atomic]
+    cuts = [b.start]
+    for r in range(1, b.ranks):
+        if r <= owners[0]:
+            cuts.append(b.start)
+        else:
+            cuts.append(next((it.start for it, d in zip(atomic, owners) if d >= r), b.end))
+    return tuple(cuts) + (b.end,)
+
+
+def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
+                  hw: HardwareProfile) -> Cuts:
+    """Per bucket, the AdamW elements spread over the ranks between their neighbours (as
+    ZeRO-1 shares them: ``dp.units.spread_cuts``) or kept with a neighbouring matrix, whichever
+    the bucket's collectives take less time with (``comm.choose`` on the plan's DP link); a
+    bucket holding a state-heavy AdamW tensor (an embedding) always spreads it. The matrices'
+    owners are the same either way."""
+    _, link = comm.plan_link(hw, problem.sizes.dp, problem.sizes.tp)
+    heavy = {(b.buffer, b.bucket) for b in state_heavy(problem)}
+    out: Cuts = {}
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        spread = spread_cuts(b, owners[key])
+        if not owners[key] or key in heavy:  # a state-heavy AdamW tensor: spread, as ZeRO-1
+            out[key] = spread
+            continue
+        buf = problem.layout.buffers[b.buffer]
+        g, p = comm.ELEMENT_BYTES[buf.grad_dtype], comm.ELEMENT_BYTES[buf.dtype]
+
+        def seconds(c: tuple[int, ...]) -> float:
+            return comm.choose([y - x for x, y in zip(c, c[1:])], grad_bytes=g, param_bytes=p,
+                               link=link).seconds
+
+        compact = _compact_cuts(b, owners[key])
+        out[key] = compact if seconds(compact) < seconds(spread) else spread
+    return out

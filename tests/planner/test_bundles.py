@@ -1,0 +1,140 @@
+"""DP pairs as bundles (issue 18, tp = 1; ``canzona.planner.bundles``): DP indices paired up
+front, each pair sharing several Muon matrices in one lockstep so that their exchanges hide
+behind each other's compute. qwen3-8b at dp 64 on the H800 profile: the whole-matrix plan sits
+at 1.054× the mean (fc1 0.856 + proj 0.198 is the best bin), and so does every placement of
+pieces priced with their exchanges (a pattern ILP says 1.0535); bundles reach below the mean."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+
+from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions
+from canzona.planner.bundles import bundle_pairs
+from canzona.planner.hardware import load_hardware
+from canzona.planner.inventory import build_inventory
+from canzona.planner.models import ModelConfig
+from canzona.planner.pipeline import inventory_of, plan
+from canzona.planner.planning import make_problem, pair_owners
+from canzona.planner.plan import save_plan
+from canzona.planner.report import pairs_dict
+from canzona.planner.sharing import pair_decision, pair_waits
+from canzona.planner.simulate import simulate_plan
+from canzona.planner.validate import load_plan
+
+H800 = load_hardware("h800")
+
+
+def _plan(dp: int, objective: str, share: str = "auto", model: str = "qwen3-8b"):
+    return plan(model, ParallelSizes(dp=dp, tp=1), dp_options=DPOptions(objective=objective),
+                tp_options=TPOptions(share=share, hardware="h800"))
+
+
+@pytest.fixture(scope="module")
+def q8_64():
+    return {o: _plan(64, o) for o in ("max-load", "step-time")}
+
+
+def _path(p) -> float:  # noqa: ANN001
+    return simulate_plan(p, H800).breakdown()["compute"]
+
+
+def test_bundles_take_qwen3_8b_dp64_under_the_issue_target(q8_64):
+    p = q8_64["max-load"]
+    rep = pairs_dict(p)
+    assert rep is not None and rep["run_max_over_useful_mean"] <= 1.02  # the issue: ≤ 1.02
+    # every pair is (2s, 2s + 1), in one node, one lockstep each (a single phase)
+    assert all(x.owners[1] == x.owners[0] + 1 and x.owners[0] % 2 == 0 for x in p.dp_shared)
+    assert rep["across_nodes"] == 0 and rep["phases"] == 1
+    per_pair: dict[tuple[int, int], int] = {}
+    for x in p.dp_shared:
+        per_pair[tuple(x.owners)] = per_pair.get(tuple(x.owners), 0) + 1
+    assert max(per_pair.values()) >= 2  # bundles, not lone pairs
+    # the simulated compute path against the whole-matrix plan's
+    whole = _plan(64, "max-load", "off")
+    assert _path(p) < 0.95 * _path(whole)
+    # the optimizer state stays balanced (AdamW's embedding spread, pieces by rows)
+    state = p.metrics.dp_state_bytes
+    assert max(state) <= 1.10 * sum(state) / len(state)
+
+
+def test_the_default_objective_weighs_the_collectives_the_bundles_add(q8_64):
+    # step-time: the pairs' extra per-root calls cost more than the compute they save at dp
+    # 64, so the plan without pairs stays; its modelled step is the shorter one
+    default, bundles = q8_64["step-time"], q8_64["max-load"]
+    assert not default.dp_shared
+    assert _path(default) + default.comm.predicted_s < _path(bundles) + bundles.comm.predicted_s
+
+
+def test_bundle_plans_are_deterministic_and_valid_files(q8_64, tmp_path):
+    a = q8_64["max-load"]
+    assert _plan(64, "max-load").to_json() == a.to_json()
+    save_plan(a, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json").to_json() == a.to_json()
+
+
+def test_bundles_at_dp256_halve_the_floor():
+    # fc1 alone is 3.42× the mean; shared by a pair, each half with its partner's lockstep
+    p = _plan(256, "step-time")
+    rep = pairs_dict(p)
+    assert rep is not None and rep["run_max_over_useful_mean"] < 2.0
+    assert rep["phases"] == 1 and rep["across_nodes"] == 0
+
+
+def _small(dp: int = 8):
+    spec, _ = inventory_of("qwen3-0.6b")
+    return make_problem(spec, ParallelSizes(dp=dp, tp=1))
+
+
+def _free_links():
+    """H800 with exchanges free over NVLink: the search shares whatever evens loads out."""
+    from canzona.planner.hardware import LinkProfile
+
+    return H800.model_copy(update={"intra_node": LinkProfile(busbw=1e15, latency_s=0.0)})
+
+
+def test_search_loads_are_the_runtime_model_and_buckets_hold_one_piece_pair_per_pair():
+    problem = _small()
+    hw = _free_links()
+    got = bundle_pairs(problem, pair_decision(problem, hw, "all-split"), hw)
+    assert got is not None
+    used, cuts = got
+    owners = pair_owners(used, cuts)
+    assert owners and all(b == a + 1 and a % 2 == 0 for a, b in owners.values())
+    for b in used.buckets:  # a pair's pieces of a bucket: one matrix at most
+        shared = {it.tasks[0] for it in b.items if len(it.tasks) == 1
+                  and it.tasks[0] in used.pairs}
+        pairs = [owners[t] for t in shared]
+        assert len(pairs) == len(set(pairs)), (b.bucket, pairs)
+    # the busiest index (pairs in lockstep) against the whole-matrix partition's
+    solve = importlib.import_module("canzona.planner.dp.solve").solve
+    whole = solve(problem, DPOptions(objective="max-load"), hardware=hw)
+    assert max(pair_waits(used, cuts)) < max(pair_waits(whole.problem, whole.cuts))
+
+
+def test_not_applied_where_it_does_not_fit():
+    hw = _free_links()
+    problem = _small()
+    pairs = pair_decision(problem, hw, "all-split")
+    assert bundle_pairs(problem, {}, hw) is None
+    odd = hw.model_copy(update={"gpus_per_node": 1})  # partners on two nodes
+    assert bundle_pairs(problem, pairs, odd) is None
+    shampoo = dataclasses.replace(problem, settings=OptimizerSettings(name="shampoo"))
+    assert bundle_pairs(shampoo, pairs, hw) is None
+    moe = ModelConfig(name="tiny-moe", arch="qwen3_moe", hidden=256, ffn=0, layers=2, q_heads=4,
+                      kv_heads=2, head_dim=64, vocab=1000, tied_embeddings=False, qk_norm=True,
+                      num_experts=4, experts_per_token=2, moe_ffn=128)
+    mp = make_problem(build_inventory(moe), ParallelSizes(dp=4, tp=1, ep=2))
+    assert bundle_pairs(mp, pair_decision(mp, hw, "all-split"), hw) is None
+
+
+def test_reorder_off_keeps_megatron_order():
+    # a trainer whose buffers follow Megatron's order: the bundle stage (a reordering) is off
+    p = plan("qwen3-8b", ParallelSizes(dp=64, tp=1),
+             dp_options=DPOptions(objective="max-load", reorder=False),
+             tp_options=TPOptions(share="auto", hardware="h800"))
+    assert not p.inputs.solver.reorder
+    rep = pairs_dict(p)
+    assert rep is None or rep["run_max_over_useful_mean"] > 1.02
