@@ -28,13 +28,15 @@ between its partners); a trainer whose buffers keep Megatron's order cannot use 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from . import comm
 from .dp.reorder import state_heavy, reorder_problem
 from .dp.units import spread_cuts
 from .hardware import HardwareProfile
-from .planning import BucketProblem, Cuts, DPProblem, PairShare, pair_owners, with_pairs
+from .planning import (BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners,
+                       with_pairs)
 from .sharing import lockstep_seconds, pair_link
 
 __all__ = ["bundle_pairs"]
@@ -263,29 +265,74 @@ def _compact_cuts(b: BucketProblem, owners: list[int]) -> tuple[int, ...]:
     return tuple(cuts) + (b.end,)
 
 
+def _spread_over(b: BucketProblem, owners: list[int], width: int) -> tuple[int, ...]:
+    """:func:`~canzona.planner.dp.units.spread_cuts` with the AdamW elements between two
+    matrices (or a bucket end) shared by at most ``width`` ranks, the first of the range."""
+    atomic = [it for it in b.items if it.atomic]
+    cuts = [b.start] + [0] * (b.ranks - 1) + [b.end]
+    prev_end, prev = b.start, 0
+    for k in range(len(atomic) + 1):
+        lo, hi = prev_end, atomic[k].start if k < len(atomic) else b.end
+        nxt = owners[k] if k < len(atomic) else b.ranks - 1
+        share = min(nxt - prev + 1, width)
+        for r in range(prev + 1, nxt + 1):
+            cuts[r] = lo + (hi - lo) * (r - prev) // share if r - prev < share else hi
+        if k < len(atomic):
+            prev_end, prev = atomic[k].end, nxt
+    return tuple(cuts)
+
+
 def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
                   hw: HardwareProfile) -> Cuts:
-    """Per bucket, the AdamW elements spread over the ranks between their neighbours (as
-    ZeRO-1 shares them: ``dp.units.spread_cuts``) or kept with a neighbouring matrix, whichever
-    the bucket's collectives take less time with (``comm.choose`` on the plan's DP link); a
-    bucket holding a state-heavy AdamW tensor (an embedding) always spreads it. The matrices'
-    owners are the same either way."""
+    """Per bucket, where its AdamW elements go given its matrices' owners, whichever the
+    bucket's collectives take least time with (``comm.choose`` on the plan's DP link): spread
+    over the ranks between their neighbours (as ZeRO-1 shares them: ``dp.units.spread_cuts``)
+    or kept with a neighbouring matrix (fewest non-empty slices, so fewest per-root calls). A
+    bucket holding a state-heavy AdamW tensor (an embedding) spreads it over as few ranks as
+    keep every index's optimizer state under ``dp.solve.state_target`` (or no higher than
+    spreading it over all). The matrices' owners are the same either way."""
+    from .dp.solve import state_target
+
     _, link = comm.plan_link(hw, problem.sizes.dp, problem.sizes.tp)
     heavy = {(b.buffer, b.bucket) for b in state_heavy(problem)}
+
+    def seconds(b: BucketProblem, c: tuple[int, ...]) -> float:
+        buf = problem.layout.buffers[b.buffer]
+        return comm.choose([y - x for x, y in zip(c, c[1:])],
+                           grad_bytes=comm.ELEMENT_BYTES[buf.grad_dtype],
+                           param_bytes=comm.ELEMENT_BYTES[buf.dtype], link=link).seconds
+
     out: Cuts = {}
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         spread = spread_cuts(b, owners[key])
-        if not owners[key] or key in heavy:  # a state-heavy AdamW tensor: spread, as ZeRO-1
-            out[key] = spread
+        if not owners[key] or key in heavy:
+            out[key] = spread  # heavy ones are narrowed below, given the others' state
             continue
-        buf = problem.layout.buffers[b.buffer]
-        g, p = comm.ELEMENT_BYTES[buf.grad_dtype], comm.ELEMENT_BYTES[buf.dtype]
-
-        def seconds(c: tuple[int, ...]) -> float:
-            return comm.choose([y - x for x, y in zip(c, c[1:])], grad_bytes=g, param_bytes=p,
-                               link=link).seconds
-
         compact = _compact_cuts(b, owners[key])
-        out[key] = compact if seconds(compact) < seconds(spread) else spread
+        out[key] = compact if seconds(b, compact) < seconds(b, spread) else spread
+    if not heavy:
+        return out
+    cap = state_target(problem)
+    state = list(evaluate(problem, out).state_bytes)
+    for b in problem.buckets:
+        key = (b.buffer, b.bucket)
+        if key not in heavy:
+            continue
+        alone = dataclasses.replace(problem, buckets=(b,))
+        mine = evaluate(alone, {key: out[key]}).state_bytes
+        rest = [x - y for x, y in zip(state, mine)]
+        ceiling = max(cap, max(x + y for x, y in zip(rest, mine)))
+        best = (seconds(b, out[key]), out[key], mine)
+        width = 1
+        while width < b.ranks:
+            c = _spread_over(b, owners[key], width) if owners[key] else \
+                tuple(min(b.start + (b.end - b.start) * r // width, b.end)
+                      for r in range(b.ranks)) + (b.end,)
+            got = evaluate(alone, {key: c}).state_bytes
+            if max(x + y for x, y in zip(rest, got)) <= ceiling and seconds(b, c) < best[0]:
+                best = (seconds(b, c), c, got)
+            width *= 2
+        out[key] = best[1]
+        state = [x + y for x, y in zip(rest, best[2])]
     return out
