@@ -29,6 +29,8 @@ kept here (``None`` is the default group, looked up by each call; see ``CanzonaO
 
 from __future__ import annotations
 
+import time
+
 from datetime import timedelta
 from typing import Any
 
@@ -280,12 +282,20 @@ class _Works:
         return all(w is None or w.is_completed() for w in self.works)
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        for w in self.works:
-            if w is not None:
-                if timeout is None:
-                    w.wait()
-                else:
-                    w.wait(timeout=timeout)
+        wait_within([w for w in self.works if w is not None], timeout)
+
+
+def wait_within(works: list[Any], timeout: timedelta | None) -> None:
+    """Wait for ``works`` one after another within one ``timeout`` for them all (each gets
+    what the ones before it left), not a full timeout each."""
+    if timeout is None:
+        for w in works:
+            w.wait()
+        return
+    end = time.monotonic() + timeout.total_seconds()
+    for w in works:
+        # a floor of 1 ms: a work already done returns at once, one still running times out
+        w.wait(timeout=timedelta(seconds=max(end - time.monotonic(), 1e-3)))
 
 
 def _per_root(group: Any, device: torch.device, calls: list) -> Any:

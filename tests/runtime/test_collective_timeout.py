@@ -88,3 +88,42 @@ def test_a_stopped_rank_fails_the_others_within_the_timeout(tmp_path):
     assert not any("Bucket(" in w for w in flight["in_flight"])
     with pytest.raises(ValueError, match="collective_timeout"):
         CanzonaOptimizer(TinyGPT(), None, collective_timeout=0)  # checked before anything else
+
+
+class _Slow:
+    """A work handle taking ``seconds``; a wait shorter than that raises as gloo's does."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.given: list[float] = []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.given.append(timeout.total_seconds())
+        if timeout.total_seconds() < self.seconds:
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Timed out waiting for the work")
+        time.sleep(self.seconds)
+        return True
+
+
+def test_several_stages_share_one_timeout():
+    # a TPPair sum is three stages (TP reduce-scatter, partner exchange, TP all-gather), each a
+    # handle: the timeout is for them all, each stage waits only for what the ones before it left
+    from canzona.runtime.collectives import wait_within
+    from canzona.runtime.optim.shared_ns import _Then
+
+    stages = [_Slow(0.2), _Slow(0.2), _Slow(0.2)]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        wait_within(stages, timedelta(seconds=0.5))
+    assert time.monotonic() - t0 < 0.65  # one budget, not 0.5 s per stage
+    assert stages[1].given[0] < 0.35 and stages[2].given[0] < 0.15
+    first, second = _Slow(0.3), _Slow(0.3)
+    chained = _Then(first, lambda: second)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        chained.wait(timeout=timedelta(seconds=0.5))
+    assert time.monotonic() - t0 < 0.65 and second.given[0] < 0.25
+    ok = [_Slow(0.01), _Slow(0.01)]
+    wait_within(ok, timedelta(seconds=1))
+    assert all(len(w.given) == 1 for w in ok)

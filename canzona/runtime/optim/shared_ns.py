@@ -115,8 +115,10 @@ Gram (m × m) and is refused.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -130,7 +132,7 @@ from canzona.planner.formulas import (
     poly_flops,
     poly_packed_numel,
 )
-from canzona.runtime.collectives import wait_for
+from canzona.runtime.collectives import wait_for, wait_within
 from canzona.runtime.optim.muon import (
     DEFAULT_COEFFICIENTS,
     Coefficients,
@@ -485,16 +487,14 @@ class _Then:
         self.first, self.then, self.second = first, then, None
 
     def wait(self, timeout: Any = None) -> bool:
+        """Both stages within one ``timeout`` (a timedelta; the second gets what the first
+        left)."""
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
         if self.second is None:
-            if timeout is None:
-                self.first.wait()
-            else:
-                self.first.wait(timeout=timeout)
+            wait_within([self.first], timeout)
             self.second = self.then()
-        if timeout is None:
-            self.second.wait()
-        else:
-            self.second.wait(timeout=timeout)
+        left = None if end is None else timedelta(seconds=max(end - time.monotonic(), 1e-3))
+        wait_within([self.second], left)
         return True
 
     def is_completed(self) -> bool:
@@ -509,11 +509,7 @@ class _Exchange:
         self.works, self.finish = works, finish
 
     def wait(self, timeout: Any = None) -> bool:
-        for w in self.works:
-            if timeout is None:
-                w.wait()
-            else:
-                w.wait(timeout=timeout)
+        wait_within(self.works, timeout)
         if self.finish is not None:
             self.finish()
             self.finish = None
