@@ -176,6 +176,27 @@ class _Search:
                             out.append([(i, ("s", s)), (j, self.where[i])])
         return out
 
+    def unshare(self) -> None:
+        """Shared matrices made whole again wherever that keeps every DP index at or under the
+        busiest one (lightest first, each on the index where it ends lowest): each one fewer
+        is a bucket slice and its exchanges fewer, at no cost to the busiest index."""
+        ceiling = max(self.cost(d) for d in range(self.dp))
+        for i in sorted((i for i, w in enumerate(self.where) if w[0] == "s"),
+                        key=lambda i: (self.load[i], i)):
+            best = None
+            s = self.where[i][1]
+            lightest = min((d for d in range(self.dp) if d // 2 != s),
+                           key=lambda d: (self.cost(d), d), default=None)
+            for d in sorted({2 * s, 2 * s + 1} | ({lightest} - {None})):
+                got = self.trial([(i, ("w", d))])
+                if got is None or max(got.values()) > ceiling:
+                    continue
+                score = (max(got.values()), d)
+                if best is None or score < best[0]:
+                    best = (score, d)
+            if best is not None:
+                self.apply([(i, ("w", best[1]))])
+
     def improve(self, max_moves: int) -> None:
         for _ in range(max_moves):
             costs = [self.cost(d) for d in range(self.dp)]
@@ -213,6 +234,7 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
     for i in sorted(range(len(search.load)), key=lambda i: (-search.load[i], i)):
         search.place(i)
     search.improve(max_moves)
+    search.unshare()
     # Lay it out: each bucket's parameters by DP index, a shared one last among its first
     # partner's (its second piece then opens the second partner's range).
     rank = {(b.buffer, b.bucket): [0] * len(b.items) for b in problem.buckets}
@@ -241,7 +263,11 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
             out += [d, d + 1] if len(it.tasks) == 1 and it.tasks[0] in used else [d]
         assert len(out) == sum(1 for it in pb.items if it.atomic)
         expanded[key] = out
-    cuts = _cheaper_cuts(paired, expanded, hw)
+    # the optimizer state's target of the plan without pairs (``dp.solve.state_target``: its
+    # largest whole matrix, not a piece, or 1.1 × the mean)
+    from .dp.solve import state_target
+
+    cuts = _cheaper_cuts(paired, expanded, hw, state_target(problem))
     got = pair_owners(paired, cuts)
     assert all(got[t] == (2 * search.where[i][1], 2 * search.where[i][1] + 1)
                for i, (key, k) in enumerate(search.ref) if search.where[i][0] == "s"
@@ -283,16 +309,14 @@ def _spread_over(b: BucketProblem, owners: list[int], width: int) -> tuple[int, 
 
 
 def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
-                  hw: HardwareProfile) -> Cuts:
+                  hw: HardwareProfile, cap: float) -> Cuts:
     """Per bucket, where its AdamW elements go given its matrices' owners, whichever the
     bucket's collectives take least time with (``comm.choose`` on the plan's DP link): spread
     over the ranks between their neighbours (as ZeRO-1 shares them: ``dp.units.spread_cuts``)
     or kept with a neighbouring matrix (fewest non-empty slices, so fewest per-root calls). A
     bucket holding a state-heavy AdamW tensor (an embedding) spreads it over as few ranks as
-    keep every index's optimizer state under ``dp.solve.state_target`` (or no higher than
-    spreading it over all). The matrices' owners are the same either way."""
-    from .dp.solve import state_target
-
+    keep every index's optimizer state under ``cap`` (or no higher than spreading it over all).
+    The matrices' owners are the same either way."""
     _, link = comm.plan_link(hw, problem.sizes.dp, problem.sizes.tp)
     heavy = {(b.buffer, b.bucket) for b in state_heavy(problem)}
 
@@ -313,7 +337,6 @@ def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
         out[key] = compact if seconds(b, compact) < seconds(b, spread) else spread
     if not heavy:
         return out
-    cap = state_target(problem)
     state = list(evaluate(problem, out).state_bytes)
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
