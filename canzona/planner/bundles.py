@@ -163,7 +163,7 @@ class _Search:
             for d in range(self.dp):
                 if ("w", d) != self.where[i]:
                     out.append([(i, ("w", d))])
-                for j in self.whole[d] if d != top else ():
+                for j in sorted(self.whole[d]) if d != top else ():
                     if self.load[j] < self.load[i] or self.where[i][0] == "s":
                         out.append([(i, ("w", d)), (j, self.where[i])])
             if self.piece[i] is None:
