@@ -1,4 +1,4 @@
-"""How low DP pairs can take a tp-1 plan's busiest index, by exact packing of matrix kinds.
+"""How low DP pairs can take a tp-1 plan's busiest index: a restricted pattern ILP.
 
 A check of ``planner.bundles`` against an optimum, layout aside (no bucket order, no cuts): the
 DP indices are bins and the matrices of each kind (one transformer layer's QKV, proj, fc1, fc2,
@@ -10,14 +10,17 @@ shared matrix:
   partition's pair stage assumed: partners rarely share a second matrix);
 * ``bundles``: indices paired (2s, 2s + 1); a pair's shared matrices run in one lockstep,
   max(Σ compute, Σ exchanges + the shortest compute) per iteration
-  (``sharing.lockstep_seconds``), each partner then also holding whole matrices.
+  (``sharing.lockstep_seconds``), each partner then also holding whole matrices; a pair's
+  lockstep scratch within 2 · C_max (``--cmax``, MiB, as the planner's ``TPOptions.cmax_mib``).
 
 For each, CP-SAT decides over patterns (which matrices a bin, or a pair of bins, holds) whether
 every index can stay under a ceiling, and a bisection finds the lowest ceiling (max/mean, the
-mean being the useful work per index). Then the planner's bundle stage on the real layout.
-Torch-free; about 2 s.
+mean being the useful work per index). Restricted: at most 3 matrices of a kind per bundle (which
+can only raise it), the layers' matrices only, no AdamW, no bucket order and not the rule that
+a pair shares one matrix per bucket (which can lower it) — a reference for the search, not a
+bound. Then the planner's bundle stage on the real layout. Torch-free; about 2 s.
 
-    python benchmarks/bench_pair_patterns.py [--model qwen3-8b] [--dp 64]
+    python benchmarks/bench_pair_patterns.py [--model qwen3-8b] [--dp 64] [--cmax 512]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from ortools.sat.python import cp_model
 
 from canzona.planner.bundles import bundle_pairs
+from canzona.planner.formulas import LOCKSTEP_CMAX, lockstep_bytes
 from canzona.planner.hardware import load_hardware
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.pipeline import inventory_of
@@ -57,7 +61,10 @@ def _solve(model: cp_model.CpModel) -> bool:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = 60
     solver.parameters.num_workers = 2
-    return solver.Solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    status = solver.Solve(model)
+    if status == cp_model.UNKNOWN:
+        raise SystemExit("CP-SAT decided nothing within 60 s: no figure rather than a wrong one")
+    return status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
 
 
 def _multisets(weights: list[float], cap: float) -> list[tuple[tuple[int, ...], float]]:
@@ -91,12 +98,16 @@ def pieces_feasible(kinds: dict, dp: int, cap: float) -> bool:
     return _solve(m)
 
 
-def bundles_feasible(kinds: dict, dp: int, cap: float, steps: int, most: int = 3) -> bool:
-    """Indices paired; per pair a bundle of shared matrices (≤ ``most`` of a kind) in lockstep,
-    per index whole matrices beside it, every index ≤ cap."""
+def bundles_feasible(kinds: dict, dp: int, cap: float, steps: int, scratch: dict[str, int],
+                     scratch_cap: float, most: int = 3) -> bool:
+    """Indices paired; per pair a bundle of shared matrices (≤ ``most`` of a kind, their
+    ``scratch`` within ``scratch_cap`` bytes) in lockstep, per index whole matrices beside it,
+    every index ≤ cap."""
     names = list(kinds)
     bundles = []
     for cnt in itertools.product(range(most + 1), repeat=len(names)):
+        if sum(scratch[k] * c for k, c in zip(names, cnt)) > scratch_cap:
+            continue
         pieces = [(kinds[k][2], kinds[k][3]) for k, c in zip(names, cnt) for _ in range(c)]
         lock = lockstep_seconds(pieces, steps) if pieces else 0.0
         if lock <= cap:
@@ -135,6 +146,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--dp", type=int, default=64)
     ap.add_argument("--hardware", default="h800")
+    ap.add_argument("--cmax", type=float, default=512.0, help="C_max, MiB (the planner's default)")
     args = ap.parse_args()
     hw = load_hardware(args.hardware)
     spec, _ = inventory_of(args.model)
@@ -149,11 +161,19 @@ def main() -> None:
     t0 = time.perf_counter()
     hi = max(2 * whole_top, 2.0)
     p = lowest(lambda c: pieces_feasible(kinds, args.dp, c), 0.5, hi)
-    b = lowest(lambda c: bundles_feasible(kinds, args.dp, c, problem.settings.ns_steps), 0.5, hi)
-    print(f"optimum, pieces priced alone: {p:.4f}; bundles of fixed pairs: {b:.4f} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    scratch = {}
+    for t in problem.tasks:
+        if ".layers.0." in t.name and t.name.split(".")[-2] in kinds:
+            m, n = max(t.shape), min(t.shape)
+            scratch[t.name.split(".")[-2]] = lockstep_bytes(-(-m // 2), n, 2, True, 2)
+    cap = LOCKSTEP_CMAX * args.cmax * 2**20
+    b = lowest(lambda c: bundles_feasible(kinds, args.dp, c, problem.settings.ns_steps, scratch,
+                                          cap), 0.5, hi)
+    print(f"restricted ILP, pieces priced alone: {p:.4f}; bundles of fixed pairs (lockstep "
+          f"scratch ≤ {cap / 2**30:.2f} GiB): {b:.4f} ({time.perf_counter() - t0:.1f} s)")
     t0 = time.perf_counter()
-    got = bundle_pairs(problem, pair_decision(problem, hw, "all-split"), hw)
+    got = bundle_pairs(problem, pair_decision(problem, hw, "all-split"), hw,
+                       scratch_cap=int(cap))
     if got is None:
         print("planner.bundles: not applicable here")
         return

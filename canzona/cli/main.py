@@ -227,7 +227,8 @@ def plan(
     no_overlap: NoOverlapOpt = False,
     cmax: Annotated[float, typer.Option(
         "--cmax", help="TP micro-group cap C_max: MiB of gathered full matrices per host rank "
-                       "and group (tp > 1).")] = 512.0,
+                       "and group (tp > 1); a lockstep of shared matrices (a TP group's "
+                       "batch, a DP pair's bundle) holds at most 2 · C_max of scratch.")] = 512.0,
     tp_solver: Annotated[str, typer.Option(
         "--tp-solver", help="TP hosting: greedy (the paper's LPT with rollback) or cpsat "
                             "(greedy, then CP-SAT per micro-group).")] = "greedy",

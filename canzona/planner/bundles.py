@@ -37,6 +37,7 @@ from .dp.units import spread_cuts
 from .hardware import HardwareProfile
 from .planning import (BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners,
                        with_pairs)
+from .formulas import lockstep_bytes
 from .sharing import lockstep_seconds, pair_link
 
 __all__ = ["bundle_pairs"]
@@ -47,23 +48,31 @@ Place = tuple[str, int]  # ("w", DP index): whole there; ("s", pair): shared by 
 class _Search:
     """The placement of every matrix item: whole on a DP index or shared by a fixed pair."""
 
-    def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare]) -> None:
+    def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare],
+                 scratch_cap: int = 0) -> None:
         self.dp = problem.dp
+        self.cap = scratch_cap  # a pair's lockstep scratch, bytes (0: unbounded)
         self.npairs = problem.dp // 2
         self.steps = problem.settings.ns_steps
         self.load: list[int] = []  # per item, whole
         self.piece: list[tuple[float, float] | None] = []  # (compute, exchanges) per partner
         self.key: list[tuple[int, int]] = []  # its bucket
         self.ref: list[tuple[tuple[int, int], int]] = []  # (bucket, item index in the bucket)
+        self.task: list[int] = []  # its (first) task
+        self.scratch: list[int] = []  # bytes its piece holds in a pair's lockstep
         for b in problem.buckets:
             for k, it in enumerate(b.items):
                 if not it.atomic:
                     continue
                 x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
-                piece = None
+                piece, scratch = None, 0
                 if x is not None and x.compute_s + x.comm_s > 0:
                     per = x.loads[0] / (x.compute_s + x.comm_s)  # load units per second
                     piece = (x.compute_s * per, x.comm_s * per)
+                    m, n = max(problem.tasks[it.tasks[0]].shape), min(problem.tasks[it.tasks[0]].shape)
+                    scratch = lockstep_bytes(-(-m // 2), n, 2, x.split_poly, 2)
+                self.task.append(it.tasks[0])
+                self.scratch.append(scratch)
                 self.load.append(it.load)
                 self.piece.append(piece)
                 self.key.append((b.buffer, b.bucket))
@@ -76,9 +85,19 @@ class _Search:
 
     # -- costs -------------------------------------------------------------------------------
     def lockstep(self, items: list[int]) -> float:
+        """A pair's lockstep over ``items`` (summed in item order, so that the same bundle
+        always costs the same to the last bit)."""
         if not items:
             return 0.0
-        return lockstep_seconds([self.piece[i] for i in items], self.steps)  # type: ignore[misc]
+        return lockstep_seconds([self.piece[i] for i in sorted(items)],  # type: ignore[misc]
+                                self.steps)
+
+    def fits(self, items: list[int]) -> bool:
+        """Whether a pair may share ``items``: every one has a piece, no two of one bucket (its
+        two pieces are neighbours in the bucket), their scratch within the cap."""
+        return all(self.piece[i] is not None for i in items) \
+            and len({self.key[i] for i in items}) == len(items) \
+            and (not self.cap or sum(self.scratch[i] for i in items) <= self.cap)
 
     def cost(self, d: int) -> float:
         return self.own[d] + (self.lock[d // 2] if d < 2 * self.npairs else 0.0)
@@ -88,7 +107,7 @@ class _Search:
 
     def trial(self, ops: list[tuple[int, Place]]) -> dict[int, float] | None:
         """New loads of the DP indices ``ops`` touch (item → new place), or None when a pair
-        would share two matrices of one bucket."""
+        could not share what it would hold (:meth:`fits`)."""
         own: dict[int, float] = {}
         bundles: dict[int, list[int]] = {}
         for i, new in ops:
@@ -101,9 +120,8 @@ class _Search:
                         got.remove(i)
                     else:
                         got.append(i)
-        for s, got in bundles.items():
-            if len({self.key[i] for i in got}) != len(got):
-                return None
+        if not all(self.fits(got) for got in bundles.values()):
+            return None
         out = {}
         for d in {d for i, new in ops for p in (self.where[i], new) for d in self.indices(p)}:
             lock = 0.0
@@ -129,11 +147,13 @@ class _Search:
 
     # -- construction and search -------------------------------------------------------------
     def place(self, i: int) -> None:
+        """Item ``i`` where the busiest index it touches ends lightest: whole on the lightest
+        index, or shared by the pair whose lockstep grows least (ties: whole)."""
         lightest = min(range(self.dp), key=lambda d: (self.cost(d), d))
         best: tuple[float, int, Place] = (self.cost(lightest) + self.load[i], 0, ("w", lightest))
         if self.piece[i] is not None:
             for s in range(self.npairs):
-                if any(self.key[j] == self.key[i] for j in self.shared[s]):
+                if not self.fits(self.shared[s] + [i]):
                     continue
                 lock = self.lockstep(self.shared[s] + [i])
                 worst = max(self.own[2 * s], self.own[2 * s + 1]) + lock
@@ -156,7 +176,7 @@ class _Search:
             here += self.shared[top // 2]
         seen = set()
         for i in here:
-            sig = (self.load[i], self.piece[i], self.where[i][0])
+            sig = (self.load[i], self.piece[i], self.where[i][0], self.key[i])
             if sig in seen:
                 continue
             seen.add(sig)
@@ -205,13 +225,11 @@ class _Search:
             best: tuple[float, float] | None = None
             chosen = None
             for ops in self.moves(top):
-                if any(new[0] == "s" and self.piece[i] is None for i, new in ops):
-                    continue
                 got = self.trial(ops)
                 if got is None:
                     continue
                 worst = max(got.values())
-                if worst >= ceiling:
+                if worst >= ceiling * (1 - 1e-9):  # a real gain, not a rounding
                     continue
                 score = (worst, sum(got.values()) - sum(costs[d] for d in got))
                 if best is None or score < best:
@@ -222,7 +240,7 @@ class _Search:
 
 
 def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: HardwareProfile, *,
-                 max_moves: int = 5000) -> tuple[DPProblem, Cuts] | None:
+                 scratch_cap: int = 0, max_moves: int = 5000) -> tuple[DPProblem, Cuts] | None:
     """A partition with DP pairs as bundles: (the reordered problem with the pairs it uses,
     its cuts), or None where it does not apply (not Muon, tp > 1, expert buffers, fewer than
     two DP indices, no candidate, or partners (2s, 2s + 1) on two nodes)."""
@@ -230,7 +248,7 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
             or any(buf.expert for buf in problem.layout.buffers) \
             or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
         return None
-    search = _Search(problem, pairs)
+    search = _Search(problem, pairs, scratch_cap)
     for i in sorted(range(len(search.load)), key=lambda i: (-search.load[i], i)):
         search.place(i)
     search.improve(max_moves)
@@ -245,8 +263,7 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
         rank[key][k] = at if kind == "w" else 2 * at
         if kind == "s":
             last.setdefault(key, set()).add(k)
-            task = next(b for b in problem.buckets if (b.buffer, b.bucket) == key).items[k].tasks[0]
-            used[task] = pairs[task]
+            used[search.task[i]] = pairs[search.task[i]]
     if not used:
         return None
     rp, owners = reorder_problem(problem, rank, last=last)
@@ -261,7 +278,6 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
                 continue
             d = next(ranks)
             out += [d, d + 1] if len(it.tasks) == 1 and it.tasks[0] in used else [d]
-        assert len(out) == sum(1 for it in pb.items if it.atomic)
         expanded[key] = out
     # the optimizer state's target of the plan without pairs (``dp.solve.state_target``: its
     # largest whole matrix, not a piece, or 1.1 × the mean)
@@ -269,11 +285,10 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
 
     cuts = _cheaper_cuts(paired, expanded, hw, state_target(problem))
     got = pair_owners(paired, cuts)
-    assert all(got[t] == (2 * search.where[i][1], 2 * search.where[i][1] + 1)
-               for i, (key, k) in enumerate(search.ref) if search.where[i][0] == "s"
-               for t in [next(b for b in problem.buckets
-                              if (b.buffer, b.bucket) == key).items[k].tasks[0]]), \
-        "a shared matrix's pieces left their partners"
+    for i, (kind, at) in enumerate(search.where):
+        if kind == "s" and got[search.task[i]] != (2 * at, 2 * at + 1):
+            raise RuntimeError(f"planner bug: task {search.task[i]}'s pieces are on DP indices "
+                               f"{got[search.task[i]]}, not its partners {(2 * at, 2 * at + 1)}")
     return paired, cuts
 
 
@@ -314,9 +329,12 @@ def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
     bucket's collectives take least time with (``comm.choose`` on the plan's DP link): spread
     over the ranks between their neighbours (as ZeRO-1 shares them: ``dp.units.spread_cuts``)
     or kept with a neighbouring matrix (fewest non-empty slices, so fewest per-root calls). A
-    bucket holding a state-heavy AdamW tensor (an embedding) spreads it over as few ranks as
-    keep every index's optimizer state under ``cap`` (or no higher than spreading it over all).
-    The matrices' owners are the same either way."""
+    bucket holding a state-heavy AdamW tensor (an embedding) shares it among the first w ranks
+    its neighbours leave (w a power of two, or all of them), the w whose collectives are
+    shortest among those keeping every index's optimizer state under max(``cap``, what
+    spreading it over all gives); such buckets in bucket order. The matrices' owners are the
+    same either way. The choice is by the collectives alone: AdamW's compute is tiny beside
+    the matrices' (the search does not count it either)."""
     _, link = comm.plan_link(hw, problem.sizes.dp, problem.sizes.tp)
     heavy = {(b.buffer, b.bucket) for b in state_heavy(problem)}
 

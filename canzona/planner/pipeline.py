@@ -22,7 +22,7 @@ from pathlib import Path
 from .cost import OptimizerSettings
 from .dp import solve
 from .bundles import bundle_pairs
-from .dp.solve import Solution, modelled_step
+from .dp.solve import Solution, modelled_step, state_target
 from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
 from .hardware import HardwareProfile, load_hardware
@@ -32,7 +32,7 @@ from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .objective import StepTime
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .planning import (DPProblem, build_plan, make_problem, pair_owners, pieces_apart,
+from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owners, pieces_apart,
                        with_pairs)
 from .sharing import pair_decision, pair_waits, pairs_in_nodes, priced_for
 from .tp import TPContext, placements, schedule_tp, tp_plan
@@ -174,7 +174,8 @@ def plan_problem(
                           f"two block rows or more, dp ≥ 2).", CanzonaWarning, stacklevel=2)
     say("DP partition")
     if pairs:
-        sol = _solve_pairs(problem, pairs, o, progress, hw, keep=t.share != "auto")
+        sol = _solve_pairs(problem, pairs, o, progress, hw, keep=t.share != "auto",
+                           scratch_cap=LOCKSTEP_CMAX * t.cmax_bytes)
     else:
         sol = solve(problem, o, progress=progress, hardware=hw)
     tp_section = hosts = None
@@ -213,26 +214,34 @@ def plan_problem(
 
 def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
                  progress: Callable[[str], None] | None, hw: HardwareProfile, *,
-                 keep: bool = False) -> Solution:
+                 keep: bool = False, scratch_cap: int = 0) -> Solution:
     """The DP partition with DP pairs: the plan without them first (parameters reordered as
     usual), then for each candidate set of split tasks, each cut into its two pieces and the
     partition solved again (every stage, the collectives' and the optimizer state's included) in
     that plan's bucket order and in Megatron's, so that a bucket cut may fall between a task's
     pieces; and, where parameters may be reordered, the candidates as bundles of fixed
-    partners (``bundles.bundle_pairs``). A result is kept if it lowers the score most: the
-    busiest DP index (its load counts every piece's compute and exchanges and the waits
-    between partners), plus under the ``step-time`` objective the bucket collectives; or with
+    partners (``bundles.bundle_pairs``; a pair's lockstep within ``scratch_cap`` bytes). A
+    result is kept if it lowers the score most: the busiest DP index (its load counts every
+    piece's compute and exchanges and the waits between partners), plus under the
+    ``step-time`` objective the bucket collectives and the optimizer state above its target
+    (``StepTime``'s terms, converted at the problem's rate: under the ``flops`` cost model a
+    piece's load and a second are converted alike; other cost models convert a piece at its
+    task's load per FLOP); or with
     ``keep`` (``share="all"``: the pieces moved apart wherever a cut can move,
     ``planning.pieces_apart``; the first result with pieces apart, or a better one); a task
     whose pieces stay on one DP index is whole again."""
     say = progress or (lambda _msg: None)
     sol = solve(problem, o, progress=progress, hardware=hw)
     say("DP pairs")
-    terms = StepTime(problem, hw) if _objective_name(o.objective) == "step-time" else None
+    terms = StepTime(problem, hw, state_cap=state_target(problem)) \
+        if _objective_name(o.objective) == "step-time" else None
 
     def score(used: DPProblem, cuts: dict) -> float:
         load = max(pair_waits(used, cuts))  # the busiest index, waits between partners too
-        return load + terms.bucket_terms(used, cuts) if terms is not None else load
+        if terms is None:
+            return load
+        return load + terms.bucket_terms(used, cuts) + terms.state_term(
+            max(evaluate(used, cuts).state_bytes))
 
     best, best_score = sol, score(sol.problem, sol.cuts)
 
@@ -260,7 +269,7 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
     if o.reorder:
         say("DP pairs (bundles)")
         for pairs in candidates:
-            got = bundle_pairs(problem, pairs, hw)
+            got = bundle_pairs(problem, pairs, hw, scratch_cap=scratch_cap)
             if got is not None:
                 consider(*got)
     return best

@@ -71,7 +71,11 @@ def useful_mean(plan: Plan) -> float:
 def pairs_dict(plan: Plan) -> dict | None:
     """The matrices DP pairs share (``plan.dp_shared``; None when none): how many, of which
     kinds, how many with the polynomial split, the phases, and the busiest DP index against the
-    mean useful work (every task's single-device cost once, not its pieces and collectives)."""
+    mean useful work (every task's single-device cost once, not its pieces and collectives):
+    ``max_over_useful_mean`` with every piece's exchanges in its load (``metrics.dp_load``),
+    ``run_max_over_useful_mean`` as the runtime runs the pairs (each pair's matrices in
+    lockstep, waits between partners: ``sharing.pair_waits``' model; Shampoo's blocks: the
+    same as the first)."""
     if not plan.dp_shared:
         return None
     from .errors import CanzonaError

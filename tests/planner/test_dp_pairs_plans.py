@@ -36,8 +36,8 @@ def test_auto_shares_where_the_floor_binds_and_lowers_the_busiest_index(q8):
     assert auto.schema_version == SCHEMA_VERSION and off.schema_version == BASE_VERSION
     kinds = {kind_of(auto.tasks[x.id].param) for x in auto.dp_shared}
     assert "mlp.linear_fc1" in kinds
-    # the busiest DP index (pieces with their exchanges counted, over the network where the
-    # pair spans two nodes) against the plan without pairs
+    # the busiest DP index (pieces with their exchanges counted in full) against the plan
+    # without pairs
     assert max(auto.metrics.dp_load) < 0.95 * max(off.metrics.dp_load)
     rep = pairs_dict(auto)
     assert rep["max_over_useful_mean"] < 0.95 * off.metrics.max_over_mean
@@ -62,17 +62,19 @@ def test_auto_weighs_pairs_by_the_objective():
         return _plan("qwen3-0.6b", 2, share, dp_options=DPOptions(objective=objective))
 
     assert mk("auto", "max-load").to_json() == mk("off", "max-load").to_json()
-    # By the modelled step (the default), pairs whose cuts inside matrices even out the bucket
-    # collectives more than they add compute: the simulated compute plus the predicted
-    # collectives is shorter than without them.
+    # By the modelled step (the default) pairs may even out the bucket collectives, but not by
+    # holding optimizer state above its target (qwen3-0.6b dp 2: 2 ms of collectives saved by
+    # a plan holding 1.41x the mean state, which the state term turns down): the plan kept
+    # has a step no longer than without pairs and its state within the target.
     auto, off = mk("auto", "step-time"), mk("off", "step-time")
     hw = load_hardware("h100")
 
     def step(p) -> float:  # noqa: ANN001
         return simulate_plan(p, hw).breakdown()["compute"] + p.comm.predicted_s
 
-    assert auto.dp_shared and step(auto) < step(off)
-    assert max(auto.metrics.dp_load) > max(off.metrics.dp_load)  # the compute alone: worse
+    assert step(auto) <= step(off)
+    state = auto.metrics.dp_state_bytes
+    assert max(state) <= max(1.10 * sum(state) / len(state), max(off.metrics.dp_state_bytes))
 
 
 def test_pair_plans_are_deterministic(tmp_path):

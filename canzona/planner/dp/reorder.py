@@ -174,9 +174,11 @@ def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]], 
             divisible = [k for k, it in enumerate(bp.items) if not it.atomic]
             own = [ranks[k] for k in atomic]
             # AdamW parameters go where the matrices' ranks leave the widest free range, so the
-            # cuts can spread them (and their optimizer state) over many ranks.
-            edges = [0, *own, bp.ranks - 1]
-            gap = max(range(len(own) + 1), key=lambda g: (edges[g + 1] - edges[g], -g))
+            # cuts can spread them (and their optimizer state) over many ranks (an item of
+            # ``after``, a DP pair's shared matrix, reaches the next rank with its second piece).
+            lefts = [0, *(d + (k in after) for k, d in zip(atomic, own))]
+            rights = [*own, bp.ranks - 1]
+            gap = max(range(len(own) + 1), key=lambda g: (rights[g] - lefts[g], -g))
             order = atomic[:gap] + divisible + atomic[gap:]
             owners[(bi, bk.index)] = own
             pos = start
