@@ -99,6 +99,9 @@ class _Search:
             and len({self.key[i] for i in items}) == len(items) \
             and (not self.cap or sum(self.scratch[i] for i in items) <= self.cap)
 
+    def busiest(self) -> float:
+        return max(self.cost(d) for d in range(self.dp))
+
     def cost(self, d: int) -> float:
         return self.own[d] + (self.lock[d // 2] if d < 2 * self.npairs else 0.0)
 
@@ -159,7 +162,10 @@ class _Search:
                 worst = max(self.own[2 * s], self.own[2 * s + 1]) + lock
                 if (worst, 1, ("s", s)) < best:
                     best = (worst, 1, ("s", s))
-        new = best[2]
+        self.put(i, best[2])
+
+    def put(self, i: int, new: Place) -> None:
+        """Item ``i``, not placed yet, at ``new``."""
         if new[0] == "w":
             self.own[new[1]] += self.load[i]
             self.whole[new[1]].add(i)
@@ -240,19 +246,30 @@ class _Search:
 
 
 def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: HardwareProfile, *,
-                 scratch_cap: int = 0, max_moves: int = 5000) -> tuple[DPProblem, Cuts] | None:
+                 scratch_cap: int = 0, max_moves: int = 5000,
+                 pattern: bool = True) -> tuple[DPProblem, Cuts] | None:
     """A partition with DP pairs as bundles: (the reordered problem with the pairs it uses,
     its cuts), or None where it does not apply (not Muon, tp > 1, expert buffers, fewer than
-    two DP indices, no candidate, or partners (2s, 2s + 1) on two nodes)."""
+    two DP indices, no candidate, partners (2s, 2s + 1) on two nodes) or shares nothing.
+    ``scratch_cap``: bytes a pair's lockstep may hold (0: unbounded); ``pattern``: also start
+    from the class-level ILP's patterns (``_pattern_start``)."""
     if problem.settings.name != "muon" or problem.sizes.tp != 1 or problem.dp < 2 or not pairs \
             or any(buf.expert for buf in problem.layout.buffers) \
             or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
         return None
+    # Two starts, each searched and made whole where it may: heaviest first where the busiest
+    # index it touches ends lightest, and the patterns of a class-level ILP; the lower kept.
     search = _Search(problem, pairs, scratch_cap)
     for i in sorted(range(len(search.load)), key=lambda i: (-search.load[i], i)):
         search.place(i)
     search.improve(max_moves)
     search.unshare()
+    other = _pattern_start(problem, pairs, scratch_cap) if pattern else None
+    if other is not None:
+        other.improve(max_moves)
+        other.unshare()
+        if other.busiest() < search.busiest() * (1 - 1e-9):
+            search = other
     # Lay it out: each bucket's parameters by DP index, a shared one last among its first
     # partner's (its second piece then opens the second partner's range).
     rank = {(b.buffer, b.bucket): [0] * len(b.items) for b in problem.buckets}
@@ -377,3 +394,131 @@ def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
         out[key] = best[1]
         state = [x + y for x, y in zip(rest, best[2])]
     return out
+
+
+#: The class-level ILP start runs for at most this many classes of alike matrices (bundles of
+#: up to PATTERN_MOST of a class are enumerated: (PATTERN_MOST + 1) ** classes of them).
+PATTERN_CLASSES = 6
+PATTERN_MOST = 3
+#: CP-SAT's deterministic time per ceiling tried (its own work units, about seconds).
+PATTERN_DETERMINISTIC_S = 2.0
+
+
+def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
+                   scratch_cap: int) -> _Search | None:
+    """A start from the patterns of a class-level ILP (alike matrices are one class): CP-SAT
+    decides, for a ceiling, how many pairs hold each bundle (≤ PATTERN_MOST of a class, its
+    scratch within the cap) and each partner which whole matrices beside it, every index under
+    the ceiling (matrices only: AdamW, bucket order and the one-matrix-per-bucket rule aside);
+    a bisection lowers the ceiling. The patterns are then given real matrices, each bundle's
+    from distinct buckets; what does not fit goes where ``_Search.place`` puts it. None where
+    the classes are too many, dp is odd, or CP-SAT finds no pattern within its budget (a
+    ceiling it does not decide in time counts as infeasible)."""
+    import itertools
+
+    from ortools.sat.python import cp_model
+
+    search = _Search(problem, pairs, scratch_cap)
+    if problem.dp % 2:
+        return None
+    classes: dict[tuple, list[int]] = {}
+    for i in range(len(search.load)):
+        classes.setdefault((search.load[i], search.piece[i], search.scratch[i]), []).append(i)
+    keys = sorted(classes, key=lambda c: (-c[0], str(c[1:])))
+    if len(keys) > PATTERN_CLASSES:
+        return None
+    count = [len(classes[k]) for k in keys]
+    weight = [float(k[0]) for k in keys]
+    shareable = [k[1] is not None for k in keys]
+    bundles: list[tuple[tuple[int, ...], float]] = []
+    for cnt in itertools.product(*(range(min(PATTERN_MOST, n) + 1) if sh else (0,)
+                                   for n, sh in zip(count, shareable))):
+        if scratch_cap and sum(c * k[2] for c, k in zip(cnt, keys)) > scratch_cap:
+            continue
+        pieces = [k[1] for c, k in zip(cnt, keys) for _ in range(c)]
+        bundles.append((cnt, lockstep_seconds(pieces, search.steps) if pieces else 0.0))
+
+    def sides(cap: float) -> list[tuple[tuple[int, ...], float]]:
+        out: list[tuple[tuple[int, ...], float]] = []
+
+        def rec(j: int, cur: tuple[int, ...], load: float) -> None:
+            if j == len(keys):
+                out.append((cur, load))
+                return
+            n = 0
+            while n <= count[j] and load + n * weight[j] <= cap:
+                rec(j + 1, cur + (n,), load + n * weight[j])
+                n += 1
+
+        rec(0, (), 0.0)
+        return out
+
+    def solve(cap: float) -> dict[tuple[int, int], int] | None:
+        sd = sides(cap)
+        if len(sd) * len(bundles) > 200_000:
+            return None
+        m = cp_model.CpModel()
+        n = {(b, x): m.NewIntVar(0, problem.dp, "") for b, (_, lock) in enumerate(bundles)
+             for x, (_, w) in enumerate(sd) if lock + w <= cap}
+        per = [m.NewIntVar(0, problem.dp // 2, "") for _ in bundles]
+        for b, (cnt, _) in enumerate(bundles):
+            m.Add(sum(v for (bb, _), v in n.items() if bb == b) == 2 * per[b])
+        m.Add(sum(n.values()) == problem.dp)
+        for j in range(len(keys)):
+            m.Add(sum(v * sd[x][0][j] for (_, x), v in n.items())
+                  + sum(c * bundles[b][0][j] for b, c in enumerate(per)) == count[j])
+        solver = cp_model.CpSolver()
+        # one worker, a fixed seed and a deterministic time budget: the same plan on any
+        # machine (the wall-clock limit only guards against a pathological case)
+        solver.parameters.max_deterministic_time = PATTERN_DETERMINISTIC_S
+        solver.parameters.max_time_in_seconds = 60.0
+        solver.parameters.num_workers = 1
+        solver.parameters.random_seed = 0
+        if solver.Solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        return {(b, x): solver.Value(v) for (b, x), v in n.items() if solver.Value(v)}
+
+    mean = problem.total / problem.dp
+    lo, hi = mean * 0.5, max(mean * 2.0, 2.0 * max(weight, default=0.0))
+    best = solve(hi)
+    if best is None:
+        return None
+    for _ in range(10):
+        mid = (lo + hi) / 2
+        got = solve(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    # Materialise: each pair a bundle and two sides; the classes' matrices handed out in order.
+    left = {k: list(classes[k]) for k in keys}
+    slots: list[tuple[int, tuple[int, ...]]] = []  # (bundle, side) per index, pairs adjacent
+    for (b, x), v in sorted(best.items()):
+        slots += [(b, x)] * v
+    by_bundle: dict[int, list[int]] = {}
+    for b, x in slots:
+        by_bundle.setdefault(b, []).append(x)
+    sd = sides(hi)
+    pair = 0
+    for b in sorted(by_bundle):
+        xs = by_bundle[b]
+        for a in range(0, len(xs), 2):
+            s_ = pair
+            pair += 1
+            for j, c in enumerate(bundles[b][0]):  # the bundle: matrices of distinct buckets
+                for _ in range(c):
+                    pick = next((i for i in left[keys[j]]
+                                 if search.fits(search.shared[s_] + [i])), None)
+                    if pick is None:
+                        continue
+                    left[keys[j]].remove(pick)
+                    search.put(pick, ("s", s_))
+            for d, x in ((2 * s_, xs[a]), (2 * s_ + 1, xs[a + 1])):
+                for j, c in enumerate(sd[x][0]):
+                    for _ in range(c):
+                        if left[keys[j]]:
+                            search.put(left[keys[j]].pop(0), ("w", d))
+    rest = sorted((i for k in keys for i in left[k]), key=lambda i: (-search.load[i], i))
+    for i in rest:
+        search.place(i)
+    return search

@@ -105,7 +105,9 @@ def bundle_plan(split: bool = True):
     # the search shares what evens the loads out
     h100 = load_hardware("h100")
     hw = h100.model_copy(update={"intra_node": LinkProfile(busbw=1e15, latency_s=0.0)})
-    got = bundle_pairs(problem, pair_decision(problem, hw, "all-split" if split else "all"), hw)
+    # (without the split the ILP start finds whole matrices lighter here: the moves' start)
+    got = bundle_pairs(problem, pair_decision(problem, hw, "all-split" if split else "all"), hw,
+                       pattern=split)
     assert got is not None
     plan = build_plan(*got, solver=SolverOptions(strategy="canzona", solver="none",
                                                  reorder=True))
