@@ -17,7 +17,11 @@ matrix, whether one DP index holds it whole or a pair shares it. An index's load
 matrices plus its pair's lockstep (``sharing.pair_waits``: each index is in one pair, so no
 pair waits for another). Start: heaviest matrix first, each where the busiest index it touches
 ends lightest (whole on the lightest index, or shared by the pair whose lockstep grows least);
-then moves and swaps off the busiest index while that lowers it.
+then moves and swaps off the busiest index while that lowers it. A second start takes the
+patterns of a class-level CP-SAT model (how many pairs share which alike matrices, which whole
+ones sit beside each partner) and gives them real matrices; the lower of the two is kept. Last,
+a shared matrix is made whole again wherever that keeps every index at or under the busiest. A
+pair's lockstep holds at most ``scratch_cap`` bytes (the pipeline: 2 · C_max).
 
 A bucket's two pieces of a matrix are neighbours (the cut between the partners falls inside
 it), so a pair shares at most one matrix of each bucket. The result is laid out with
@@ -206,7 +210,7 @@ class _Search:
         """Shared matrices made whole again wherever that keeps every DP index at or under the
         busiest one (lightest first, each on the index where it ends lowest): each one fewer
         is a bucket slice and its exchanges fewer, at no cost to the busiest index."""
-        ceiling = max(self.cost(d) for d in range(self.dp))
+        ceiling = self.busiest()
         for i in sorted((i for i, w in enumerate(self.where) if w[0] == "s"),
                         key=lambda i: (self.load[i], i)):
             best = None
@@ -264,7 +268,7 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
         search.place(i)
     search.improve(max_moves)
     search.unshare()
-    other = _pattern_start(problem, pairs, scratch_cap) if pattern else None
+    other = _pattern_start(problem, pairs, scratch_cap, search.busiest()) if pattern else None
     if other is not None:
         other.improve(max_moves)
         other.unshare()
@@ -400,17 +404,23 @@ def _cheaper_cuts(problem: DPProblem, owners: dict[tuple[int, int], list[int]],
 #: up to PATTERN_MOST of a class are enumerated: (PATTERN_MOST + 1) ** classes of them).
 PATTERN_CLASSES = 6
 PATTERN_MOST = 3
-#: CP-SAT's deterministic time per ceiling tried (its own work units, about seconds).
+#: CP-SAT's deterministic time per ceiling tried (its own work units; 0.1–2 s of wall time
+#: each here).
 PATTERN_DETERMINISTIC_S = 2.0
+#: A ceiling whose multisets of whole matrices per index outnumber this, or whose model would
+#: have more (bundle, side) variables than PATTERN_VARIABLES, counts as undecided.
+PATTERN_SIDES = 5_000
+PATTERN_VARIABLES = 200_000
 
 
 def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
-                   scratch_cap: int) -> _Search | None:
+                   scratch_cap: int, ceiling: float | None = None) -> _Search | None:
     """A start from the patterns of a class-level ILP (alike matrices are one class): CP-SAT
     decides, for a ceiling, how many pairs hold each bundle (≤ PATTERN_MOST of a class, its
     scratch within the cap) and each partner which whole matrices beside it, every index under
     the ceiling (matrices only: AdamW, bucket order and the one-matrix-per-bucket rule aside);
-    a bisection lowers the ceiling. The patterns are then given real matrices, each bundle's
+    a bisection lowers the ceiling from ``ceiling`` (the other start's busiest index: only a
+    lower one can win; None: twice the mean or the heaviest matrix). The patterns are then given real matrices, each bundle's
     from distinct buckets; what does not fit goes where ``_Search.place`` puts it. None where
     the classes are too many, dp is odd, or CP-SAT finds no pattern within its budget (a
     ceiling it does not decide in time counts as infeasible)."""
@@ -438,10 +448,13 @@ def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
         pieces = [k[1] for c, k in zip(cnt, keys) for _ in range(c)]
         bundles.append((cnt, lockstep_seconds(pieces, search.steps) if pieces else 0.0))
 
-    def sides(cap: float) -> list[tuple[tuple[int, ...], float]]:
+    def sides(cap: float) -> list[tuple[tuple[int, ...], float]] | None:
+        """Every multiset of whole matrices within ``cap`` (None: more than PATTERN_SIDES)."""
         out: list[tuple[tuple[int, ...], float]] = []
 
         def rec(j: int, cur: tuple[int, ...], load: float) -> None:
+            if len(out) > PATTERN_SIDES:
+                return
             if j == len(keys):
                 out.append((cur, load))
                 return
@@ -451,27 +464,31 @@ def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
                 n += 1
 
         rec(0, (), 0.0)
-        return out
+        return out if len(out) <= PATTERN_SIDES else None
 
     def solve(cap: float) -> dict[tuple[int, int], int] | None:
         sd = sides(cap)
-        if len(sd) * len(bundles) > 200_000:
+        if sd is None or len(sd) * len(bundles) > PATTERN_VARIABLES:
             return None
         m = cp_model.CpModel()
         n = {(b, x): m.NewIntVar(0, problem.dp, "") for b, (_, lock) in enumerate(bundles)
              for x, (_, w) in enumerate(sd) if lock + w <= cap}
         per = [m.NewIntVar(0, problem.dp // 2, "") for _ in bundles]
-        for b, (cnt, _) in enumerate(bundles):
-            m.Add(sum(v for (bb, _), v in n.items() if bb == b) == 2 * per[b])
+        of_bundle: list[list] = [[] for _ in bundles]
+        for (b, _), v in n.items():
+            of_bundle[b].append(v)
+        for b in range(len(bundles)):
+            m.Add(sum(of_bundle[b]) == 2 * per[b])
         m.Add(sum(n.values()) == problem.dp)
         for j in range(len(keys)):
             m.Add(sum(v * sd[x][0][j] for (_, x), v in n.items())
                   + sum(c * bundles[b][0][j] for b, c in enumerate(per)) == count[j])
         solver = cp_model.CpSolver()
         # one worker, a fixed seed and a deterministic time budget: the same plan on any
-        # machine (the wall-clock limit only guards against a pathological case)
+        # machine with the same OR-Tools (the wall-clock limit only guards against a
+        # pathological case)
         solver.parameters.max_deterministic_time = PATTERN_DETERMINISTIC_S
-        solver.parameters.max_time_in_seconds = 60.0
+        solver.parameters.max_time_in_seconds = 10.0
         solver.parameters.num_workers = 1
         solver.parameters.random_seed = 0
         if solver.Solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -479,7 +496,8 @@ def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
         return {(b, x): solver.Value(v) for (b, x), v in n.items() if solver.Value(v)}
 
     mean = problem.total / problem.dp
-    lo, hi = mean * 0.5, max(mean * 2.0, 2.0 * max(weight, default=0.0))
+    lo = mean * 0.5
+    hi = ceiling if ceiling is not None else max(mean * 2.0, 2.0 * max(weight, default=0.0))
     best = solve(hi)
     if best is None:
         return None
@@ -498,7 +516,9 @@ def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
     by_bundle: dict[int, list[int]] = {}
     for b, x in slots:
         by_bundle.setdefault(b, []).append(x)
-    sd = sides(hi)
+    sd = sides(hi)  # the sides ``best`` was solved with (best and hi change together)
+    if sd is None:
+        return None
     pair = 0
     for b in sorted(by_bundle):
         xs = by_bundle[b]

@@ -222,8 +222,13 @@ def test_the_pattern_start_reaches_what_moves_alone_do_not():
     assert start is not None
     start.improve(5000)
     assert start.busiest() / mean <= 1.0 < 1.02 < moves.busiest() / mean
-    # every matrix placed once, bundles within the cap and one matrix per bucket
-    assert all(w[0] in ("w", "s") for w in start.where)
-    assert all(start.fits(b) for b in start.shared)
+    # every matrix placed once, where ``where`` says; bundles within the cap, one per bucket
+    seen = [i for d in range(start.dp) for i in start.whole[d]] + \
+        [i for b in start.shared for i in b]
+    assert sorted(seen) == list(range(len(start.load)))
+    for d in range(start.dp):
+        assert all(start.where[i] == ("w", d) for i in start.whole[d])
+    for s, b in enumerate(start.shared):
+        assert all(start.where[i] == ("s", s) for i in b) and start.fits(b)
     odd = make_problem(spec, ParallelSizes(dp=63, tp=1))
     assert _pattern_start(odd, pair_decision(odd, H800, "all-split"), cap) is None
