@@ -71,8 +71,7 @@ class _Search:
                 x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
                 piece, scratch = None, 0
                 if x is not None and x.compute_s + x.comm_s > 0:
-                    per = x.loads[0] / (x.compute_s + x.comm_s)  # load units per second
-                    piece = (x.compute_s * per, x.comm_s * per)
+                    piece = x.run_piece()
                     m, n = max(problem.tasks[it.tasks[0]].shape), min(problem.tasks[it.tasks[0]].shape)
                     scratch = lockstep_bytes(-(-m // 2), n, 2, x.split_poly, 2)
                 self.task.append(it.tasks[0])

@@ -77,6 +77,13 @@ class PairShare:
     comm_s: float
     states: tuple[int, int] | None = None
 
+    def run_piece(self) -> tuple[float, float]:
+        """One piece's (compute, exchanges) in load units, as a pair's lockstep meets them
+        (``sharing.lockstep_seconds``): its load split in proportion to the seconds."""
+        total = self.compute_s + self.comm_s
+        per = self.loads[0] / total if total else 0.0  # load units per second
+        return self.compute_s * per, self.comm_s * per
+
     def state_bytes(self, whole: int, rows: int) -> tuple[int, int]:
         """The two pieces' state bytes, given the whole task's and its rows."""
         if self.states is not None:

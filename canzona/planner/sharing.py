@@ -491,8 +491,7 @@ def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
     runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]] = {}
     for i, o in owners.items():
         x = problem.pairs[i]
-        per_s = x.loads[0] / (x.compute_s + x.comm_s) if x.compute_s + x.comm_s else 0.0
-        runs.setdefault((phases[o], o), []).append((x.compute_s * per_s, x.comm_s * per_s))
+        runs.setdefault((phases[o], o), []).append(x.run_piece())
         for d, piece in zip(o, x.loads):
             load[d] -= piece  # counted below, with its waits
     free = pair_timeline(runs, problem.settings.ns_steps, problem.dp)
