@@ -36,8 +36,9 @@ CONFIGS = [("llama3-70b", 256, 8), ("qwen3-32b", 128, 8)]
 CMAX_MIB = 512  # TPOptions' default C_max; a lockstep batch holds 2 · C_max
 
 
-def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int]]:
-    """(kind, compute s, collectives s, scratch bytes) of every shared piece: each matrix over
+def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int, float]]:
+    """(kind, compute s, collectives s, scratch bytes, collectives s beside its own Gram
+    products) of every shared piece: each matrix over
     its TP group with the polynomial split, fc1 (with ``pair``) as two pieces over k = 2·tp."""
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     out = []
@@ -51,7 +52,8 @@ def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int]]:
                   and o.split_poly), None)
         if o is None:
             raise SystemExit(f"{t.name}: no {group} option")
-        piece = (kind, o.piece_flops / rate, o.comm_s, lockstep_bytes(-(-m // o.k), n, o.k, True, 2))
+        piece = (kind, o.piece_flops / rate, o.comm_s, lockstep_bytes(-(-m // o.k), n, o.k, True, 2),
+                 o.hidden_s)
         out += [piece] * (o.k // problem.sizes.tp)
     return out
 
@@ -62,8 +64,8 @@ def _place(pieces, dp: int, cap: int) -> list[Lockstep]:
     bins = [Lockstep(cap) for _ in range(dp)]
     order = sorted(range(len(pieces)), key=lambda i: (-(pieces[i][1] + pieces[i][2]), i))
     for i in order:
-        _, comp, comm, nbytes = pieces[i]
-        item = (i, comp, comm, max(comp, comm), nbytes)
+        _, comp, comm, nbytes, hidden = pieces[i]
+        item = (i, comp, comm, max(comp, comm), nbytes, hidden)
         best = None
         for d, b in enumerate(bins):
             trial = b.copy()
@@ -88,8 +90,9 @@ def run(model: str, dp: int, tp: int, hardware: str) -> dict:
         pieces = _pieces(pr, hw, pair=label != "k = tp")
         bins = _place(pieces, dp, 2 * CMAX_MIB * MIB)
         kinds = {}
-        for kind, comp, comm, _ in pieces:
-            kinds.setdefault(kind, (round(comp * 1e3, 2), round(comm * 1e3, 2)))
+        for kind, comp, comm, _, hidden in pieces:
+            kinds.setdefault(kind, (round(comp * 1e3, 2), round(comm * 1e3, 2),
+                                    round(hidden * 1e3, 2)))
         out[label] = {
             "bound_work": round(r.shared_ratio, 3),
             "bound_longest_path": round(r.longest_path / r.mean, 3),
@@ -109,7 +112,8 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     print(f"hardware {args.hardware}; per GPU over the mean useful work; pieces: compute / "
-          "collectives ms per orthogonalisation")
+          "collectives ms per orthogonalisation (of those, beside the piece's own Gram "
+          "products)")
     for row in rows:
         print(f"\n{row['config']} (mean useful work {row['k = tp']['mean_useful_ms']} ms per GPU)")
         for label in ("k = tp", "k = 2·tp"):
@@ -118,9 +122,11 @@ def main() -> None:
                   f"{x['bound_longest_path']:.3f} | layout-free placement: busiest "
                   f"{x['placed_max_over_mean']:.3f}, mean Σ collectives "
                   f"{x['mean_collectives_over_mean']:.3f}")
-        for kind, (comp, comm) in row["k = 2·tp"]["pieces_ms"].items():
-            k = "2·tp" if kind == "mlp.linear_fc1" else "tp"
-            print(f"    {kind:28s} k = {k:4s} {comp:6.2f} / {comm:5.2f} ms")
+        pieces = [(kind, "tp", x) for kind, x in row["k = tp"]["pieces_ms"].items()]
+        pieces.append(("mlp.linear_fc1", "2·tp", row["k = 2·tp"]["pieces_ms"]["mlp.linear_fc1"]))
+        for kind, k, (comp, comm, hidden) in pieces:
+            print(f"    {kind:28s} k = {k:4s} {comp:6.2f} / {comm:5.2f} ms "
+                  f"({hidden:4.2f} beside its own Gram)")
 
 
 if __name__ == "__main__":

@@ -44,19 +44,19 @@ from canzona.planner.sharing import lockstep_seconds, pair_decision, pair_waits,
 
 
 def _kinds(problem, hw):  # noqa: ANN001, ANN202
-    """Per matrix kind of layer 0: (count, whole load, piece compute, piece exchanges), in
-    units of the mean useful work per index."""
+    """Per matrix kind of layer 0: (count, whole load, piece compute, piece exchanges, of
+    those beside the piece's own Gram products), in units of the mean useful work per index."""
     mean = problem.total / problem.dp
     out = {}
     for t in problem.tasks:
         if ".layers.0." not in t.name or t.optimizer != "matrix" or len(t.shape) != 2:
             continue
         x = price_pair(problem, t.id, True, hw, hw.intra_node)
-        per = x.loads[0] / (x.compute_s + x.comm_s) / mean
+        per = x.loads[0] / x.alone_s / mean
         count = sum(1 for u in problem.tasks if u.name.split(".")[-2:] == t.name.split(".")[-2:]
                     and u.shape == t.shape)
         out[t.name.split(".")[-2]] = (count, problem.loads[t.id] / mean, x.compute_s * per,
-                                      x.comm_s * per)
+                                      x.comm_s * per, x.hidden_s * per)
     return out
 
 
@@ -88,9 +88,11 @@ def _multisets(weights: list[float], cap: float) -> list[tuple[tuple[int, ...], 
 
 
 def pieces_feasible(kinds: dict, dp: int, cap: float) -> bool:
-    """Every matrix whole or as two pieces (compute + exchanges each), in dp bins ≤ cap."""
+    """Every matrix whole or as two pieces (compute + unhidden exchanges each), in dp bins
+    ≤ cap."""
     names = list(kinds)
-    weights = [kinds[k][1] for k in names] + [kinds[k][2] + kinds[k][3] for k in names]
+    weights = [kinds[k][1] for k in names] + [kinds[k][2] + kinds[k][3] - kinds[k][4]
+                                              for k in names]
     pats = [p for p, _ in _multisets(weights, cap) if any(p)]
     m = cp_model.CpModel()
     x = [m.NewIntVar(0, dp, "") for _ in pats]
@@ -112,7 +114,7 @@ def bundles_feasible(kinds: dict, dp: int, cap: float, steps: int, scratch: dict
     for cnt in itertools.product(range(most + 1), repeat=len(names)):
         if sum(scratch[k] * c for k, c in zip(names, cnt)) > scratch_cap:
             continue
-        pieces = [(kinds[k][2], kinds[k][3]) for k, c in zip(names, cnt) for _ in range(c)]
+        pieces = [kinds[k][2:5] for k, c in zip(names, cnt) for _ in range(c)]
         lock = lockstep_seconds(pieces, steps) if pieces else 0.0
         if lock <= cap:
             bundles.append((cnt, lock))
@@ -159,9 +161,9 @@ def main() -> None:
     mean = problem.total / problem.dp
     whole_top = max(k[1] for k in kinds.values())
     print(f"{args.model} dp{args.dp} tp1, {hw.name}: per kind (count, whole, piece compute, "
-          "piece exchanges) / mean useful work per index")
-    for k, (c, w, comp, ex) in kinds.items():
-        print(f"  {k:12} {c:4d}  {w:.4f}  {comp:.4f}  {ex:.4f}")
+          "piece exchanges, of those hidden by its own Gram) / mean useful work per index")
+    for k, (c, w, comp, ex, hid) in kinds.items():
+        print(f"  {k:12} {c:4d}  {w:.4f}  {comp:.4f}  {ex:.4f}  {hid:.4f}")
     t0 = time.perf_counter()
     hi = max(2 * whole_top, 2.0)
     p = lowest(lambda c: pieces_feasible(kinds, args.dp, c), 0.5, hi)

@@ -42,7 +42,7 @@ from .hardware import HardwareProfile
 from .planning import (BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners,
                        with_pairs)
 from .formulas import lockstep_bytes
-from .sharing import lockstep_seconds, pair_link
+from .sharing import Run, lockstep_seconds, pair_link
 
 __all__ = ["bundle_pairs"]
 
@@ -59,7 +59,7 @@ class _Search:
         self.npairs = problem.dp // 2
         self.steps = problem.settings.ns_steps
         self.load: list[int] = []  # per item, whole
-        self.piece: list[tuple[float, float] | None] = []  # (compute, exchanges) per partner
+        self.piece: list[Run | None] = []  # (compute, exchanges, hidden) per partner
         self.key: list[tuple[int, int]] = []  # its bucket
         self.ref: list[tuple[tuple[int, int], int]] = []  # (bucket, item index in the bucket)
         self.task: list[int] = []  # its (first) task
@@ -70,7 +70,7 @@ class _Search:
                     continue
                 x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
                 piece, scratch = None, 0
-                if x is not None and x.compute_s + x.comm_s > 0:
+                if x is not None and x.alone_s > 0:
                     piece = x.run_piece()
                     m, n = max(problem.tasks[it.tasks[0]].shape), min(problem.tasks[it.tasks[0]].shape)
                     scratch = lockstep_bytes(-(-m // 2), n, 2, x.split_poly, 2)

@@ -25,12 +25,14 @@ from __future__ import annotations
 __all__ = [
     "ADAMW_FLOPS_PER_ELEMENT",
     "GRAM_BLOCKS",
+    "GRAM_CHUNKS",
     "LOCKSTEP_CMAX",
     "SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY",
     "adamw_flops",
     "adamw_state_numel",
     "block_sizes",
     "gram_blocks",
+    "gram_chunks",
     "gram_packed_numel",
     "lockstep_batches",
     "lockstep_bytes",
@@ -240,6 +242,31 @@ def gram_blocks(n: int) -> list[tuple[int, int]]:
 def gram_packed_numel(n: int) -> int:
     """Elements of an n × n Gram's all-reduce: its block rows' upper parts (:func:`gram_blocks`)."""
     return sum((r1 - r0) * (n - r0) for r0, r1 in gram_blocks(n))
+
+
+#: The Gram's block rows are computed and all-reduced in this many chunks of consecutive block
+#: rows, each chunk's all-reduce launched as soon as its rows are computed, so the all-reduce
+#: runs beside the rest of the Gram's products (:func:`gram_chunks`).
+GRAM_CHUNKS = 4
+
+
+def gram_chunks(n: int) -> list[tuple[int, int, int, int]]:
+    """The chunks in which a shared Newton–Schulz computes and all-reduces an n × n Gram:
+    ``(r0, r1, p0, p1)`` per chunk — rows ``[r0, r1)`` of G (whole :func:`gram_blocks` block
+    rows, ⌈blocks/GRAM_CHUNKS⌉ of them, the last chunk shorter) and the range ``[p0, p1)`` of
+    the packed buffer that holds their upper parts (block rows are packed in order). Each chunk
+    costs 2·rows·(r1−r0)·n FLOPs on a rank with ``rows`` rows (its rows of G in full) and sends
+    p1 − p0 elements; the packed sizes fall chunk by chunk (upper parts shorten), so the largest
+    all-reduce starts first."""
+    blocks = gram_blocks(n)
+    per = -(-len(blocks) // GRAM_CHUNKS)
+    out, at = [], 0
+    for i in range(0, len(blocks), per):
+        part = blocks[i:i + per]
+        size = sum((r1 - r0) * (n - r0) for r0, r1 in part)
+        out.append((part[0][0], part[-1][1], at, at + size))
+        at += size
+    return out
 
 
 def poly_blocks(n: int, k: int) -> list[list[tuple[int, int]]]:

@@ -67,7 +67,8 @@ class PairShare:
     Newton–Schulz; Shampoo (``sharing.block_decision``): each preconditions its own blocks.
     Per piece: ``loads`` in cost units (a shared piece's compute and collectives), ``flops``
     per step, ``states`` bytes (None: the task's state split by rows);
-    ``compute_s``/``comm_s``: seconds per piece (modelled)."""
+    ``compute_s``/``comm_s``: seconds per piece (modelled), ``hidden_s`` of the exchanges
+    beside the piece's own Gram products (``sharing.ShareOption.hidden_s``)."""
 
     row: int
     split_poly: bool
@@ -76,13 +77,19 @@ class PairShare:
     compute_s: float
     comm_s: float
     states: tuple[int, int] | None = None
+    hidden_s: float = 0.0
 
-    def run_piece(self) -> tuple[float, float]:
-        """One piece's (compute, exchanges) in load units, as a pair's lockstep meets them
-        (``sharing.lockstep_seconds``): its load split in proportion to the seconds."""
-        total = self.compute_s + self.comm_s
+    @property
+    def alone_s(self) -> float:
+        """Seconds of a piece alone: its compute and the exchanges it does not hide."""
+        return self.compute_s + self.comm_s - self.hidden_s
+
+    def run_piece(self) -> tuple[float, float, float]:
+        """One piece's (compute, exchanges, hidden) in load units, as a pair's lockstep meets
+        them (``sharing.lockstep_seconds``): its load is its seconds alone, converted."""
+        total = self.alone_s
         per = self.loads[0] / total if total else 0.0  # load units per second
-        return self.compute_s * per, self.comm_s * per
+        return self.compute_s * per, self.comm_s * per, self.hidden_s * per
 
     def state_bytes(self, whole: int, rows: int) -> tuple[int, int]:
         """The two pieces' state bytes, given the whole task's and its rows."""
@@ -109,10 +116,11 @@ class DPProblem:
     comm_dtype: str = "bf16"  # dtype of the TP gather/scatter (the tasks' tp_comm_bytes)
     #: Tasks the TP group of their DP index shares (``TPOptions.share``,
     #: ``tp.schedule.share_decision``): task id → (load per TP rank, polynomial split, compute
-    #: seconds, collective seconds per TP rank). Every TP rank of the owner computes its piece;
+    #: seconds, collective seconds per TP rank, of those the seconds beside its own Gram
+    #: products). Every TP rank of the owner computes its piece;
     #: nothing is hosted. The load is max(compute, collectives) at the profile's rate (what the
     #: piece adds to its group's lockstep phase when others hide its collectives).
-    shared: Mapping[int, tuple[float, bool, float, float]] = field(default_factory=dict)
+    shared: Mapping[int, tuple[float, bool, float, float, float]] = field(default_factory=dict)
     #: Scratch bytes one lockstep batch of shared tasks may hold (``formulas.LOCKSTEP_CMAX`` ·
     #: C_max, set with ``shared``; 0: unbounded, every piece of an index in one lockstep).
     lockstep_cap: int = 0
@@ -440,7 +448,7 @@ def build_plan(
                      split_poly=x.split_poly, loads=x.loads, flops=x.flops,
                      state_bytes=x.state_bytes(problem.costs[i].state_bytes,
                                                problem.tasks[i].shape[0]),
-                     modelled_s=round(x.compute_s + x.comm_s, 9))
+                     modelled_s=round(x.alone_s, 9))
         for i, x in sorted(problem.pairs.items()))
     tp_shares = tp is not None and any(ix.shared for ix in tp.indices)
     version = SCHEMA_VERSION if dp_shared else TP_SHARE_VERSION if tp_shares else BASE_VERSION

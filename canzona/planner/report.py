@@ -111,20 +111,22 @@ def _pair_runs(plan: Plan, hw: HardwareProfile) -> list[float]:
     model, ``sharing.pair_waits``): the pairs first, phase by phase, each pair's matrices in
     lockstep (one's exchanges beside the others' compute), a pair starting when both partners
     are free; then the rest of the index's load."""
-    from .sharing import pair_link, pair_timeline, shared_piece
+    from .sharing import Run, pair_link, pair_timeline, profile_rate, shared_piece
 
     load = [float(x) for x in plan.metrics.dp_load]
     if plan.inputs.optimizer.name != "muon":
         return load
-    runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]] = {}
+    runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     steps = plan.inputs.optimizer.ns_steps
     for x in plan.dp_shared:
         rows, cols = plan.tasks[x.id].shape
         o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols), steps, 2,
-                         pair_link(hw, tuple(x.owners)), exchange=rows < cols)
+                         pair_link(hw, tuple(x.owners)), rate=profile_rate(hw),
+                         exchange=rows < cols)
         per = x.loads[0] / x.modelled_s if x.modelled_s else 0.0  # load units per second
-        comm = min(o.comm_s, x.modelled_s) * per
-        runs.setdefault((x.phase, tuple(x.owners)), []).append((x.loads[0] - comm, comm))
+        exposed = min(o.comm_s - o.hidden_s, x.modelled_s) * per
+        runs.setdefault((x.phase, tuple(x.owners)), []).append(
+            (x.loads[0] - exposed, o.comm_s * per, o.hidden_s * per))
         for d, piece in zip(x.owners, x.loads):
             load[d] -= piece
     return [a + f for a, f in zip(load, pair_timeline(runs, steps, plan.inputs.dp))]

@@ -30,7 +30,9 @@ polynomial; one all-gather of them more per iteration). The sharing groups:
 
 The collectives sit on the critical path of every iteration (the next step needs the reduced
 Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a
-piece's critical path, charged at the profile's achieved rate. They are not work a GPU must do —
+piece's critical path, charged at the profile's achieved rate — less what runs beside the
+piece's own Gram products, as the kernel reduces the Gram chunk by chunk while computing the
+next chunk (:func:`gram_pipeline`, ``ShareOption.hidden_s``). They are not work a GPU must do —
 it computes other tasks while it waits, as the micro-groups already overlap — so the mean grows
 only by the FLOPs sharing adds (each rank's 2n³ of the polynomial, or its split share).
 :func:`sharing_bound` decides greedily: while the heaviest unshared task exceeds the mean (the
@@ -49,14 +51,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .cost import load_hardware
-from .formulas import (gram_packed_numel, lockstep_batches, lockstep_bytes, poly_flops,
+from .formulas import (gram_chunks, gram_packed_numel, lockstep_batches, lockstep_bytes, poly_flops,
                        poly_packed_numel)
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts, evaluate
 
 __all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
            "block_decision", "lockstep_bytes", "shard_block_decision", "shard_blocks_aligned", "lockstep_seconds", "pair_decision", "pair_link",
-           "price_pair", "priced_for", "share_options", "sharing_bound"]
+           "gram_pipeline", "Run", "price_pair", "profile_rate", "priced_for", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "tp_pair", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -67,14 +69,23 @@ DP_GROUP_SIZES = (2, 4)
 class ShareOption:
     """One way to share a task: ``k`` ranks of a ``group``, with or without the polynomial split.
 
-    ``piece_flops``: Newton–Schulz FLOPs per sharing rank and step; ``comm_s``: seconds of its
-    collectives per step (all-reduces of the Gram, all-gathers of the split polynomial)."""
+    ``piece_flops``: Newton–Schulz FLOPs per sharing rank (all steps); ``comm_s``: seconds of
+    its collectives (all steps: all-reduces of the Gram, all-gathers of the split polynomial);
+    ``hidden_s``: how much of ``comm_s`` runs beside the rank's own Gram products (the Gram is
+    all-reduced chunk by chunk as it is computed, ``formulas.gram_chunks``), so a piece alone
+    takes ``compute + comm_s − hidden_s`` (:meth:`alone_s`)."""
 
     group: Group
     k: int
     split_poly: bool
     piece_flops: int
     comm_s: float
+    hidden_s: float = 0.0
+
+    def alone_s(self, rate: float) -> float:
+        """Seconds of the piece alone at ``rate`` FLOP/s: its compute and what its own compute
+        does not hide of its collectives."""
+        return self.piece_flops / rate + self.comm_s - self.hidden_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +147,12 @@ class SharingReport:
         }
 
 
+def profile_rate(hw: HardwareProfile) -> float:
+    """The achieved FLOP/s the sharing decisions time compute at: the profile's bf16 peak (its
+    largest without one) times its compute efficiency."""
+    return hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+
+
 def _all_reduce_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
     return link.latency_s + 2 * (k - 1) / k * numel * e / link.busbw
 
@@ -145,25 +162,40 @@ def _all_gather_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
     return link.latency_s + (k - 1) / k * numel * e / link.busbw
 
 
+def gram_pipeline(rows: int, n: int, k: int, e: int, link: LinkProfile, rate: float
+                  ) -> tuple[float, float]:
+    """One step's Gram on a rank with ``rows`` rows, as the kernel runs it
+    (``formulas.gram_chunks``): each chunk's rows of G computed (at ``rate`` FLOP/s), then its
+    packed upper part all-reduced over ``k`` ranks while the next chunk is computed. Returns
+    (seconds of the all-reduces, seconds of them that run beside the Gram's own products): the
+    phase ends at max over chunks j of (compute of chunks ≤ j + all-reduces of chunks ≥ j), a
+    two-stage pipeline."""
+    comp = [2 * rows * (r1 - r0) * n / rate for r0, r1, _, _ in gram_chunks(n)]
+    comm = [_all_reduce_s(p1 - p0, e, k, link) for _, _, p0, p1 in gram_chunks(n)]
+    end = max(sum(comp[:j + 1]) + sum(comm[j:]) for j in range(len(comp)))
+    return sum(comm), max(0.0, sum(comp) + sum(comm) - end)
+
+
 def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: int,
-                 link: LinkProfile, *, exchange: bool = False) -> ShareOption:
-    """One sharing rank's Newton–Schulz FLOPs and collective seconds per step for an m × n
-    matrix (m ≥ n) shared by ``k`` ranks over ``link`` (``e`` bytes per element).
-    ``exchange``: the ranks hold blocks of the short dimension (a wide matrix cut between two
-    rows in a DP buffer) and swap them for long-dimension blocks before the iteration and back
-    after (``runtime.pairs``): two all-to-alls of each rank's m·n/k elements."""
+                 link: LinkProfile, *, rate: float, exchange: bool = False) -> ShareOption:
+    """One sharing rank's Newton–Schulz FLOPs and collective seconds (all ``steps``) for an
+    m × n matrix (m ≥ n) shared by ``k`` ranks over ``link`` (``e`` bytes per element); the Gram
+    all-reduced chunk by chunk beside its own products (:func:`gram_pipeline`, its compute at
+    ``rate`` FLOP/s). ``exchange``: the ranks hold blocks of the short dimension (a wide matrix
+    cut between two rows in a DP buffer) and swap them for long-dimension blocks before the
+    iteration and back after (``runtime.pairs``): two all-to-alls of each rank's m·n/k
+    elements, which nothing hides."""
     rows = -(-m // k)
-    gram = gram_packed_numel(n)  # the Gram is symmetric: its upper block rows are reduced
+    reduce_s, hidden = gram_pipeline(rows, n, k, e, link, rate)
     if split:  # each rank computes and all-gathers its packed upper parts of the symmetric P
         flops = steps * (4 * n * n * rows + poly_flops(n, k))
-        comm = steps * (_all_reduce_s(gram, e, k, link)
-                        + _all_gather_s(k * poly_packed_numel(n, k), e, k, link))
+        comm = steps * (reduce_s + _all_gather_s(k * poly_packed_numel(n, k), e, k, link))
     else:
         flops = steps * (4 * n * n * rows + 2 * n ** 3)
-        comm = steps * _all_reduce_s(gram, e, k, link)
+        comm = steps * reduce_s
     if exchange:
         comm += 2 * (link.latency_s + (k - 1) / k * (m * n / k) * e / link.busbw)
-    return ShareOption(group, k, split, flops, comm)
+    return ShareOption(group, k, split, flops, comm, steps * hidden)
 
 
 def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
@@ -188,17 +220,24 @@ def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
     return ShareOption("tp_pair", k, split, flops, steps * comm)
 
 
-def lockstep_seconds(pieces: list[tuple[float, float]], steps: int) -> float:
+#: A shared piece as a lockstep meets it: seconds of its compute, of its collectives, and of
+#: those that run beside its own Gram products (``ShareOption.hidden_s``), all steps.
+Run = tuple[float, float, float]
+
+
+def lockstep_seconds(pieces: list[Run], steps: int) -> float:
     """Seconds of the shared matrices of one group run in lockstep
-    (``runtime.optim.shared_ns.shared_newton_schulz_many``), from each one's (compute, collective)
-    seconds per rank over all ``steps``: per iteration the collectives run one after another
-    beside the compute, so an iteration takes max(Σ compute, Σ collectives + the shortest
-    compute) — with one matrix its compute plus its collectives."""
+    (``runtime.optim.shared_ns.shared_newton_schulz_many``), from each one's (compute,
+    collectives, hidden) seconds per rank over all ``steps`` (:data:`Run`): per iteration the
+    collectives run one after another beside the compute, so an iteration takes
+    max(Σ compute, Σ collectives + the least compute any piece does outside its own
+    collectives) — with one matrix its compute plus what its Gram products do not hide of its
+    collectives."""
     if not pieces:
         return 0.0
-    comp = sum(c for c, _ in pieces) / steps
-    comm = sum(a for _, a in pieces) / steps
-    first = min(c for c, _ in pieces) / steps
+    comp = sum(c for c, _, _ in pieces) / steps
+    comm = sum(a for _, a, _ in pieces) / steps
+    first = min(c - h for c, _, h in pieces) / steps
     return steps * max(comp, comm + first)
 
 
@@ -218,12 +257,14 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
     sizes = problem.sizes
     p = problem.spec[t.param]
     tp = sizes.expert_tp if p.is_expert else sizes.tp
+    rate = profile_rate(hw)
     out = []
     if t.tp_split and tp > 1 and tp == sizes.tp:  # the dense TP group
         # The TP shards are row blocks of the oriented matrix when the split dim is the long one.
         if (p.tp_dim == long_dim or rows == cols) and t.part is None and "tp" in groups:
             link = hw.link(tp)
-            out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link) for s in (False, True)]
+            out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link, rate=rate)
+                    for s in (False, True)]
         # More ranks than the TP group: each shard cut at a row boundary between two DP
         # indices — a ZeRO-1 cut of a shard is a block of its stored rows, so the shard must be
         # a row block of the oriented matrix with whole rows (a tall column-parallel weight).
@@ -238,7 +279,7 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
         for k in dp_sizes:  # pairs: any two DP indices; quads (the bound): fixed groups
             if k <= sizes.dp and (k == 2 or sizes.dp % k == 0) and min(rows, cols) >= k:
                 link = hw.link(k * sizes.tp)
-                out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link,
+                out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link, rate=rate,
                                      exchange=rows < cols) for s in (False, True)]
     return out
 
@@ -283,7 +324,7 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         # blocks shard by shard: no FLOPs added, no collective
         blocks = shard_block_decision(problem, hw)
         shared = []
-        for i, (piece, _, _, _) in sorted(blocks.items()):
+        for i, (piece, *_) in sorted(blocks.items()):
             t = problem.tasks[i]
             flops = problem.costs[i].flops
             o = ShareOption("tp", problem.sizes.tp, False,
@@ -301,7 +342,7 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         return SharingReport(name, gpus, mean, largest, atomic, atomic, 0.0, (),
                              note=f"sharing applies to Muon's Newton–Schulz (and Shampoo's "
                                   f"blocks); {name} tasks stay whole")
-    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    rate = profile_rate(hw)
     order = sorted(matrix, key=lambda i: (-problem.loads[i], i))
     shared: list[SharedTask] = []
     extra = 0.0
@@ -315,7 +356,7 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         best = None
         for o in share_options(problem, i, hw, ns_bytes=ns_bytes, groups=groups,
                                dp_sizes=dp_sizes):
-            path = (o.piece_flops + o.comm_s * rate) * unit
+            path = o.alone_s(rate) * rate * unit
             over = max(0.0, (o.k * o.piece_flops - flops) * unit)
             fits = path <= target
             cost = max(o.piece_flops, o.comm_s * rate) * unit if lockstep else over
@@ -380,15 +421,15 @@ def price_pair(problem: DPProblem, task: int, split: bool, hw: HardwareProfile,
     compute plus its exchanges at the profile's rate, in the plan's cost units."""
     t = problem.tasks[task]
     rows, cols = t.shape
+    rate = profile_rate(hw)
     o = shared_piece("dp", 2, split, max(rows, cols), min(rows, cols),
-                     problem.settings.ns_steps, 2, link, exchange=rows < cols)
-    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+                     problem.settings.ns_steps, 2, link, rate=rate, exchange=rows < cols)
     flops = problem.costs[task].flops
     unit = problem.loads[task] / flops if flops else 0.0
     compute = o.piece_flops / rate
-    load = math.ceil((compute + o.comm_s) * rate * unit)
+    load = math.ceil(o.alone_s(rate) * rate * unit)
     return PairShare(-(-rows // 2), split, (load, load), (o.piece_flops, o.piece_flops), compute,
-                     o.comm_s)
+                     o.comm_s, hidden_s=o.hidden_s)
 
 
 def priced_for(problem: DPProblem, pairs: dict[int, PairShare],
@@ -488,7 +529,7 @@ def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
         return [float(x) for x in load]
     owners = {i: o for i, o in pair_owners(problem, cuts).items() if o[0] != o[1]}
     phases = pair_phases(owners)
-    runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]] = {}
+    runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     for i, o in owners.items():
         x = problem.pairs[i]
         runs.setdefault((phases[o], o), []).append(x.run_piece())
@@ -498,10 +539,10 @@ def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
     return [x + f for x, f in zip(load, free)]
 
 
-def pair_timeline(runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]],
+def pair_timeline(runs: dict[tuple[int, tuple[int, int]], list[Run]],
                   steps: int, ranks: int) -> list[float]:
     """When each of ``ranks`` is done with its DP pairs: ``runs`` maps (phase, (a, b)) to the
-    pair's matrices' (compute, collectives); pairs run in phase order, each in lockstep
+    pair's matrices' (compute, collectives, hidden) (:data:`Run`); pairs run in phase order, each in lockstep
     (:func:`lockstep_seconds`), and a pair starts when both partners are free."""
     free = [0.0] * ranks
     for (_, (a, b)), pieces in sorted(runs.items()):
@@ -580,12 +621,12 @@ def shard_blocks_aligned(smap, block: int) -> bool:  # noqa: ANN001  (shards.Sha
 
 
 def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100"
-                         ) -> dict[int, tuple[float, bool, float, float]]:
+                         ) -> dict[int, tuple[float, bool, float, float, float]]:
     """Shampoo at tp > 1 (item 3 of issue 18): the TP-split matrices whose shards are whole
     blocks (:func:`shard_blocks_aligned`), each preconditioned by its TP group shard by shard —
     every TP rank its own blocks, nothing gathered, no host, no collective; exactly the whole
     matrix's update (Shampoo's statistics, roots, grafting and momentum are per block or per
-    element). Task id → (load per TP rank, False, compute seconds, 0.0), what
+    element). Task id → (load per TP rank, False, compute seconds, 0.0, 0.0), what
     ``DPProblem.shared`` holds; the load is the task's load in proportion to its shard's FLOPs.
     Every eligible matrix: on the GPUs it is never heavier than hosting (the same FLOPs over tp
     ranks, no gather); whether the plan keeps them is the objective's call
@@ -597,7 +638,7 @@ def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "
     if st.name != "shampoo" or sizes.tp == 1:
         return {}
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    rate = profile_rate(hw)
     spec = optimizers.get(st.name)
     kv = problem.spec.config.kv_heads if problem.spec.config is not None else None
     out = {}
@@ -613,7 +654,7 @@ def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "
         flops = problem.costs[t.id].flops
         piece = spec.flops(*smap.local_shape, st)
         load = problem.loads[t.id] * piece / flops if flops else 0.0
-        out[t.id] = (load, False, piece / rate, 0.0)
+        out[t.id] = (load, False, piece / rate, 0.0, 0.0)
     return out
 
 

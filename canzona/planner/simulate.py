@@ -75,7 +75,7 @@ from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
 from .formulas import LOCKSTEP_CMAX
-from .sharing import (lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link,
+from .sharing import (Run, lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link,
                       pair_timeline, shared_piece)
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
@@ -574,7 +574,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
         if task.owner is not None and task.id not in grouped and task.id not in pairs:
             for t in range(tp):
                 mat_flops[task.owner * tp + t] += task.flops
-    runs: dict[tuple[int, tuple[int, int]], list[tuple[float, float]]] = {}
+    runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
         for d, f in zip(x.owners, x.flops):
             mat_flops[d] += f
@@ -582,15 +582,15 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             rows, cols = plan.tasks[x.id].shape
             o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
                              inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype],
-                             pair_link(hw, x.owners), exchange=rows < cols)
+                             pair_link(hw, x.owners), rate=mat_rate, exchange=rows < cols)
             runs.setdefault((x.phase, tuple(x.owners)), []).append(
-                (o.piece_flops / mat_rate, o.comm_s))
+                (o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
     # The runtime runs the pairs first, phase by phase, each pair's matrices in lockstep: a pair
     # starts when both partners are free, so waits chain along pairs of later phases.
     free = pair_timeline(runs, inp.optimizer.ns_steps, dp * tp)
     for (_, pair), pieces in runs.items():
         for d in pair:
-            waits[d] -= sum(c for c, _ in pieces)
+            waits[d] -= sum(c for c, _, _ in pieces)
     waits = [w + f for w, f in zip(waits, free)]
 
     flops_of = {task.id: task.flops for task in plan.tasks}
@@ -613,20 +613,20 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                         piece = optimizers.get("shampoo").flops(
                             *plan.tp.layouts[x.layout].local_shape, inp.optimizer)
                         fl += piece
-                        pieces.append((piece / mat_rate, 0.0))
+                        pieces.append((piece / mat_rate, 0.0, 0.0))
                         sizes.append(0)
                         continue
                     rows, cols = plan.tasks[x.id].shape
                     m, n = max(rows, cols), min(rows, cols)
                     o = shared_piece("tp", tp, x.split_poly, m, n, steps,
-                                     ELEMENT_BYTES[matrix_dtype], tp_link)
+                                     ELEMENT_BYTES[matrix_dtype], tp_link, rate=mat_rate)
                     fl += o.piece_flops
-                    pieces.append((o.piece_flops / mat_rate, o.comm_s))
+                    pieces.append((o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
                     sizes.append(lockstep_bytes(-(-m // tp), n, tp, x.split_poly,
                                                 ELEMENT_BYTES[matrix_dtype]))
                 secs = sum(lockstep_seconds(b, steps) for b in lockstep_batches(pieces, sizes,
                                                                            cap))
-                comp = sum(c for c, _ in pieces)
+                comp = sum(c for c, _, _ in pieces)
                 # compute as compute; what the lockstep does not hide of the collectives as TP
                 gs.append(GroupWork(0.0, max(0.0, secs - comp), (comp,) * tp, 0, (fl,) * tp,
                                     barrier=True))

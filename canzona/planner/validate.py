@@ -362,7 +362,7 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                                f"{name})")
     expert = {sl.name for buf in plan.buffers if buf.expert for b in buf.buckets
               for sl in b.slots}
-    link = load_hardware("h100").intra_node  # the FLOPs do not depend on the link
+    link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
     seen: set[int] = set()
     phase: dict[tuple[int, int], int] = {}
     busy: dict[tuple[int, int], tuple[int, int]] = {}
@@ -411,7 +411,7 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                                          f"{[a, b]} in phase {x.phase}: they would wait for "
                                          f"each other")
         o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
-                         inp.optimizer.ns_steps, 2, link)
+                         inp.optimizer.ns_steps, 2, link, rate=1.0)
         if tuple(x.flops) != (o.piece_flops, o.piece_flops):
             raise bad(f"{xf}.flops", f"are {list(x.flops)} but shared Newton–Schulz of task "
                                      f"{x.id} over 2 ranks is {o.piece_flops} per piece")
@@ -582,7 +582,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
     inp, tasks, T = plan.inputs, plan.tasks, plan.tp
     assert T is not None
     out: dict[int, float] = {}
-    link = load_hardware("h100").intra_node  # the FLOPs do not depend on the link
+    link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
     for d, ix in enumerate(T.indices):
         if ix.shared_load > min(ix.local_load, default=0) or (ix.shared_load and not ix.shared):
             raise bad(f"tp.indices[{d}].shared_load", f"is {ix.shared_load} but local_load is "
@@ -617,7 +617,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                                           f"along its short dimension: its shards are not row "
                                           f"blocks of the matrix, which sharing needs")
             o = shared_piece("tp", inp.tp, x.split_poly, max(rows, cols), min(rows, cols),
-                             inp.optimizer.ns_steps, 2, link)
+                             inp.optimizer.ns_steps, 2, link, rate=1.0)
             want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
             if x.load < want - 1:  # its FLOPs, plus its collectives' time on the plan's profile
                 raise bad(f"{xf}.load", f"is {x.load} but shared Newton–Schulz of task {x.id} "

@@ -245,6 +245,33 @@ def many_case(rank: int, world: int) -> dict:
     return out
 
 
+def chunks_case(rank: int, world: int) -> dict:
+    """Every collective a lockstep launches, in order (a flight recorder's view): per step each
+    matrix's Gram all-reduced in ``formulas.gram_chunks`` chunks, each launched once its rows
+    are computed, then the split polynomial's all-gather; over the world and over a
+    :class:`PeerPair` (point-to-point), with the results equal to the single-device kernel."""
+    from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.names: list[str] = []
+
+        def add(self, name: str, work) -> None:  # noqa: ANN001
+            self.names.append(name)
+
+    g = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(80, 64, generator=g), torch.randn(30, 17, generator=g)]
+    parts = [f[:f.shape[0] // 2] if rank == 0 else f[f.shape[0] // 2:] for f in fulls]
+    out = {}
+    for kind, group in (("world", None), ("peer", PeerPair((0, 1), rank))):
+        rec = Recorder()
+        got = shared_newton_schulz_many(parts, group=group, dtype=torch.float32, steps=2,
+                                        split_polynomial=[True, False], what=["a", "b"],
+                                        flight=rec)
+        out[kind] = (rec.names, [x.clone() for x in got])
+    return out
+
+
 def mismatch_case(rank: int, world: int) -> str:
     """A rank outside the group cannot take part."""
     import torch.distributed as dist
@@ -282,7 +309,8 @@ def timeout_case(rank: int, world: int):
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(s["name"], partial(shared_case, spec=s)) for s in SHARED + ALONE]
-    cases += [("bf16", bf16_case), ("many", many_case), ("outsider", mismatch_case),
+    cases += [("bf16", bf16_case), ("many", many_case), ("chunks", chunks_case),
+              ("outsider", mismatch_case),
               ("timeout", timeout_case)]
     return run_world(2, cases, str(tmp_path_factory.mktemp("shared_ns")))
 
@@ -606,3 +634,30 @@ def test_many_in_lockstep_is_each_alone_bitwise(world2):
     for res in results(world2, "many"):
         for key, same in res.items():
             assert all(same), (key, same)
+
+
+def test_the_gram_is_all_reduced_chunk_by_chunk(world2):
+    """Per step, each matrix's Gram goes out in ``formulas.gram_chunks`` pieces (n = 64: 4
+    chunks of 4 block rows; n = 17: 3 chunks of 3), all of a matrix's before the next one's
+    rows, then the polynomial's all-gather; the rows still equal the single-device kernel."""
+    from canzona.planner.formulas import gram_chunks
+
+    for rank, res in enumerate(results(world2, "chunks")):
+        for kind, (names, got) in res.items():
+            want = []
+            for step in range(2):
+                for label, n in (("a", 64), ("b", 17)):
+                    c = len(gram_chunks(n))
+                    want += [f"the Gram all-reduce (step {step}, chunk {j + 1} of {c}) of {label}"
+                             for j in range(c)]
+                want.append(f"the polynomial all-gather (step {step}) of a")
+            assert names == want, (kind, names)
+            g = torch.Generator().manual_seed(3)
+            fulls = [torch.randn(80, 64, generator=g), torch.randn(30, 17, generator=g)]
+            for full, mine in zip(fulls, got):
+                whole = newton_schulz(full, ((3.4445, -4.7750, 2.0315),) * 2, eps=1e-7,
+                                      dtype=torch.float32)
+                half = full.shape[0] // 2
+                ref = whole[:half] if rank == 0 else whole[half:]
+                torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    assert [len(gram_chunks(n)) for n in (64, 17)] == [4, 3]

@@ -113,8 +113,9 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
 
 
 #: One shared piece as its DP index's lockstep sees it: (order key: the task id, compute,
-#: collectives, recorded load, scratch bytes), the first four in cost units.
-Piece = tuple[int, float, float, float, int]
+#: collectives, recorded load, scratch bytes, collectives beside its own Gram products), in
+#: cost units but for the bytes.
+Piece = tuple[int, float, float, float, int, float]
 
 
 def lockstep_scratch(problem: DPProblem, task: int) -> int:
@@ -133,10 +134,11 @@ def lockstep_piece(problem: DPProblem, task: int) -> Piece:
     """A task its TP group shares (``problem.shared``): its piece on every TP rank, as the
     lockstep phase sees it (compute and collectives in cost units: its recorded load is the
     longer of the two; the scratch it holds, ``formulas.lockstep_bytes``)."""
-    load, _, comp, comm = problem.shared[task]
+    load, _, comp, comm, hidden = problem.shared[task]
     longest = max(comp, comm)
     per_s = load / longest if longest > 0 else 0.0
-    return (task, comp * per_s, comm * per_s, load, lockstep_scratch(problem, task))
+    return (task, comp * per_s, comm * per_s, load, lockstep_scratch(problem, task),
+            hidden * per_s)
 
 
 @dataclass(slots=True)
@@ -145,7 +147,8 @@ class Lockstep:
     batches whose scratch fits ``cap`` (``formulas.lockstep_batches``; 0: one batch), each batch
     in lockstep, each piece's collectives beside the others' compute
     (``sharing.lockstep_seconds``: per iteration the longer of Σ compute and Σ collectives + the
-    shortest compute). ``pieces``: Σ of their recorded loads (what :func:`index_work` counts)."""
+    least compute a piece does outside its own collectives). ``pieces``: Σ of their recorded
+    loads (what :func:`index_work` counts)."""
 
     cap: int = 0
     items: list[Piece] = field(default_factory=list)
@@ -160,7 +163,7 @@ class Lockstep:
         self.pieces += piece[3]
         self.compute += piece[1]
         self.comm += piece[2]
-        self.shortest = min(self.shortest, piece[1])
+        self.shortest = min(self.shortest, piece[1] - piece[5])
         self.nbytes += piece[4]
 
     def load(self) -> float:
@@ -175,16 +178,16 @@ class Lockstep:
         comp = comm = 0.0
         least = math.inf
         held = cap + 1  # the first piece opens a batch
-        for _, c, a, _, b in sorted(self.items):
+        for _, c, a, _, b, h in sorted(self.items):
             if held + b <= cap:
                 comp += c
                 comm += a
-                least = min(least, c)
+                least = min(least, c - h)
                 held += b
             else:
                 if least != math.inf:
                     out += max(comp, comm + least)
-                comp, comm, least, held = c, a, c, b
+                comp, comm, least, held = c, a, c - h, b
         return out + max(comp, comm + least)
 
     def copy(self) -> Lockstep:

@@ -42,18 +42,20 @@ class MicroGroup:
 @dataclass(frozen=True, slots=True)
 class SharedRun:
     """A task the TP group shares (shared Newton–Schulz over its TP shards, no gather): each
-    rank's ``load`` (cost units, ``DPProblem.shared``), its ``compute_s`` and ``comm_s``."""
+    rank's ``load`` (cost units, ``DPProblem.shared``), its ``compute_s`` and ``comm_s``, and
+    ``hidden_s`` of those beside its own Gram products (``sharing.ShareOption.hidden_s``)."""
 
     task: int
     split_poly: bool
     load: float
     compute_s: float
     comm_s: float
+    hidden_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        """Alone: its compute, then its collectives waited for in turn."""
-        return self.compute_s + self.comm_s
+        """Alone: its compute, and the collectives its own Gram products do not hide."""
+        return self.compute_s + self.comm_s - self.hidden_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +323,8 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
 
         sizes = [lockstep_scratch(pr, x.task) for x in runs]
         # the runtime runs them in batches whose scratch fits C_max, each batch in lockstep
-        phase_s = sum(lockstep_seconds([(x.compute_s, x.comm_s) for x in b], pr.settings.ns_steps)
+        phase_s = sum(lockstep_seconds([(x.compute_s, x.comm_s, x.hidden_s) for x in b],
+                                       pr.settings.ns_steps)
                       for b in lockstep_batches(list(runs), sizes, LOCKSTEP_CMAX * cap))
         rate = _rates(settings.hardware).flops_per_s
         unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
@@ -367,18 +370,19 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
 
 
 def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
-                   ) -> dict[int, tuple[float, bool, float, float]]:
+                   ) -> dict[int, tuple[float, bool, float, float, float]]:
     """``TPOptions.share``: the tasks shared over their TP group (``auto``: those the bound of
     ``planner.sharing`` shares; ``all``/``all-split``: every eligible one): task id → (load per
-    TP rank, polynomial split, compute seconds, collective seconds), what ``DPProblem.shared``
-    holds; the load is max(compute, collectives) in cost units. Shampoo: the matrices whose
+    TP rank, polynomial split, compute seconds, collective seconds, of those the seconds beside
+    its own Gram products), what ``DPProblem.shared`` holds; the load is max(compute,
+    collectives) in cost units. Shampoo: the matrices whose
     shards are whole blocks, preconditioned shard by shard (``sharing.shard_block_decision``)."""
-    from ..sharing import shard_block_decision, share_options, sharing_bound
+    from ..sharing import profile_rate, shard_block_decision, share_options, sharing_bound
 
     if problem.settings.name == "shampoo":  # blocks preconditioned shard by shard, every mode
         return shard_block_decision(problem, hardware)
     hw = load_hardware(hardware)
-    rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    rate = profile_rate(hw)
     out = {}
     if mode in ("all", "all-split"):
         for t in problem.tasks:
@@ -393,14 +397,15 @@ def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
     return out
 
 
-def _entry(problem: DPProblem, task: int, o, rate: float) -> tuple[float, bool, float, float]:  # noqa: ANN001
-    """(load, split, compute s, collective s) of one shared task: the load, for the DP side,
+def _entry(problem: DPProblem, task: int, o, rate: float  # noqa: ANN001
+           ) -> tuple[float, bool, float, float, float]:
+    """(load, split, compute s, collective s, hidden s) of one shared task: the load, for the DP side,
     is the longer of its compute and its collectives (the others of its group hide the shorter
     in the lockstep run); the schedule replaces the sum by the group's lockstep phase."""
     flops = problem.costs[task].flops
     unit = problem.loads[task] / flops if flops else 0.0
     compute = o.piece_flops / rate
-    return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s)
+    return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s, o.hidden_s)
 
 
 def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None, *,
@@ -425,8 +430,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     runs: list[list[SharedRun]] = [[] for _ in range(problem.dp)]
     owners = {i: d for d, ids in enumerate(shared_by_index(problem, cuts)) for i in ids}
     for i, d in sorted(owners.items()):
-        load, split, comp, comm = problem.shared[i]
-        runs[d].append(SharedRun(i, split, load, comp, comm))
+        load, split, comp, comm, hidden = problem.shared[i]
+        runs[d].append(SharedRun(i, split, load, comp, comm, hidden))
     indices = []
     statuses = []
     for d in range(problem.dp):

@@ -61,8 +61,17 @@ shared, split poly  s·(4n²mᵢ + 2n·q)          s·(2(k−1)/k·g + (k−1)·
 
 With even blocks (mᵢ = m/k) that is 4n²m/k + 2n³ per step, and about 4n²m/k + n³/k with the
 split (half of P's 2n³ over k ranks).
-Latency: one all-reduce per step (two collectives per step with the split), each on the
-critical path — the step's compute depends on it. Memory per rank: the block twice (iterate and
+**The Gram in chunks.** The step's compute depends on the reduced Gram, so its all-reduce is
+on the critical path; to run it beside the Gram's own products, G is computed and reduced in
+``formulas.gram_chunks`` (up to ``GRAM_CHUNKS`` = 4 chunks of consecutive block rows): a chunk's
+rows ``G[r0:r1, :] = X[:, r0:r1]ᵀX`` are computed (the same FLOPs as the whole product), their
+upper parts packed, and the chunk's all-reduce launched before the next chunk's rows are
+computed — a two-stage pipeline whose largest message goes first. Alone, a step then takes
+max over chunks j of (compute of chunks ≤ j + all-reduces of chunks ≥ j), not their sum
+(``planner.sharing.gram_pipeline``); the price is one collective latency per extra chunk.
+A :class:`TPPair`'s hierarchical sum stays one collective (its later stages start only when
+waited for). With the split the polynomial's all-gather follows on the critical path.
+Memory per rank: the block twice (iterate and
 ping-pong buffer), two n × n matrices (G, P; one with the split, whose P is unpacked into G's
 buffer), the packed Gram (g) and with the split the gathered parts ((k+1)·q:
 ``formulas.lockstep_bytes``).
@@ -127,12 +136,13 @@ from torch import Tensor
 
 from canzona.planner.formulas import (
     gram_blocks,
+    gram_chunks,
     gram_packed_numel,
     poly_blocks,
     poly_flops,
     poly_packed_numel,
 )
-from canzona.runtime.collectives import wait_for, wait_within
+from canzona.runtime.collectives import _Works, wait_for, wait_within
 from canzona.runtime.optim.muon import (
     DEFAULT_COEFFICIENTS,
     Coefficients,
@@ -244,8 +254,9 @@ def shared_newton_schulz_many(
     """:func:`shared_newton_schulz` of several matrices shared by the same ``group``, in lockstep,
     so that each one's collectives run while the others compute.
 
-    Per iteration every matrix's partial Gram is computed and its all-reduce launched
-    asynchronously, in order; then, matrix by matrix, the reduced Gram is waited for and the
+    Per iteration every matrix's partial Gram is computed and all-reduced asynchronously, in
+    order, chunk by chunk (each chunk's all-reduce launched once its rows are computed, beside
+    the next chunk's products; see the module docstring); then, matrix by matrix, the reduced Gram is waited for and the
     polynomial formed (with ``split_polynomial`` its all-gather launched), and finally each
     matrix's rows are updated. The all-reduce of matrix j thus overlaps the Gram products of the
     matrices after it and the updates before it (on NCCL the collectives run on the
@@ -327,10 +338,26 @@ def shared_newton_schulz_many(
         return work, name
 
     def launch_gram(t: _Task, step: int) -> None:
-        torch.mm(t.X.mT, t.X, out=t.gram)
-        _pack_gram(t.gram, t.packed, t.gram_views)
-        t.work = launch(_all_reduce(t.packed, t.group),
-                        f"the Gram all-reduce (step {step}) of {t.label}")
+        if isinstance(t.group, TPPair):  # a hierarchical sum: the packed Gram in one piece
+            torch.mm(t.X.mT, t.X, out=t.gram)
+            _pack_gram(t.gram, t.packed, t.gram_views)
+            t.work = launch(_all_reduce(t.packed, t.group),
+                            f"the Gram all-reduce (step {step}) of {t.label}")
+            return
+        # chunk by chunk (formulas.gram_chunks): a chunk's rows of G, their upper parts packed,
+        # and its all-reduce launched while the next chunk's rows are computed
+        works, views = [], iter(t.gram_views)
+        chunks = gram_chunks(t.gram.shape[0])
+        for c, (r0, r1, p0, p1) in enumerate(chunks):
+            torch.mm(t.X[:, r0:r1].mT, t.X, out=t.gram[r0:r1])
+            for b0, b1, v in views:
+                v.copy_(t.gram[b0:b1, b0:])
+                if b1 == r1:
+                    break
+            works.append(launch(_all_reduce(t.packed[p0:p1], t.group),
+                                f"the Gram all-reduce (step {step}, chunk {c + 1} of "
+                                f"{len(chunks)}) of {t.label}")[0])
+        t.work = (_Works(works), f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
         work, name = t.work
