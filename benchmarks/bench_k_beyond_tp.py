@@ -9,9 +9,10 @@ Per configuration: each kind of shared piece's compute and collectives per ortho
 sharing (``sharing_bound``: work, and the longest critical path, a piece alone with its
 collectives) with and without k = 2·tp, and a **layout-free placement**: every piece on some DP
 index (no bucket order, no cuts: a floor on what the partition can reach), greedily, heaviest
-first, each onto the index whose lockstep is then the shortest; an index runs its pieces as the runtime does
+first, each onto the index whose lockstep is then the shortest, then moves and swaps off the
+busiest index; an index runs its pieces as the runtime does
 (``tp.context.Lockstep``: in batches of 2 · C_max scratch, per iteration the longer of Σ compute
-and Σ collectives + the shortest compute). Printed: the busiest index's lockstep over the mean
+and Σ collectives + the least compute a piece does outside its own collectives). Printed: the busiest index's lockstep over the mean
 useful work per GPU, and the mean of Σ collectives per index (a shared piece's Gram collectives
 do not shrink with k, so they bound what any placement reaches).
 """
@@ -60,7 +61,7 @@ def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int, float
 
 def _place(pieces, dp: int, cap: int) -> list[Lockstep]:
     """Heaviest piece first, each onto the index whose lockstep is then the shortest (ties:
-    the lowest index)."""
+    the lowest index); then moves and swaps off the busiest index (:func:`_improve`)."""
     bins = [Lockstep(cap) for _ in range(dp)]
     order = sorted(range(len(pieces)), key=lambda i: (-(pieces[i][1] + pieces[i][2]), i))
     for i in order:
@@ -74,6 +75,53 @@ def _place(pieces, dp: int, cap: int) -> list[Lockstep]:
             if best is None or key < best[0]:
                 best = (key, d)
         bins[best[1]].add(item)
+    return _improve(bins, cap)
+
+
+def _lock(items, cap: int) -> Lockstep:
+    out = Lockstep(cap)
+    for x in items:
+        out.add(x)
+    return out
+
+
+def _improve(bins: list[Lockstep], cap: int, rounds: int = 2000) -> list[Lockstep]:
+    """Moves and swaps off the busiest index while they lower it and the index they touch
+    stays under it (pieces alike by their (compute, collectives, hidden, bytes) are tried
+    once per index)."""
+    loads = [b.load() for b in bins]
+    for _ in range(rounds):
+        top = max(range(len(bins)), key=lambda d: (loads[d], -d))
+        best = None
+        for x in {y[1:]: y for y in bins[top].items}.values():
+            rest = _lock([y for y in bins[top].items if y is not x], cap)
+            seen = set()
+            for d, b in enumerate(bins):
+                if d == top:
+                    continue
+                alike = (tuple(sorted(y[1:] for y in b.items)),)
+                if alike in seen:
+                    continue
+                seen.add(alike)
+                here = _lock(b.items + [x], cap).load()  # a move
+                new = max(rest.load(), here)
+                if new < loads[top] - 1e-12 and (best is None or new < best[0]):
+                    best = (new, d, x, None)
+                for z in {y[1:]: y for y in b.items}.values():  # a swap
+                    if z[1:] == x[1:]:
+                        continue
+                    there = _lock([y for y in b.items if y is not z] + [x], cap).load()
+                    mine = _lock(rest.items + [z], cap).load()
+                    new = max(there, mine)
+                    if new < loads[top] - 1e-12 and (best is None or new < best[0]):
+                        best = (new, d, x, z)
+        if best is None:
+            break
+        _, d, x, z = best
+        mine = [y for y in bins[top].items if y is not x] + ([z] if z is not None else [])
+        theirs = [y for y in bins[d].items if y is not z] + [x]
+        bins[top], bins[d] = _lock(mine, cap), _lock(theirs, cap)
+        loads[top], loads[d] = bins[top].load(), bins[d].load()
     return bins
 
 

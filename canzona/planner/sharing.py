@@ -47,11 +47,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from .cost import load_hardware
-from .formulas import (gram_chunks, gram_packed_numel, lockstep_batches, lockstep_bytes, poly_flops,
+from .formulas import (gram_chunks, lockstep_batches, lockstep_bytes, poly_flops,
                        poly_packed_numel)
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts, evaluate
@@ -162,18 +163,23 @@ def _all_gather_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
     return link.latency_s + (k - 1) / k * numel * e / link.busbw
 
 
-def gram_pipeline(rows: int, n: int, k: int, e: int, link: LinkProfile, rate: float
-                  ) -> tuple[float, float]:
+def gram_pipeline(rows: int, n: int, rate: float,
+                  chunk_comm: Callable[[int], tuple[float, float]]) -> tuple[float, float]:
     """One step's Gram on a rank with ``rows`` rows, as the kernel runs it
-    (``formulas.gram_chunks``): each chunk's rows of G computed (at ``rate`` FLOP/s), then its
-    packed upper part all-reduced over ``k`` ranks while the next chunk is computed. Returns
-    (seconds of the all-reduces, seconds of them that run beside the Gram's own products): the
-    phase ends at max over chunks j of (compute of chunks ≤ j + all-reduces of chunks ≥ j), a
-    two-stage pipeline."""
-    comp = [2 * rows * (r1 - r0) * n / rate for r0, r1, _, _ in gram_chunks(n)]
-    comm = [_all_reduce_s(p1 - p0, e, k, link) for _, _, p0, p1 in gram_chunks(n)]
-    end = max(sum(comp[:j + 1]) + sum(comm[j:]) for j in range(len(comp)))
-    return sum(comm), max(0.0, sum(comp) + sum(comm) - end)
+    (``formulas.gram_chunks``): each chunk's rows of G computed (at ``rate`` FLOP/s), then the
+    sum of its packed upper part launched while the next chunk is computed. ``chunk_comm``
+    gives, for a chunk's packed elements, the seconds of the collective that starts at once
+    (an all-reduce; a ``TPPair``'s reduce-scatter over TP) and of what follows only when the
+    chunk is waited for (nothing; the partner's sum and the all-gather). Returns (seconds of all
+    the chunks' collectives, seconds of them that run beside the Gram's own products): the
+    products and the collectives that start at once form a two-stage pipeline ending at max over
+    chunks j of (compute of chunks ≤ j + collectives of chunks ≥ j)."""
+    chunks = gram_chunks(n)
+    comp = [2 * rows * (r1 - r0) * n / rate for r0, r1, _, _ in chunks]
+    comm = [chunk_comm(p1 - p0) for _, _, p0, p1 in chunks]
+    now = [a for a, _ in comm]
+    end = max(sum(comp[:j + 1]) + sum(now[j:]) for j in range(len(comp)))
+    return sum(now) + sum(b for _, b in comm), max(0.0, sum(comp) + sum(now) - end)
 
 
 def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, e: int,
@@ -186,7 +192,8 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     iteration and back after (``runtime.pairs``): two all-to-alls of each rank's m·n/k
     elements, which nothing hides."""
     rows = -(-m // k)
-    reduce_s, hidden = gram_pipeline(rows, n, k, e, link, rate)
+    reduce_s, hidden = gram_pipeline(rows, n, rate,
+                                     lambda numel: (_all_reduce_s(numel, e, k, link), 0.0))
     if split:  # each rank computes and all-gathers its packed upper parts of the symmetric P
         flops = steps * (4 * n * n * rows + poly_flops(n, k))
         comm = steps * (reduce_s + _all_gather_s(k * poly_packed_numel(n, k), e, k, link))
@@ -199,17 +206,22 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
 
 
 def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
-                  tp_link: LinkProfile, pair_link: LinkProfile) -> ShareOption:
-    """One rank's FLOPs and collective seconds per step for an m × n matrix (m ≥ n) shared by a
-    TP group of ``tp`` and the same TP ranks at a partner DP index (k = 2·tp; the kernel's
-    ``TPPair``): the Gram reduce-scattered and all-gathered over the TP group (``tp_link``),
-    each rank's 1/tp chunk summed with the partner's (``pair_link``); with the split, this
-    rank's packed parts of P swapped with the partner, then both gathered over the TP group."""
+                  tp_link: LinkProfile, pair_link: LinkProfile, *, rate: float) -> ShareOption:
+    """One rank's FLOPs and collective seconds (all ``steps``) for an m × n matrix (m ≥ n)
+    shared by a TP group of ``tp`` and the same TP ranks at a partner DP index (k = 2·tp; the
+    kernel's ``TPPair``): the Gram, chunk by chunk, reduce-scattered over the TP group
+    (``tp_link``) beside the next chunk's products (:func:`gram_pipeline`, at ``rate``), then,
+    when waited for, each rank's 1/tp part summed with the partner's (``pair_link``) and
+    all-gathered over the TP group; with the split, this rank's packed parts of P swapped with
+    the partner, then both gathered over the TP group."""
     k = 2 * tp
     rows = -(-m // k)
-    gram = gram_packed_numel(n)
-    comm = (2 * (tp_link.latency_s + (tp - 1) / tp * gram * e / tp_link.busbw)
-            + pair_link.latency_s + gram / tp * e / pair_link.busbw)
+
+    def over_tp(numel: int) -> float:  # a reduce-scatter or all-gather of numel over TP
+        return tp_link.latency_s + (tp - 1) / tp * numel * e / tp_link.busbw
+
+    comm, hidden = gram_pipeline(rows, n, rate, lambda numel: (
+        over_tp(numel), pair_link.latency_s + numel / tp * e / pair_link.busbw + over_tp(numel)))
     if split:
         q = poly_packed_numel(n, k)
         flops = steps * (4 * n * n * rows + poly_flops(n, k))
@@ -217,7 +229,7 @@ def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
                  + _all_gather_s(2 * tp * q, e, tp, tp_link))
     else:
         flops = steps * (4 * n * n * rows + 2 * n ** 3)
-    return ShareOption("tp_pair", k, split, flops, steps * comm)
+    return ShareOption("tp_pair", k, split, flops, steps * comm, steps * hidden)
 
 
 #: A shared piece as a lockstep meets it: seconds of its compute, of its collectives, and of
@@ -271,7 +283,7 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
         if (p.tp_dim == 0 and rows >= cols and t.part is None and sizes.dp >= 2
                 and "tp_pair" in groups):
             pair = hw.link(2 * tp)  # two DP indices: their global ranks lie tp apart
-            out += [tp_pair_piece(tp, s, m, n, steps, ns_bytes, hw.link(tp), pair)
+            out += [tp_pair_piece(tp, s, m, n, steps, ns_bytes, hw.link(tp), pair, rate=rate)
                     for s in (False, True)]
     elif (tp == 1 or not t.tp_split) and "dp" in groups and t.part is None:
         # The ZeRO-1 cut moves to a row boundary; a wide matrix's row blocks are swapped for

@@ -171,18 +171,23 @@ def test_llama3_70b_at_scale_needs_more_ranks_than_the_tp_group():
 def test_tp_pair_pieces_halve_the_tp_groups_row_work():
     """k = 2·tp: each rank's rows halve against the TP group alone; the Gram's TP collectives
     are the TP group's, and only 1/tp of it (plus the split's blocks) crosses to the partner."""
-    from canzona.planner.formulas import gram_packed_numel
+    from canzona.planner.formulas import gram_chunks, gram_packed_numel
     from canzona.planner.sharing import profile_rate, shared_piece, tp_pair_piece
 
     hw = load_hardware("h800")
     m, n, s, tp = 57344, 8192, 5, 8
-    alone = shared_piece("tp", tp, False, m, n, s, 2, hw.intra_node, rate=profile_rate(hw))
-    pair = tp_pair_piece(tp, False, m, n, s, 2, hw.intra_node, hw.inter_node)
+    rate = profile_rate(hw)
+    alone = shared_piece("tp", tp, False, m, n, s, 2, hw.intra_node, rate=rate)
+    pair = tp_pair_piece(tp, False, m, n, s, 2, hw.intra_node, hw.inter_node, rate=rate)
     assert pair.k == 16 and alone.piece_flops - pair.piece_flops == s * 4 * n * n * (m // 16)
-    g = gram_packed_numel(n)
-    tp_part = 2 * (hw.intra_node.latency_s + 7 / 8 * g * 2 / hw.intra_node.busbw)
-    cross = hw.inter_node.latency_s + g / 8 * 2 / hw.inter_node.busbw
+    g, c = gram_packed_numel(n), len(gram_chunks(n))
+    # per chunk a reduce-scatter and an all-gather over TP and 1/tp of it to the partner
+    tp_part = 2 * (c * hw.intra_node.latency_s + 7 / 8 * g * 2 / hw.intra_node.busbw)
+    cross = c * hw.inter_node.latency_s + g / 8 * 2 / hw.inter_node.busbw
     assert pair.comm_s == pytest.approx(s * (tp_part + cross))
+    # only the reduce-scatters start at once: beside the Gram's products, at most their time
+    assert 0 < pair.hidden_s <= s * (c * hw.intra_node.latency_s
+                                     + 7 / 8 * g * 2 / hw.intra_node.busbw)
 
 
 @pytest.mark.parametrize("n", [1, 5, 17, 64, 8192])
@@ -212,10 +217,13 @@ def test_the_gram_all_reduce_runs_beside_its_own_products():
     from canzona.planner.sharing import (_all_reduce_s, gram_pipeline, lockstep_seconds,
                                          profile_rate, shared_piece)
 
+    def all_reduce(k, link):
+        return lambda numel: (_all_reduce_s(numel, 2, k, link), 0.0)
+
     hw = load_hardware("h800")
     rate, link = profile_rate(hw), hw.intra_node
     for rows, n, k in ((7168, 8192, 8), (1024, 8192, 8), (64, 64, 2), (50_000, 512, 2)):
-        comm, hidden = gram_pipeline(rows, n, k, 2, link, rate)
+        comm, hidden = gram_pipeline(rows, n, rate, all_reduce(k, link))
         t_comp = t_link = 0.0
         for r0, r1, p0, p1 in gram_chunks(n):
             t_comp += 2 * rows * (r1 - r0) * n / rate

@@ -69,8 +69,9 @@ upper parts packed, and the chunk's all-reduce launched before the next chunk's 
 computed — a two-stage pipeline whose largest message goes first. Alone, a step then takes
 max over chunks j of (compute of chunks ≤ j + all-reduces of chunks ≥ j), not their sum
 (``planner.sharing.gram_pipeline``); the price is one collective latency per extra chunk.
-A :class:`TPPair`'s hierarchical sum stays one collective (its later stages start only when
-waited for). With the split the polynomial's all-gather follows on the critical path.
+A :class:`TPPair`'s chunks (padded to a multiple of tp) start with their reduce-scatter over
+the TP group; the partner's sum and the all-gather of each follow when it is waited for. With
+the split the polynomial's all-gather follows on the critical path.
 Memory per rank: the block twice (iterate and
 ping-pong buffer), two n × n matrices (G, P; one with the split, whose P is unpacked into G's
 buffer), the packed Gram (g) and with the split the gathered parts ((k+1)·q:
@@ -234,6 +235,8 @@ class _Task:
     work: Any = None
     #: views of ``packed``, ``send`` and ``gathered`` per block row, made once per call
     gram_views: list = field(default_factory=list)
+    #: the Gram's chunks (r0, r1, q0, q1): rows and where in ``packed`` (:func:`_chunk_layout`)
+    chunks: list = field(default_factory=list)
     send_views: list = field(default_factory=list)
     gathered_views: list = field(default_factory=list)
 
@@ -320,11 +323,13 @@ def shared_newton_schulz_many(
         # with the split, P is unpacked into G's buffer (G is not needed once this rank's
         # parts of P are formed)
         poly = gram if sp else torch.empty((n, n), dtype=dt, device=b.device)
-        # a TPPair reduce-scatters the packed Gram over the TP group: padded to a multiple of tp
-        # (the padding is summed, never read)
-        packed = torch.empty(_padded(gram_packed_numel(n), grp), dtype=dt, device=b.device)
+        # the packed Gram chunk by chunk (a TPPair's chunks padded to a multiple of tp for its
+        # reduce-scatter: the padding, zeros, is summed and never read)
+        chunks = _chunk_layout(n, grp)
+        packed = torch.zeros(chunks[-1][3], dtype=dt, device=b.device)
         t = _Task(X, torch.empty_like(X), gram, packed, poly, send, gathered, sp,
-                  w or "a shared Newton–Schulz", grp, gram_views=_gram_views(packed, n))
+                  w or "a shared Newton–Schulz", grp,
+                  gram_views=_gram_views(packed, n, chunks), chunks=chunks)
         if sp:
             t.send_views = _poly_views(send, n, k, r)
             at = [_gather_slot(grp, q) * size for q in range(k)]
@@ -338,16 +343,11 @@ def shared_newton_schulz_many(
         return work, name
 
     def launch_gram(t: _Task, step: int) -> None:
-        if isinstance(t.group, TPPair):  # a hierarchical sum: the packed Gram in one piece
-            torch.mm(t.X.mT, t.X, out=t.gram)
-            _pack_gram(t.gram, t.packed, t.gram_views)
-            t.work = launch(_all_reduce(t.packed, t.group),
-                            f"the Gram all-reduce (step {step}) of {t.label}")
-            return
         # chunk by chunk (formulas.gram_chunks): a chunk's rows of G, their upper parts packed,
-        # and its all-reduce launched while the next chunk's rows are computed
+        # and its all-reduce launched while the next chunk's rows are computed (a TPPair's: its
+        # reduce-scatter over TP; the partner's sum and the all-gather when waited for)
         works, views = [], iter(t.gram_views)
-        chunks = gram_chunks(t.gram.shape[0])
+        chunks = t.chunks
         for c, (r0, r1, p0, p1) in enumerate(chunks):
             torch.mm(t.X[:, r0:r1].mT, t.X, out=t.gram[r0:r1])
             for b0, b1, v in views:
@@ -390,10 +390,29 @@ def shared_newton_schulz_many(
     return [x if x is not None else next(shared).X for x in out]
 
 
-def _gram_views(packed: Tensor, n: int) -> list[tuple[int, int, Tensor]]:
-    """(r0, r1, view) of each block row's upper part ``G[r0:r1, r0:]`` in ``packed``."""
+def _chunk_layout(n: int, group: Any = None) -> list[tuple[int, int, int, int]]:
+    """The Gram's chunks ``(r0, r1, q0, q1)``: rows ``[r0, r1)`` (``formulas.gram_chunks``) and
+    their packed upper parts at ``[q0, q1)`` of the packed buffer — back to back, except for a
+    :class:`TPPair`, whose chunks are each padded to a multiple of the TP size (its sum
+    reduce-scatters a chunk over the TP group in equal parts)."""
+    tp = dist.get_world_size(group.tp) if isinstance(group, TPPair) else 1
+    out, at = [], 0
+    for r0, r1, p0, p1 in gram_chunks(n):
+        size = -(-(p1 - p0) // tp) * tp
+        out.append((r0, r1, at, at + size))
+        at += size
+    return out
+
+
+def _gram_views(packed: Tensor, n: int, chunks: list | None = None
+                ) -> list[tuple[int, int, Tensor]]:
+    """(r0, r1, view) of each block row's upper part ``G[r0:r1, r0:]`` in ``packed``: block rows
+    in order, each chunk's from its start (``chunks``: :func:`_chunk_layout`; None: back to
+    back)."""
+    starts = {r0: q0 for r0, _, q0, _ in chunks or ()}
     out, at = [], 0
     for r0, r1 in gram_blocks(n):
+        at = starts.get(r0, at)
         size = (r1 - r0) * (n - r0)
         out.append((r0, r1, packed[at:at + size].view(r1 - r0, n - r0)))
         at += size
@@ -572,15 +591,6 @@ def pair_exchange(messages: Sequence[tuple[Tensor, Tensor]], pair: PeerPair) -> 
         ops.append(dist.P2POp(dist.isend, send, group=pair.group, group_peer=pair.peer))
         ops.append(dist.P2POp(dist.irecv, recv, group=pair.group, group_peer=pair.peer))
     return dist.batch_isend_irecv(ops)
-
-
-def _padded(numel: int, group: Any) -> int:
-    """``numel`` rounded up to a multiple of the TP size of a :class:`TPPair` (its
-    reduce-scatter's equal chunks); unchanged for other groups."""
-    if not isinstance(group, TPPair):
-        return numel
-    tp = dist.get_world_size(group.tp)
-    return -(-numel // tp) * tp
 
 
 def _gather_slot(group: Any, rank: int) -> int:
