@@ -495,7 +495,8 @@ def tp_summary(plan: Plan) -> None:
         console.print(
             f"shared by their TP group (--share {plan.tp.share}: shared Newton–Schulz over the "
             f"shards, no gather; run before the micro-groups): {len(shared)} matrices ({listed}"
-            f"), {split} with the polynomial split; their Gram all-reduces are in the loads: "
+            f"), {split} with the polynomial split; their Gram all-reduces are in the loads "
+            f"(less what runs beside their own Gram products, in chunks): "
             f"max / mean useful work (each task's single-device cost) "
             f"{m.max_gpu_load / useful_mean(plan):.3f}", highlight=False)
 

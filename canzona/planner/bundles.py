@@ -44,7 +44,7 @@ from .planning import (BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair
 from .formulas import lockstep_bytes
 from .sharing import Run, lockstep_seconds, pair_link
 
-__all__ = ["bundle_pairs"]
+__all__ = ["bundle_candidates", "bundle_pairs"]
 
 Place = tuple[str, int]  # ("w", DP index): whole there; ("s", pair): shared by that pair
 
@@ -253,28 +253,52 @@ def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Hardwar
                  pattern: bool = True) -> tuple[DPProblem, Cuts] | None:
     """A partition with DP pairs as bundles: (the reordered problem with the pairs it uses,
     its cuts), or None where it does not apply (not Muon, tp > 1, expert buffers, fewer than
-    two DP indices, no candidate, partners (2s, 2s + 1) on two nodes) or shares nothing.
-    ``scratch_cap``: bytes a pair's lockstep may hold (0: unbounded); ``pattern``: also start
-    from the class-level ILP's patterns (``_pattern_start``)."""
+    two DP indices, no candidate, partners (2s, 2s + 1) on two nodes) or shares nothing: of
+    :func:`bundle_candidates`, the one whose busiest index is lightest (the heaviest-first
+    start on a tie; None if that one shares nothing). ``scratch_cap``: bytes a pair's lockstep may hold (0: unbounded);
+    ``pattern``: also start from the class-level ILP's patterns (``_pattern_start``)."""
+    got = bundle_candidates(problem, pairs, hw, scratch_cap=scratch_cap, max_moves=max_moves,
+                            pattern=pattern)
+    best = None
+    for busiest, layout in got:
+        if best is None or busiest < best[0] * (1 - 1e-9):
+            best = (busiest, layout)
+    return None if best is None else best[1]
+
+
+def bundle_candidates(problem: DPProblem, pairs: Mapping[int, PairShare], hw: HardwareProfile,
+                      *, scratch_cap: int = 0, max_moves: int = 5000, pattern: bool = True
+                      ) -> list[tuple[float, tuple[DPProblem, Cuts] | None]]:
+    """Both starts of the bundle search, each searched, made whole where it may and laid out:
+    heaviest first where the busiest index it touches ends lightest, and (``pattern``) the
+    patterns of a class-level ILP. Per start (busiest index's load, (problem, cuts) or None
+    where it shares nothing); an empty list where bundles do not apply (see
+    :func:`bundle_pairs`). The caller judges them (``pipeline._solve_pairs`` by its
+    objective: a start with a heavier busiest index may move fewer bytes)."""
     if problem.settings.name != "muon" or problem.sizes.tp != 1 or problem.dp < 2 or not pairs \
             or any(buf.expert for buf in problem.layout.buffers) \
             or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
-        return None
-    # Two starts, each searched and made whole where it may: heaviest first where the busiest
-    # index it touches ends lightest, and the patterns of a class-level ILP; the lower kept.
+        return []
     search = _Search(problem, pairs, scratch_cap)
     for i in sorted(range(len(search.load)), key=lambda i: (-search.load[i], i)):
         search.place(i)
     search.improve(max_moves)
     search.unshare()
+    out = [(search.busiest(), _layout(problem, pairs, search, hw))]
     other = _pattern_start(problem, pairs, scratch_cap, search.busiest()) if pattern else None
     if other is not None:
         other.improve(max_moves)
         other.unshare()
-        if other.busiest() < search.busiest() * (1 - 1e-9):
-            search = other
-    # Lay it out: each bucket's parameters by DP index, a shared one last among its first
-    # partner's (its second piece then opens the second partner's range).
+        if other.where != search.where:
+            out.append((other.busiest(), _layout(problem, pairs, other, hw)))
+    return out
+
+
+def _layout(problem: DPProblem, pairs: Mapping[int, PairShare], search: _Search,
+            hw: HardwareProfile) -> tuple[DPProblem, Cuts] | None:
+    """A search's placement laid out: each bucket's parameters by DP index, a shared one last
+    among its first partner's (its second piece then opens the second partner's range); None
+    where it shares nothing."""
     rank = {(b.buffer, b.bucket): [0] * len(b.items) for b in problem.buckets}
     last: dict[tuple[int, int], set[int]] = {}
     used: dict[int, PairShare] = {}

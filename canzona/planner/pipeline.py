@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
-from .bundles import bundle_pairs
+from .bundles import bundle_candidates
 from .dp.solve import Solution, modelled_step, state_target
 from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
@@ -220,7 +220,8 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
     partition solved again (every stage, the collectives' and the optimizer state's included) in
     that plan's bucket order and in Megatron's, so that a bucket cut may fall between a task's
     pieces; and, where parameters may be reordered, the candidates as bundles of fixed
-    partners (``bundles.bundle_pairs``; a pair's lockstep within ``scratch_cap`` bytes). A
+    partners (``bundles.bundle_candidates``: both starts of its search; a pair's lockstep within
+    ``scratch_cap`` bytes). A
     result is kept if it lowers the score most: the busiest DP index (its load counts every
     piece's compute and exchanges and the waits between partners), plus under the
     ``step-time`` objective the bucket collectives and the optimizer state above its target
@@ -268,10 +269,10 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
                                                  owners, hw)), cuts)
     if o.reorder:
         say("DP pairs (bundles)")
-        for pairs in candidates:
-            got = bundle_pairs(problem, pairs, hw, scratch_cap=scratch_cap)
-            if got is not None:
-                consider(*got)
+        for pairs in candidates:  # both starts of the search, judged by the objective
+            for _, got in bundle_candidates(problem, pairs, hw, scratch_cap=scratch_cap):
+                if got is not None:
+                    consider(*got)
     return best
 
 

@@ -144,7 +144,8 @@ class SharingReport:
                         "group": s.option.group, "k": s.option.k,
                         "split_poly": s.option.split_poly, "piece_load": s.piece_load,
                         "path_load": s.path_load, "overhead": s.overhead,
-                        "comm_s": s.option.comm_s} for s in self.shared],
+                        "comm_s": s.option.comm_s, "hidden_s": s.option.hidden_s}
+                       for s in self.shared],
         }
 
 
