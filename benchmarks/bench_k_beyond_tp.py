@@ -126,57 +126,21 @@ def _improve(bins: list[Lockstep], cap: int, rounds: int = 2000) -> list[Lockste
     return bins
 
 
-def _optimum(pieces, dp: int, cap: int, hi: float, most: int = 4) -> float:
+def _optimum(pieces, dp: int, cap: int, hi: float) -> float:
     """The least busiest index over every placement of the pieces on ``dp`` indices (at most
-    ``most`` pieces on one), by a pattern model: an index's multiset of pieces, its lockstep
-    (:class:`Lockstep`, alike pieces in kind order) within a ceiling, how many indices take
-    each; CP-SAT decides each ceiling, bisected between the lightest index any placement must
-    have and ``hi`` (the heuristic's). Layout-free and exact for these pieces."""
-    from ortools.sat.python import cp_model
-
+    4 pieces on one): :func:`_patterns` with each distinct piece its own kind."""
     kinds: dict = {}
     for x in pieces:
         kinds[x[1:]] = kinds.get(x[1:], 0) + 1
-    keys = sorted(kinds)
-    pats = []
-    for cnt in itertools.product(*(range(min(most, kinds[k]) + 1) for k in keys)):
-        if 0 < sum(cnt) <= most:
-            lock = _lock([(j, *keys[j][:2], 0.0, keys[j][2], keys[j][3])
-                          for j, c in enumerate(cnt) for _ in range(c)], cap)
-            pats.append((cnt, lock.load()))
-
-    def feasible(ceiling: float) -> bool:
-        m = cp_model.CpModel()
-        use = [(p, m.NewIntVar(0, dp, "")) for p in pats if p[1] <= ceiling + 1e-12]
-        m.Add(sum(v for _, v in use) <= dp)
-        for j, k in enumerate(keys):
-            m.Add(sum(v * p[0][j] for p, v in use) == kinds[k])
-        solver = cp_model.CpSolver()
-        solver.parameters.num_workers = 1
-        solver.parameters.max_time_in_seconds = 30
-        status = solver.Solve(m)
-        if status == cp_model.UNKNOWN:
-            raise SystemExit("CP-SAT decided nothing within 30 s: no figure rather than a wrong one")
-        return status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-
-    loads = sorted({load for _, load in pats if load <= hi + 1e-12})
-    lo, up = 0, len(loads) - 1  # the optimum is one pattern's load: bisect over them
-    while lo < up:
-        mid = (lo + up) // 2
-        if feasible(loads[mid]):
-            up = mid
-        else:
-            lo = mid + 1
-    return loads[lo]
+    types = [(k, "", 1, k) for k in sorted(kinds)]
+    return _patterns(types, kinds, dp, cap, hi)[0]
 
 
-def _free_optimum(problem, hw, cap: int, hi: float, most: int = 4) -> tuple[float, dict]:
+def _free_optimum(problem, hw, cap: int, hi: float) -> tuple[float, dict]:
     """As :func:`_optimum`, with each matrix free to take any of its sharing options (over its
     TP group or with a partner DP index, the polynomial split or not): per kind of matrix, how
     many take each option is a variable too. Returns the least busiest index and the options
-    used (kind → {option: matrices})."""
-    from ortools.sat.python import cp_model
-
+    used ("kind option" → matrices)."""
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     count: dict = {}
     opts: dict = {}
@@ -193,6 +157,19 @@ def _free_optimum(problem, hw, cap: int, hi: float, most: int = 4) -> tuple[floa
                             lockstep_bytes(-(-m // o.k), n, o.k, o.split_poly, 2), o.hidden_s))
                           for o in share_options(problem, t.id, hw, groups=("tp", "tp_pair"))]
     types = [(kind, name, per, piece) for kind in sorted(opts) for name, per, piece in opts[kind]]
+    return _patterns(types, count, problem.dp, cap, hi)
+
+
+def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
+              most: int = 4) -> tuple[float, dict]:
+    """A pattern model: an index's multiset of at most ``most`` pieces (``types``: (kind,
+    option, pieces per matrix, (compute, collectives, bytes, hidden))) and its lockstep
+    (:class:`Lockstep`, alike pieces in type order) within a ceiling, how many indices take
+    each, how many matrices of each kind (``count``) take each option; CP-SAT (one worker)
+    decides each ceiling, bisected over the patterns' loads up to ``hi`` (a placement's).
+    Returns the least ceiling and the options taken."""
+    from ortools.sat.python import cp_model
+
     pats = []
     for cnt in itertools.product(*(range(min(most, per * count[kind]) + 1)
                                    for kind, _, per, _ in types)):
@@ -202,10 +179,10 @@ def _free_optimum(problem, hw, cap: int, hi: float, most: int = 4) -> tuple[floa
             if lock.load() <= hi + 1e-12:
                 pats.append((cnt, lock.load()))
 
-    def solve(ceiling: float):  # noqa: ANN202
+    def solve(ceiling: float) -> dict | None:
         m = cp_model.CpModel()
-        use = [(p, m.NewIntVar(0, problem.dp, "")) for p in pats if p[1] <= ceiling + 1e-12]
-        m.Add(sum(v for _, v in use) <= problem.dp)
+        use = [(p, m.NewIntVar(0, dp, "")) for p in pats if p[1] <= ceiling + 1e-12]
+        m.Add(sum(v for _, v in use) <= dp)
         took = [m.NewIntVar(0, count[kind], "") for kind, _, _, _ in types]
         for kind in count:
             m.Add(sum(y for y, ty in zip(took, types) if ty[0] == kind) == count[kind])
@@ -224,7 +201,7 @@ def _free_optimum(problem, hw, cap: int, hi: float, most: int = 4) -> tuple[floa
 
     loads = sorted({load for _, load in pats})
     lo, up, best = 0, len(loads) - 1, None
-    while lo < up:
+    while lo < up:  # the optimum is one pattern's load
         mid = (lo + up) // 2
         got = solve(loads[mid])
         if got is not None:
