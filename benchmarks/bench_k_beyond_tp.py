@@ -208,7 +208,12 @@ def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
             up, best = mid, got
         else:
             lo = mid + 1
-    return loads[lo], best if best is not None else solve(loads[lo])
+    if best is None:
+        best = solve(loads[lo])
+        if best is None:  # even the top ceiling (the placement's) failed: more pieces per index
+            raise SystemExit(f"no placement with at most {most} pieces per index reaches the "
+                             f"heuristic's busiest index: raise `most`")
+    return loads[lo], best
 
 
 def run(model: str, dp: int, tp: int, hardware: str) -> dict:

@@ -234,8 +234,9 @@ class SharedTaskPlan(_Frozen):
                                          "rows) and all-gathered.")
     load: int = Field(ge=0, description="per TP rank, cost-model units: its FLOPs and the time "
                                         "it waits for its collectives (at the profile's rate).")
-    modelled_s: float = Field(ge=0, description="per TP rank: compute and the collectives, "
-                                                "seconds (hardware profile; not measured).")
+    modelled_s: float = Field(ge=0, description="per TP rank: compute and the collectives "
+                                                "its own Gram products do not hide, seconds "
+                                                "(hardware profile; not measured).")
 
 
 class TPIndexPlan(_Frozen):
@@ -350,8 +351,9 @@ class PairTaskPlan(_Frozen):
                                                "Newton–Schulz).")
     state_bytes: tuple[int, int] = Field(description="per piece: the optimizer state its owner "
                                                      "holds.")
-    modelled_s: float = Field(ge=0, description="per piece: compute and the exchanges, "
-                                                "seconds (hardware profile; not measured).")
+    modelled_s: float = Field(ge=0, description="per piece: compute and the exchanges its "
+                                                "own Gram products do not hide, seconds "
+                                                "(hardware profile; not measured).")
 
 
 class Plan(_Frozen):

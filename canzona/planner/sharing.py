@@ -245,7 +245,9 @@ def lockstep_seconds(pieces: list[Run], steps: int) -> float:
     collectives run one after another beside the compute, so an iteration takes
     max(Σ compute, Σ collectives + the least compute any piece does outside its own
     collectives) — with one matrix its compute plus what its Gram products do not hide of its
-    collectives."""
+    collectives. With several it is a model, as the shortest compute was before the chunks:
+    what cannot overlap in the runtime's fixed order is the first matrix's first chunk and the
+    last one's work after its Gram, which the least over the pieces may understate."""
     if not pieces:
         return 0.0
     comp = sum(c for c, _, _ in pieces) / steps

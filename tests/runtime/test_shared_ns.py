@@ -206,6 +206,9 @@ TP_PAIR = [dict(s, name=f"{s['name']}-{'split' if split else 'full'}", split=spl
                _spec("tp_pair_row_parallel", (40, 96), tp_split_dim=1, cut=17),
                # DP index 0 holds none of the rows (a cut at the shard's start)
                _spec("tp_pair_empty", (64, 24), tp_split_dim=0, cut=0),
+               # n = 11: chunks of 30, 21, 15 and 3 packed elements, padded to even sizes for
+               # the TP group's reduce-scatter (gaps between chunks)
+               _spec("tp_pair_odd_n", (48, 11), tp_split_dim=0, cut=10),
                # ‖X‖²_F overflows float32: the guard's scalar and Gram all-reduces over k ranks
                _spec("tp_pair_huge", (64, 24), tp_split_dim=0, cut=21, grad0_scale=1e20)]
            for split in (False, True)]
@@ -250,7 +253,28 @@ def chunks_case(rank: int, world: int) -> dict:
     matrix's Gram all-reduced in ``formulas.gram_chunks`` chunks, each launched once its rows
     are computed, then the split polynomial's all-gather; over the world and over a
     :class:`PeerPair` (point-to-point), with the results equal to the single-device kernel."""
+    from canzona.runtime.optim import shared_ns
     from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+
+    # each launch at step 0 (the packed buffer starts as zeros): its own chunk written, the
+    # chunks after it not yet, and how many products (torch.mm: the Gram's chunks) ran before
+    launches: list[tuple[int, bool, bool, int]] = []
+    plain, mm = shared_ns._all_reduce, torch.mm
+    products = [0]
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        products[0] += 1
+        return mm(*args, **kwargs)
+
+    def spy(t, group):  # noqa: ANN001, ANN202
+        base = t._base
+        if base is not None and t.dim() == 1:
+            at = t.storage_offset() - base.storage_offset()
+            launches.append((base.data_ptr(), bool(t.ne(0).any()),
+                             bool(base[at + t.numel():].eq(0).all()), products[0]))
+        return plain(t, group)
+
+    shared_ns._all_reduce, torch.mm = spy, counted
 
     class Recorder:
         def __init__(self) -> None:
@@ -269,6 +293,13 @@ def chunks_case(rank: int, world: int) -> dict:
                                         split_polynomial=[True, False], what=["a", "b"],
                                         flight=rec)
         out[kind] = (rec.names, [x.clone() for x in got])
+        step0 = {}
+        for ptr, mine, later, before in launches:
+            step0.setdefault(ptr, []).append((mine, later, before))
+        out[kind + "/step0"] = [v for v in step0.values()]
+        launches.clear()
+        products[0] = 0
+    shared_ns._all_reduce, torch.mm = plain, mm
     return out
 
 
@@ -643,7 +674,15 @@ def test_the_gram_is_all_reduced_chunk_by_chunk(world2):
     from canzona.planner.formulas import gram_chunks
 
     for rank, res in enumerate(results(world2, "chunks")):
-        for kind, (names, got) in res.items():
+        for kind in ("world", "peer"):
+            # per matrix (a: 4 chunks, b: 3), at step 0 each chunk went out with its own rows
+            # of G packed, the rows after it not yet computed: the j-th launch after the j-th
+            # product
+            first = [calls[:c] for calls, c in zip(res[kind + "/step0"], (4, 3))]
+            assert [len(x) for x in first] == [4, 3], res[kind + "/step0"]
+            assert all(mine and later for calls in first for mine, later, _ in calls), first
+            assert [before for calls in first for _, _, before in calls] == list(range(1, 8))
+            names, got = res[kind]
             want = []
             for step in range(2):
                 for label, n in (("a", 64), ("b", 17)):

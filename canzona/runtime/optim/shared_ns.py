@@ -66,9 +66,10 @@ on the critical path; to run it beside the Gram's own products, G is computed an
 ``formulas.gram_chunks`` (up to ``GRAM_CHUNKS`` = 4 chunks of consecutive block rows): a chunk's
 rows ``G[r0:r1, :] = X[:, r0:r1]ᵀX`` are computed (the same FLOPs as the whole product), their
 upper parts packed, and the chunk's all-reduce launched before the next chunk's rows are
-computed — a two-stage pipeline whose largest message goes first. Alone, a step then takes
-max over chunks j of (compute of chunks ≤ j + all-reduces of chunks ≥ j), not their sum
-(``planner.sharing.gram_pipeline``); the price is one collective latency per extra chunk.
+computed — a two-stage pipeline whose largest message goes first. Alone, a step's Gram phase
+then takes max over chunks j of (compute of chunks ≤ j + all-reduces of chunks ≥ j), not their
+sum (``planner.sharing.gram_pipeline``); the price is one collective latency per extra chunk
+(three for a :class:`TPPair`: its reduce-scatter, the partner's sum, its all-gather).
 A :class:`TPPair`'s chunks (padded to a multiple of tp) start with their reduce-scatter over
 the TP group; the partner's sum and the all-gather of each follow when it is waited for. With
 the split the polynomial's all-gather follows on the critical path.
