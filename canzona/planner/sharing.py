@@ -57,9 +57,10 @@ from .formulas import (gram_chunks, lockstep_batches, lockstep_bytes, poly_flops
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts, evaluate
 
-__all__ = ["PairShare", "ShareOption", "SharedTask", "SharingReport", "kind_of", "lockstep_batches",
-           "block_decision", "lockstep_bytes", "shard_block_decision", "shard_blocks_aligned", "lockstep_seconds", "pair_decision", "pair_link",
-           "gram_pipeline", "Run", "price_pair", "profile_rate", "priced_for", "share_options", "sharing_bound"]
+__all__ = ["PairShare", "Run", "ShareOption", "SharedTask", "SharingReport", "block_decision",
+           "gram_pipeline", "kind_of", "lockstep_batches", "lockstep_bytes", "lockstep_seconds",
+           "pair_decision", "pair_link", "price_pair", "priced_for", "profile_rate",
+           "shard_block_decision", "shard_blocks_aligned", "share_options", "sharing_bound"]
 
 Group = Literal["tp", "tp_pair", "dp"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.

@@ -260,8 +260,8 @@ def shared_newton_schulz_many(
 
     Per iteration every matrix's partial Gram is computed and all-reduced asynchronously, in
     order, chunk by chunk (each chunk's all-reduce launched once its rows are computed, beside
-    the next chunk's products; see the module docstring); then, matrix by matrix, the reduced Gram is waited for and the
-    polynomial formed (with ``split_polynomial`` its all-gather launched), and finally each
+    the next chunk's products; see the module docstring); then, matrix by matrix, the reduced
+    Gram is waited for and the polynomial formed (with ``split_polynomial`` its all-gather launched), and finally each
     matrix's rows are updated. The all-reduce of matrix j thus overlaps the Gram products of the
     matrices after it and the updates before it (on NCCL the collectives run on the
     communicator's stream beside the compute). Each matrix goes through the same operations in
@@ -347,17 +347,13 @@ def shared_newton_schulz_many(
         # chunk by chunk (formulas.gram_chunks): a chunk's rows of G, their upper parts packed,
         # and its all-reduce launched while the next chunk's rows are computed (a TPPair's: its
         # reduce-scatter over TP; the partner's sum and the all-gather when waited for)
-        works, views = [], iter(t.gram_views)
-        chunks = t.chunks
-        for c, (r0, r1, p0, p1) in enumerate(chunks):
+        works = []
+        for c, (r0, r1, p0, p1) in enumerate(t.chunks):
             torch.mm(t.X[:, r0:r1].mT, t.X, out=t.gram[r0:r1])
-            for b0, b1, v in views:
-                v.copy_(t.gram[b0:b1, b0:])
-                if b1 == r1:
-                    break
+            _pack_gram(t.gram, t.packed, [v for v in t.gram_views if r0 <= v[0] < r1])
             works.append(launch(_all_reduce(t.packed[p0:p1], t.group),
                                 f"the Gram all-reduce (step {step}, chunk {c + 1} of "
-                                f"{len(chunks)}) of {t.label}")[0])
+                                f"{len(t.chunks)}) of {t.label}")[0])
         t.work = (_Works(works), f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
@@ -422,8 +418,8 @@ def _gram_views(packed: Tensor, n: int, chunks: list | None = None
 
 def _pack_gram(gram: Tensor, packed: Tensor, views: list | None = None) -> None:
     """The upper block rows of a symmetric ``gram`` into ``packed`` (``formulas.gram_blocks``;
-    ``views``: :func:`_gram_views` of ``packed``, made once): the all-reduce carries about half
-    the Gram."""
+    ``views``: :func:`_gram_views` of ``packed``, made once, or those of one chunk): the
+    all-reduce carries about half the Gram."""
     for r0, r1, v in views if views is not None else _gram_views(packed, gram.shape[0]):
         v.copy_(gram[r0:r1, r0:])
 
