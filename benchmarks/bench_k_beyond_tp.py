@@ -1,6 +1,7 @@
-"""More ranks than the TP group (issue 18, k > tp): what sharing the heaviest matrix over a TP group
-and a second DP index (``TPPair``, k = 2·tp) could give at scale, before the planner places it
-(torch-free, modelled, layout-free).
+"""More ranks than the TP group (issue 18, k > tp), and fewer: what sharing the heaviest matrix over
+a TP group and a second DP index (``TPPair``, k = 2·tp), and the lighter ones over TP sub-groups
+(``sharing.tp_sub_piece``), could give at scale, before the planner places them (torch-free,
+modelled, layout-free).
 
     python benchmarks/bench_k_beyond_tp.py [--hardware h800] [--json]
 
@@ -14,7 +15,9 @@ busiest index; an index runs its pieces as the runtime does
 (``tp.context.Lockstep``: in batches of 2 · C_max scratch, per iteration the longer of Σ compute
 and Σ collectives + the least compute a piece does outside its own collectives). Printed: the busiest index's lockstep over the mean
 useful work per GPU, and the mean of Σ collectives per index (a shared piece's Gram collectives
-do not shrink with k, so they bound what any placement reaches).
+do not shrink with k, so they bound what any placement reaches). Then the exact layout-free
+optimum with every matrix free to take any option: over its TP group or a TP pair; and TP
+sub-groups too; and sub-groups without pairs. A few seconds.
 """
 
 from __future__ import annotations
@@ -132,16 +135,18 @@ def _optimum(pieces, dp: int, cap: int, hi: float) -> float:
     kinds: dict = {}
     for x in pieces:
         kinds[x[1:]] = kinds.get(x[1:], 0) + 1
-    types = [(k, "", 1, k) for k in sorted(kinds)]
+    types = [(k, "", 1, k, 1) for k in sorted(kinds)]
     return _patterns(types, kinds, dp, cap, hi)[0]
 
 
-def _free_optimum(problem, hw, cap: int, hi: float) -> tuple[float, dict]:
-    """As :func:`_optimum`, with each matrix free to take any of its sharing options (over its
-    TP group or with a partner DP index, the polynomial split or not): per kind of matrix, how
-    many take each option is a variable too. Returns the least busiest index and the options
-    used ("kind option" → matrices)."""
+def _free_optimum(problem, hw, cap: int, hi: float,
+                  groups: tuple = ("tp", "tp_pair")) -> tuple[float, dict]:
+    """As :func:`_optimum`, with each matrix free to take any of its sharing options over
+    ``groups`` (its TP group, with a partner DP index, a TP sub-group: ``sharing.share_options``;
+    the polynomial split or not): per kind of matrix, how many take each option is a variable
+    too. Returns the least busiest index and the options used ("kind option" → matrices)."""
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
+    tp = problem.sizes.tp
     count: dict = {}
     opts: dict = {}
     for t in problem.tasks:
@@ -151,19 +156,24 @@ def _free_optimum(problem, hw, cap: int, hi: float) -> tuple[float, dict]:
         count[kind] = count.get(kind, 0) + 1
         if kind not in opts:
             m, n = max(t.shape), min(t.shape)
-            opts[kind] = [(f"{o.group}{'-split' if o.split_poly else ''}",
-                           o.k // problem.sizes.tp,
+            # pieces per matrix over k ≥ tp ranks; a sub-group's piece is tp/k matrices side
+            # by side (one per sub-group), as one lockstep piece on every rank of the index
+            opts[kind] = [(f"{o.group}{o.k if o.group == 'tp_sub' else ''}"
+                           f"{'-split' if o.split_poly else ''}",
+                           max(1, o.k // tp), max(1, tp // o.k),
                            (o.piece_flops / rate, o.comm_s,
                             lockstep_bytes(-(-m // o.k), n, o.k, o.split_poly, 2), o.hidden_s))
-                          for o in share_options(problem, t.id, hw, groups=("tp", "tp_pair"))]
-    types = [(kind, name, per, piece) for kind in sorted(opts) for name, per, piece in opts[kind]]
+                          for o in share_options(problem, t.id, hw, groups=groups)]
+    types = [(kind, name, per, piece, mats) for kind in sorted(opts)
+             for name, per, mats, piece in opts[kind]]
     return _patterns(types, count, problem.dp, cap, hi)
 
 
 def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
               most: int = 4) -> tuple[float, dict]:
     """A pattern model: an index's multiset of at most ``most`` pieces (``types``: (kind,
-    option, pieces per matrix, (compute, collectives, bytes, hidden))) and its lockstep
+    option, pieces per matrix, (compute, collectives, bytes, hidden), matrices per piece)) and
+    its lockstep
     (:class:`Lockstep`, alike pieces in type order) within a ceiling, how many indices take
     each, how many matrices of each kind (``count``) take each option; CP-SAT (one worker)
     decides each ceiling, bisected over the patterns' loads up to ``hi`` (a placement's).
@@ -171,9 +181,11 @@ def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
     from ortools.sat.python import cp_model
 
     pats = []
-    for cnt in itertools.product(*(range(min(most, per * count[kind]) + 1)
-                                   for kind, _, per, _ in types)):
-        if 0 < sum(cnt) <= most:
+    for size in range(1, most + 1):
+        for combo in itertools.combinations_with_replacement(range(len(types)), size):
+            cnt = tuple(combo.count(j) for j in range(len(types)))
+            if any(c * ty[4] > ty[2] * count[ty[0]] for c, ty in zip(cnt, types)):
+                continue  # more pieces of a kind than its matrices make
             lock = _lock([(j, *types[j][3][:2], 0.0, *types[j][3][2:])
                           for j, c in enumerate(cnt) for _ in range(c)], cap)
             if lock.load() <= hi + 1e-12:
@@ -183,11 +195,11 @@ def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
         m = cp_model.CpModel()
         use = [(p, m.NewIntVar(0, dp, "")) for p in pats if p[1] <= ceiling + 1e-12]
         m.Add(sum(v for _, v in use) <= dp)
-        took = [m.NewIntVar(0, count[kind], "") for kind, _, _, _ in types]
+        took = [m.NewIntVar(0, count[ty[0]], "") for ty in types]
         for kind in count:
             m.Add(sum(y for y, ty in zip(took, types) if ty[0] == kind) == count[kind])
-        for j, (_, _, per, _) in enumerate(types):
-            m.Add(sum(v * p[0][j] for p, v in use) == per * took[j])
+        for j, (_, _, per, _, mats) in enumerate(types):
+            m.Add(sum(v * p[0][j] for p, v in use) * mats == per * took[j])
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.max_time_in_seconds = 60
@@ -224,12 +236,14 @@ def run(model: str, dp: int, tp: int, hardware: str) -> dict:
     flops_total = sum(c.flops for c in pr.costs)
     out: dict = {"config": f"{model} dp{dp} tp{tp}"}
     free: tuple | None = None
+    ceiling: dict = {}  # per label, the busiest index placed and at best: a ceiling that holds
     for label, groups in (("k = tp", ("tp", "dp")), ("k = 2·tp", ("tp", "tp_pair", "dp"))):
         r = sharing_bound(pr, hardware=hw, groups=groups)
         mean_s = r.mean * flops_total / sum(pr.loads) / rate  # useful work per GPU, seconds
         pieces = _pieces(pr, hw, pair=label != "k = tp")
         bins = _place(pieces, dp, 2 * CMAX_MIB * MIB)
         best = _optimum(pieces, dp, 2 * CMAX_MIB * MIB, max(b.load() for b in bins))
+        ceiling[label] = max(max(b.load() for b in bins), best)
         kinds = {}
         for kind, comp, comm, _, hidden in pieces:
             kinds.setdefault(kind, (round(comp * 1e3, 2), round(comm * 1e3, 2),
@@ -246,6 +260,12 @@ def run(model: str, dp: int, tp: int, hardware: str) -> dict:
                                  max(max(b.load() for b in bins), best))
             out["free_options"] = {"optimum_max_over_mean": round(free[0] / mean_s, 3),
                                    "options": free[1]}
+            for key, groups, hi in (
+                    ("free_with_sub_groups", ("tp", "tp_pair", "tp_sub"), ceiling[label]),
+                    ("sub_groups_without_pairs", ("tp", "tp_sub"), ceiling["k = tp"])):
+                got = _free_optimum(pr, hw, 2 * CMAX_MIB * MIB, hi, groups)
+                out[key] = {"optimum_max_over_mean": round(got[0] / mean_s, 3),
+                            "options": got[1]}
     return out
 
 
@@ -274,9 +294,12 @@ def main() -> None:
         for kind, k, (comp, comm, hidden) in pieces:
             print(f"    {kind:28s} k = {k:4s} {comp:6.2f} / {comm:5.2f} ms "
                   f"({hidden:4.2f} beside its own Gram)")
-        f = row["free_options"]
-        print(f"  every matrix free to take any option: busiest {f['optimum_max_over_mean']:.3f} "
-              f"at best, with " + ", ".join(f"{n} {k}" for k, n in f["options"].items()))
+        for key, what in (("free_options", "every matrix free to take any option"),
+                          ("free_with_sub_groups", "and TP sub-groups too"),
+                          ("sub_groups_without_pairs", "TP sub-groups without k = 2·tp")):
+            f = row[key]
+            print(f"  {what}: busiest {f['optimum_max_over_mean']:.3f} at best, with "
+                  + ", ".join(f"{n} {k}" for k, n in f["options"].items()))
 
 
 if __name__ == "__main__":

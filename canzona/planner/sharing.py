@@ -26,7 +26,14 @@ polynomial; one all-gather of them more per iteration). The sharing groups:
   to a row boundary; a wide matrix's row blocks are blocks of its short dimension, so the ranks
   swap them for column blocks before the iteration and back after (two all-to-alls). The
   planner and the runtime do pairs (``pair_decision``, ``runtime.pairs``); quads are in the
-  bound only.
+  bound only;
+* ``tp_sub``: a sub-group of k < tp ranks of the TP group (k dividing tp), tp/k matrices of one
+  DP index side by side, one per sub-group (:func:`tp_sub_piece`): each member gathers tp/k
+  shards of its matrix (a row block) from the TP group, the k orthogonalise together, the
+  updates go back to the shards' ranks. The Gram's collectives do not shrink with k, the
+  compute does not grow with it: fewer ranks per matrix spend fewer collectives per FLOP. In
+  the bound's model only (``groups`` must name it): the planner and the runtime do not place
+  such pieces yet.
 
 The collectives sit on the critical path of every iteration (the next step needs the reduced
 Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a
@@ -60,9 +67,10 @@ from .planning import DPProblem, PairShare, equal_cuts, evaluate
 __all__ = ["PairShare", "Run", "ShareOption", "SharedTask", "SharingReport", "block_decision",
            "gram_pipeline", "kind_of", "lockstep_batches", "lockstep_bytes", "lockstep_seconds",
            "pair_decision", "pair_link", "price_pair", "priced_for", "profile_rate",
-           "shard_block_decision", "shard_blocks_aligned", "share_options", "sharing_bound"]
+           "shard_block_decision", "shard_blocks_aligned", "share_options", "sharing_bound",
+           "tp_sub_piece"]
 
-Group = Literal["tp", "tp_pair", "dp"]
+Group = Literal["tp", "tp_pair", "dp", "tp_sub"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
 DP_GROUP_SIZES = (2, 4)
 
@@ -234,6 +242,25 @@ def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
     return ShareOption("tp_pair", k, split, flops, steps * comm, steps * hidden)
 
 
+def tp_sub_piece(tp: int, k: int, split: bool, m: int, n: int, steps: int, e: int,
+                 link: LinkProfile, *, rate: float) -> ShareOption:
+    """One rank's FLOPs and collective seconds (all ``steps``) for an m × n matrix (m ≥ n, its
+    TP shards row blocks) shared by a sub-group of ``k`` of its TP group's ``tp`` ranks, with
+    tp/k matrices of the index side by side, one per sub-group. Sub-groups are strided (matrix
+    j's on TP ranks j, j + tp/k, …; member i holds shards [i·tp/k, (i+1)·tp/k), its own among
+    them), so each rank receives tp/k − 1 shards of the matrix it shares and sends as many of
+    the others' (an all-to-all over the TP group, ``link``), the same again to return the
+    update rows; between them :func:`shared_piece` over the sub-group (on the same link: the
+    strided ranks span the TP group). ``k = tp`` is the TP group's own piece (nothing
+    gathered)."""
+    if k < 1 or tp % k:
+        raise ValueError(f"a TP sub-group's size divides tp ({tp}); got {k}")
+    piece = shared_piece("tp_sub", k, split, m, n, steps, e, link, rate=rate)
+    moved = (tp // k - 1) * -(-m // tp) * n * e  # shards one rank receives (and sends)
+    a2a = 2 * (link.latency_s + moved / link.busbw) if moved else 0.0
+    return dataclasses.replace(piece, comm_s=piece.comm_s + a2a)
+
+
 #: A shared piece as a lockstep meets it: seconds of its compute, of its collectives, and of
 #: those that run beside its own Gram products (``ShareOption.hidden_s``), all steps.
 Run = tuple[float, float, float]
@@ -281,6 +308,10 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
             link = hw.link(tp)
             out += [shared_piece("tp", tp, s, m, n, steps, ns_bytes, link, rate=rate)
                     for s in (False, True)]
+        if (p.tp_dim == long_dim or rows == cols) and t.part is None and "tp_sub" in groups:
+            link = hw.link(tp)  # strided sub-groups span the TP group
+            out += [tp_sub_piece(tp, k, s, m, n, steps, ns_bytes, link, rate=rate)
+                    for k in range(2, tp) if tp % k == 0 for s in (False, True)]
         # More ranks than the TP group: each shard cut at a row boundary between two DP
         # indices — a ZeRO-1 cut of a shard is a block of its stored rows, so the shard must be
         # a row block of the oriented matrix with whole rows (a tall column-parallel weight).

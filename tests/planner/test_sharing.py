@@ -240,3 +240,35 @@ def test_the_gram_all_reduce_runs_beside_its_own_products():
         # compute-heavy (fc1's TP piece): most of its Gram's all-reduce is hidden
         if (rows, n) == (7168, 8192):
             assert hidden > 0.9 * comm
+
+
+def test_tp_sub_group_pieces_gather_their_rows_and_keep_the_grams_collectives():
+    """A TP sub-group of k < tp ranks (``tp_sub``, the bound's model only): each rank computes
+    the rows of k ranks, its Gram's collectives are those of a k-rank group, and it gathers
+    tp/k − 1 foreign shards of its matrix before and returns as many after; k = tp is the TP
+    group's own piece with nothing moved. Only asked for, never by default."""
+    from canzona.planner.sharing import profile_rate, shared_piece, tp_sub_piece
+
+    hw = load_hardware("h800")
+    link, rate = hw.intra_node, profile_rate(hw)
+    m, n, s, tp = 8192, 8192, 5, 8
+    whole = shared_piece("tp", tp, True, m, n, s, 2, link, rate=rate)
+    assert tp_sub_piece(tp, tp, True, m, n, s, 2, link, rate=rate) == \
+        shared_piece("tp_sub", tp, True, m, n, s, 2, link, rate=rate)
+    for k in (2, 4):
+        sub = tp_sub_piece(tp, k, True, m, n, s, 2, link, rate=rate)
+        own = shared_piece("tp_sub", k, True, m, n, s, 2, link, rate=rate)
+        moved = (tp // k - 1) * (m // tp) * n * 2
+        assert sub.k == k and sub.piece_flops == own.piece_flops > whole.piece_flops
+        assert sub.comm_s == pytest.approx(own.comm_s + 2 * (link.latency_s + moved / link.busbw))
+        # fewer ranks per matrix: fewer collective seconds per FLOP than the whole TP group
+        assert sub.comm_s / sub.piece_flops < whole.comm_s / whole.piece_flops
+    with pytest.raises(ValueError, match="divides tp"):
+        tp_sub_piece(tp, 3, True, m, n, s, 2, link, rate=rate)
+
+    pr = make_problem(build_inventory(get_preset("llama3-70b")), ParallelSizes(dp=4, tp=8),
+                      OptimizerSettings(name="muon"), cost="flops")
+    proj = next(t for t in pr.tasks if t.name.endswith("self_attention.linear_proj.weight"))
+    assert not any(o.group == "tp_sub" for o in share_options(pr, proj.id, hw))
+    subs = [(o.k, o.split_poly) for o in share_options(pr, proj.id, hw, groups=("tp_sub",))]
+    assert subs == [(2, False), (2, True), (4, False), (4, True)]
