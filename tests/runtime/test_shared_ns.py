@@ -6,7 +6,9 @@ gate/up (Megatron's stride-2 TP shards), a row-parallel TP shard, a DP row cut, 
 row blocks, the quintic schedule, overflowing and underflowing inputs; with k = 1 bitwise the
 single-device result. One spawn of 2 ranks runs every case; the references run here. A spawn
 of 4 ranks (two DP indices × two TP ranks) runs the k > tp cases: a TP-split weight whose shards
-are each cut between a DP pair (``TPPair``), and a lockstep of matrices with a group each.
+are each cut between a DP pair (``TPPair``), a lockstep of matrices with a group each, and the
+four as one TP group of sub-groups (k = 1, 2, 4 strided ranks, 4/k matrices side by side:
+``sub_groups.sub_group_newton_schulz``).
 Single-process tests cover the orientation helpers, the cost formulas and argument checks."""
 
 from __future__ import annotations
@@ -373,10 +375,52 @@ def mixed_case(rank: int, world: int) -> dict:
     return {"same": [torch.equal(x, y) for x, y in zip(many, each)], "both": many[1]}
 
 
+# TP sub-groups (the 4 ranks one TP group): per k, the matrices side by side, one per sub-group
+SUB_GROUP_SLOTS = {
+    4: [_spec("sub_tall", (96, 32), tp_split_dim=0)],
+    2: [_spec("sub_gate_up", (2 * 64, 40), tp_split_dim=0, stride=2),
+        _spec("sub_row_parallel", (40, 96), tp_split_dim=1)],
+    1: [_spec("sub_column", (64, 24), tp_split_dim=0),
+        _spec("sub_square_row_parallel", (48, 48), tp_split_dim=1),
+        _spec("sub_gate_up1", (2 * 32, 20), tp_split_dim=0, stride=2),
+        _spec("sub_wide", (24, 80), tp_split_dim=1)],
+}
+
+
+def _sub_full(spec: dict, call: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + sum(spec["shape"]))
+    return torch.randn(spec["shape"], generator=g)
+
+
+def sub_group_case(rank: int, world: int) -> dict:
+    """Per k and call, this TP rank's rows of each slot's orthogonalised matrix
+    (``sub_group_newton_schulz``), split and not; sub-groups created once per k."""
+    from canzona.runtime.optim.sub_groups import sub_group_newton_schulz, tp_sub_groups
+
+    out = {}
+    for k, slots in SUB_GROUP_SLOTS.items():
+        subs = tp_sub_groups([list(range(world))], k)
+        assert subs.slots == len(slots) and subs.slot == rank % len(slots)
+        for call in range(2):
+            shards = []
+            for spec in slots:
+                o, blocks = tp_row_blocks(spec["shape"], spec["tp_split_dim"], world,
+                                          stride=spec.get("stride", 1))
+                shards.append(o.orient(_stored_shard(_sub_full(spec, call), spec, blocks[rank])))
+            for split in (False, True):
+                got = sub_group_newton_schulz(shards, subs, dtype=torch.float32, steps=5,
+                                              split_polynomial=split, timeout_s=20,
+                                              what=[sp["name"] for sp in slots])
+                assert [x.shape for x in got] == [x.shape for x in shards]
+                out[(k, call, split)] = [x.clone() for x in got]
+    return out
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cases = [(s["name"], partial(shared_case, spec=s)) for s in TP_PAIR]
     cases.append(("mixed", mixed_case))
+    cases.append(("sub_groups", sub_group_case))
     return run_world(2 * TP, cases, str(tmp_path_factory.mktemp("shared_ns4")))
 
 
@@ -468,6 +512,42 @@ def test_a_lockstep_of_matrices_with_their_own_groups(world4):
         got[r::4] = p["both"]
     ref = newton_schulz(full, MuonConfig().schedule, dtype=torch.float32)
     assert _rel(got, ref) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", sorted(SUB_GROUP_SLOTS))
+def test_tp_sub_groups_equal_single_device(world4, k):
+    """A TP group of 4 as sub-groups of k strided ranks, 4/k matrices side by side (fused
+    gate/up, row-parallel, square and wide ones): every TP rank gets back its shard's rows of
+    its matrix's single-device orthogonalisation, split and not, within 1e-5."""
+    from canzona.runtime.optim.muon import _coefficient_schedule
+
+    schedule = _coefficient_schedule((3.4445, -4.7750, 2.0315), 5)
+    ranks = results(world4, "sub_groups")
+    for call in range(2):
+        for j, spec in enumerate(SUB_GROUP_SLOTS[k]):
+            full = _sub_full(spec, call)
+            o, blocks = tp_row_blocks(spec["shape"], spec["tp_split_dim"], 4,
+                                      stride=spec.get("stride", 1))
+            ref = o.orient(newton_schulz(full, schedule, dtype=torch.float32))
+            for split in (False, True):
+                got = torch.full_like(ref, float("nan"))
+                for r, res in enumerate(ranks):
+                    rows = torch.cat([torch.arange(a, b) for a, b in blocks[r]])
+                    got[rows] = res[(k, call, split)][j]
+                assert _rel(got, ref) < TOL, (spec["name"], call, split, _rel(got, ref))
+
+
+def test_tp_sub_group_arguments_are_checked():
+    from canzona.runtime.optim.sub_groups import SubGroups, sub_group_newton_schulz
+
+    subs = SubGroups(None, 4, 2, 1, None)
+    assert (subs.slots, subs.slot, list(subs.block)) == (2, 1, [0, 1])
+    assert list(SubGroups(None, 8, 2, 6, None).block) == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="one per sub-group"):
+        sub_group_newton_schulz([torch.ones(3, 2)], subs)
+    with pytest.raises(ValueError, match="row block"):
+        sub_group_newton_schulz([torch.ones(3, 2), torch.ones(2, 3, 4)], subs)
 
 
 @pytest.mark.slow
