@@ -144,7 +144,8 @@ def _free_optimum(problem, hw, cap: int, hi: float,
     """As :func:`_optimum`, with each matrix free to take any of its sharing options over
     ``groups`` (its TP group, with a partner DP index, a TP sub-group: ``sharing.share_options``;
     the polynomial split or not): per kind of matrix, how many take each option is a variable
-    too. Returns the least busiest index and the options used ("kind option" → matrices)."""
+    too; a matrix's halves over k = 2·tp lie on partner indices (``_patterns``' ``partners``).
+    Returns the least busiest index and the options used ("kind option" → matrices)."""
     rate = hw.peak_flops.get("bf16", max(hw.peak_flops.values())) * hw.compute_efficiency
     tp = problem.sizes.tp
     count: dict = {}
@@ -166,18 +167,21 @@ def _free_optimum(problem, hw, cap: int, hi: float,
                           for o in share_options(problem, t.id, hw, groups=groups)]
     types = [(kind, name, per, piece, mats) for kind in sorted(opts)
              for name, per, mats, piece in opts[kind]]
-    return _patterns(types, count, problem.dp, cap, hi)
+    return _patterns(types, count, problem.dp, cap, hi, partners=True)
 
 
 def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
-              most: int = 4) -> tuple[float, dict]:
+              most: int = 4, partners: bool = False) -> tuple[float, dict]:
     """A pattern model: an index's multiset of at most ``most`` pieces (``types``: (kind,
     option, pieces per matrix, (compute, collectives, bytes, hidden), matrices per piece)) and
     its lockstep
     (:class:`Lockstep`, alike pieces in type order) within a ceiling, how many indices take
     each, how many matrices of each kind (``count``) take each option; CP-SAT (one worker)
     decides each ceiling, bisected over the patterns' loads up to ``hi`` (a placement's).
-    Returns the least ceiling and the options taken."""
+    With ``partners``, the halves of a matrix shared by two DP indices (types of two pieces per
+    matrix) lie on partners, the indices paired once: the indices holding the same multiset of
+    halves come in even numbers (two such indices can be partners, each holding one half of
+    the same matrices). Returns the least ceiling and the options taken."""
     from ortools.sat.python import cp_model
 
     pats = []
@@ -200,6 +204,15 @@ def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
             m.Add(sum(y for y, ty in zip(took, types) if ty[0] == kind) == count[kind])
         for j, (_, _, per, _, mats) in enumerate(types):
             m.Add(sum(v * p[0][j] for p, v in use) * mats == per * took[j])
+        if partners:
+            halves = [j for j, ty in enumerate(types) if ty[2] == 2]
+            sigs: dict = {}
+            for p, v in use:
+                sig = tuple(p[0][j] for j in halves)
+                if any(sig):
+                    sigs.setdefault(sig, []).append(v)
+            for vs in sigs.values():
+                m.Add(sum(vs) == 2 * m.NewIntVar(0, dp // 2, ""))
         solver = cp_model.CpSolver()
         solver.parameters.num_workers = 1
         solver.parameters.max_time_in_seconds = 60
