@@ -428,7 +428,9 @@ def sharing_view(sh: dict | None) -> None:
         where = {"tp": "its TP group" if sh["optimizer"] != "shampoo"
                  else "its TP group, each rank the blocks of its own shard",
                  "tp_pair": "its TP group and the same TP ranks at a second DP index; "
-                            "not planned yet"}.get(g, f"{k} adjacent DP indices")
+                            "not planned yet",
+                 "tp_sub": f"a sub-group of {k} of its TP group's ranks; not planned yet"
+                 }.get(g, f"{k} adjacent DP indices")
         console.print(f"  {len(xs)} tasks in the bound shared by {k} ranks ({where}"
                       f"{', polynomial split' if split else ''}): {', '.join(kinds)}",
                       highlight=False)

@@ -30,10 +30,12 @@ polynomial; one all-gather of them more per iteration). The sharing groups:
 * ``tp_sub``: a sub-group of k < tp ranks of the TP group (k dividing tp), tp/k matrices of one
   DP index side by side, one per sub-group (:func:`tp_sub_piece`): each member gathers tp/k
   shards of its matrix (a row block) from the TP group, the k orthogonalise together, the
-  updates go back to the shards' ranks. The Gram's collectives do not shrink with k, the
-  compute does not grow with it: fewer ranks per matrix spend fewer collectives per FLOP. In
-  the bound's model only (``groups`` must name it): the planner and the runtime do not place
-  such pieces yet.
+  updates go back to the shards' ranks (``runtime.optim.sub_groups``: the kernel). Per rank
+  the compute grows as 1/k while the Gram's collectives stay about the same, so fewer ranks
+  per matrix spend fewer collective seconds per FLOP. The gather and the return count as
+  collectives, which the other pieces of a lockstep may hide (the kernel's ``sub_group_rows``
+  can start them asynchronously; its one-matrix entry waits for them). In the bound's model
+  only (``groups`` must name it): the planner and the optimizer do not place such pieces yet.
 
 The collectives sit on the critical path of every iteration (the next step needs the reduced
 Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a

@@ -7,8 +7,9 @@ row blocks, the quintic schedule, overflowing and underflowing inputs; with k = 
 single-device result. One spawn of 2 ranks runs every case; the references run here. A spawn
 of 4 ranks (two DP indices × two TP ranks) runs the k > tp cases: a TP-split weight whose shards
 are each cut between a DP pair (``TPPair``), a lockstep of matrices with a group each, and the
-four as one TP group of sub-groups (k = 1, 2, 4 strided ranks, 4/k matrices side by side:
-``sub_groups.sub_group_newton_schulz``).
+four as TP sub-groups (``sub_groups.sub_group_newton_schulz``: one TP group of 4 with k = 1, 2,
+4 strided ranks, 4/k matrices side by side; two TP groups of 2); a spawn of 6 ranks, one TP
+group of 6 with sub-groups of 2 and 3.
 Single-process tests cover the orientation helpers, the cost formulas and argument checks."""
 
 from __future__ import annotations
@@ -375,38 +376,58 @@ def mixed_case(rank: int, world: int) -> dict:
     return {"same": [torch.equal(x, y) for x, y in zip(many, each)], "both": many[1]}
 
 
-# TP sub-groups (the 4 ranks one TP group): per k, the matrices side by side, one per sub-group
-SUB_GROUP_SLOTS = {
-    4: [_spec("sub_tall", (96, 32), tp_split_dim=0)],
-    2: [_spec("sub_gate_up", (2 * 64, 40), tp_split_dim=0, stride=2),
-        _spec("sub_row_parallel", (40, 96), tp_split_dim=1)],
-    1: [_spec("sub_column", (64, 24), tp_split_dim=0),
-        _spec("sub_square_row_parallel", (48, 48), tp_split_dim=1),
-        _spec("sub_gate_up1", (2 * 32, 20), tp_split_dim=0, stride=2),
-        _spec("sub_wide", (24, 80), tp_split_dim=1)],
+# TP sub-groups: per layout, the TP groups' ranks and, per k, the matrices side by side (one per
+# sub-group); each TP group its own matrices (a sum across groups would not go unnoticed)
+SUB_LAYOUTS = {
+    "one4": ([[0, 1, 2, 3]], {
+        4: [_spec("sub_tall", (96, 32), tp_split_dim=0)],
+        2: [_spec("sub_gate_up", (2 * 64, 40), tp_split_dim=0, stride=2),
+            _spec("sub_row_parallel", (40, 96), tp_split_dim=1)],
+        1: [_spec("sub_column", (64, 24), tp_split_dim=0),
+            _spec("sub_square_row_parallel", (48, 48), tp_split_dim=1),
+            _spec("sub_gate_up1", (2 * 32, 20), tp_split_dim=0, stride=2),
+            _spec("sub_wide", (24, 80), tp_split_dim=1)]}),
+    # two TP groups of 2, each passed as its process group
+    "two2": ([[0, 1], [2, 3]], {
+        2: [_spec("sub2_tall", (64, 24), tp_split_dim=0)],
+        1: [_spec("sub2_gate_up", (2 * 32, 20), tp_split_dim=0, stride=2),
+            _spec("sub2_row_parallel", (24, 64), tp_split_dim=1)]}),
+    # tp = 6: sub-groups of 2 (3 side by side) and of 3 (2 side by side), s ≠ k
+    "one6": ([[0, 1, 2, 3, 4, 5]], {
+        2: [_spec("sub6_tall", (96, 32), tp_split_dim=0),
+            _spec("sub6_gate_up", (2 * 48, 40), tp_split_dim=0, stride=2),
+            _spec("sub6_wide", (24, 72), tp_split_dim=1)],
+        3: [_spec("sub6_row_parallel", (40, 96), tp_split_dim=1),
+            _spec("sub6_square", (48, 48), tp_split_dim=1)]}),
 }
 
 
-def _sub_full(spec: dict, call: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * call + sum(spec["shape"]))
+def _sub_full(spec: dict, call: int, group: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + 100 * group + sum(spec["shape"]))
     return torch.randn(spec["shape"], generator=g)
 
 
-def sub_group_case(rank: int, world: int) -> dict:
+def sub_group_case(rank: int, world: int, layout: str) -> dict:
     """Per k and call, this TP rank's rows of each slot's orthogonalised matrix
     (``sub_group_newton_schulz``), split and not; sub-groups created once per k."""
+    import torch.distributed as dist
+
     from canzona.runtime.optim.sub_groups import sub_group_newton_schulz, tp_sub_groups
 
+    tp_ranks, by_k = SUB_LAYOUTS[layout]
+    pgs = [dist.new_group(g) for g in tp_ranks] if len(tp_ranks) > 1 else [None]
+    g = next(i for i, ranks in enumerate(tp_ranks) if rank in ranks)
+    t, tp = tp_ranks[g].index(rank), len(tp_ranks[g])
     out = {}
-    for k, slots in SUB_GROUP_SLOTS.items():
-        subs = tp_sub_groups([list(range(world))], k)
-        assert subs.slots == len(slots) and subs.slot == rank % len(slots)
+    for k, slots in by_k.items():
+        subs = tp_sub_groups(tp_ranks, k, tp_group=pgs[g])
+        assert (subs.rank, subs.slots, subs.slot) == (t, len(slots), t % len(slots))
         for call in range(2):
             shards = []
             for spec in slots:
-                o, blocks = tp_row_blocks(spec["shape"], spec["tp_split_dim"], world,
+                o, blocks = tp_row_blocks(spec["shape"], spec["tp_split_dim"], tp,
                                           stride=spec.get("stride", 1))
-                shards.append(o.orient(_stored_shard(_sub_full(spec, call), spec, blocks[rank])))
+                shards.append(o.orient(_stored_shard(_sub_full(spec, call, g), spec, blocks[t])))
             for split in (False, True):
                 got = sub_group_newton_schulz(shards, subs, dtype=torch.float32, steps=5,
                                               split_polynomial=split, timeout_s=20,
@@ -416,11 +437,36 @@ def sub_group_case(rank: int, world: int) -> dict:
     return out
 
 
+def sub_group_errors_case(rank: int, world: int) -> list[str]:
+    """Bad sub-group arguments fail on every rank alike, before any collective (else the
+    others would hang): a tp_group that is not the rank's TP group, TP ranks not ascending, a
+    k that does not divide tp, groups that miss a rank."""
+    import torch.distributed as dist
+
+    from canzona.runtime.optim.sub_groups import tp_sub_groups
+
+    pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = []
+    for args, kw in ((([[0, 1], [2, 3]], 1), {}),  # tp_group left out: the world
+                     (([[1, 0], [2, 3]], 1), {"tp_group": pgs[rank // 2]}),
+                     (([[0, 1, 2, 3]], 3), {}),
+                     (([[0, 1], [2, 2]], 1), {"tp_group": pgs[rank // 2]})):
+        try:
+            tp_sub_groups(*args, **kw)
+        except ValueError as exc:
+            out.append(str(exc))
+        else:
+            out.append("no error")
+    return out
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cases = [(s["name"], partial(shared_case, spec=s)) for s in TP_PAIR]
     cases.append(("mixed", mixed_case))
-    cases.append(("sub_groups", sub_group_case))
+    cases += [(f"sub_{layout}", partial(sub_group_case, layout=layout))
+              for layout in ("one4", "two2")]
+    cases.append(("sub_errors", sub_group_errors_case))
     return run_world(2 * TP, cases, str(tmp_path_factory.mktemp("shared_ns4")))
 
 
@@ -514,34 +560,68 @@ def test_a_lockstep_of_matrices_with_their_own_groups(world4):
     assert _rel(got, ref) < TOL
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("k", sorted(SUB_GROUP_SLOTS))
-def test_tp_sub_groups_equal_single_device(world4, k):
-    """A TP group of 4 as sub-groups of k strided ranks, 4/k matrices side by side (fused
-    gate/up, row-parallel, square and wide ones): every TP rank gets back its shard's rows of
-    its matrix's single-device orthogonalisation, split and not, within 1e-5."""
+@pytest.fixture(scope="module")
+def world6(tmp_path_factory):
+    return run_world(6, [("sub_one6", partial(sub_group_case, layout="one6"))],
+                     str(tmp_path_factory.mktemp("shared_ns6")))
+
+
+def _check_sub_groups(ranks: list[dict], layout: str, k: int) -> None:
     from canzona.runtime.optim.muon import _coefficient_schedule
 
     schedule = _coefficient_schedule((3.4445, -4.7750, 2.0315), 5)
-    ranks = results(world4, "sub_groups")
-    for call in range(2):
-        for j, spec in enumerate(SUB_GROUP_SLOTS[k]):
-            full = _sub_full(spec, call)
-            o, blocks = tp_row_blocks(spec["shape"], spec["tp_split_dim"], 4,
-                                      stride=spec.get("stride", 1))
-            ref = o.orient(newton_schulz(full, schedule, dtype=torch.float32))
-            for split in (False, True):
-                got = torch.full_like(ref, float("nan"))
-                for r, res in enumerate(ranks):
-                    rows = torch.cat([torch.arange(a, b) for a, b in blocks[r]])
-                    got[rows] = res[(k, call, split)][j]
-                assert _rel(got, ref) < TOL, (spec["name"], call, split, _rel(got, ref))
+    tp_ranks, by_k = SUB_LAYOUTS[layout]
+    for g, members in enumerate(tp_ranks):
+        for call in range(2):
+            for j, spec in enumerate(by_k[k]):
+                full = _sub_full(spec, call, g)
+                o, blocks = tp_row_blocks(spec["shape"], spec["tp_split_dim"], len(members),
+                                          stride=spec.get("stride", 1))
+                ref = o.orient(newton_schulz(full, schedule, dtype=torch.float32))
+                for split in (False, True):
+                    got = torch.full_like(ref, float("nan"))
+                    for t, r in enumerate(members):
+                        rows = torch.cat([torch.arange(a, b) for a, b in blocks[t]])
+                        got[rows] = ranks[r][(k, call, split)][j]
+                    assert _rel(got, ref) < TOL, (layout, spec["name"], call, split,
+                                                  _rel(got, ref))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,k", [("one4", 4), ("one4", 2), ("one4", 1), ("two2", 2),
+                                      ("two2", 1)])
+def test_tp_sub_groups_equal_single_device(world4, layout, k):
+    """A TP group as sub-groups of k strided ranks, tp/k matrices side by side (fused gate/up,
+    row-parallel, square and wide ones): every TP rank gets back its shard's rows of its
+    matrix's single-device orthogonalisation, split and not, within 1e-5 — one TP group of 4,
+    and two of 2 (each passed as its process group; k = tp runs over the TP group's ranks, not
+    the world's)."""
+    _check_sub_groups(results(world4, f"sub_{layout}"), layout, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2, 3])
+def test_tp_sub_groups_of_a_tp_group_of_6(world6, k):
+    """tp = 6: sub-groups of 2 (three matrices side by side) and of 3 (two), so a rank's block
+    (tp/k ranks) and its sub-group (k ranks) differ in size."""
+    _check_sub_groups(results(world6, "sub_one6"), "one6", k)
+
+
+@pytest.mark.slow
+def test_bad_tp_sub_group_arguments_fail_on_every_rank(world4):
+    for messages in results(world4, "sub_errors"):
+        assert "tp_group holds ranks [0, 1, 2, 3]" in messages[0], messages[0]
+        assert "ascending" in messages[1] and "must divide" in messages[2], messages
+        assert "every rank of the world" in messages[3], messages[3]
 
 
 def test_tp_sub_group_arguments_are_checked():
     from canzona.runtime.optim.sub_groups import SubGroups, sub_group_newton_schulz
 
     subs = SubGroups(None, 4, 2, 1, None)
+    with pytest.raises(ValueError, match="pass dtype"):
+        sub_group_newton_schulz([torch.ones(3, 2), torch.ones(3, 2, dtype=torch.float64)], subs,
+                                dtype=None)
     assert (subs.slots, subs.slot, list(subs.block)) == (2, 1, [0, 1])
     assert list(SubGroups(None, 8, 2, 6, None).block) == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="one per sub-group"):
