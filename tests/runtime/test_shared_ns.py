@@ -437,6 +437,31 @@ def sub_group_case(rank: int, world: int, layout: str) -> dict:
     return out
 
 
+def sub_group_lockstep_case(rank: int, world: int) -> dict:
+    """A sub-group's matrix in one lockstep with a matrix its whole TP group shares, as a
+    runtime would run it: the gather started asynchronously, the lockstep (a group per
+    matrix), then the return — each the same bits as alone."""
+    from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+    from canzona.runtime.optim.sub_groups import (sub_group_newton_schulz, sub_group_return,
+                                                  sub_group_rows, tp_sub_groups)
+
+    subs = tp_sub_groups([list(range(world))], 2)
+    g = torch.Generator().manual_seed(21)
+    whole = torch.randn(4 * 10, 24, generator=g)[rank::world]  # the TP group's own matrix
+    shards = [torch.randn(4 * 9, 16, generator=g)[rank::world],
+              torch.randn(4 * 6, 12, generator=g)[rank::world]]
+    block, work = sub_group_rows(shards, subs, dtype=torch.float32, async_op=True)
+    work.wait()
+    got = shared_newton_schulz_many([whole, block], group=[None, subs.group],
+                                    dtype=torch.float32, split_polynomial=[True, False])
+    back, work = sub_group_return(got[1], shards, subs, async_op=True)
+    work.wait()
+    alone = shared_newton_schulz_many([whole], dtype=torch.float32, split_polynomial=True)[0]
+    each = sub_group_newton_schulz(shards, subs, dtype=torch.float32)
+    return {"same": [torch.equal(got[0], alone)] + [torch.equal(x, y) for x, y in
+                                                     zip(back, each)]}
+
+
 def sub_group_errors_case(rank: int, world: int) -> list[str]:
     """Bad sub-group arguments fail on every rank alike, before any collective (else the
     others would hang): a tp_group that is not the rank's TP group, TP ranks not ascending, a
@@ -467,6 +492,7 @@ def world4(tmp_path_factory):
     cases += [(f"sub_{layout}", partial(sub_group_case, layout=layout))
               for layout in ("one4", "two2")]
     cases.append(("sub_errors", sub_group_errors_case))
+    cases.append(("sub_lockstep", sub_group_lockstep_case))
     return run_world(2 * TP, cases, str(tmp_path_factory.mktemp("shared_ns4")))
 
 
@@ -605,6 +631,11 @@ def test_tp_sub_groups_of_a_tp_group_of_6(world6, k):
     """tp = 6: sub-groups of 2 (three matrices side by side) and of 3 (two), so a rank's block
     (tp/k ranks) and its sub-group (k ranks) differ in size."""
     _check_sub_groups(results(world6, "sub_one6"), "one6", k)
+
+
+@pytest.mark.slow
+def test_a_sub_groups_matrix_runs_in_a_lockstep_with_its_gather_started_first(world4):
+    assert all(all(p["same"]) for p in results(world4, "sub_lockstep"))
 
 
 @pytest.mark.slow
