@@ -149,6 +149,14 @@ def plan_problem(
         if t.share == "auto" and problem.settings.name == "shampoo" and shares[0]:
             # Shampoo's shard blocks save compute only: against none, the modelled step decides
             shares.append({})
+        if problem.settings.name not in ("shampoo",) and not any(shares):
+            name = problem.settings.name
+            why = ("no TP-split matrix here is split along its long dimension (its TP shards "
+                   "would be its row blocks)" if name == "muon" else
+                   f"sharing applies to Muon's Newton–Schulz and Shampoo's blocks; {name}'s "
+                   f"updates stay whole")
+            warnings.warn(f"TPOptions.share = {t.share!r}: no matrix is shared over its TP "
+                          f"group: {why}.", CanzonaWarning, stacklevel=2)
         if problem.settings.name == "shampoo" and not shares[0]:
             warnings.warn(f"TPOptions.share = {t.share!r}: no Shampoo matrix here has TP shards "
                           f"that are whole blocks of max_preconditioner_dim = "

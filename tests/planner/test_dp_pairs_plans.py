@@ -108,6 +108,10 @@ def test_decision_only_for_dense_matrices_at_tp1():
     with pytest.warns(CanzonaWarning, match="no matrix is worth splitting"):
         plan("qwen3-0.6b", ParallelSizes(dp=4, tp=1), "soap",
              tp_options=TPOptions(share="all"))
+    # at tp > 1 too: a note, not a silent plan without sharing
+    with pytest.warns(CanzonaWarning, match="soap's updates stay whole"):
+        plan("qwen3-0.6b", ParallelSizes(dp=2, tp=2), "soap",
+             tp_options=TPOptions(share="all-split"))
 
 
 def test_simulator_puts_each_piece_on_both_owners(q8):
