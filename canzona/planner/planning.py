@@ -62,9 +62,11 @@ class BucketProblem:
 
 @dataclass(frozen=True, slots=True)
 class PairShare:
-    """A matrix task two DP indices split between them (tp = 1): rows [0, ``row``) are one
-    piece, [``row``, m) the other. Muon (``sharing.pair_decision``): the two share its
-    Newton–Schulz; Shampoo (``sharing.block_decision``): each preconditions its own blocks.
+    """A matrix task two DP indices split between them: rows [0, ``row``) are one piece,
+    [``row``, m) the other (at tp > 1 rows of every TP shard, ``sharing.tp_pair_decision``:
+    the two TP groups share its Newton–Schulz, k = 2·tp; not placed by the pipeline yet). Muon
+    (``sharing.pair_decision``, tp = 1): the two share its Newton–Schulz; Shampoo
+    (``sharing.block_decision``): each preconditions its own blocks.
     Per piece: ``loads`` in cost units (a shared piece's compute and collectives), ``flops``
     per step, ``states`` bytes (None: the task's state split by rows);
     ``compute_s``/``comm_s``: seconds per piece (modelled), ``hidden_s`` of the exchanges
@@ -190,9 +192,9 @@ def make_problem(
 
 
 def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
-    """``problem`` with ``pairs``: each task's item (a whole-parameter matrix) becomes two atomic
-    items, rows [0, row) and [row, m), each carrying one piece's load and FLOPs and its rows'
-    share of the state. The DP solvers then place the pieces like any matrix; a plan keeps a
+    """``problem`` with ``pairs``: each task's item (a whole-parameter matrix; at tp > 1 its TP
+    shard) becomes two atomic items, rows [0, row) and [row, m) of what it stores, each
+    carrying one piece's load and FLOPs and its rows' share of the state. The DP solvers then place the pieces like any matrix; a plan keeps a
     pair only where the pieces land on adjacent DP indices (``pair_owners``)."""
     if not pairs:
         return dataclasses.replace(problem, pairs={})
@@ -206,8 +208,9 @@ def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
                 items.append(dataclasses.replace(it, slot=len(items)))
                 continue
             shape = problem.tasks[it.tasks[0]].shape
+            rows = (it.end - it.start) // shape[1]  # the stored rows: a TP shard's at tp > 1
             items.extend(pair_items(it, shape, x.row, x.loads, x.flops,
-                                    x.state_bytes(it.state_bytes, shape[0]), len(items)))
+                                    x.state_bytes(it.state_bytes, rows), len(items)))
             total += sum(x.loads) - it.load
         buckets.append(dataclasses.replace(b, items=tuple(items)))
     return dataclasses.replace(problem, buckets=tuple(buckets), total=total, pairs=dict(pairs))

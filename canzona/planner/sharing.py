@@ -68,9 +68,10 @@ from .planning import DPProblem, PairShare, equal_cuts, evaluate
 
 __all__ = ["PairShare", "Run", "ShareOption", "SharedTask", "SharingReport", "block_decision",
            "gram_pipeline", "kind_of", "lockstep_batches", "lockstep_bytes", "lockstep_seconds",
-           "pair_decision", "pair_link", "price_pair", "priced_for", "profile_rate",
+           "pair_decision", "pair_link", "price_pair", "price_tp_pair", "priced_for",
+           "profile_rate",
            "shard_block_decision", "shard_blocks_aligned", "share_options", "sharing_bound",
-           "tp_sub_piece"]
+           "tp_pair_decision", "tp_sub_piece"]
 
 Group = Literal["tp", "tp_pair", "dp", "tp_sub"]
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
@@ -456,6 +457,52 @@ def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
         chosen = {x.task: x.option for x in report.shared}
     return {i: price_pair(problem, i, o.split_poly, hw, hw.link(2))
             for i, o in sorted(chosen.items()) if problem.tasks[i].param in dense}
+
+
+def tp_pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
+                     mode: str = "auto") -> dict[int, PairShare]:
+    """At tp > 1 (Muon): the tall column-parallel matrices a TP group would share with the same
+    TP ranks at a partner DP index (k = 2·tp, ``runtime.optim.shared_ns.TPPair``): ``auto``,
+    those the bound shares so (:func:`sharing_bound` over TP groups and TP pairs); ``all`` /
+    ``all-split``, every eligible one, with or without the polynomial split. Each priced by
+    :func:`price_tp_pair`. The DP problem (``with_pairs``) and the per-GPU objective
+    (``tp.context``) account for such pairs; the pipeline, the TP schedule, the plan and the
+    runtime do not place them yet (``docs/architecture.md``: not built yet)."""
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+    sizes = problem.sizes
+    if problem.settings.name != "muon" or sizes.tp == 1 or problem.dp < 2:
+        return {}
+    if mode in ("all", "all-split"):
+        chosen = {}
+        for t in problem.tasks:
+            opts = [o for o in share_options(problem, t.id, hw, groups=("tp_pair",))
+                    if o.split_poly == (mode == "all-split")]
+            if opts:
+                chosen[t.id] = opts[0]
+    else:
+        report = sharing_bound(problem, hardware=hw, groups=("tp", "tp_pair"))
+        chosen = {x.task: x.option for x in report.shared if x.option.group == "tp_pair"}
+    return {i: price_tp_pair(problem, i, o.split_poly, hw) for i, o in sorted(chosen.items())
+            if problem.tasks[i].shape[0] // sizes.tp >= 2}
+
+
+def price_tp_pair(problem: DPProblem, task: int, split: bool, hw: HardwareProfile) -> PairShare:
+    """A tall column-parallel Muon task shared by its TP group and the same TP ranks at a
+    partner DP index (:func:`tp_pair_piece`, the partner over ``hw.link(2·tp)``): every TP shard
+    cut at the same row, half of its rows (``row``, a row of the shard) on each DP index; per
+    piece the load one TP rank carries (its compute and the collectives its own Gram products
+    do not hide, at the profile's rate, in cost units) and its FLOPs per rank."""
+    t = problem.tasks[task]
+    tp = problem.sizes.tp
+    rows, cols = t.shape
+    rate = profile_rate(hw)
+    o = tp_pair_piece(tp, split, rows, cols, problem.settings.ns_steps, 2, hw.link(tp),
+                      hw.link(2 * tp), rate=rate)
+    flops = problem.costs[task].flops
+    unit = problem.loads[task] / flops if flops else 0.0
+    load = math.ceil(o.alone_s(rate) * rate * unit)
+    return PairShare(-(-rows // tp) // 2, split, (load, load), (o.piece_flops, o.piece_flops),
+                     o.piece_flops / rate, o.comm_s, hidden_s=o.hidden_s)
 
 
 def pair_link(hw: HardwareProfile, owners: tuple[int, int], tp: int = 1) -> LinkProfile:

@@ -76,8 +76,9 @@ def _item_gpu_load(problem: DPProblem, item_task: int, load: int, tp: int) -> fl
 def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
                ) -> tuple[list[float], list[list[int]]]:
     """Per DP index: the load every TP rank carries anyway (AdamW shards, replicated matrices,
-    its piece of every task the TP group shares), and the TP-split matrix tasks it owns and must
-    host (ids, ascending)."""
+    its piece of every task the TP group shares, alone or with a partner index:
+    ``problem.pairs`` at tp > 1), and the TP-split matrix tasks it owns and must host (ids,
+    ascending)."""
     ctx = ctx or TPContext.build(problem)
     dp = problem.dp
     base = [0.0] * dp
@@ -91,6 +92,8 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
                 for i in it.tasks:
                     if i in problem.shared:  # every TP rank of d computes its piece
                         base[d] += problem.shared[i][0]
+                    elif i in problem.pairs and ctx.split[i]:  # its half, every TP rank
+                        base[d] += it.load
                     elif ctx.split[i]:
                         owned[d].append(i)
                     else:  # replicated (or tp = 1): the whole matrix on every rank of d
@@ -209,12 +212,71 @@ def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
     return out
 
 
+def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list[set[int]]]:
+    """At tp > 1, the halves of the tasks two TP groups share (``problem.pairs``, k = 2·tp):
+    per DP index its halves as its lockstep sees them (the recorded load is the piece's, its
+    compute, collectives and hidden seconds converted at load / seconds alone), and per DP
+    index the indices it shares a task with (its pieces' owners but itself)."""
+    out: list[list[Piece]] = [[] for _ in range(problem.dp)]
+    partners: list[set[int]] = [set() for _ in range(problem.dp)]
+    if not problem.pairs or problem.sizes.tp == 1:
+        return out, partners
+    where: dict[int, list[int]] = {}
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for it in b.items:
+            if not it.atomic or len(it.tasks) != 1 or it.tasks[0] not in problem.pairs:
+                continue
+            i = it.tasks[0]
+            x = problem.pairs[i]
+            d = problem.dp_index(b, owner_of(c, it.start))
+            comp, comm, hidden = x.run_piece()
+            t = problem.tasks[i]
+            m, n = max(t.shape), min(t.shape)
+            k = 2 * problem.sizes.tp
+            out[d].append((i, comp, comm, it.load, lockstep_bytes(-(-m // k), n, k,
+                                                                  x.split_poly, 2), hidden))
+            where.setdefault(i, []).append(d)
+    for ds in where.values():
+        for d in ds:
+            partners[d].update(e for e in ds if e != d)
+    return out, partners
+
+
 def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
-    """Per DP index, its shared pieces in lockstep (:class:`Lockstep`)."""
+    """Per DP index, its shared pieces in lockstep (:class:`Lockstep`): the tasks its TP group
+    shares, and at tp > 1 its halves of those it shares with a partner index."""
     out = [Lockstep(problem.lockstep_cap) for _ in range(problem.dp)]
     for d, ids in enumerate(shared_by_index(problem, cuts)):
         for i in ids:
             out[d].add(lockstep_piece(problem, i))
+    for d, pieces in enumerate(pair_pieces(problem, cuts)[0]):
+        for x in pieces:
+            out[d].add(x)
+    return out
+
+
+def coupled(loads: Sequence[float], partners: Sequence[set[int]]) -> list[float]:
+    """Each DP index's lockstep as its partners meet it: indices that share a task exchange
+    every iteration, so they finish together, at the slowest of those connected through
+    shared tasks (``loads``: each index's own lockstep)."""
+    out = list(loads)
+    seen = [False] * len(out)
+    for d in range(len(out)):
+        if seen[d] or not partners[d]:
+            continue
+        group, todo = [], [d]
+        seen[d] = True
+        while todo:
+            e = todo.pop()
+            group.append(e)
+            for f in partners[e]:
+                if not seen[f]:
+                    seen[f] = True
+                    todo.append(f)
+        top = max(out[e] for e in group)
+        for e in group:
+            out[e] = top
     return out
 
 
@@ -255,7 +317,9 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
         total = sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
     else:
         total = sum(sum(r) for r in grid)
+    pairs = problem.pairs if problem.sizes.tp > 1 else {}
     largest = max((int(round(problem.shared[t.id][0])) if t.id in problem.shared
+                   else max(pairs[t.id].loads) if t.id in pairs
                    else problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
                   default=0)  # a piece's load as the plan records it (rounded)
     return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)
@@ -264,7 +328,9 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
 
 def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) -> list[float]:
     """The DP side's TP-aware load: per DP index, its busiest GPU after LPT packing, its shared
-    pieces counted as their lockstep phase (:class:`Lockstep`) rather than one by one.
+    pieces counted as their lockstep phase (:class:`Lockstep`) rather than one by one, and at
+    tp > 1 that phase as long as its partners' (:func:`coupled`) where it shares a task with
+    another index (``problem.pairs``).
 
     Use in place of the DP load (``evaluate(...).load``) when judging cuts under TP.
     """
@@ -272,5 +338,8 @@ def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) 
     base, owned = index_work(problem, cuts, ctx)
     steps = index_lockstep(problem, cuts)
     tp = problem.sizes.tp
-    return [base[d] - steps[d].pieces + steps[d].load()
+    lock = [s.load() for s in steps]
+    if problem.pairs and tp > 1:  # partners finish their locksteps together
+        lock = coupled(lock, pair_pieces(problem, cuts)[1])
+    return [base[d] - steps[d].pieces + lock[d]
             + lpt_makespan([problem.loads[i] for i in owned[d]], tp) for d in range(problem.dp)]

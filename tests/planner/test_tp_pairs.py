@@ -1,0 +1,150 @@
+"""k = 2·tp in the DP problem (issue 18): a tall column-parallel Muon matrix whose TP shards are
+each cut at one row between two DP indices (``sharing.tp_pair_decision``, ``with_pairs`` at
+tp > 1) and the per-GPU objective that counts each half on its index and makes partners finish
+their locksteps together (``tp.context``). The pipeline does not place such pairs yet; these
+check the pieces the placement will stand on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from canzona.planner.dp.units import owners_to_cuts
+from canzona.planner.hardware import load_hardware
+from canzona.planner.inventory import build_inventory
+from canzona.planner.layout import ParallelSizes
+from canzona.planner.models import get_preset
+from canzona.planner.planning import evaluate, make_problem, with_pairs
+from canzona.planner.settings import OptimizerSettings
+from canzona.planner.sharing import (kind_of, profile_rate, share_options, tp_pair_decision,
+                                     tp_pair_piece)
+from canzona.planner.tp.context import (TPContext, coupled, index_gpu_max, index_lockstep,
+                                        index_work, lb_gpu)
+
+
+def _problem(model: str, dp: int, tp: int):
+    return make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp),
+                        OptimizerSettings(name="muon"), cost="flops")
+
+
+def test_the_decision_takes_tall_column_parallel_matrices_and_prices_their_halves():
+    hw = load_hardware("h100")
+    big = _problem("llama3-70b", 256, 8)
+    auto = tp_pair_decision(big, hw, "auto")
+    # the bound's choice at llama3-70b dp256: fc1 (its piece over its TP group alone outweighs
+    # a GPU's share); at dp 4 the share is larger and nothing needs a partner
+    assert {kind_of(big.tasks[i].name) for i in auto} == {"mlp.linear_fc1"} and len(auto) == 80
+    pr = _problem("llama3-70b", 4, 8)
+    assert tp_pair_decision(pr, hw, "auto") == {}
+    every = tp_pair_decision(pr, hw, "all-split")
+    assert {kind_of(pr.tasks[i].name) for i in every} == {"mlp.linear_fc1",
+                                                          "self_attention.linear_qkv"}
+    for i, x in every.items():
+        rows, cols = pr.tasks[i].shape
+        assert x.row == rows // 8 // 2 and x.split_poly
+        o = tp_pair_piece(8, True, rows, cols, 5, 2, hw.link(8), hw.link(16),
+                          rate=profile_rate(hw))
+        assert x.flops == (o.piece_flops, o.piece_flops)
+        assert x.comm_s == pytest.approx(o.comm_s) and x.hidden_s == pytest.approx(o.hidden_s)
+        # the load is the piece alone (compute + what its own products do not hide)
+        unit = pr.loads[i] / pr.costs[i].flops
+        assert x.loads[0] == pytest.approx(o.alone_s(profile_rate(hw)) * profile_rate(hw) * unit,
+                                           abs=1)
+    # row-parallel matrices (fc2, proj) are not: a DP cut of their shard is a column block
+    assert not any(o.group == "tp_pair" for t in pr.tasks
+                   if kind_of(t.name) in ("mlp.linear_fc2", "self_attention.linear_proj")
+                   for o in share_options(pr, t.id, hw))
+    assert tp_pair_decision(_problem("llama3-70b", 4, 1), hw, "all") == {}
+    assert tp_pair_decision(_problem("llama3-70b", 1, 8), hw, "all") == {}
+
+
+@pytest.fixture(scope="module")
+def small():
+    """qwen3-0.6b at dp 2 × tp 2 with every fused gate/up shared by a TP pair."""
+    pr = _problem("qwen3-0.6b", 2, 2)
+    pairs = tp_pair_decision(pr, "h100", "all-split")
+    fc1 = [i for i in pairs if kind_of(pr.tasks[i].name) == "mlp.linear_fc1"]
+    assert fc1
+    return pr, {i: pairs[i] for i in fc1}
+
+
+def test_each_shard_is_cut_at_the_pairs_row(small):
+    pr, pairs = small
+    got = with_pairs(pr, pairs)
+    for b, nb in zip(pr.buckets, got.buckets):
+        whole = {it.tasks[0]: it for it in b.items if len(it.tasks) == 1}
+        pieces: dict[int, list] = {}
+        for it in nb.items:
+            if len(it.tasks) == 1 and it.tasks[0] in pairs:
+                pieces.setdefault(it.tasks[0], []).append(it)
+        for i, (a, c) in pieces.items():
+            w, x = whole[i], pairs[i]
+            cols = pr.tasks[i].shape[1]
+            assert (w.end - w.start) * 2 == pr.tasks[i].shape[0] * cols  # the TP shard
+            assert (a.start, a.end, c.start, c.end) == (w.start, w.start + x.row * cols,
+                                                        w.start + x.row * cols, w.end)
+            assert a.atomic and c.atomic and (a.load, c.load) == x.loads
+            assert a.state_bytes + c.state_bytes == w.state_bytes
+            assert a.state_bytes == w.state_bytes * x.row // ((w.end - w.start) // cols)
+    assert got.total - pr.total == sum(sum(x.loads) - pr.loads[i] for i, x in pairs.items())
+
+
+def _cuts(problem, split_at: int):
+    """Every matrix on DP index 0 but for task ``split_at``'s second piece and everything after
+    it in its bucket (on index 1)."""
+    owners = {}
+    for b in problem.buckets:
+        atomic = [it for it in b.items if it.atomic]
+        ks = [k for k, it in enumerate(atomic) if it.tasks == (split_at,)]
+        owners[(b.buffer, b.bucket)] = [0 if not ks or k <= ks[0] else 1
+                                        for k in range(len(atomic))]
+    return owners_to_cuts(problem, owners)
+
+
+def test_each_half_counts_on_its_index_and_partners_finish_together(small):
+    pr, pairs = small
+    i = min(pairs)
+    used = with_pairs(pr, {i: pairs[i]})
+    cuts = _cuts(used, i)
+    ctx = TPContext.build(used)
+    base, owned = index_work(used, cuts, ctx)
+    assert all(i not in ids for ids in owned)  # never hosted whole by a micro-group
+    steps = index_lockstep(used, cuts)
+    halves = [[x for x in s.items if x[0] == i] for s in steps]
+    assert [len(h) for h in halves] == [1, 1] and halves[0][0][3] == pairs[i].loads[0]
+    # the same cuts without the pair: each half would be a matrix to host; with it, each
+    # index carries its half's load on every TP rank instead
+    base0, owned0 = index_work(dataclasses.replace(used, pairs={}), cuts, ctx)
+    assert [ids.count(i) for ids in owned0] == [1, 1]
+    assert [b - b0 for b, b0 in zip(base, base0)] == [pytest.approx(x) for x in pairs[i].loads]
+    # partners' phases end together: each index's lockstep replaced by the longer
+    gpu = index_gpu_max(used, cuts, ctx)
+    lock = [s.load() for s in steps]
+    for d in range(2):
+        rest = base[d] - steps[d].pieces + max(lock)
+        assert gpu[d] == pytest.approx(rest + _lpt(used, owned[d]))
+    assert lb_gpu(used, ctx=ctx) >= max(pairs[i].loads)
+    # the DP problem's own evaluation counts each piece on its owner
+    loads = evaluate(used, cuts).load
+    assert sum(loads) == used.total
+
+
+def _lpt(problem, ids):
+    from canzona.planner.tp.context import lpt_makespan
+
+    return lpt_makespan([problem.loads[j] for j in ids], problem.sizes.tp)
+
+
+def test_coupled_indices_run_at_the_slowest_of_their_component():
+    assert coupled([1.0, 5.0, 2.0, 3.0, 4.0], [{1}, {0, 2}, {1}, set(), set()]) == \
+        [5.0, 5.0, 5.0, 3.0, 4.0]
+    assert coupled([1.0, 2.0], [set(), set()]) == [1.0, 2.0]
+
+
+def test_plans_without_pairs_are_unchanged(small):
+    """No pairs: the objective is what it was (every tp > 1 plan today)."""
+    pr, _ = small
+    cuts = _cuts(pr, -1)
+    plain = dataclasses.replace(pr, pairs={})
+    assert index_gpu_max(pr, cuts) == index_gpu_max(plain, cuts)
