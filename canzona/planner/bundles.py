@@ -565,3 +565,234 @@ def _pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
     for i in rest:
         search.place(i)
     return search
+
+
+# -- tp > 1: a TP group's matrices, and halves shared with the partner index (k = 2·tp) --------
+
+
+class _TPSearch:
+    """tp > 1, Muon: every matrix item whole on a DP index — a piece of the index's lockstep
+    where its TP group shares it (``problem.shared``), a micro-group task where a TP rank hosts
+    it, every rank's where TP replicates it — or, for a task of ``pairs``
+    (``sharing.tp_pair_decision``), shared by the fixed pair (2s, 2s + 1): a half in each
+    partner's lockstep (k = 2·tp). An index costs its lockstep (its shared pieces and its
+    pair's halves, in batches of ``cap`` scratch bytes: ``tp.context.Lockstep``), as long as
+    its partner's where the pair shares anything (they exchange every iteration), plus its
+    hosted tasks packed on its TP ranks and its replicated ones; AdamW is left out (the layout
+    spreads it). Same interface as :class:`_Search` for :func:`_layout` (``ref``, ``task``,
+    ``where``)."""
+
+    def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare], cap: int = 0) -> None:
+        from .tp.context import TPContext, lockstep_piece
+
+        ctx = TPContext.build(problem, problem.comm_dtype)
+        self.dp, self.npairs, self.tp, self.cap = problem.dp, problem.dp // 2, \
+            problem.sizes.tp, cap
+        k = 2 * self.tp
+        self.ref: list[tuple[tuple[int, int], int]] = []
+        self.task: list[int] = []
+        self.key: list[tuple[int, int]] = []
+        self.kind: list[str] = []  # "lock", "host" or "base"
+        self.load: list[float] = []  # alone: a lock piece's recorded load, or the task's
+        self.piece: list[tuple | None] = []  # its lockstep piece (whole, over the TP group)
+        self.half: list[tuple | None] = []  # its half's piece (shared by a pair)
+        for b in problem.buckets:
+            for j, it in enumerate(b.items):
+                if not it.atomic:
+                    continue
+                i = it.tasks[0]
+                piece = half = None
+                if len(it.tasks) == 1 and i in problem.shared:
+                    kind, piece = "lock", lockstep_piece(problem, i)
+                    load = piece[3]
+                elif len(it.tasks) == 1 and ctx.split[i]:
+                    kind, load = "host", float(problem.loads[i])
+                else:
+                    kind, load = "base", float(sum(problem.loads[t] for t in it.tasks))
+                x = pairs.get(i) if len(it.tasks) == 1 else None
+                if x is not None and x.alone_s > 0:
+                    comp, comm, hidden = x.run_piece()
+                    m, n = max(problem.tasks[i].shape), min(problem.tasks[i].shape)
+                    half = (i, comp, comm, float(x.loads[0]),
+                            lockstep_bytes(-(-m // k), n, k, x.split_poly, 2), hidden)
+                self.ref.append(((b.buffer, b.bucket), j))
+                self.task.append(i)
+                self.key.append((b.buffer, b.bucket))
+                self.kind.append(kind)
+                self.load.append(load)
+                self.piece.append(piece)
+                self.half.append(half)
+        self.where: list[Place] = [("w", 0)] * len(self.load)
+        self.whole: list[list[int]] = [[] for _ in range(self.dp)]
+        self.shared: list[list[int]] = [[] for _ in range(self.npairs)]
+        self.costs = [0.0] * self.dp
+
+    # -- costs -------------------------------------------------------------------------------
+    def _lock(self, d: int, whole: list[int], halves: list[int]) -> float:
+        from .tp.context import Lockstep
+
+        lock = Lockstep(self.cap)
+        for i in sorted(whole):
+            if self.kind[i] == "lock":
+                lock.add(self.piece[i])  # type: ignore[arg-type]
+        for i in sorted(halves):
+            lock.add(self.half[i])  # type: ignore[arg-type]
+        return lock.load()
+
+    def _rest(self, whole: list[int]) -> float:
+        from .tp.context import lpt_makespan
+
+        hosted = [self.load[i] for i in whole if self.kind[i] == "host"]
+        return sum(self.load[i] for i in whole if self.kind[i] == "base") + \
+            (lpt_makespan(hosted, self.tp) if hosted else 0.0)
+
+    def _costs(self, whole: dict[int, list[int]], shared: dict[int, list[int]],
+               indices: set[int]) -> dict[int, float]:
+        """The costs of ``indices`` (and their partners) given per-index whole items and
+        per-pair shared ones (those not given: as now)."""
+        ds = set(indices)
+        ds |= {d ^ 1 for d in indices if d ^ 1 < 2 * self.npairs}
+        lock, out = {}, {}
+        for d in ds:
+            w = whole.get(d, self.whole[d])
+            s = d // 2
+            h = shared.get(s, self.shared[s]) if s < self.npairs else []
+            lock[d] = (self._lock(d, w, h), bool(h), self._rest(w))
+        for d in ds:
+            own, coupled, rest = lock[d]
+            if coupled and (d ^ 1) in lock:
+                own = max(own, lock[d ^ 1][0])
+            out[d] = own + rest
+        return out
+
+    def busiest(self) -> float:
+        return max(self.costs)
+
+    def fits(self, s: int, items: list[int]) -> bool:
+        """A pair shares at most one matrix of a bucket (its pieces are neighbours there)."""
+        return len({self.key[i] for i in items}) == len(items)
+
+    def trial(self, ops: list[tuple[int, Place]]) -> dict[int, float] | None:
+        whole: dict[int, list[int]] = {}
+        shared: dict[int, list[int]] = {}
+        touched: set[int] = set()
+        for i, new in ops:
+            for place, add in ((self.where[i], False), (new, True)):
+                if place[0] == "w":
+                    got = whole.setdefault(place[1], list(self.whole[place[1]]))
+                    touched.add(place[1])
+                else:
+                    got = shared.setdefault(place[1], list(self.shared[place[1]]))
+                    touched |= {2 * place[1], 2 * place[1] + 1}
+                if add:
+                    got.append(i)
+                else:
+                    got.remove(i)
+        if not all(self.fits(s, got) for s, got in shared.items()):
+            return None
+        return self._costs(whole, shared, touched)
+
+    def apply(self, ops: list[tuple[int, Place]]) -> None:
+        got = self.trial(ops)
+        assert got is not None
+        for i, new in ops:
+            old = self.where[i]
+            (self.whole[old[1]] if old[0] == "w" else self.shared[old[1]]).remove(i)
+            (self.whole[new[1]] if new[0] == "w" else self.shared[new[1]]).append(i)
+            self.where[i] = new
+        for d, c in got.items():
+            self.costs[d] = c
+
+    # -- construction and search -------------------------------------------------------------
+    def start(self) -> None:
+        """Heaviest first, each where the busiest index it touches ends lightest (whole on an
+        index, or shared by a pair; ties: whole, the lower index)."""
+        order = sorted(range(len(self.load)), key=lambda i: (-self.load[i], i))
+        self.where = [("w", -1)] * len(self.load)
+        for i in order:
+            best = None
+            options: list[Place] = [("w", d) for d in range(self.dp)]
+            if self.half[i] is not None:
+                options += [("s", s) for s in range(self.npairs)
+                            if self.fits(s, self.shared[s] + [i])]
+            for place in options:
+                if place[0] == "w":
+                    got = self._costs({place[1]: self.whole[place[1]] + [i]}, {}, {place[1]})
+                else:
+                    got = self._costs({}, {place[1]: self.shared[place[1]] + [i]},
+                                      {2 * place[1], 2 * place[1] + 1})
+                score = (max(got.values()), place[0] == "s", place[1])
+                if best is None or score < best[0]:
+                    best = (score, place, got)
+            _, place, got = best  # type: ignore[misc]
+            (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(i)
+            self.where[i] = place
+            for d, c in got.items():
+                self.costs[d] = c
+
+    def improve(self, max_moves: int) -> None:
+        """Moves off the busiest index while they lower it (alike items and alike indices
+        tried once)."""
+        for _ in range(max_moves):
+            top = max(range(self.dp), key=lambda d: (self.costs[d], -d))
+            ceiling = self.costs[top]
+            here = list(self.whole[top])
+            if top < 2 * self.npairs:
+                here += self.shared[top // 2]
+            best = None
+            tried = set()
+            for i in here:
+                sig = (self.kind[i], self.load[i], self.half[i] is not None, self.where[i][0])
+                if sig in tried:
+                    continue
+                tried.add(sig)
+                places: list[Place] = []
+                seen = set()
+                for d in range(self.dp):
+                    alike = (tuple(sorted((self.kind[j], self.load[j]) for j in self.whole[d])),
+                             tuple(sorted(self.load[j] for j in self.shared[d // 2]))
+                             if d < 2 * self.npairs else (), round(self.costs[d], 6))
+                    if ("w", d) != self.where[i] and alike not in seen:
+                        seen.add(alike)
+                        places.append(("w", d))
+                if self.half[i] is not None:
+                    seen = set()
+                    for s in range(self.npairs):
+                        alike = (tuple(sorted((self.kind[j], self.load[j])
+                                              for d in (2 * s, 2 * s + 1) for j in self.whole[d])),
+                                 tuple(sorted(self.load[j] for j in self.shared[s])))
+                        if ("s", s) != self.where[i] and alike not in seen:
+                            seen.add(alike)
+                            places.append(("s", s))
+                for place in places:
+                    got = self.trial([(i, place)])
+                    if got is None:
+                        continue
+                    worst = max(got.values())
+                    if worst >= ceiling * (1 - 1e-9):
+                        continue
+                    score = (worst, sum(got.values()))
+                    if best is None or score < best[0]:
+                        best = (score, [(i, place)])
+            if best is None:
+                return
+            self.apply(best[1])
+
+
+def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
+                        hw: HardwareProfile, *, scratch_cap: int = 0,
+                        max_moves: int = 2000) -> tuple[float, tuple[DPProblem, Cuts] | None]:
+    """tp > 1, Muon (``problem.shared``: the tasks TP groups share): a placement with the
+    ``pairs`` (``sharing.tp_pair_decision``) shared by fixed partner indices (:class:`_TPSearch`,
+    heaviest first, then moves off the busiest index), laid out as :func:`_layout` does (each
+    bucket by DP index, a shared matrix's TP shards cut between its partners). Returns (the
+    search's busiest index, (the reordered problem with the pairs used, its cuts) or None
+    where it shares nothing). Not used by the pipeline yet: the TP schedule, the plan and the
+    runtime do not place such pairs (``docs/architecture.md``)."""
+    if problem.settings.name != "muon" or problem.sizes.tp == 1 or problem.dp < 2 or not pairs \
+            or any(buf.expert for buf in problem.layout.buffers):
+        return 0.0, None
+    search = _TPSearch(problem, pairs, scratch_cap)
+    search.start()
+    search.improve(max_moves)
+    return search.busiest(), _layout(problem, pairs, search, hw)  # type: ignore[arg-type]

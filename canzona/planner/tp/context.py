@@ -90,10 +90,10 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
             if it.atomic:
                 d = problem.dp_index(b, first)
                 for i in it.tasks:
-                    if i in problem.shared:  # every TP rank of d computes its piece
-                        base[d] += problem.shared[i][0]
-                    elif i in problem.pairs and ctx.split[i]:  # its half, every TP rank
+                    if i in problem.pairs and ctx.split[i]:  # its half, every TP rank
                         base[d] += it.load
+                    elif i in problem.shared:  # every TP rank of d computes its piece
+                        base[d] += problem.shared[i][0]
                     elif ctx.split[i]:
                         owned[d].append(i)
                     else:  # replicated (or tp = 1): the whole matrix on every rank of d
@@ -206,9 +206,10 @@ def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         for it in b.items:
-            if it.atomic:
+            if it.atomic:  # (a task two indices share is in their pair pieces instead)
                 out[problem.dp_index(b, owner_of(c, it.start))] += [
-                    i for i in it.tasks if i in problem.shared]
+                    i for i in it.tasks if i in problem.shared
+                    and not (i in problem.pairs and problem.sizes.tp > 1)]
     return out
 
 
