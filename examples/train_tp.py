@@ -86,10 +86,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
-    ap.add_argument("--share", default="off", choices=["off", "auto", "all", "all-split"],
-                    help="Muon matrices shared by their TP group instead of gathered to a host "
-                         "(Shampoo: blocks preconditioned shard by shard where the TP shards "
-                         "are whole blocks, see --block)")
+    ap.add_argument("--share", default="off",
+                    choices=["off", "auto", "all", "all-split", "pairs"],
+                    help="Muon matrices shared by their TP group instead of gathered to a host; "
+                         "pairs: the column-parallel ones by the TP groups of both DP indices "
+                         "(k = 2·tp) (Shampoo: blocks preconditioned shard by shard where the TP "
+                         "shards are whole blocks, see --block)")
     ap.add_argument("--block", type=int, default=None,
                     help="Shampoo's max_preconditioner_dim (default 1024; 16 makes every TP "
                          "shard of the default model whole blocks)")

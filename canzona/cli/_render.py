@@ -226,7 +226,10 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
 def _paired(plan) -> str:  # noqa: ANN001
     """After the count of matrices split across DP ranks (ZeRO-1 fragments): the ones two DP
     ranks share by design (``plan.dp_shared``), which it does not count."""
-    return f" (and {len(plan.dp_shared)} shared by DP pairs)" if plan.dp_shared else ""
+    if not plan.dp_shared:
+        return ""
+    by = "DP pairs" if plan.inputs.tp == 1 else "two TP groups"
+    return f" (and {len(plan.dp_shared)} shared by {by})"
 
 
 # --- canzona inspect ---------------------------------------------------------------------------
@@ -428,7 +431,7 @@ def sharing_view(sh: dict | None) -> None:
         where = {"tp": "its TP group" if sh["optimizer"] != "shampoo"
                  else "its TP group, each rank the blocks of its own shard",
                  "tp_pair": "its TP group and the same TP ranks at a second DP index; "
-                            "not planned yet",
+                            "--share auto where it lowers the objective, or pairs",
                  "tp_sub": f"a sub-group of {k} of its TP group's ranks; not planned yet"
                  }.get(g, f"{k} adjacent DP indices")
         console.print(f"  {len(xs)} tasks in the bound shared by {k} ranks ({where}"
@@ -478,15 +481,26 @@ def tp_summary(plan: Plan) -> None:
         line += f" ≤ C_max {human_bytes(cap)}"
     console.print(line, highlight=False)
     shared = [x for ix in plan.tp.indices for x in ix.shared]
+    ix_of = {id(x): ix.dp_index for ix in plan.tp.indices for x in ix.shared}
     if shared:
         from canzona.planner.sharing import kind_of
 
         kinds: dict[str, int] = {}
+        pairs: dict[str, int] = {}
         for x in shared:
             k = kind_of(plan.tasks[x.id].param)
-            kinds[k] = kinds.get(k, 0) + 1
-        split = sum(x.split_poly for x in shared)
+            if x.partner is None:
+                kinds[k] = kinds.get(k, 0) + 1
+            elif x.partner > ix_of[id(x)]:  # a matrix two TP groups share: once
+                pairs[k] = pairs.get(k, 0) + 1
+        split = sum(x.split_poly for x in shared if x.partner is None)
         listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        paired = ""
+        if pairs:
+            paired = (f"; and shared by two TP groups, partner DP indices (k = 2·tp, each index "
+                      f"half of every shard's rows): {sum(pairs.values())} matrices ("
+                      + ", ".join(f"{n} {k}" for k, n in sorted(pairs.items(),
+                                                                key=lambda kv: -kv[1])) + ")")
         if plan.inputs.optimizer.name == "shampoo":
             console.print(
                 f"preconditioned shard by shard (--share {plan.tp.share}: each TP rank Shampoo's "
@@ -496,8 +510,9 @@ def tp_summary(plan: Plan) -> None:
             return
         console.print(
             f"shared by their TP group (--share {plan.tp.share}: shared Newton–Schulz over the "
-            f"shards, no gather; run before the micro-groups): {len(shared)} matrices ({listed}"
-            f"), {split} with the polynomial split; their Gram all-reduces are in the loads "
+            f"shards, no gather; run before the micro-groups): {sum(kinds.values())} matrices "
+            f"({listed}), {split} with the polynomial split{paired}; their Gram all-reduces are "
+            f"in the loads "
             f"(less what runs beside their own Gram products, in chunks): "
             f"max / mean useful work (each task's single-device cost) "
             f"{m.max_gpu_load / useful_mean(plan):.3f}", highlight=False)

@@ -582,9 +582,11 @@ class _TPSearch:
     spreads it). Same interface as :class:`_Search` for :func:`_layout` (``ref``, ``task``,
     ``where``)."""
 
-    def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare], cap: int = 0) -> None:
+    def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare], cap: int = 0,
+                 force: bool = False) -> None:
         from .tp.context import TPContext, lockstep_piece
 
+        self.force = force  # every task of ``pairs`` shared by a pair
         ctx = TPContext.build(problem, problem.comm_dtype)
         self.dp, self.npairs, self.tp, self.cap = problem.dp, problem.dp // 2, \
             problem.sizes.tp, cap
@@ -711,10 +713,13 @@ class _TPSearch:
         self.where = [("w", -1)] * len(self.load)
         for i in order:
             best = None
-            options: list[Place] = [("w", d) for d in range(self.dp)]
+            options: list[Place] = [] if self.force and self.half[i] is not None else \
+                [("w", d) for d in range(self.dp)]
             if self.half[i] is not None:
                 options += [("s", s) for s in range(self.npairs)
                             if self.fits(s, self.shared[s] + [i])]
+            if not options:  # forced, but every pair shares a matrix of its bucket already
+                options = [("w", d) for d in range(self.dp)]
             for place in options:
                 if place[0] == "w":
                     got = self._costs({place[1]: self.whole[place[1]] + [i]}, {}, {place[1]})
@@ -748,7 +753,7 @@ class _TPSearch:
                 tried.add(sig)
                 places: list[Place] = []
                 seen = set()
-                for d in range(self.dp):
+                for d in range(0 if self.force and self.half[i] is not None else self.dp):
                     alike = (tuple(sorted((self.kind[j], self.load[j]) for j in self.whole[d])),
                              tuple(sorted(self.load[j] for j in self.shared[d // 2]))
                              if d < 2 * self.npairs else (), round(self.costs[d], 6))
@@ -780,19 +785,20 @@ class _TPSearch:
 
 
 def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
-                        hw: HardwareProfile, *, scratch_cap: int = 0,
-                        max_moves: int = 2000) -> tuple[float, tuple[DPProblem, Cuts] | None]:
+                        hw: HardwareProfile, *, scratch_cap: int = 0, max_moves: int = 2000,
+                        force: bool = False) -> tuple[float, tuple[DPProblem, Cuts] | None]:
     """tp > 1, Muon (``problem.shared``: the tasks TP groups share): a placement with the
     ``pairs`` (``sharing.tp_pair_decision``) shared by fixed partner indices (:class:`_TPSearch`,
-    heaviest first, then moves off the busiest index), laid out as :func:`_layout` does (each
+    heaviest first, then moves off the busiest index; ``force``: every one of them shared,
+    which needs a bucket per pair and task: more pairs than that are left whole), laid out as
+    :func:`_layout` does (each
     bucket by DP index, a shared matrix's TP shards cut between its partners). Returns (the
     search's busiest index, (the reordered problem with the pairs used, its cuts) or None
-    where it shares nothing). Not used by the pipeline yet: the TP schedule, the plan and the
-    runtime do not place such pairs (``docs/architecture.md``)."""
+    where it shares nothing). ``pipeline.tp_pair_candidates`` offers it to the pipeline."""
     if problem.settings.name != "muon" or problem.sizes.tp == 1 or problem.dp < 2 or not pairs \
             or any(buf.expert for buf in problem.layout.buffers):
         return 0.0, None
-    search = _TPSearch(problem, pairs, scratch_cap)
+    search = _TPSearch(problem, pairs, scratch_cap, force)
     search.start()
     search.improve(max_moves)
     return search.busiest(), _layout(problem, pairs, search, hw)  # type: ignore[arg-type]

@@ -24,8 +24,10 @@ TP_SOLVERS = ("greedy", "cpsat")
 #: TPOptions.share: "off" (every TP-split matrix hosted whole), "auto" (the planner shares the
 #: heaviest Muon matrices over their TP group, ``planner.sharing``), "all" / "all-split" (every
 #: Muon matrix TP splits along its long dimension, without / with the polynomial split); at
-#: tp = 1 the same choices share matrices over DP pairs (``sharing.pair_decision``).
-TP_SHARE = ("off", "auto", "all", "all-split")
+#: tp = 1 the same choices share matrices over DP pairs (``sharing.pair_decision``); "pairs"
+#: (tp > 1): every tall column-parallel Muon matrix shared by two TP groups (k = 2·tp), the
+#: others by their TP group, with the polynomial split.
+TP_SHARE = ("off", "auto", "all", "all-split", "pairs")
 #: Objectives by name (``DPOptions.objective``); an ``Objective`` object is accepted too.
 OBJECTIVES = ("step-time", "max-load")
 #: How far (percentage points of the certified bound) the communication stage of the
@@ -145,7 +147,10 @@ class TPOptions:
             it lowers the busiest GPU (``planner.sharing``), or every eligible one with the
             polynomial split, whichever plan has the lighter busiest GPU; ``all`` / ``all-split``: every Muon
             matrix TP splits along its long dimension is shared, without / with the polynomial
-            split (for tests and measurements). At tp = 1 the same choices share whole
+            split (for tests and measurements); ``pairs`` (tp > 1): as ``all-split``, and
+            every tall column-parallel matrix (fc1, QKV) shared by its TP group and the same TP
+            ranks at a partner DP index (k = 2·tp, each holding half of every shard's rows;
+            ``auto`` does that where it lowers the objective). At tp = 1 the same choices share whole
             matrices over two DP ranks each (DP pairs: the bucket cut inside the matrix at a
             row boundary; ``auto`` keeps them only where the busiest DP index gets lighter).
             Shampoo: at tp > 1 every TP-split matrix whose shards are whole blocks is

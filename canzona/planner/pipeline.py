@@ -135,6 +135,9 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
+    if t.share == "pairs" and problem.sizes.tp == 1:
+        raise CanzonaError("TPOptions.share = 'pairs' (--share pairs) shares a matrix over two "
+                           "TP groups (tp > 1); at tp = 1 use 'all' or 'all-split' (DP pairs).")
     shares: list[dict] = []
     if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
         from .tp.schedule import share_decision
@@ -143,7 +146,7 @@ def plan_problem(
         # auto: the bound's choice (the tasks above the mean), and every eligible task with
         # the polynomial split; the plan keeps whichever gives the lighter busiest GPU
         for mode in ("auto", "all-split") if t.share == "auto" else (t.share,):
-            cand = share_decision(problem, t.hardware, mode)
+            cand = share_decision(problem, t.hardware, "all-split" if mode == "pairs" else mode)
             if cand not in shares:
                 shares.append(cand)
         if t.share == "auto" and problem.settings.name == "shampoo" and shares[0]:
@@ -207,6 +210,28 @@ def plan_problem(
                 better = max(map(max, osched.grid())) < max(map(max, schedule.grid()))
             if better:
                 sol, ctx, schedule = other, octx, osched
+        if t.share in ("auto", "pairs") and o.reorder and problem.settings.name == "muon":
+            # fc1/QKV shared by two TP groups (k = 2·tp) on partner indices, laid out by
+            # reordering: kept where the busiest GPU gets lighter and (step-time) the modelled
+            # step no longer ("pairs": always, if any)
+            say("tp pairs")
+            step = _objective_name(o.objective) == "step-time"
+            for shared in shares if t.share == "auto" else shares[:1]:
+                start = dataclasses.replace(problem, shared=shared,
+                                            lockstep_cap=LOCKSTEP_CMAX * t.cmax_bytes)
+                for used, cuts in tp_pair_candidates(start, t, hw, force=t.share == "pairs"):
+                    uctx = TPContext.build(used, t.comm_dtype)
+                    usched = schedule_tp(used, cuts, t, ctx=uctx, warn=False)
+                    if t.share == "pairs":
+                        better = not sol.problem.pairs
+                    else:  # a lighter busiest GPU, and under step-time no longer a step
+                        better = max(map(max, usched.grid())) < max(map(max, schedule.grid()))
+                        if better and step:
+                            better = modelled_step(used, cuts, hw) <= \
+                                modelled_step(sol.problem, sol.cuts, hw)
+                    if better:
+                        sol = Solution(cuts, "heuristic", used.lower_bound(), used)
+                        ctx, schedule = uctx, usched
         if schedule.oversized:  # the note of the schedule kept
             warn_oversized(schedule.oversized, t, stacklevel=3)
         tp_section, hosts = tp_plan(sol.problem, schedule, ctx), placements(schedule)
@@ -282,6 +307,36 @@ def _solve_pairs(problem: DPProblem, candidates: list[dict], o: DPOptions,
                 if got is not None:
                     consider(*got)
     return best
+
+
+def tp_pair_candidates(problem: DPProblem, t: TPOptions, hw: HardwareProfile, *,
+                       force: bool = False) -> list[tuple[DPProblem, dict]]:
+    """tp > 1, Muon, ``problem.shared`` set: placements with the tall column-parallel matrices
+    shared by two TP groups (k = 2·tp) on fixed partner indices, for each candidate set of
+    pairs (``sharing.tp_pair_decision``: the bound's choice, and every eligible one with the
+    polynomial split; with ``force``, every eligible one, each shared), laid out by
+    ``bundles.tp_bundle_candidate``: (the problem with the pairs it uses, its cuts) each; empty
+    where none applies or shares anything."""
+    from .bundles import tp_bundle_candidate
+    from .sharing import tp_pair_decision
+
+    if problem.settings.name != "muon" or problem.sizes.tp == 1 or not problem.shared:
+        return []
+    out = []
+    seen: list[dict] = []
+    for mode in ("all-split",) if force else ("auto", "all-split"):
+        pairs = tp_pair_decision(problem, hw, mode)
+        if not pairs or pairs in seen:
+            continue
+        seen.append(pairs)
+        _, got = tp_bundle_candidate(problem, pairs, hw,
+                                     scratch_cap=LOCKSTEP_CMAX * t.cmax_bytes, force=force)
+        if got is not None:
+            used, cuts = got
+            # a paired task is its two TP groups' only: not also its first index's alone
+            shared = {i: x for i, x in used.shared.items() if i not in used.pairs}
+            out.append((dataclasses.replace(used, shared=shared), cuts))
+    return out
 
 
 def _order(problem: DPProblem) -> list[tuple[int, ...]]:

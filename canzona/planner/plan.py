@@ -36,11 +36,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from .errors import PlanFileError
 from .settings import OptimizerSettings
 
-SCHEMA_VERSION = 4
+#: The newest plan version this canzona reads and writes.
+SCHEMA_VERSION = 5
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
 TP_SHARE_VERSION = 3
+#: The version of a plan whose DP pairs share matrices (tp = 1).
+DP_PAIR_VERSION = 4
+#: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
+#: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
+TP_PAIR_VERSION = 5
 
 #: Bucket collective methods (``canzona.planner.comm``; the runtime's spelling).
 CollectiveMethod = Literal["equal", "padded", "per_root", "all_reduce", "all_to_all"]
@@ -222,8 +228,9 @@ class MicroGroupPlan(_Frozen):
 
 
 class SharedTaskPlan(_Frozen):
-    """A TP-split Muon matrix task its TP group shares (``TPOptions.share``): every TP rank
-    orthogonalises the rows of its own shard with shared Newton–Schulz (one all-reduce of the
+    """A TP-split Muon matrix task its TP group shares (``TPOptions.share``), alone or with the
+    same TP ranks at a ``partner`` DP index (each index then holds half of every shard's rows,
+    ``plan.dp_shared``): every TP rank orthogonalises the rows of its own shard with shared Newton–Schulz (one all-reduce of the
     symmetric n × n Gram's upper block rows per iteration over the TP group) and applies its part; nothing is gathered. The
     shared tasks run before the micro-groups, in this order on every TP rank."""
 
@@ -237,6 +244,20 @@ class SharedTaskPlan(_Frozen):
     modelled_s: float = Field(ge=0, description="per TP rank: compute and the collectives "
                                                 "its own Gram products do not hide, seconds "
                                                 "(hardware profile; not measured).")
+    partner: int | None = Field(
+        default=None, ge=0,
+        description="the DP index whose TP group shares the matrix with this one (k = 2·tp; "
+                    "its rows cut between them as dp_shared says): this index's half, summed "
+                    "with the partner's by the same TP ranks (written only when set; schema "
+                    "version 5).")
+
+    @model_serializer(mode="wrap")
+    def _without_partner(self, handler):  # noqa: ANN001, ANN202
+        """A task the TP group shares alone keeps the text of version 3."""
+        out = handler(self)
+        if self.partner is None:
+            out.pop("partner", None)
+        return out
 
 
 class TPIndexPlan(_Frozen):
@@ -292,7 +313,7 @@ class TPPlan(_Frozen):
     layouts: tuple[ShardLayoutPlan, ...]
     indices: tuple[TPIndexPlan, ...]
     metrics: TPMetrics
-    share: Literal["off", "auto", "all", "all-split"] = Field(
+    share: Literal["off", "auto", "all", "all-split", "pairs"] = Field(
         default="off", description="TPOptions.share (written only when a task is shared).")
 
     @model_serializer(mode="wrap")
@@ -327,9 +348,11 @@ class CommPlan(_Frozen):
 
 
 class PairTaskPlan(_Frozen):
-    """A Muon matrix task two DP indices share (tp = 1, ``TPOptions.share``): a bucket cut
-    falls inside the parameter, at row ``row``, so DP index ``owners[0]`` holds rows [0, row)
-    and ``owners[1]`` rows [row, m) of the parameter, its gradient and its momentum (the
+    """A Muon matrix task two DP indices share (``TPOptions.share``): a bucket cut falls inside
+    the parameter, at row ``row``, so DP index ``owners[0]`` holds rows [0, row) and
+    ``owners[1]`` rows [row, m) of the parameter (at tp > 1: of every TP shard, a tall
+    column-parallel one; the two TP groups share it, ``SharedTaskPlan.partner``), its gradient
+    and its momentum (the
     indices between them, if any, hold nothing of that bucket). Both orthogonalise the matrix
     with shared Newton–Schulz, exchanging over the DP group (the Gram's upper block rows per iteration; a
     wide matrix's row blocks are first swapped for column blocks ⌈cols/2⌉ wide, and back
@@ -358,9 +381,9 @@ class PairTaskPlan(_Frozen):
 
 class Plan(_Frozen):
     """A canzona plan (schema version 2; 3 when its TP groups share matrices; 4 when DP pairs
-    do)."""
+    do; 5 when TP groups share with a partner DP index's)."""
 
-    schema_version: Literal[2, 3, 4] = BASE_VERSION
+    schema_version: Literal[2, 3, 4, 5] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
@@ -371,8 +394,9 @@ class Plan(_Frozen):
     tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
     comm: CommPlan
     dp_shared: tuple[PairTaskPlan, ...] = Field(
-        default=(), description="matrix tasks split over two DP indices, tp = 1 (written only "
-                                "when any; schema version 4).")
+        default=(), description="matrix tasks split over two DP indices (written only when "
+                                "any; schema version 4; at tp > 1, where two TP groups share "
+                                "them, 5).")
 
     @model_validator(mode="after")
     def _version_fits(self) -> Plan:
@@ -380,9 +404,12 @@ class Plan(_Frozen):
         if shares and self.schema_version < TP_SHARE_VERSION:
             raise ValueError(f"tp.indices hold shared tasks, which need schema_version "
                              f"{TP_SHARE_VERSION} (found {self.schema_version})")
-        if self.dp_shared and self.schema_version < SCHEMA_VERSION:
+        if self.dp_shared and self.schema_version < DP_PAIR_VERSION:
             raise ValueError(f"dp_shared lists tasks shared by DP pairs, which need "
-                             f"schema_version {SCHEMA_VERSION} (found {self.schema_version})")
+                             f"schema_version {DP_PAIR_VERSION} (found {self.schema_version})")
+        if self.dp_shared and self.inputs.tp > 1 and self.schema_version < TP_PAIR_VERSION:
+            raise ValueError(f"dp_shared lists tasks two TP groups share (tp > 1), which need "
+                             f"schema_version {TP_PAIR_VERSION} (found {self.schema_version})")
         return self
 
     @model_serializer(mode="wrap")

@@ -435,6 +435,7 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
         raise bad("tp.indices", f"has {len(T.indices)} entries but inputs.dp is {dp} (one TP "
                                 f"group per DP index)")
     seen: dict[int, str] = {}
+    halves: dict[int, tuple[int, str]] = {}  # a task two TP groups share: its first half
     groups = 0
     for d, ix in enumerate(T.indices):
         xf = f"tp.indices[{d}]"
@@ -502,6 +503,25 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
             task = tasks[x.id]
             if task.optimizer != "matrix":
                 raise bad(f"{sf}.id", f"is {x.id}, an AdamW task; only matrix tasks are shared")
+            if x.partner is not None:  # a half: on its two indices (validate pairs them)
+                if x.partner == d or not 0 <= x.partner < dp:
+                    raise bad(f"{sf}.partner", f"is {x.partner} but must be another DP index "
+                                               f"in [0, {dp})")
+                if halves.setdefault(x.id, (d, sf)) != (d, sf) and \
+                        halves[x.id][0] != x.partner:
+                    raise bad(f"{sf}.id", f"task {x.id}'s halves are on DP indices "
+                                          f"{halves[x.id][0]} and {d} but this one names "
+                                          f"partner {x.partner}")
+                if x.id in seen and seen[x.id] != halves[x.id][1]:
+                    raise bad(f"{sf}.id", f"task {x.id} is scheduled twice (also {seen[x.id]})")
+                seen.setdefault(x.id, sf)
+                if task.owner not in (d, x.partner):
+                    raise bad(f"tasks[{x.id}].owner", f"is {task.owner} but DP indices {d} and "
+                                                      f"{x.partner} share task {x.id} ({sf})")
+                if task.host is not None or task.micro_group is not None:
+                    raise bad(f"tasks[{x.id}].host", f"is {task.host} but task {x.id} is shared "
+                                                     f"by two TP groups ({sf}), not hosted")
+                continue
             if x.id in seen:
                 raise bad(f"{sf}.id", f"task {x.id} is scheduled twice (also {seen[x.id]})")
             seen[x.id] = sf

@@ -14,7 +14,7 @@ expert group the TP group of DP index d = j·ep + k, so every load is reported p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
@@ -24,7 +24,7 @@ from .errors import SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BASE_VERSION, SCHEMA_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
+from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
                    PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -64,7 +64,7 @@ class BucketProblem:
 class PairShare:
     """A matrix task two DP indices split between them: rows [0, ``row``) are one piece,
     [``row``, m) the other (at tp > 1 rows of every TP shard, ``sharing.tp_pair_decision``:
-    the two TP groups share its Newton–Schulz, k = 2·tp; not placed by the pipeline yet). Muon
+    the two TP groups share its Newton–Schulz, k = 2·tp). Muon
     (``sharing.pair_decision``, tp = 1): the two share its Newton–Schulz; Shampoo
     (``sharing.block_decision``): each preconditions its own blocks.
     Per piece: ``loads`` in cost units (a shared piece's compute and collectives), ``flops``
@@ -273,6 +273,30 @@ def pieces_apart(problem: DPProblem, cuts: Cuts, *, slack: float = 0.05) -> Cuts
     return out
 
 
+def coupled(loads: Sequence[float], partners: Sequence[set[int]]) -> list[float]:
+    """Each DP index's lockstep as its partners meet it: indices that share a task exchange
+    every iteration, so they finish together, at the slowest of those connected through
+    shared tasks (``loads``: each index's own lockstep)."""
+    out = list(loads)
+    seen = [False] * len(out)
+    for d in range(len(out)):
+        if seen[d] or not partners[d]:
+            continue
+        group, todo = [], [d]
+        seen[d] = True
+        while todo:
+            e = todo.pop()
+            group.append(e)
+            for f in partners[e]:
+                if not seen[f]:
+                    seen[f] = True
+                    todo.append(f)
+        top = max(out[e] for e in group)
+        for e in group:
+            out[e] = top
+    return out
+
+
 def pair_phases(owners: Mapping[int, tuple[int, int]]) -> dict[tuple[int, int], int]:
     """A phase per distinct pair of DP indices such that no index is in two pairs of one phase
     (greedy edge colouring in (d0, d1) order: deterministic, at most 2Δ − 1 phases for Δ pairs
@@ -450,11 +474,12 @@ def build_plan(
         PairTaskPlan(id=i, owners=pairs[i], phase=phases.get(pairs[i], 0), row=x.row,
                      split_poly=x.split_poly, loads=x.loads, flops=x.flops,
                      state_bytes=x.state_bytes(problem.costs[i].state_bytes,
-                                               problem.tasks[i].shape[0]),
+                                               problem.tasks[i].shape[0] // sizes.tp),
                      modelled_s=round(x.alone_s, 9))
         for i, x in sorted(problem.pairs.items()))
     tp_shares = tp is not None and any(ix.shared for ix in tp.indices)
-    version = SCHEMA_VERSION if dp_shared else TP_SHARE_VERSION if tp_shares else BASE_VERSION
+    version = (TP_PAIR_VERSION if dp_shared and sizes.tp > 1 else DP_PAIR_VERSION if dp_shared
+               else TP_SHARE_VERSION if tp_shares else BASE_VERSION)
     return Plan(schema_version=version,
                 inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                 fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,

@@ -63,8 +63,9 @@ def useful_mean(plan: Plan) -> float:
     assert plan.tp is not None
     m, tp = plan.tp.metrics, plan.inputs.tp
     total = float(sum(sum(r) for r in m.gpu_load))
-    for ix in plan.tp.indices:
-        total += sum(plan.tasks[x.id].cost for x in ix.shared) - tp * ix.shared_load
+    for ix in plan.tp.indices:  # a half shared with a partner index: half the task's cost
+        total += sum(plan.tasks[x.id].cost / (1 if x.partner is None else 2)
+                     for x in ix.shared) - tp * ix.shared_load
     return total / (plan.inputs.dp * tp)
 
 
@@ -76,7 +77,7 @@ def pairs_dict(plan: Plan) -> dict | None:
     ``run_max_over_useful_mean`` as the runtime runs the pairs (each pair's matrices in
     lockstep, waits between partners: ``sharing.pair_waits``' model; Shampoo's blocks: the
     same as the first)."""
-    if not plan.dp_shared:
+    if not plan.dp_shared or plan.inputs.tp > 1:  # at tp > 1: the TP section's (tp_summary)
         return None
     from .errors import CanzonaError
     from .hardware import DEFAULT_HARDWARE, load_hardware

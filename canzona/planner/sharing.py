@@ -20,8 +20,10 @@ polynomial; one all-gather of them more per iteration). The sharing groups:
   tall column-parallel matrix whose piece over its TP group alone outweighs a GPU's share
   (llama3-70b's fused gate/up at tp 8): each TP shard's ZeRO-1 cut moves to a row boundary
   between the two DP indices; the Gram is reduce-scattered over TP, its 1/tp chunks summed
-  across the pair, all-gathered over TP (``runtime.optim.shared_ns.TPPair``: the kernel). In
-  the bound only: the planner and the runtime's optimizer do not place such pieces yet;
+  across the pair, all-gathered over TP (``runtime.optim.shared_ns.TPPair``: the kernel). The
+  planner places them on fixed partner indices (2s, 2s + 1) where that lowers its objective
+  (``tp_pair_decision``, ``bundles.tp_bundle_candidate``; ``TPOptions.share = "pairs"``: every
+  one), the runtime's TP lockstep runs them;
 * ``dp``: k = 2 or 4 DP indices — for a matrix TP does not split (tp = 1): its ZeRO-1 cut moves
   to a row boundary; a wide matrix's row blocks are blocks of its short dimension, so the ranks
   swap them for column blocks before the iteration and back after (two all-to-alls). The
@@ -465,9 +467,9 @@ def tp_pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100
     TP ranks at a partner DP index (k = 2·tp, ``runtime.optim.shared_ns.TPPair``): ``auto``,
     those the bound shares so (:func:`sharing_bound` over TP groups and TP pairs); ``all`` /
     ``all-split``, every eligible one, with or without the polynomial split. Each priced by
-    :func:`price_tp_pair`. The DP problem (``with_pairs``) and the per-GPU objective
-    (``tp.context``) account for such pairs; the pipeline, the TP schedule, the plan and the
-    runtime do not place them yet (``docs/architecture.md``: not built yet)."""
+    :func:`price_tp_pair`. The DP problem (``with_pairs``), the per-GPU objective
+    (``tp.context``), the TP schedule (a half in each partner's lockstep), the plan
+    (``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``) and the runtime account for them."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     sizes = problem.sizes
     if problem.settings.name != "muon" or sizes.tp == 1 or problem.dp < 2:

@@ -75,8 +75,9 @@ from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
 from .formulas import LOCKSTEP_CMAX
+from .planning import coupled
 from .sharing import (Run, lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link,
-                      pair_timeline, shared_piece)
+                      pair_timeline, shared_piece, tp_pair_piece)
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
@@ -567,7 +568,8 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             for g in ix.groups:
                 grouped.update(gt.id for gt in g.tasks)
             grouped.update(x.id for x in ix.shared)
-    pairs = {x.id: x for x in plan.dp_shared}
+    # DP pairs at tp = 1 (at tp > 1 a pair's halves are in its two TP groups' shared phases)
+    pairs = {x.id: x for x in plan.dp_shared} if tp == 1 else {}
     mat_flops = [0] * (dp * tp)
     waits = [0.0] * (dp * tp)  # DP pairs: their runs' time beyond the pieces' own compute
     for task in plan.tasks:
@@ -599,13 +601,15 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
         eb = ELEMENT_BYTES[plan.tp.comm_dtype]
         by_index = {ix.dp_index: ix for ix in plan.tp.indices}
         steps = inp.optimizer.ns_steps
+        phases: dict[int, tuple[int, float, float]] = {}  # d → (FLOPs, seconds, compute)
+        partners: list[set[int]] = [set() for _ in range(dp)]
         for d in range(dp):
             ix = by_index.get(d)
-            gs = []
             if ix is not None and ix.shared:
                 # The shared tasks first, every TP rank alike, in lockstep: each rank's
                 # Newton–Schulz FLOPs, the Gram all-reduces (and split-polynomial all-gathers)
-                # of each matrix running while the others compute (``lockstep_seconds``).
+                # of each matrix running while the others compute (``lockstep_seconds``); a
+                # half shared with a partner index over k = 2·tp (``tp_pair_piece``).
                 fl, pieces, sizes = 0, [], []
                 cap = LOCKSTEP_CMAX * plan.tp.cmax_bytes
                 for x in ix.shared:
@@ -618,17 +622,32 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                         continue
                     rows, cols = plan.tasks[x.id].shape
                     m, n = max(rows, cols), min(rows, cols)
-                    o = shared_piece("tp", tp, x.split_poly, m, n, steps,
-                                     ELEMENT_BYTES[matrix_dtype], tp_link, rate=mat_rate)
+                    if x.partner is None:
+                        k = tp
+                        o = shared_piece("tp", tp, x.split_poly, m, n, steps,
+                                         ELEMENT_BYTES[matrix_dtype], tp_link, rate=mat_rate)
+                    else:
+                        k = 2 * tp
+                        partners[d].add(x.partner)
+                        o = tp_pair_piece(tp, x.split_poly, m, n, steps,
+                                          ELEMENT_BYTES[matrix_dtype], tp_link, hw.link(2 * tp),
+                                          rate=mat_rate)
                     fl += o.piece_flops
                     pieces.append((o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
-                    sizes.append(lockstep_bytes(-(-m // tp), n, tp, x.split_poly,
+                    sizes.append(lockstep_bytes(-(-m // k), n, k, x.split_poly,
                                                 ELEMENT_BYTES[matrix_dtype]))
                 secs = sum(lockstep_seconds(b, steps) for b in lockstep_batches(pieces, sizes,
                                                                            cap))
-                comp = sum(c for c, _, _ in pieces)
+                phases[d] = (fl, secs, sum(c for c, _, _ in pieces))
+        # partners exchange every iteration: their phases end together
+        ends = coupled([phases[d][1] if d in phases else 0.0 for d in range(dp)], partners)
+        for d in range(dp):
+            ix = by_index.get(d)
+            gs = []
+            if d in phases:
+                fl, _, comp = phases[d]
                 # compute as compute; what the lockstep does not hide of the collectives as TP
-                gs.append(GroupWork(0.0, max(0.0, secs - comp), (comp,) * tp, 0, (fl,) * tp,
+                gs.append(GroupWork(0.0, max(0.0, ends[d] - comp), (comp,) * tp, 0, (fl,) * tp,
                                     barrier=True))
             for g in (ix.groups if ix else ()):
                 fl = [0] * tp

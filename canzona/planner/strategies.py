@@ -443,12 +443,12 @@ class Comparison:
     @property
     def canzona_share(self) -> str:
         """What the canzona row's plan shares: ``off`` (nothing, whatever it was asked), the
-        ``share`` mode of a plan whose TP groups share matrices, or ``dp-pairs`` (tp 1: matrices
-        split over two DP indices)."""
+        ``share`` mode of a plan whose TP groups share matrices, ``dp-pairs`` (tp 1: matrices
+        split over two DP indices) or ``tp-pairs`` (tp > 1: some shared by two TP groups)."""
         if self.plan is None:
             return "off"
         if self.plan.dp_shared:
-            return "dp-pairs"
+            return "dp-pairs" if self.plan.inputs.tp == 1 else "tp-pairs"
         tp = self.plan.tp
         shares = tp is not None and any(ix.shared for ix in tp.indices)
         return tp.share if shares and tp.share else "off"

@@ -341,21 +341,23 @@ def _check_loads(plan: Plan, buckets: list[BucketProblem], cuts: dict, slots: di
 
 
 def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
-    """The tasks split over two DP indices (``dp_shared``, tp = 1): each a whole matrix of a
-    dense buffer, its cut row inside it, its two owners distinct and ascending (the first the
-    task's owner). Muon (shared Newton–Schulz): no DP index in two pairs of one phase, per-piece
+    """The tasks split over two DP indices (``dp_shared``): each a whole matrix of a dense
+    buffer (at tp > 1 a tall one TP splits along its rows, the cut a row of every shard), its
+    cut row inside it, its two owners distinct and ascending (the first the task's owner). Muon (shared Newton–Schulz): no DP index in two pairs of one phase, per-piece
     FLOPs the shared kernel's, loads at least those FLOPs (the exchanges add time), state split
     by rows. Shampoo (blocks hosted apart): the cut on a block-row boundary, each piece's FLOPs
     and state the kernel's on its rows, loads in proportion to the FLOPs, phase 0, no split."""
-    from .sharing import block_pieces, piece_loads, shared_piece
+    from .sharing import block_pieces, piece_loads, shared_piece, tp_pair_piece
 
     inp, tasks = plan.inputs, plan.tasks
     if not plan.dp_shared:
         return
     name = inp.optimizer.name
-    if inp.tp != 1:
-        raise bad("dp_shared", f"lists {len(plan.dp_shared)} tasks but DP pairs are planned at "
-                               f"tp = 1 only (inputs.tp is {inp.tp})")
+    tp = inp.tp
+    if tp != 1 and name != "muon":
+        raise bad("dp_shared", f"lists {len(plan.dp_shared)} tasks but at tp > 1 only Muon's "
+                               f"TP groups share a matrix with a partner DP index (inputs."
+                               f"optimizer is {name})")
     if name not in ("muon", "shampoo"):
         raise bad("dp_shared", f"lists tasks but only Muon (shared Newton–Schulz) and Shampoo "
                                f"(blocks) split a matrix over DP indices (inputs.optimizer is "
@@ -376,6 +378,12 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                 or t.param in expert:
             raise bad(f"{xf}.id", f"task {x.id} ('{_name(t)}') is not a whole dense matrix")
         rows, cols = t.shape
+        if tp > 1:  # every TP shard cut at the row: a tall column-parallel matrix's shard
+            if rows < cols or rows % tp or t.host is not None:
+                raise bad(f"{xf}.id", f"task {x.id} ('{_name(t)}', {rows}×{cols}) is shared by "
+                                      f"two TP groups, which needs a tall matrix split along "
+                                      f"its rows and hosted by no micro-group")
+            rows //= tp
         block = inp.optimizer.max_preconditioner_dim
         if not 0 < x.row < rows or (name == "shampoo" and x.row % block):
             where = f" on a block-row boundary (a multiple of {block})" if name == "shampoo" \
@@ -410,11 +418,15 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                 raise bad(f"{xf}.phase", f"puts DP index {d} in pairs {list(other)} and "
                                          f"{[a, b]} in phase {x.phase}: they would wait for "
                                          f"each other")
-        o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
-                         inp.optimizer.ns_steps, 2, link, rate=1.0)
+        if tp > 1:
+            o = tp_pair_piece(tp, x.split_poly, rows * tp, cols, inp.optimizer.ns_steps, 2, link,
+                              link, rate=1.0)
+        else:
+            o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
+                             inp.optimizer.ns_steps, 2, link, rate=1.0)
         if tuple(x.flops) != (o.piece_flops, o.piece_flops):
             raise bad(f"{xf}.flops", f"are {list(x.flops)} but shared Newton–Schulz of task "
-                                     f"{x.id} over 2 ranks is {o.piece_flops} per piece")
+                                     f"{x.id} over {o.k} ranks is {o.piece_flops} per piece")
         want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
         if min(x.loads) < want - 1:
             raise bad(f"{xf}.loads", f"are {list(x.loads)} but a piece of task {x.id} costs at "
@@ -577,11 +589,13 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
     its long dimension, its layout its own, its per-rank load the shared Newton–Schulz FLOPs in
     the plan's cost units — or a Shampoo matrix whose shards are whole blocks
     (:func:`_check_shard_blocks`). Returns task id → that load."""
-    from .sharing import shared_piece
+    from .sharing import shared_piece, tp_pair_piece
 
     inp, tasks, T = plan.inputs, plan.tasks, plan.tp
     assert T is not None
     out: dict[int, float] = {}
+    pairs = {x.id: x for x in plan.dp_shared}
+    halves: dict[int, int] = {}
     link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
     for d, ix in enumerate(T.indices):
         if ix.shared_load > min(ix.local_load, default=0) or (ix.shared_load and not ix.shared):
@@ -616,12 +630,36 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                 raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}', {rows}×{cols}) is split "
                                           f"along its short dimension: its shards are not row "
                                           f"blocks of the matrix, which sharing needs")
-            o = shared_piece("tp", inp.tp, x.split_poly, max(rows, cols), min(rows, cols),
-                             inp.optimizer.ns_steps, 2, link, rate=1.0)
+            if x.partner is not None:  # its half, with the partner's TP group
+                pair = pairs.get(x.id)
+                if pair is None or sorted((d, x.partner)) != list(pair.owners):
+                    raise bad(f"{xf}.partner", f"is {x.partner} but dp_shared "
+                                               f"{'lists no pair for' if pair is None else 'puts'}"
+                                               f" task {x.id}"
+                                               + ("" if pair is None else
+                                                  f" on DP indices {list(pair.owners)}"))
+                if x.split_poly != pair.split_poly:
+                    raise bad(f"{xf}.split_poly", f"is {x.split_poly} but dp_shared says "
+                                                  f"{pair.split_poly} for task {x.id}")
+                halves[x.id] = halves.get(x.id, 0) + 1
+                o = tp_pair_piece(inp.tp, x.split_poly, rows, cols, inp.optimizer.ns_steps, 2,
+                                  link, link, rate=1.0)
+            else:
+                if x.id in pairs:
+                    raise bad(f"{xf}.partner", f"is unset but dp_shared shares task {x.id} "
+                                               f"with a partner DP index")
+                o = shared_piece("tp", inp.tp, x.split_poly, max(rows, cols), min(rows, cols),
+                                 inp.optimizer.ns_steps, 2, link, rate=1.0)
             want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
             if x.load < want - 1:  # its FLOPs, plus its collectives' time on the plan's profile
                 raise bad(f"{xf}.load", f"is {x.load} but shared Newton–Schulz of task {x.id} "
-                                        f"over {inp.tp} ranks costs at least {round(want)} per "
+                                        f"over {o.k} ranks costs at least {round(want)} per "
                                         f"rank")
-            out[x.id] = x.load
+            out[x.id] = max(out.get(x.id, 0), x.load)
+    for k, x in enumerate(plan.dp_shared):
+        if halves.get(x.id, 0) != 2:
+            raise bad(f"dp_shared[{k}].id", f"task {x.id} is shared by DP indices "
+                                            f"{list(x.owners)} but the TP schedule lists "
+                                            f"{halves.get(x.id, 0)} of its halves (two needed, "
+                                            f"each with its partner)")
     return out

@@ -333,7 +333,7 @@ def check_work_order(schedule: Schedule, names: list[str]) -> None:
             items = [(t.param, t.name, t.lo, t.hi, t.row0 * t.shape[1]) for t in order.matrix[bi]]
             items += [(a.param, a.name, a.lo, a.hi, a.offset) for a in order.adamw[bi]]
             if order.split:
-                items += [(x.param, x.name, x.lo, x.hi, 0) for x in order.split[bi]]
+                items += [(x.param, x.name, x.lo, x.hi, x.offset) for x in order.split[bi]]
             for i, name, lo, hi, start in items:
                 if not 0 <= lo <= hi <= size:
                     raise PlanMismatchError(f"the plan's work order puts '{name}' outside DP rank "

@@ -274,9 +274,11 @@ def _entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = No
         if x.blocks:  # Shampoo: this rank's shard's blocks are blocks of the matrix
             _add_shard_blocks(E, x, opt.state[opt._params[x.param]], L, opt, saving=saving)
             continue
+        at = x.row0 * x.local_shape[1]  # its rows of the shard, where a partner holds the rest
         for key, val in opt.state[opt._params[x.param]].items():
             flat = val.view(-1)
-            E.add_pieces(f"optim.{view.name}.{key}", view.logical, view.pieces(flat, 0, flat.numel()))
+            E.add_pieces(f"optim.{view.name}.{key}", view.logical,
+                         view.pieces(flat, at, at + flat.numel()))
     # -- hyper-parameters -------------------------------------------------------------------------
     if saving:
         groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}

@@ -319,6 +319,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                       self._rank),
             shared_cap=LOCKSTEP_CMAX * plan.tp.cmax_bytes if plan.tp is not None else 0)
         self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
+        self._micro.dp_group = self._group
         self._micro.flight = self._flight
         self._micro.init_state(self.state, self._matrix, device)
         self._tp_duplicates = self._duplicate_ranges() if self._tp > 1 else ()

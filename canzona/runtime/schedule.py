@@ -84,13 +84,16 @@ class AdamWSlice:
 @dataclass(frozen=True, slots=True)
 class SplitParam:
     """A TP-split matrix parameter this DP rank owns: its local shard at ``[lo, hi)`` of the
-    rank's own slice of bucket ``bucket``, updated by the TP micro-groups (``runtime.tp``)."""
+    rank's own slice of bucket ``bucket``, updated by the TP micro-groups (``runtime.tp``) — or,
+    where two TP groups share it (``plan.dp_shared`` at tp > 1), this rank's rows of the shard,
+    elements ``[offset, offset + hi - lo)`` of it."""
 
     param: int
     name: str
     bucket: int
     lo: int
     hi: int
+    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +160,32 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     matrix_params: dict[int, None] = {}  # ordered set
     shared = ({x.id for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
               else set())
-    pairs = {x.id: x for x in plan.dp_shared}
+    tp_pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp > 1 else {}
+    pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp == 1 else {}
     shares = plan.inputs.optimizer.name == "muon"  # shared Newton–Schulz; else blocks apart
     for t in plan.tasks:
         i = index[t.param]
         bi = param_bucket[i]
         cuts = buckets[bi].cuts
         lo, hi = param_range[i]
+        if t.optimizer == "matrix" and t.id in tp_pairs:
+            # Shared by two TP groups: each DP index holds rows of every TP shard (the cut is
+            # inside each shard); runtime.tp updates them (SharedTask with a partner).
+            x = tp_pairs[t.id]
+            cols = t.shape[1]
+            rows = (hi - lo) // cols
+            matrix_params[i] = None
+            for owner, r0, r1 in ((x.owners[0], 0, x.row), (x.owners[1], x.row, rows)):
+                a, z = lo + r0 * cols, lo + r1 * cols
+                holders = [r for r in range(dp) if cuts[r] < z and a < cuts[r + 1]]
+                if holders != [owner]:
+                    raise PlanMismatchError(
+                        f"the plan shares matrix '{t.param}' by DP indices {list(x.owners)} but "
+                        f"the cuts put rows [{r0}, {r1}) of its TP shard on DP ranks {holders}; "
+                        f"the plan is inconsistent.")
+                c0 = cuts[owner]
+                split[owner][bi].append(SplitParam(i, t.param, bi, a - c0, z - c0, r0 * cols))
+            continue
         if t.optimizer == "matrix" and (t.host is not None or t.id in shared):
             # TP-split: the whole local shard (every part) on its owner; runtime.tp updates it
             # (hosted in a micro-group, or shared by the TP group).

@@ -152,6 +152,10 @@ class SharedTask:
     #: Shampoo: this rank preconditions the blocks of its own shard (whole blocks of the
     #: matrix), no collective; else Muon's shared Newton–Schulz over the TP group
     blocks: bool = False
+    #: shared with the same TP ranks at a partner DP index (k = 2·tp): the two DP indices,
+    #: ascending; this rank holds rows [row0, row0 + local_shape[0]) of its shard
+    pair: tuple[int, int] | None = None
+    row0: int = 0
 
 
 def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int],
@@ -171,6 +175,7 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
                                 f"{name}; only Muon and Shampoo share.")
     index = {n: i for i, n in enumerate(names)}
     tasks = {t.id: t for t in plan.tasks}
+    pairs = {x.id: x for x in plan.dp_shared}
     out = []
     for x in mine.shared:
         t, lay = tasks[x.id], T.layouts[x.layout]
@@ -180,9 +185,24 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
         if lay.dim is None or len(lay.local_shape) != 2 or t.part is not None:
             raise PlanMismatchError(f"the plan shares '{t.param}' over TP but its layout is not "
                                     "a split matrix; the plan is inconsistent.")
+        shape = tuple(lay.local_shape)
+        pair, row0 = None, 0
+        if x.partner is not None:  # this index's rows of every shard (the cut inside them)
+            p = pairs.get(x.id)
+            if p is None or sorted((dp_rank, x.partner)) != list(p.owners) or lay.dim != 0 \
+                    or name != "muon":
+                raise PlanMismatchError(f"the plan shares '{t.param}' with DP index "
+                                        f"{x.partner} but its dp_shared entry or layout does "
+                                        f"not say so; the plan is inconsistent.")
+            pair = tuple(p.owners)
+            first = dp_rank == p.owners[0]
+            row0, rows = (0, p.row) if first else (p.row, shape[0] - p.row)
+            lo += row0 * shape[1]
+            hi = lo + rows * shape[1]
+            shape = (rows, shape[1])
         out.append(SharedTask(t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
-                              lay.dim, tuple(lay.local_shape), tuple(lay.full_shape),  # type: ignore[arg-type]
-                              x.split_poly, name == "shampoo"))
+                              lay.dim, shape, tuple(lay.full_shape),  # type: ignore[arg-type]
+                              x.split_poly, name == "shampoo", pair, row0))  # type: ignore[arg-type]
     return tuple(out)
 
 
@@ -221,6 +241,8 @@ class MicroGroupRunner:
         #: as two micro-groups in flight)
         self.shared_cap = shared_cap
         self.timeout_s: float | None = None  # CanzonaOptimizer(collective_timeout=)
+        #: the DP group of this TP rank (a pair's partner is reached through it)
+        self.dp_group: Any = None
         self.flight: Any = None  # CanzonaOptimizer(flight_record=)
         self.rank = 0  # this process's DP rank, for messages
         self.tp_rank, self.tp = tp_rank, tp
@@ -256,8 +278,8 @@ class MicroGroupRunner:
         sizes = {}
         for x in tasks:
             m, n = max(x.full_shape), min(x.full_shape)
-            sizes[x.id] = 0 if x.blocks else lockstep_bytes(-(-m // self.tp), n, self.tp,
-                                                            x.split_poly, e)
+            k = self.tp * (1 if x.pair is None else 2)
+            sizes[x.id] = 0 if x.blocks else lockstep_bytes(-(-m // k), n, k, x.split_poly, e)
         out = []
         for batch in lockstep_batches(list(tasks), [sizes[x.id] for x in tasks], self.shared_cap):
             out.append((batch, [sizes[x.id] for x in batch]))
@@ -362,8 +384,12 @@ class MicroGroupRunner:
             if not ok:
                 continue
             buf = self._buffers[x.bucket]
-            p = (self._params[x.param] if buf.main is None
-                 else buf.main[x.lo:x.hi].view(x.local_shape))
+            if buf.main is not None:
+                p = buf.main[x.lo:x.hi].view(x.local_shape)
+            else:  # the shard (this rank's rows of it where a partner holds the others)
+                p = self._params[x.param]
+                if getattr(x, "pair", None) is not None:
+                    p = p.narrow(0, x.row0, x.local_shape[0])
             matrix.apply(p, update, full_shape=x.full_shape)
             if buf.main is not None:
                 buf.own_params[x.lo:x.hi].copy_(buf.main[x.lo:x.hi])
@@ -371,11 +397,17 @@ class MicroGroupRunner:
     def _run_batch(self, batch: Sequence[SharedTask], group: Any,
                    state: MutableMapping[Tensor, Any], matrix: Any) -> None:
         """One lockstep batch of shared matrices (scratch within ``shared_cap``)."""
-        from canzona.runtime.optim.shared_ns import orientation, shared_newton_schulz_many
+        from canzona.runtime.optim.shared_ns import (PeerPair, TPPair, orientation,
+                                                     shared_newton_schulz_many)
 
         cfg = matrix.config
-        todo, blocks, flips = [], [], []
+        todo, blocks, flips, groups = [], [], [], []
         for x in batch:
+            if x.pair is None:
+                groups.append(group)
+            else:  # this TP group and the partner's same TP rank (through the DP group)
+                groups.append(TPPair(group, PeerPair(x.pair, x.pair.index(self.rank),
+                                                     self.dp_group)))
             buf = self._buffers[x.bucket]
             grad = buf.own[x.lo:x.hi].view(x.local_shape)
             mom = state[self._params[x.param]]["momentum_buffer"]
@@ -388,7 +420,7 @@ class MicroGroupRunner:
             flips.append(o.transpose)
         # All of them in lockstep: each one's Gram all-reduce runs while the others compute.
         orthos = shared_newton_schulz_many(
-            blocks, group=group, coefficients=cfg.schedule, steps=cfg.ns_steps, eps=cfg.eps,
+            blocks, group=groups, coefficients=cfg.schedule, steps=cfg.ns_steps, eps=cfg.eps,
             dtype=cfg.ns_dtype, split_polynomial=[x.split_poly for x in todo],
             timeout_s=self.timeout_s, what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo],
             flight=self.flight)

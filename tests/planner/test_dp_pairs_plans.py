@@ -11,7 +11,7 @@ from canzona.planner import DPOptions, ParallelSizes, TPOptions
 from canzona.planner.errors import CanzonaWarning
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import inventory_of, plan
-from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, save_plan
+from canzona.planner.plan import BASE_VERSION, DP_PAIR_VERSION, save_plan
 from canzona.planner.planning import make_problem, pair_phases
 from canzona.planner.report import pairs_dict
 from canzona.planner.sharing import kind_of, pair_decision, share_options
@@ -33,7 +33,7 @@ def q8():
 
 def test_auto_shares_where_the_floor_binds_and_lowers_the_busiest_index(q8):
     off, auto = q8["off"], q8["auto"]
-    assert auto.schema_version == SCHEMA_VERSION and off.schema_version == BASE_VERSION
+    assert auto.schema_version == DP_PAIR_VERSION and off.schema_version == BASE_VERSION
     kinds = {kind_of(auto.tasks[x.id].param) for x in auto.dp_shared}
     assert "mlp.linear_fc1" in kinds
     # the busiest DP index (pieces with their exchanges counted in full) against the plan

@@ -1,8 +1,8 @@
 """k = 2·tp in the DP problem (issue 18): a tall column-parallel Muon matrix whose TP shards are
 each cut at one row between two DP indices (``sharing.tp_pair_decision``, ``with_pairs`` at
 tp > 1) and the per-GPU objective that counts each half on its index and makes partners finish
-their locksteps together (``tp.context``). The pipeline does not place such pairs yet; these
-check the pieces the placement will stand on."""
+their locksteps together (``tp.context``), the placement on fixed partners
+(``bundles.tp_bundle_candidate``) at llama3-70b dp256 tp8."""
 
 from __future__ import annotations
 
@@ -182,3 +182,85 @@ def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_its_half_alone():
         shared_here = [it.tasks[0] for it in b.items if it.atomic and it.tasks[0] in used.pairs]
         assert len(shared_here) == 2 * len(set(shared_here))  # both halves, side by side
         assert len({owners[i] for i in shared_here}) == len(set(shared_here))
+
+
+@pytest.fixture(scope="module")
+def pairs_plan():
+    """qwen3-0.6b dp 4 × tp 2 with every fused gate/up (and tall QKV) shared by two TP groups."""
+    from canzona.planner.options import TPOptions
+    from canzona.planner.pipeline import plan
+
+    return plan("qwen3-0.6b", ParallelSizes(dp=4, tp=2), tp_options=TPOptions(share="pairs"))
+
+
+def test_share_pairs_plans_every_half_on_partners_and_in_their_locksteps(pairs_plan):
+    from canzona.planner.plan import TP_PAIR_VERSION
+
+    p = pairs_plan
+    assert p.schema_version == TP_PAIR_VERSION and p.dp_shared
+    for x in p.dp_shared:
+        a, b = x.owners
+        assert b == a + 1 and a % 2 == 0 and 0 < x.row < p.tasks[x.id].shape[0] // 2
+        assert p.tasks[x.id].owner == a and p.tasks[x.id].host is None
+        halves = {ix.dp_index: s for ix in p.tp.indices for s in ix.shared if s.id == x.id}
+        assert set(halves) == {a, b} and halves[a].partner == b and halves[b].partner == a
+    # every other TP-split matrix shared by its TP group alone (all-split), none hosted
+    assert not any(ix.groups for ix in p.tp.indices)
+
+
+def test_edited_tp_pair_plans_are_refused(pairs_plan, refused_edit):
+    p = pairs_plan
+
+    def version(d):
+        d["schema_version"] = 4
+
+    def partner(d):  # a half naming the wrong partner
+        for ix in d["tp"]["indices"]:
+            for s in ix["shared"]:
+                if "partner" in s:
+                    s["partner"] = (s["partner"] + 2) % len(d["tp"]["indices"])
+                    return
+
+    def lone(d):  # a half that forgot its partner: shared by its TP group alone
+        for ix in d["tp"]["indices"]:
+            for s in ix["shared"]:
+                if "partner" in s:
+                    del s["partner"]
+                    return
+
+    def row(d):
+        d["dp_shared"][0]["row"] = d["tasks"][d["dp_shared"][0]["id"]]["shape"][0]  # > a shard
+
+    def flops(d):
+        d["dp_shared"][0]["flops"][1] += 1
+
+    for change, field in ((version, "schema_version"), (partner, ".partner"),
+                          (lone, "scheduled twice"), (row, "dp_shared[0].row"),
+                          (flops, "dp_shared[0].flops")):
+        msg = refused_edit(p, change)
+        assert field in msg, (field, msg)
+
+
+def test_the_simulator_runs_each_half_in_both_partners_phases(pairs_plan):
+    """Each half is priced over k = 2·tp in its index's shared phase, and partners' phases end
+    together; nothing of a pair is counted as a tp = 1 DP pair's piece."""
+    from canzona.planner.simulate import workload_from_plan
+
+    p = pairs_plan
+    w = workload_from_plan(p, load_hardware("h100"))
+    first = [g[0] for g in w.groups]
+    assert all(g.barrier for g in first)  # every index's shared phase
+    for x in p.dp_shared:
+        a, b = x.owners
+        ends = [first[d].scatter_s + first[d].compute_s[0] for d in (a, b)]
+        assert ends[0] == pytest.approx(ends[1])
+    assert all(r.matrix_flops == 0 for r in w.ranks)  # no matrix outside the TP phases
+
+
+def test_share_pairs_needs_tp_groups():
+    from canzona.planner.errors import CanzonaError
+    from canzona.planner.options import TPOptions
+    from canzona.planner.pipeline import plan
+
+    with pytest.raises(CanzonaError, match="tp > 1"):
+        plan("qwen3-0.6b", ParallelSizes(dp=4, tp=1), tp_options=TPOptions(share="pairs"))

@@ -16,7 +16,7 @@ from canzona.planner.dp.units import owners_to_cuts
 from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import plan
-from canzona.planner.plan import BASE_VERSION, TP_SHARE_VERSION, save_plan
+from canzona.planner.plan import BASE_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, save_plan
 from canzona.planner.planning import evaluate, make_problem
 from canzona.planner.report import useful_mean
 from canzona.planner.sharing import kind_of
@@ -50,7 +50,9 @@ def test_auto_shares_the_heavy_mlp_matrices_and_hosts_the_rest(q32):
     assert not hosted & shared
     matrices = {t.id for t in p.tasks if t.host is not None or t.id in shared}
     assert hosted | shared == matrices  # every TP-split matrix hosted or shared, not both
-    assert p.schema_version == TP_SHARE_VERSION and p.tp.share == "auto"
+    # version 3; 5 where TP groups also share a matrix with a partner index (k = 2·tp)
+    assert p.schema_version == (TP_PAIR_VERSION if p.dp_shared else TP_SHARE_VERSION)
+    assert p.tp.share == "auto"
 
 
 def test_auto_keeps_the_lighter_of_its_candidates():

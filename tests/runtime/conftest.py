@@ -15,5 +15,6 @@ def tp_world4(tmp_path_factory):
     import test_tp_dtensor
     import test_tp_runtime
 
-    cases = test_tp_runtime.cases4() + test_tp_dtensor.cases()
+    cases = test_tp_runtime.cases4(str(tmp_path_factory.mktemp("tp4-ck"))) + \
+        test_tp_dtensor.cases()
     return H.run_world(4, cases, str(tmp_path_factory.mktemp("tp4")))

@@ -41,6 +41,11 @@ CASES4 = {
     # preconditions its own shard's blocks (no gather), with a state_dict round trip
     "shampoo_shard_blocks": dict(optimizer="shampoo", share="all", block=16, roundtrip=True),
     "shampoo_hosted_blocks": dict(optimizer="shampoo", block=16, steps=5),
+    # k = 2·tp: fc1 shared by the TP groups of both DP indices (each holds half of every
+    # shard's rows: the bucket cut inside the shards), the other matrices by their TP group;
+    # with a state_dict round trip; bf16
+    "muon_tp_pairs": dict(optimizer="muon", share="pairs", roundtrip=True),
+    "muon_tp_pairs_bf16": dict(optimizer="muon", share="pairs", bf16=True, steps=5),
 }
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
 SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")
@@ -89,9 +94,12 @@ def _refusals(rank, world):
     return out
 
 
-def cases4() -> list:
-    """This module's dp 2 × tp 2 cases (run with the DTensor ones: conftest's ``tp_world4``)."""
+def cases4(folder: str = "") -> list:
+    """This module's dp 2 × tp 2 cases (run with the DTensor ones: conftest's ``tp_world4``;
+    ``folder``: where the checkpoint case writes)."""
     cases = [(k, functools.partial(_case, dp=2, tp=2, **v)) for k, v in CASES4.items()]
+    if folder:
+        cases.append(("pairs_checkpoint", functools.partial(_pairs_checkpoint, folder=folder)))
     return cases + [(f"forward_{o}", functools.partial(_forward, dp=2, tp=2, optimizer=o))
                     for o in FORWARD]
 
@@ -144,6 +152,59 @@ def _shared_checkpoint(rank, world, *, folder):
     out["to_shared"] = {n: bool(torch.equal(m, T.local_of(by_name[n], moment[n] * 2, 2, rank)))
                         for n, m in shared_state(opt).items()}
     out["state_dict"] = "state" in opt.state_dict()
+    opt.close()
+    return out
+
+
+def _pairs_checkpoint(rank, world, *, folder):
+    """Logical checkpoints across k = 2·tp: a momentum saved by the plan whose TP groups share
+    fc1 with the partner index (each rank its rows of its shard) loads into the plan that hosts
+    every matrix (the host's full matrix), and back; each holds exactly the canonical momentum
+    it was given."""
+    import canzona
+
+    dp_group, tp_group = T.groups(2, 2)
+    d, t = divmod(rank, 2)
+    start = T.initial_full()
+    ps = T.spec().params
+    by_name = {p.name: p for p in ps}
+    g = torch.Generator().manual_seed(12)
+    moment = {p.name: torch.randn(p.shape, generator=g) for p in ps if p.optimizer == "matrix"}
+    shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, t), 2)) for p in ps]
+
+    def build(share):
+        return canzona.CanzonaOptimizer(shards, T.plan_for(2, 2, share=share), tp_group=tp_group,
+                                        dp_group=dp_group)
+
+    def mine(opt, name, full):  # this rank's rows of its shard of a shared matrix
+        x = next(x for x in opt._micro.shared if x.name == name)
+        local = T.local_of(by_name[name], full, 2, t)
+        return local[x.row0:x.row0 + x.local_shape[0]]
+
+    out = {}
+    opt = build("pairs")
+    halves = [x.name for x in opt._micro.shared if x.pair is not None]
+    for x in opt._micro.shared:
+        opt.state[opt._params[x.param]]["momentum_buffer"].copy_(mine(opt, x.name, moment[x.name]))
+    canzona.save_checkpoint(f"{folder}/pairs", None, opt)
+    opt.close()
+    opt = build("off")
+    canzona.load_checkpoint(f"{folder}/pairs", None, opt)
+    out["to_hosted"] = {t_.name: bool(torch.equal(opt.state[opt._params[t_.param]]
+                                                  ["momentum_buffer"], moment[t_.name]))
+                        for t_ in opt._micro.hosted if t_.part is None}
+    for t_ in opt._micro.hosted:
+        if t_.part is None:
+            opt.state[opt._params[t_.param]]["momentum_buffer"].copy_(moment[t_.name] * 2)
+    canzona.save_checkpoint(f"{folder}/hosted", None, opt)
+    opt.close()
+    opt = build("pairs")
+    canzona.load_checkpoint(f"{folder}/hosted", None, opt)
+    out["to_pairs"] = {x.name: bool(torch.equal(opt.state[opt._params[x.param]]
+                                                ["momentum_buffer"],
+                                                mine(opt, x.name, moment[x.name] * 2)))
+                       for x in opt._micro.shared}
+    out["halves"] = halves
     opt.close()
     return out
 
@@ -210,6 +271,17 @@ def world2(tmp_path_factory):
     return H.run_world(2, cases, str(tmp_path_factory.mktemp("tp2")))
 
 
+def test_logical_checkpoints_cross_tp_pairs(world4):
+    got = _results(world4, "pairs_checkpoint")
+    hosted = set()
+    for res in got:
+        assert res["halves"], "the plan shares fc1 with the partner index"
+        assert res["to_hosted"] and all(res["to_hosted"].values()), res["to_hosted"]
+        assert res["to_pairs"] and all(res["to_pairs"].values()), res["to_pairs"]
+        hosted |= set(res["to_hosted"])
+    assert len(hosted) == 8  # the hosts of the four ranks hold every matrix between them
+
+
 def test_logical_checkpoints_cross_sharing(world2):
     got = _results(world2, "shared_checkpoint")
     hosted = set()
@@ -257,11 +329,23 @@ def test_dp2_tp2_equals_one_process(world4, case):
     # bf16 parameters: a shared Newton–Schulz sums in another order, and an update 1e-7 away
     # rounds some elements to the neighbouring bf16 value (4e-3 of that element): measured
     # 4.4e-5 over the tensor after 5 steps. Hosted matrices compute exactly as the reference.
-    _check(got, ref, tol=2e-4 if case == "muon_shared_bf16" else 1e-5)
+    _check(got, ref, tol=2e-4 if case in ("muon_shared_bf16", "muon_tp_pairs_bf16") else 1e-5)
     if kw.get("clip"):
         for res in got:
             assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
             assert max(res["norms"]) > kw["clip"]  # clipping did act
+
+
+def test_the_tp_pairs_plan_shares_fc1_over_both_tp_groups():
+    """The plan the ``muon_tp_pairs`` runs use: every fc1 shared by DP indices 0 and 1 (each
+    half in its TP group's shared list, naming the other), the rest by their TP group."""
+    p = T.plan_for(2, 2, share="pairs")
+    assert p.dp_shared and all(tuple(x.owners) == (0, 1) for x in p.dp_shared)
+    assert {p.tasks[x.id].param.split(".")[-2] for x in p.dp_shared} == {"linear_fc1"}
+    for x in p.dp_shared:
+        halves = [(ix.dp_index, s.partner) for ix in p.tp.indices for s in ix.shared
+                  if s.id == x.id]
+        assert halves == [(0, 1), (1, 0)]
 
 
 @pytest.mark.parametrize("case", list(CASES2))

@@ -44,7 +44,8 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
                 timeline_s=s.timeline[gi]))
         shared = tuple(SharedTaskPlan(id=x.task, layout=remap[ctx.layout[x.task]],
                                       split_poly=x.split_poly, load=int(round(x.load)),
-                                      modelled_s=round(x.seconds, 9)) for x in s.shared)
+                                      modelled_s=round(x.seconds, 9), partner=x.partner)
+                       for x in s.shared)
         # (each task's load and seconds alone; local_load holds the group's lockstep phase)
         indices.append(TPIndexPlan(dp_index=s.dp_index,
                                    local_load=tuple(int(round(x)) for x in s.base),

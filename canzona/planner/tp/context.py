@@ -13,7 +13,7 @@ from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError
 from ..formulas import lockstep_bytes
 from ..options import MIB, TP_SOLVERS, TPOptions  # noqa: F401  (re-exported by tp)
-from ..planning import Cuts, DPProblem, equal_cuts, owner_of
+from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of  # noqa: F401
 from ..shards import ShardMap, shard_map
 
 
@@ -254,30 +254,6 @@ def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
     for d, pieces in enumerate(pair_pieces(problem, cuts)[0]):
         for x in pieces:
             out[d].add(x)
-    return out
-
-
-def coupled(loads: Sequence[float], partners: Sequence[set[int]]) -> list[float]:
-    """Each DP index's lockstep as its partners meet it: indices that share a task exchange
-    every iteration, so they finish together, at the slowest of those connected through
-    shared tasks (``loads``: each index's own lockstep)."""
-    out = list(loads)
-    seen = [False] * len(out)
-    for d in range(len(out)):
-        if seen[d] or not partners[d]:
-            continue
-        group, todo = [], [d]
-        seen[d] = True
-        while todo:
-            e = todo.pop()
-            group.append(e)
-            for f in partners[e]:
-                if not seen[f]:
-                    seen[f] = True
-                    todo.append(f)
-        top = max(out[e] for e in group)
-        for e in group:
-            out[e] = top
     return out
 
 

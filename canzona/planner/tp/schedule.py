@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import heapq
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..cost import DTYPE_BYTES, load_hardware
 from ..errors import CanzonaError, OversizedTaskWarning
-from ..planning import DPProblem
-from .context import (Cuts, TPContext, TPOptions, index_work, lockstep_scratch,
+from ..planning import DPProblem, pair_owners
+from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
                       shared_by_index)
 
 # --- schedule records ------------------------------------------------------------------------------
@@ -41,8 +42,9 @@ class MicroGroup:
 
 @dataclass(frozen=True, slots=True)
 class SharedRun:
-    """A task the TP group shares (shared Newton–Schulz over its TP shards, no gather): each
-    rank's ``load`` (cost units, ``DPProblem.shared``), its ``compute_s`` and ``comm_s``, and
+    """A task the TP group shares (shared Newton–Schulz over its TP shards, no gather), or its
+    half that it shares with the same TP ranks at the ``partner`` DP index (``DPProblem.pairs``
+    at tp > 1): each rank's ``load`` (cost units), its ``compute_s`` and ``comm_s``, and
     ``hidden_s`` of those beside its own Gram products (``sharing.ShareOption.hidden_s``)."""
 
     task: int
@@ -51,6 +53,8 @@ class SharedRun:
     compute_s: float
     comm_s: float
     hidden_s: float = 0.0
+    #: the DP index whose TP group shares the task with this one (its half here, k = 2·tp)
+    partner: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -303,12 +307,36 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
 # --- the schedule ------------------------------------------------------------------------------------
 
 
+def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> float:
+    """Seconds of one index's shared tasks as the runtime runs them: in plan order, in batches
+    whose scratch fits 2 · ``cap`` (C_max), each batch in lockstep
+    (``sharing.lockstep_seconds``); a half shared with a partner holds its rows of 2·tp."""
+    from ..formulas import LOCKSTEP_CMAX, lockstep_bytes
+    from ..sharing import lockstep_batches, lockstep_seconds
+
+    tp = pr.sizes.tp
+    sizes = []
+    for x in runs:
+        if x.partner is None:
+            sizes.append(lockstep_scratch(pr, x.task))
+            continue
+        t = pr.tasks[x.task]
+        m, n = max(t.shape), min(t.shape)
+        sizes.append(lockstep_bytes(-(-m // (2 * tp)), n, 2 * tp, x.split_poly, 2))
+    return sum(lockstep_seconds([(x.compute_s, x.comm_s, x.hidden_s) for x in b],
+                                pr.settings.ns_steps)
+               for b in lockstep_batches(list(runs), sizes, LOCKSTEP_CMAX * cap))
+
+
 def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
                    settings: TPOptions, budget: list[float] | None = None,
-                   runs: tuple[SharedRun, ...] = ()) -> tuple[IndexSchedule, str]:
+                   runs: tuple[SharedRun, ...] = (), phase_at_least: float = 0.0
+                   ) -> tuple[IndexSchedule, str]:
     """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable);
     ``runs``: the tasks this index's TP group shares (:func:`share_decision`), run before the
-    groups."""
+    groups, in task order (halves shared with a partner index among them);
+    ``phase_at_least``: seconds its shared phase lasts at least (its partners': they exchange
+    every iteration, so they finish together)."""
     pr = ctx.problem
     tp = pr.sizes.tp
     if any(ctx.tp_of[i] != tp for i in ids):
@@ -317,15 +345,9 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     phase_s = 0.0
     if runs:
         # index_work counted each piece alone (max of its compute and collectives); the group
-        # runs them in lockstep: its phase, at the profile's rate, replaces their sum.
-        from ..formulas import LOCKSTEP_CMAX
-        from ..sharing import lockstep_batches, lockstep_seconds
-
-        sizes = [lockstep_scratch(pr, x.task) for x in runs]
-        # the runtime runs them in batches whose scratch fits C_max, each batch in lockstep
-        phase_s = sum(lockstep_seconds([(x.compute_s, x.comm_s, x.hidden_s) for x in b],
-                                       pr.settings.ns_steps)
-                      for b in lockstep_batches(list(runs), sizes, LOCKSTEP_CMAX * cap))
+        # runs them in lockstep: its phase, at the profile's rate, replaces their sum (at
+        # least the partners' phase where it shares a task with another index).
+        phase_s = max(shared_phase_s(pr, runs, cap), phase_at_least)
         rate = _rates(settings.hardware).flops_per_s
         unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
                                                                  for x in runs))
@@ -432,10 +454,26 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     for i, d in sorted(owners.items()):
         load, split, comp, comm, hidden = problem.shared[i]
         runs[d].append(SharedRun(i, split, load, comp, comm, hidden))
+    partners: list[set[int]] = [set() for _ in range(problem.dp)]
+    if problem.pairs and problem.sizes.tp > 1:  # halves shared with a partner (k = 2·tp)
+        for i, (a, b) in sorted(pair_owners(problem, cuts).items()):
+            if a == b:
+                raise CanzonaError(f"planner bug: both halves of task {i} "
+                                   f"('{problem.tasks[i].name}') are on DP index {a}")
+            x = problem.pairs[i]
+            for d, e, load in ((a, b, x.loads[0]), (b, a, x.loads[1])):
+                runs[d].append(SharedRun(i, x.split_poly, load, x.compute_s, x.comm_s,
+                                         x.hidden_s, partner=e))
+                partners[d].add(e)
+        for r in runs:
+            r.sort(key=lambda x: x.task)  # plan order: both partners meet a pair alike
+    phase = coupled([shared_phase_s(problem, r, settings.cmax_bytes) if r else 0.0
+                     for r in runs], partners)
     indices = []
     statuses = []
     for d in range(problem.dp):
-        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget, tuple(runs[d]))
+        s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget, tuple(runs[d]),
+                               phase[d] if partners[d] else 0.0)
         indices.append(s)
         statuses.append(st)
     oversized = tuple(problem.tasks[i].name for s in indices for g in s.groups if g.oversized
