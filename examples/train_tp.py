@@ -131,8 +131,11 @@ def main() -> None:
     if rank == 0:
         groups = [len(ix.groups) for ix in plan.tp.indices]
         shared = [len(ix.shared) for ix in plan.tp.indices]
+        paired = (f" ({len(plan.dp_shared)} of them with the partner DP index's TP group, "
+                  f"k = 2·tp)" if plan.dp_shared else "")
         print(f"dp={dp} tp={args.tp}, {plan.total_params:,} params, {plan.inputs.optimizer.name}; "
-              f"micro-groups per DP index {groups}, matrices shared by the TP group {shared}; "
+              f"micro-groups per DP index {groups}, matrices shared by the TP group {shared}"
+              f"{paired}; "
               f"TP scratch per rank (gathered matrices or a lockstep batch) "
               f"{opt.tp_scratch_bytes() / 2**10:.0f} KiB", flush=True)
 

@@ -54,15 +54,21 @@ def test_example_checkpoint_resumes_under_the_same_and_another_plan(tmp_path, ex
 
 def test_tp_example_shares_matrices_over_the_tp_group(examples):
     """examples/train_tp.py at dp 2 × tp 2 with every Muon matrix shared by its TP group (the
-    symmetric Gram and polynomial over DTensor shards): the same losses as with hosted matrices
-    (bf16 Newton–Schulz: to 2e-3) and nothing gathered."""
+    symmetric Gram and polynomial over DTensor shards), and with the column-parallel ones
+    shared by both DP indices' TP groups (``--share pairs``, k = 2·tp): the same losses as with
+    hosted matrices (bf16 Newton–Schulz: to 2e-3) and nothing gathered."""
     shared = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "30",
                              "--share", "all-split", timeout=240)
+    pairs = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "30",
+                            "--share", "pairs", timeout=240)
     hosted = examples.losses("train_tp.py", 4, "--tp", "2", "--steps", "30", timeout=240)
     assert "micro-groups per DP index [0, 0], matrices shared by the TP group [7, 7]" in shared
-    got = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", shared, re.M)]
-    assert len(got) == len(hosted) >= 2 and got[-1] < got[0]
-    assert max(abs(a - b) for a, b in zip(got, hosted)) < 2e-3, (got, hosted)
+    assert re.search(r"micro-groups per DP index \[0, 0\], matrices shared by the TP group "
+                     r"\[\d+, \d+\] \([1-9]\d* of them with the partner DP index's", pairs), pairs
+    for out in (shared, pairs):
+        got = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", out, re.M)]
+        assert len(got) == len(hosted) >= 2 and got[-1] < got[0]
+        assert max(abs(a - b) for a, b in zip(got, hosted)) < 2e-3, (got, hosted)
 
 
 def test_tp_example_preconditions_shampoo_blocks_shard_by_shard(examples):
