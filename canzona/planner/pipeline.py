@@ -138,6 +138,10 @@ def plan_problem(
     if t.share == "pairs" and problem.sizes.tp == 1:
         raise CanzonaError("TPOptions.share = 'pairs' (--share pairs) shares a matrix over two "
                            "TP groups (tp > 1); at tp = 1 use 'all' or 'all-split' (DP pairs).")
+    if t.share == "pairs" and not o.reorder:
+        raise CanzonaError("TPOptions.share = 'pairs' (--share pairs) lays a shared matrix out "
+                           "between its two DP indices by reordering each bucket's parameters; "
+                           "it needs DPOptions.reorder (drop --no-reorder), or use 'all-split'.")
     shares: list[dict] = []
     if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
         from .tp.schedule import share_decision
@@ -232,6 +236,11 @@ def plan_problem(
                     if better:
                         sol = Solution(cuts, "heuristic", used.lower_bound(), used)
                         ctx, schedule = uctx, usched
+            if t.share == "pairs" and not sol.problem.pairs:
+                warnings.warn("TPOptions.share = 'pairs': no matrix is shared by two TP groups "
+                              "here (a tall Muon matrix split along its rows, dp ≥ 2, two rows "
+                              "of every shard or more); every eligible one is shared by its TP "
+                              "group (as 'all-split').", CanzonaWarning, stacklevel=2)
         if schedule.oversized:  # the note of the schedule kept
             warn_oversized(schedule.oversized, t, stacklevel=3)
         tp_section, hosts = tp_plan(sol.problem, schedule, ctx), placements(schedule)

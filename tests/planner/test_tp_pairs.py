@@ -264,3 +264,18 @@ def test_share_pairs_needs_tp_groups():
 
     with pytest.raises(CanzonaError, match="tp > 1"):
         plan("qwen3-0.6b", ParallelSizes(dp=4, tp=1), tp_options=TPOptions(share="pairs"))
+
+
+def test_share_pairs_says_what_it_cannot_do():
+    """--share pairs without reordering is refused (the layout needs it); where nothing can
+    be shared by two TP groups (one DP index) the plan says so and shares over TP alone."""
+    from canzona.planner.errors import CanzonaError, CanzonaWarning
+    from canzona.planner.options import DPOptions, TPOptions
+    from canzona.planner.pipeline import plan
+
+    with pytest.raises(CanzonaError, match="reorder"):
+        plan("qwen3-0.6b", ParallelSizes(dp=2, tp=2), dp_options=DPOptions(reorder=False),
+             tp_options=TPOptions(share="pairs"))
+    with pytest.warns(CanzonaWarning, match="no matrix is shared by two TP groups"):
+        p = plan("qwen3-0.6b", ParallelSizes(dp=1, tp=2), tp_options=TPOptions(share="pairs"))
+    assert not p.dp_shared and any(ix.shared for ix in p.tp.indices)
