@@ -576,8 +576,8 @@ class _TPSearch:
     it, every rank's where TP replicates it — or, for a task of ``pairs``
     (``sharing.tp_pair_decision``), shared by the fixed pair (2s, 2s + 1): a half in each
     partner's lockstep (k = 2·tp). An index costs its lockstep (its shared pieces and its
-    pair's halves, in batches of ``cap`` scratch bytes: ``tp.context.Lockstep``), as long as
-    its partner's where the pair shares anything (they exchange every iteration), plus its
+    pair's halves, halves first, in batches of ``cap`` scratch bytes as the runtime runs them:
+    ``tp.context.Lockstep``; partners end the batches holding halves together), plus its
     hosted tasks packed on its TP ranks and its replicated ones; AdamW is left out (the layout
     spreads it). Same interface as :class:`_Search` for :func:`_layout` (``ref``, ``task``,
     ``where``)."""
@@ -630,16 +630,19 @@ class _TPSearch:
         self.costs = [0.0] * self.dp
 
     # -- costs -------------------------------------------------------------------------------
-    def _lock(self, d: int, whole: list[int], halves: list[int]) -> float:
-        from .tp.context import Lockstep
+    def _lock(self, whole: list[int], halves: list[int]) -> tuple[float, float]:
+        """An index's lockstep: its pair's halves first, then its own shared pieces, in task
+        order (``runtime.tp``): (the batches holding a half, the others)."""
+        from .tp.context import HALF, Lockstep
 
         lock = Lockstep(self.cap)
-        for i in sorted(whole):
+        for i in halves:
+            x = self.half[i]
+            lock.add((x[0] - HALF, *x[1:]))  # type: ignore[index]
+        for i in whole:
             if self.kind[i] == "lock":
                 lock.add(self.piece[i])  # type: ignore[arg-type]
-        for i in sorted(halves):
-            lock.add(self.half[i])  # type: ignore[arg-type]
-        return lock.load()
+        return lock.split()
 
     def _rest(self, whole: list[int]) -> float:
         from .tp.context import lpt_makespan
@@ -659,12 +662,12 @@ class _TPSearch:
             w = whole.get(d, self.whole[d])
             s = d // 2
             h = shared.get(s, self.shared[s]) if s < self.npairs else []
-            lock[d] = (self._lock(d, w, h), bool(h), self._rest(w))
+            lock[d] = (*self._lock(w, h), self._rest(w))
         for d in ds:
-            own, coupled, rest = lock[d]
-            if coupled and (d ^ 1) in lock:
-                own = max(own, lock[d ^ 1][0])
-            out[d] = own + rest
+            halves, own, rest = lock[d]
+            if halves and (d ^ 1) in lock:  # partners end the batches holding halves together
+                halves = max(halves, lock[d ^ 1][0])
+            out[d] = halves + own + rest
         return out
 
     def busiest(self) -> float:

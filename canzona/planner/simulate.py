@@ -601,7 +601,8 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
         eb = ELEMENT_BYTES[plan.tp.comm_dtype]
         by_index = {ix.dp_index: ix for ix in plan.tp.indices}
         steps = inp.optimizer.ns_steps
-        phases: dict[int, tuple[int, float, float]] = {}  # d → (FLOPs, seconds, compute)
+        # d → (FLOPs, seconds of the halves' part, of the own part, compute)
+        phases: dict[int, tuple[int, float, float, float]] = {}
         partners: list[set[int]] = [set() for _ in range(dp)]
         for d in range(dp):
             ix = by_index.get(d)
@@ -610,7 +611,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 # Newton–Schulz FLOPs, the Gram all-reduces (and split-polynomial all-gathers)
                 # of each matrix running while the others compute (``lockstep_seconds``); a
                 # half shared with a partner index over k = 2·tp (``tp_pair_piece``).
-                fl, pieces, sizes = 0, [], []
+                fl, pieces, sizes, half = 0, [], [], []
                 cap = LOCKSTEP_CMAX * plan.tp.cmax_bytes
                 for x in ix.shared:
                     if inp.optimizer.name == "shampoo":  # its own shard's blocks, no collective
@@ -619,6 +620,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                         fl += piece
                         pieces.append((piece / mat_rate, 0.0, 0.0))
                         sizes.append(0)
+                        half.append(False)
                         continue
                     rows, cols = plan.tasks[x.id].shape
                     m, n = max(rows, cols), min(rows, cols)
@@ -636,19 +638,25 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                     pieces.append((o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
                     sizes.append(lockstep_bytes(-(-m // k), n, k, x.split_poly,
                                                 ELEMENT_BYTES[matrix_dtype]))
-                secs = sum(lockstep_seconds(b, steps) for b in lockstep_batches(pieces, sizes,
-                                                                           cap))
-                phases[d] = (fl, secs, sum(c for c, _, _ in pieces))
-        # partners exchange every iteration: their phases end together
+                    half.append(x.partner is not None)
+                # the runtime runs the halves first, then the own matrices (``runtime.tp``):
+                # the batches holding a half end together on both partners
+                order = sorted(range(len(pieces)), key=lambda j: not half[j])
+                secs = [0.0, 0.0]
+                for b in lockstep_batches(order, [sizes[j] for j in order], cap):
+                    secs[0 if any(half[j] for j in b) else 1] += \
+                        lockstep_seconds([pieces[j] for j in b], steps)
+                phases[d] = (fl, secs[0], secs[1], sum(c for c, _, _ in pieces))
+        # partners exchange every iteration: they end their halves' part together
         ends = coupled([phases[d][1] if d in phases else 0.0 for d in range(dp)], partners)
         for d in range(dp):
             ix = by_index.get(d)
             gs = []
             if d in phases:
-                fl, _, comp = phases[d]
+                fl, _, own, comp = phases[d]
                 # compute as compute; what the lockstep does not hide of the collectives as TP
-                gs.append(GroupWork(0.0, max(0.0, ends[d] - comp), (comp,) * tp, 0, (fl,) * tp,
-                                    barrier=True))
+                gs.append(GroupWork(0.0, max(0.0, ends[d] + own - comp), (comp,) * tp, 0,
+                                    (fl,) * tp, barrier=True))
             for g in (ix.groups if ix else ()):
                 fl = [0] * tp
                 for gt in g.tasks:

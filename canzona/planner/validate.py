@@ -366,6 +366,7 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
               for sl in b.slots}
     link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
     seen: set[int] = set()
+    partner_of: dict[int, tuple[int, int]] = {}
     phase: dict[tuple[int, int], int] = {}
     busy: dict[tuple[int, int], tuple[int, int]] = {}
     for k, x in enumerate(plan.dp_shared):
@@ -379,10 +380,19 @@ def _check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
             raise bad(f"{xf}.id", f"task {x.id} ('{_name(t)}') is not a whole dense matrix")
         rows, cols = t.shape
         if tp > 1:  # every TP shard cut at the row: a tall column-parallel matrix's shard
-            if rows < cols or rows % tp or t.host is not None:
+            lay = next((plan.tp.layouts[s.layout] for ix in plan.tp.indices for s in ix.shared
+                        if s.id == x.id), None) if plan.tp is not None else None
+            if rows < cols or rows % tp or t.host is not None or lay is None or lay.dim != 0:
                 raise bad(f"{xf}.id", f"task {x.id} ('{_name(t)}', {rows}×{cols}) is shared by "
                                       f"two TP groups, which needs a tall matrix split along "
-                                      f"its rows and hosted by no micro-group")
+                                      f"its rows (column-parallel), listed in the TP groups' "
+                                      f"shared tasks and hosted by no micro-group")
+            for d in x.owners:  # the runtime meets one partner per index, in task order
+                other = partner_of.setdefault(d, tuple(x.owners))
+                if other != tuple(x.owners):
+                    raise bad(f"{xf}.owners", f"put DP index {d} in the pairs {list(other)} and "
+                                              f"{list(x.owners)}: at tp > 1 an index shares "
+                                              f"with one partner only")
             rows //= tp
         block = inp.optimizer.max_preconditioner_dim
         if not 0 < x.row < rows or (name == "shampoo" and x.row % block):
@@ -631,6 +641,11 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                                           f"along its short dimension: its shards are not row "
                                           f"blocks of the matrix, which sharing needs")
             if x.partner is not None:  # its half, with the partner's TP group
+                if L.dim != 0:
+                    raise bad(f"{xf}.layout", f"task {x.id} ('{_name(t)}') is shared by two TP "
+                                              f"groups but split along dim {L.dim}: the cut "
+                                              f"between them must be a row of its shards "
+                                              f"(a column-parallel weight)")
                 pair = pairs.get(x.id)
                 if pair is None or sorted((d, x.partner)) != list(pair.owners):
                     raise bad(f"{xf}.partner", f"is {x.partner} but dp_shared "

@@ -64,9 +64,9 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     total = sum(_shared_state(plan, t, shared[t.id]) if t.id in shared else t.state_bytes
                 for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
                 and (t.host is None or t.host == tp_rank) and t.id not in pairs)
-    for x in pairs.values():  # split over two DP indices: each holds its piece's state
-        if dp_rank in x.owners:
-            total += x.state_bytes[x.owners.index(dp_rank)]
+    for x in pairs.values():  # split over two DP indices: each holds its piece's state (at
+        if dp_rank in x.owners:  # tp > 1 its rows of every shard: one TP-th on each TP rank)
+            total += x.state_bytes[x.owners.index(dp_rank)] // plan.inputs.tp
     return total + adamw_and_main_bytes(plan, dp_rank, matrix, main_params)
 
 

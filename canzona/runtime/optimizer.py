@@ -686,6 +686,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             c.drop()
         self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
         self._pairs.groups = {}  # nor by the DP pairs' peers
+        self._micro.dp_group = None  # nor by the TP pairs' (tp > 1)
         if self._flight is not None:
             self._flight.close()
         self._closed = True

@@ -167,10 +167,10 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
     if T is None:
         return ()
     mine = next((ix for ix in T.indices if ix.dp_index == dp_rank), None)
-    if mine is None or not mine.shared:
+    if mine is None or not (mine.shared or plan.dp_shared):
         return ()
     name = plan.inputs.optimizer.name
-    if name not in ("muon", "shampoo"):
+    if mine.shared and name not in ("muon", "shampoo"):
         raise PlanMismatchError(f"the plan shares matrices over TP but its optimizer is "
                                 f"{name}; only Muon and Shampoo share.")
     index = {n: i for i, n in enumerate(names)}
@@ -187,6 +187,11 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
                                     "a split matrix; the plan is inconsistent.")
         shape = tuple(lay.local_shape)
         pair, row0 = None, 0
+        if x.partner is None and x.id in pairs:
+            raise PlanMismatchError(f"the plan shares '{t.param}' by DP indices "
+                                    f"{list(pairs[x.id].owners)} but DP index {dp_rank}'s TP "
+                                    f"group lists it without its partner; the plan is "
+                                    f"inconsistent.")
         if x.partner is not None:  # this index's rows of every shard (the cut inside them)
             p = pairs.get(x.id)
             if p is None or sorted((dp_rank, x.partner)) != list(p.owners) or lay.dim != 0 \
@@ -203,6 +208,12 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
         out.append(SharedTask(t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
                               lay.dim, shape, tuple(lay.full_shape),  # type: ignore[arg-type]
                               x.split_poly, name == "shampoo", pair, row0))  # type: ignore[arg-type]
+    listed = {x.id for x in out if x.pair is not None}
+    for p in pairs.values():
+        if plan.inputs.tp > 1 and dp_rank in p.owners and p.id not in listed:
+            raise PlanMismatchError(f"the plan shares '{tasks[p.id].param}' by DP indices "
+                                    f"{list(p.owners)} but DP index {dp_rank}'s TP group does "
+                                    f"not list its half; the plan is inconsistent.")
     return tuple(out)
 
 
@@ -266,7 +277,7 @@ class MicroGroupRunner:
         the largest lockstep batch of shared matrices (the two phases do not overlap)."""
         size = torch.empty((), dtype=self.comm_dtype).element_size()
         recv = sorted((sum(g.recv) for g in self.groups), reverse=True)
-        batches = self._batches(self.shared, ns_dtype)
+        batches = self._batches(self._halves_first(self.shared), ns_dtype)
         shared = max((sum(b) for _, b in batches), default=0)
         return max(sum(recv[:2]) * size, shared)
 
@@ -354,8 +365,18 @@ class MicroGroupRunner:
         if not todo:
             return
         cfg = matrix.config
-        for batch, _ in self._batches(todo, cfg.ns_dtype):
+        for batch, _ in self._batches(self._halves_first(todo), cfg.ns_dtype):
             self._run_batch(batch, group, state, matrix)
+
+    @staticmethod
+    def _halves_first(tasks: Sequence[SharedTask]) -> list[SharedTask]:
+        """The halves shared with the partner index first (in plan order), then this TP
+        group's own matrices. Both partners hold the same halves in the same order, so the
+        batches cut the halves at the same places on both sides (the cuts depend only on what
+        comes before: the halves), and within a batch the partners meet each half's exchange
+        in the same order, whatever own matrices fill the rest (with the halves interleaved,
+        the two sides would batch them differently and pair their exchanges up wrongly)."""
+        return [x for x in tasks if x.pair is not None] + [x for x in tasks if x.pair is None]
 
     def _run_blocks(self, tasks: Sequence[SharedTask], state: MutableMapping[Tensor, Any],
                     matrix: Any) -> None:

@@ -110,19 +110,23 @@ def test_each_half_counts_on_its_index_and_partners_finish_together(small):
     ctx = TPContext.build(used)
     base, owned = index_work(used, cuts, ctx)
     assert all(i not in ids for ids in owned)  # never hosted whole by a micro-group
-    steps = index_lockstep(used, cuts)
-    halves = [[x for x in s.items if x[0] == i] for s in steps]
+    from canzona.planner.tp.context import HALF, index_halves
+
+    assert all(not s.items for s in index_lockstep(used, cuts))  # no task its TP group shares
+    steps, partners = index_halves(used, cuts)
+    assert partners == [{1}, {0}]
+    halves = [[x for x in s.items if x[0] == i - HALF] for s in steps]  # keyed first
     assert [len(h) for h in halves] == [1, 1] and halves[0][0][3] == pairs[i].loads[0]
     # the same cuts without the pair: each half would be a matrix to host; with it, each
     # index carries its half's load on every TP rank instead
     base0, owned0 = index_work(dataclasses.replace(used, pairs={}), cuts, ctx)
     assert [ids.count(i) for ids in owned0] == [1, 1]
     assert [b - b0 for b, b0 in zip(base, base0)] == [pytest.approx(x) for x in pairs[i].loads]
-    # partners' phases end together: each index's lockstep replaced by the longer
+    # partners end the batches holding their halves together
     gpu = index_gpu_max(used, cuts, ctx)
-    lock = [s.load() for s in steps]
+    parts = [s.split() for s in steps]
     for d in range(2):
-        rest = base[d] - steps[d].pieces + max(lock)
+        rest = base[d] - steps[d].pieces + max(h for h, _ in parts) + parts[d][1]
         assert gpu[d] == pytest.approx(rest + _lpt(used, owned[d]))
     assert lb_gpu(used, ctx=ctx) >= max(pairs[i].loads)
     # the DP problem's own evaluation counts each piece on its owner
@@ -279,3 +283,25 @@ def test_share_pairs_says_what_it_cannot_do():
     with pytest.warns(CanzonaWarning, match="no matrix is shared by two TP groups"):
         p = plan("qwen3-0.6b", ParallelSizes(dp=1, tp=2), tp_options=TPOptions(share="pairs"))
     assert not p.dp_shared and any(ix.shared for ix in p.tp.indices)
+
+
+def test_a_locksteps_split_adds_up_to_its_load_and_puts_halves_first():
+    """``Lockstep.split``: the batches holding a half (keyed below 0, run first) and the
+    others add up to the phase's load, for one batch and for several."""
+    import random
+
+    from canzona.planner.tp.context import HALF, Lockstep
+
+    rng = random.Random(5)
+    for cap in (0, 100, 250):
+        for _ in range(50):
+            lock = Lockstep(cap)
+            for k in range(rng.randint(1, 6)):
+                key = k - HALF if rng.random() < 0.4 else k
+                c = rng.uniform(0.1, 3.0)
+                lock.add((key, c, rng.uniform(0, 3.0), 1.0, rng.randint(10, 120),
+                          rng.uniform(0, c / 2)))
+            first, rest = lock.split()
+            assert first + rest == pytest.approx(lock.load())
+            if not any(x[0] < 0 for x in lock.items):
+                assert first == 0.0

@@ -46,6 +46,10 @@ CASES4 = {
     # with a state_dict round trip; bf16
     "muon_tp_pairs": dict(optimizer="muon", share="pairs", roundtrip=True),
     "muon_tp_pairs_bf16": dict(optimizer="muon", share="pairs", bf16=True, steps=5),
+    # with C_max 0.15 MiB the partners' batches hold their halves and different own matrices
+    # (index 0: its halves with two own ones, index 1: with one, then another batch)
+    "muon_tp_pairs_mixed_batches": dict(optimizer="muon", share="pairs", cmax_mib=0.15,
+                                        steps=5),
 }
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
 SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")
@@ -383,7 +387,8 @@ def test_overlap_off_gives_the_same_bits(world4):
 
 
 @pytest.mark.parametrize("case", ["muon", "shampoo", "soap", "muon_split", "muon_bf16_main_fp32",
-                                  "muon_shared", "muon_shared_bf16", "shampoo_shard_blocks"])
+                                  "muon_shared", "muon_shared_bf16", "shampoo_shard_blocks",
+                                  "muon_tp_pairs", "muon_tp_pairs_bf16"])
 def test_state_bytes_equal_the_prediction(world4, case):
     got = _results(world4, case)
     for res in got:

@@ -117,8 +117,10 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
 
 #: One shared piece as its DP index's lockstep sees it: (order key: the task id, compute,
 #: collectives, recorded load, scratch bytes, collectives beside its own Gram products), in
-#: cost units but for the bytes.
+#: cost units but for the bytes. A half shared with a partner index is keyed task − HALF (the
+#: runtime runs the halves first).
 Piece = tuple[int, float, float, float, int, float]
+HALF = 1 << 40
 
 
 def lockstep_scratch(problem: DPProblem, task: int) -> int:
@@ -169,6 +171,31 @@ class Lockstep:
         self.shortest = min(self.shortest, piece[1] - piece[5])
         self.nbytes += piece[4]
 
+    def split(self) -> tuple[float, float]:
+        """The phase's load in the batches holding a half shared with a partner (keyed below
+        0: they come first; the partners run them together) and in the others."""
+        if not self.items:
+            return 0.0, 0.0
+        if not any(x[0] < 0 for x in self.items):
+            return 0.0, self.load()
+        first = rest = 0.0
+        comp = comm = 0.0
+        least = math.inf
+        held = self.cap + 1 if self.cap and self.nbytes > self.cap else -math.inf
+        halves = False
+        for key, c, a, _, b, h in sorted(self.items):
+            if held == -math.inf or held + b <= self.cap:
+                comp, comm, least = comp + c, comm + a, min(least, c - h)
+                held = held + b if held != -math.inf else held
+                halves = halves or key < 0
+                continue
+            if least != math.inf:
+                t = max(comp, comm + least)
+                first, rest = (first + t, rest) if halves else (first, rest + t)
+            comp, comm, least, held, halves = c, a, c - h, b, key < 0
+        t = max(comp, comm + least)
+        return (first + t, rest) if halves else (first, rest + t)
+
     def load(self) -> float:
         """The phase's load (0 without pieces)."""
         if not self.items:
@@ -215,9 +242,10 @@ def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
 
 def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list[set[int]]]:
     """At tp > 1, the halves of the tasks two TP groups share (``problem.pairs``, k = 2·tp):
-    per DP index its halves as its lockstep sees them (the recorded load is the piece's, its
-    compute, collectives and hidden seconds converted at load / seconds alone), and per DP
-    index the indices it shares a task with (its pieces' owners but itself)."""
+    per DP index its halves as its lockstep sees them (keyed task − :data:`HALF`: first; the
+    recorded load is the piece's, its compute, collectives and hidden seconds converted at
+    load / seconds alone), and per DP index the indices it shares a task with (its pieces'
+    owners but itself)."""
     out: list[list[Piece]] = [[] for _ in range(problem.dp)]
     partners: list[set[int]] = [set() for _ in range(problem.dp)]
     if not problem.pairs or problem.sizes.tp == 1:
@@ -235,8 +263,8 @@ def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list
             t = problem.tasks[i]
             m, n = max(t.shape), min(t.shape)
             k = 2 * problem.sizes.tp
-            out[d].append((i, comp, comm, it.load, lockstep_bytes(-(-m // k), n, k,
-                                                                  x.split_poly, 2), hidden))
+            out[d].append((i - HALF, comp, comm, it.load,
+                           lockstep_bytes(-(-m // k), n, k, x.split_poly, 2), hidden))
             where.setdefault(i, []).append(d)
     for ds in where.values():
         for d in ds:
@@ -245,16 +273,24 @@ def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list
 
 
 def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
-    """Per DP index, its shared pieces in lockstep (:class:`Lockstep`): the tasks its TP group
-    shares, and at tp > 1 its halves of those it shares with a partner index."""
+    """Per DP index, the tasks its TP group shares, in lockstep (:class:`Lockstep`)."""
     out = [Lockstep(problem.lockstep_cap) for _ in range(problem.dp)]
     for d, ids in enumerate(shared_by_index(problem, cuts)):
         for i in ids:
             out[d].add(lockstep_piece(problem, i))
-    for d, pieces in enumerate(pair_pieces(problem, cuts)[0]):
-        for x in pieces:
-            out[d].add(x)
     return out
+
+
+def index_halves(problem: DPProblem, cuts: Cuts) -> tuple[list[Lockstep], list[set[int]]]:
+    """At tp > 1, per DP index its whole lockstep: its halves of the tasks it shares with a
+    partner index first (``runtime.tp``), then the tasks its TP group shares; and its partners
+    (:func:`pair_pieces`)."""
+    pieces, partners = pair_pieces(problem, cuts)
+    out = index_lockstep(problem, cuts)
+    for d, xs in enumerate(pieces):
+        for x in xs:
+            out[d].add(x)
+    return out, partners
 
 
 def lpt_bins(loads: Sequence[int], tp: int) -> list[int]:
@@ -305,9 +341,9 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
 
 def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) -> list[float]:
     """The DP side's TP-aware load: per DP index, its busiest GPU after LPT packing, its shared
-    pieces counted as their lockstep phase (:class:`Lockstep`) rather than one by one, and at
-    tp > 1 that phase as long as its partners' (:func:`coupled`) where it shares a task with
-    another index (``problem.pairs``).
+    pieces counted as their lockstep phase (:class:`Lockstep`) rather than one by one; at
+    tp > 1 the halves it shares with a partner index (``problem.pairs``) first in that phase,
+    the batches holding them as long as the partner's (:func:`coupled`).
 
     Use in place of the DP load (``evaluate(...).load``) when judging cuts under TP.
     """
@@ -315,8 +351,11 @@ def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) 
     base, owned = index_work(problem, cuts, ctx)
     steps = index_lockstep(problem, cuts)
     tp = problem.sizes.tp
-    lock = [s.load() for s in steps]
-    if problem.pairs and tp > 1:  # partners finish their locksteps together
-        lock = coupled(lock, pair_pieces(problem, cuts)[1])
-    return [base[d] - steps[d].pieces + lock[d]
-            + lpt_makespan([problem.loads[i] for i in owned[d]], tp) for d in range(problem.dp)]
+    lock = [s.load() - s.pieces for s in steps]
+    if problem.pairs and tp > 1:  # the halves first: partners end those batches together
+        whole, partners = index_halves(problem, cuts)
+        parts = [w.split() for w in whole]
+        ends = coupled([h for h, _ in parts], partners)
+        lock = [e + rest - w.pieces for e, (_, rest), w in zip(ends, parts, whole)]
+    return [base[d] + lock[d] + lpt_makespan([problem.loads[i] for i in owned[d]], tp)
+            for d in range(problem.dp)]

@@ -307,25 +307,34 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
 # --- the schedule ------------------------------------------------------------------------------------
 
 
-def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> float:
-    """Seconds of one index's shared tasks as the runtime runs them: in plan order, in batches
-    whose scratch fits 2 · ``cap`` (C_max), each batch in lockstep
-    (``sharing.lockstep_seconds``); a half shared with a partner holds its rows of 2·tp."""
+def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[float, float]:
+    """Seconds of one index's shared tasks as the runtime runs them (``runtime.tp``): the halves
+    it shares with a partner index first, then its TP group's own matrices, in batches whose
+    scratch fits 2 · ``cap`` (C_max), each batch in lockstep (``sharing.lockstep_seconds``; a
+    half holds its rows of 2·tp). Returns (the batches holding a half, the others): partners
+    finish the first together."""
     from ..formulas import LOCKSTEP_CMAX, lockstep_bytes
     from ..sharing import lockstep_batches, lockstep_seconds
 
     tp = pr.sizes.tp
+    ordered = [x for x in runs if x.partner is not None] + [x for x in runs if x.partner is None]
     sizes = []
-    for x in runs:
+    for x in ordered:
         if x.partner is None:
             sizes.append(lockstep_scratch(pr, x.task))
             continue
         t = pr.tasks[x.task]
         m, n = max(t.shape), min(t.shape)
         sizes.append(lockstep_bytes(-(-m // (2 * tp)), n, 2 * tp, x.split_poly, 2))
-    return sum(lockstep_seconds([(x.compute_s, x.comm_s, x.hidden_s) for x in b],
-                                pr.settings.ns_steps)
-               for b in lockstep_batches(list(runs), sizes, LOCKSTEP_CMAX * cap))
+    first = rest = 0.0
+    for b in lockstep_batches(ordered, sizes, LOCKSTEP_CMAX * cap):
+        s = lockstep_seconds([(x.compute_s, x.comm_s, x.hidden_s) for x in b],
+                             pr.settings.ns_steps)
+        if any(x.partner is not None for x in b):
+            first += s
+        else:
+            rest += s
+    return first, rest
 
 
 def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
@@ -335,8 +344,8 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
     """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable);
     ``runs``: the tasks this index's TP group shares (:func:`share_decision`), run before the
     groups, in task order (halves shared with a partner index among them);
-    ``phase_at_least``: seconds its shared phase lasts at least (its partners': they exchange
-    every iteration, so they finish together)."""
+    ``phase_at_least``: seconds its shared phase lasts at least (its halves' part as long as
+    its partner's: they exchange every iteration, so they finish it together)."""
     pr = ctx.problem
     tp = pr.sizes.tp
     if any(ctx.tp_of[i] != tp for i in ids):
@@ -347,7 +356,7 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
         # index_work counted each piece alone (max of its compute and collectives); the group
         # runs them in lockstep: its phase, at the profile's rate, replaces their sum (at
         # least the partners' phase where it shares a task with another index).
-        phase_s = max(shared_phase_s(pr, runs, cap), phase_at_least)
+        phase_s = max(sum(shared_phase_s(pr, runs, cap)), phase_at_least)
         rate = _rates(settings.hardware).flops_per_s
         unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
                                                                  for x in runs))
@@ -465,10 +474,12 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
                 runs[d].append(SharedRun(i, x.split_poly, load, x.compute_s, x.comm_s,
                                          x.hidden_s, partner=e))
                 partners[d].add(e)
-        for r in runs:
-            r.sort(key=lambda x: x.task)  # plan order: both partners meet a pair alike
-    phase = coupled([shared_phase_s(problem, r, settings.cmax_bytes) if r else 0.0
-                     for r in runs], partners)
+        for r in runs:  # plan order: the halves first (both partners alike), then the own
+            r.sort(key=lambda x: (x.partner is None, x.task))
+    parts = [shared_phase_s(problem, r, settings.cmax_bytes) if r else (0.0, 0.0)
+             for r in runs]
+    halves = coupled([h for h, _ in parts], partners)  # partners end their halves together
+    phase = [h + own for h, (_, own) in zip(halves, parts)]
     indices = []
     statuses = []
     for d in range(problem.dp):
