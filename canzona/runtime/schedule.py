@@ -10,7 +10,9 @@ together update every element of every parameter exactly once (``checks.check_wo
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
@@ -129,6 +131,24 @@ class Schedule:
         return cuts[self.rank], cuts[self.rank + 1]
 
 
+def _pieces(x: Any, name: str, lo: int, rows: int, cols: int, cuts: Sequence[int],
+            what: str) -> list[tuple[int, int, int, int, int]]:
+    """The two pieces of a matrix two DP indices share (``x``, its ``plan.dp_shared`` entry):
+    per owner (owner, first row, end row, first element, end element) of the ``rows`` × ``cols``
+    matrix (or TP shard: ``what``) stored from element ``lo`` of its bucket, each checked to lie
+    in its owner's slice alone."""
+    out = []
+    for owner, r0, r1 in ((x.owners[0], 0, x.row), (x.owners[1], x.row, rows)):
+        a, z = lo + r0 * cols, lo + r1 * cols
+        holders = [r for r in range(len(cuts) - 1) if cuts[r] < z and a < cuts[r + 1]]
+        if holders != [owner]:
+            raise PlanMismatchError(
+                f"the plan shares matrix '{name}' by DP indices {list(x.owners)} but the cuts "
+                f"put rows [{r0}, {r1}){what} on DP ranks {holders}; the plan is inconsistent.")
+        out.append((owner, r0, r1, a, z))
+    return out
+
+
 def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     """Convert the plan (already checked against the model) into records for DP rank ``rank``.
 
@@ -173,16 +193,9 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
             # inside each shard); runtime.tp updates them (SharedTask with a partner).
             x = tp_pairs[t.id]
             cols = t.shape[1]
-            rows = (hi - lo) // cols
             matrix_params[i] = None
-            for owner, r0, r1 in ((x.owners[0], 0, x.row), (x.owners[1], x.row, rows)):
-                a, z = lo + r0 * cols, lo + r1 * cols
-                holders = [r for r in range(dp) if cuts[r] < z and a < cuts[r + 1]]
-                if holders != [owner]:
-                    raise PlanMismatchError(
-                        f"the plan shares matrix '{t.param}' by DP indices {list(x.owners)} but "
-                        f"the cuts put rows [{r0}, {r1}) of its TP shard on DP ranks {holders}; "
-                        f"the plan is inconsistent.")
+            for owner, r0, _, a, z in _pieces(x, t.param, lo, (hi - lo) // cols, cols, cuts,
+                                              " of its TP shard"):
                 c0 = cuts[owner]
                 split[owner][bi].append(SplitParam(i, t.param, bi, a - c0, z - c0, r0 * cols))
             continue
@@ -205,14 +218,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
             rows, cols = t.shape
             rows_done[t.param] += rows
             matrix_params[i] = None
-            for owner, r0, r1 in ((x.owners[0], 0, x.row), (x.owners[1], x.row, rows)):
-                a, z = lo + r0 * cols, lo + r1 * cols
-                holders = [r for r in range(dp) if cuts[r] < z and a < cuts[r + 1]]
-                if holders != [owner]:
-                    raise PlanMismatchError(
-                        f"the plan shares matrix '{t.param}' by DP indices {list(x.owners)} but "
-                        f"the cuts put rows [{r0}, {r1}) on DP ranks {holders}; the plan is "
-                        f"inconsistent.")
+            for owner, r0, r1, a, z in _pieces(x, t.param, lo, rows, cols, cuts, ""):
                 c0 = cuts[owner]
                 if not shares:  # Shampoo: its blocks, preconditioned alone (plain tasks)
                     matrix[owner][bi].append(MatrixTask(t.id, i, t.param, None, bi, a - c0,
