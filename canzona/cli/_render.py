@@ -420,7 +420,8 @@ def sharing_view(sh: dict | None) -> None:
         f"= {sh['atomic_lb_over_mean']:.3f}× the mean useful work; with tasks shared by a "
         f"few ranks the bound is {sh['shared_lb_over_mean']:.3f}×, the longest critical path "
         f"(a piece and its collectives) {sh['longest_path_over_mean']:.3f}× (canzona plan --share "
-        "auto shares over TP groups at tp > 1, over DP pairs at tp = 1)", highlight=False)
+        "auto shares over TP groups, and two TP groups where that helps, at tp > 1; over DP "
+        "pairs at tp = 1)", highlight=False)
     if sh["note"]:
         console.print(sh["note"], highlight=False, style="dim")
     groups: dict[tuple, list[dict]] = {}
