@@ -349,13 +349,13 @@ def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) 
     """
     ctx = ctx or TPContext.build(problem)
     base, owned = index_work(problem, cuts, ctx)
-    steps = index_lockstep(problem, cuts)
     tp = problem.sizes.tp
-    lock = [s.load() - s.pieces for s in steps]
     if problem.pairs and tp > 1:  # the halves first: partners end those batches together
         whole, partners = index_halves(problem, cuts)
         parts = [w.split() for w in whole]
         ends = coupled([h for h, _ in parts], partners)
         lock = [e + rest - w.pieces for e, (_, rest), w in zip(ends, parts, whole)]
+    else:
+        lock = [s.load() - s.pieces for s in index_lockstep(problem, cuts)]
     return [base[d] + lock[d] + lpt_makespan([problem.loads[i] for i in owned[d]], tp)
             for d in range(problem.dp)]
