@@ -740,7 +740,7 @@ class _TPSearch:
 
     def improve(self, max_moves: int) -> None:
         """Moves off the busiest index while they lower it (alike items and alike indices
-        tried once)."""
+        tried once), and where none does, exchanges (:meth:`_swap`)."""
         for _ in range(max_moves):
             top = max(range(self.dp), key=lambda d: (self.costs[d], -d))
             ceiling = self.costs[top]
@@ -783,8 +783,86 @@ class _TPSearch:
                     if best is None or score < best[0]:
                         best = (score, [(i, place)])
             if best is None:
+                best = self._swap(top, here, ceiling)
+            if best is None:
                 return
             self.apply(best[1])
+
+    def _swaps(self, items: list[int], ceiling: float, strict: bool, onto: int | None = None
+               ) -> list[tuple[tuple[float, float], list[tuple[int, Place]]]]:
+        """Exchanges of one of ``items`` with an unlike item elsewhere, and (``onto``) moves of
+        an item elsewhere onto that index (a piece beside a pair's half hides its exchanges),
+        that leave every index they touch under ``ceiling`` (``strict``) or at most at it,
+        best first. Alike items and alike places are tried once; a forced task stays shared,
+        a task without a half whole."""
+        def allowed(i: int, place: Place) -> bool:
+            if place[0] == "s":
+                return self.half[i] is not None
+            return not (self.force and self.half[i] is not None)
+
+        def sig(i: int) -> tuple:
+            return (self.kind[i], self.load[i], self.piece[i] and self.piece[i][1:],
+                    self.half[i] is not None)
+
+        def alike(j: int) -> tuple:
+            wj = self.where[j]
+            return sig(j), wj[0], round(self.costs[wj[1]] if wj[0] == "w" else
+                                        max(self.costs[2 * wj[1]], self.costs[2 * wj[1] + 1]), 6)
+
+        limit = ceiling * (1 - 1e-9) if strict else ceiling * (1 + 1e-9)
+        out = []
+
+        def consider(ops: list[tuple[int, Place]]) -> None:
+            got = self.trial(ops)
+            if got is not None and max(got.values()) < limit:
+                out.append(((max(got.values()), sum(got.values())), ops))
+
+        mine = set(items)
+        if onto is not None:
+            mine |= set(self.whole[onto])
+            seen = set()
+            for j in range(len(self.load)):
+                if j not in mine and self.where[j][0] == "w" and allowed(j, ("w", onto)) \
+                        and alike(j) not in seen:
+                    seen.add(alike(j))
+                    consider([(j, ("w", onto))])
+        tried = set()
+        for i in items:
+            if (sig(i), self.where[i]) in tried:
+                continue
+            tried.add((sig(i), self.where[i]))
+            seen = set()
+            for j in range(len(self.load)):
+                wj = self.where[j]
+                if j in mine or sig(j)[:3] == sig(i)[:3] or wj == self.where[i] or not (
+                        allowed(i, wj) and allowed(j, self.where[i])) or alike(j) in seen:
+                    continue
+                seen.add(alike(j))
+                consider([(i, wj), (j, self.where[i])])
+        out.sort(key=lambda x: x[0])
+        return out
+
+    def _swap(self, top: int, here: list[int], ceiling: float
+              ) -> tuple[tuple[float, float], list[tuple[int, Place]]] | None:
+        """Where no move off the busiest index lowers it: the best exchange of one of its items
+        with an unlike one elsewhere (a QKV beside a pair's half for a lighter proj: what
+        moves alone cannot reach). Where partners end their halves together, both may have
+        to change: an exchange, or an item brought beside the half, that leaves the busiest
+        no heavier, then one on the partner that lowers both (the first few tried)."""
+        got = self._swaps(here, ceiling, strict=True)
+        if got:
+            return got[0]
+        if top >= 2 * self.npairs or not self.shared[top // 2]:
+            return None
+        partner = top ^ 1
+        for _, first in self._swaps(list(self.whole[top]), ceiling, False, onto=top)[:4]:
+            back = [(i, self.where[i]) for i, _ in first]
+            self.apply(first)
+            second = self._swaps(list(self.whole[partner]), ceiling, True, onto=partner)
+            if second:  # the first stays; the caller applies the second
+                return second[0]
+            self.apply(back)
+        return None
 
 
 def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
@@ -792,7 +870,7 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
                         force: bool = False) -> tuple[float, tuple[DPProblem, Cuts] | None]:
     """tp > 1, Muon (``problem.shared``: the tasks TP groups share): a placement with the
     ``pairs`` (``sharing.tp_pair_decision``) shared by fixed partner indices (:class:`_TPSearch`,
-    heaviest first, then moves off the busiest index; ``force``: every one of them shared,
+    heaviest first, then moves and exchanges off the busiest index; ``force``: every one of them shared,
     which needs a bucket per pair and task: more pairs than that are left whole), laid out as
     :func:`_layout` does (each
     bucket by DP index, a shared matrix's TP shards cut between its partners). Returns (the

@@ -154,12 +154,18 @@ def test_plans_without_pairs_are_unchanged(small):
     assert index_gpu_max(pr, cuts) == index_gpu_max(plain, cuts)
 
 
-def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_its_half_alone():
-    """The issue's at-scale figure on the default (H100) profile: with every TP-split matrix
-    shared by its TP group and fc1 by TP pairs (fixed partners), the laid-out placement's
-    busiest GPU is one fc1 half alone — 1.17× the mean useful work (≤ 1.5 asked; 1.679 with
-    the TP group alone). Each pair's halves sit on partners, every shard cut at its middle row,
-    at most one shared matrix per bucket and pair."""
+@pytest.mark.parametrize("hardware, ceiling", [("h100", 1.173), ("h800", 1.545)])
+def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_the_layout_free_optimum(
+        hardware, ceiling):
+    """The issue's at-scale figure: with every TP-split matrix shared by its TP group and fc1
+    by TP pairs (fixed partners), the laid-out placement's busiest GPU reaches the layout-free
+    optimum of ``benchmarks/bench_k_beyond_tp.py`` for these options — on the default (H100)
+    profile 1.172× the mean useful work, an fc1 half's own chain (its compute and unhidden
+    exchanges, which nothing beside it shortens); on H800 1.540, an fc1 half beside a proj
+    (≤ 1.5 asked; 1.679 / 1.795 with the TP group alone). Moves alone stopped at 1.574 there:
+    partners end their halves together, so both need a change at once
+    (``_TPSearch._swap``). Each pair's halves sit on partners, every shard cut at its middle
+    row, at most one shared matrix per bucket and pair."""
     from canzona.planner.bundles import tp_bundle_candidate
     from canzona.planner.formulas import LOCKSTEP_CMAX
     from canzona.planner.options import MIB
@@ -167,10 +173,10 @@ def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_its_half_alone():
     from canzona.planner.sharing import _useful_total
     from canzona.planner.tp.schedule import share_decision
 
-    hw = load_hardware("h100")
+    hw = load_hardware(hardware)
     base = _problem("llama3-70b", 256, 8)
     mean = _useful_total(base) / (256 * 8)
-    pr = dataclasses.replace(base, shared=share_decision(base, "h100", "all-split"),
+    pr = dataclasses.replace(base, shared=share_decision(base, hardware, "all-split"),
                              lockstep_cap=LOCKSTEP_CMAX * 512 * MIB)
     pairs = tp_pair_decision(pr, hw, "auto")
     busiest, got = tp_bundle_candidate(pr, pairs, hw, scratch_cap=LOCKSTEP_CMAX * 512 * MIB)
@@ -179,7 +185,7 @@ def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_its_half_alone():
     assert set(used.pairs) == set(pairs)
     gpu = index_gpu_max(used, cuts)
     assert busiest <= max(gpu) <= busiest * 1.001  # the search leaves the AdamW elements out
-    assert max(gpu) / mean < 1.2
+    assert max(gpu) / mean < ceiling
     owners = pair_owners(used, cuts)
     assert all(b == a + 1 and a % 2 == 0 for a, b in owners.values())
     for b in used.buckets:
