@@ -277,8 +277,10 @@ def lockstep_seconds(pieces: list[Run], steps: int) -> float:
     collectives, hidden) seconds per rank over all ``steps`` (:data:`Run`): per iteration the
     collectives run one after another beside the compute, so an iteration takes
     max(Σ compute, Σ collectives + the least compute any piece does outside its own
-    collectives) — with one matrix its compute plus what its Gram products do not hide of its
-    collectives. With several it is a model, as the shortest compute was before the chunks:
+    collectives, the longest piece's own chain) — a piece's chain is its compute plus what its
+    Gram products do not hide of its collectives: the others' compute fills its waits but
+    cannot shorten it (its next iteration needs its reduced Gram). With one matrix that is the
+    whole of it. With several it is a model, as the shortest compute was before the chunks:
     what cannot overlap in the runtime's fixed order is the first matrix's first chunk and the
     last one's work after its Gram, which the least over the pieces may understate."""
     if not pieces:
@@ -286,7 +288,8 @@ def lockstep_seconds(pieces: list[Run], steps: int) -> float:
     comp = sum(c for c, _, _ in pieces) / steps
     comm = sum(a for _, a, _ in pieces) / steps
     first = min(c - h for c, _, h in pieces) / steps
-    return steps * max(comp, comm + first)
+    chain = max(c + a - h for c, a, h in pieces) / steps
+    return steps * max(comp, comm + first, chain)
 
 
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,

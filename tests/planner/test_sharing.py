@@ -272,3 +272,34 @@ def test_tp_sub_group_pieces_gather_their_rows_and_keep_the_grams_collectives():
     assert not any(o.group == "tp_sub" for o in share_options(pr, proj.id, hw))
     subs = [(o.k, o.split_poly) for o in share_options(pr, proj.id, hw, groups=("tp_sub",))]
     assert subs == [(2, False), (2, True), (4, False), (4, True)]
+
+
+def test_a_lockstep_never_beats_a_pieces_own_chain():
+    """Pieces beside a matrix fill its Gram waits but cannot shorten its own chain (its next
+    iteration needs its reduced Gram): a long piece with exposed collectives beside a short
+    one takes at least its compute plus what its Gram products do not hide. The planner's
+    ``Lockstep`` (whole and split into batches) and the simulator's ``lockstep_seconds`` agree."""
+    from canzona.planner.sharing import lockstep_seconds
+    from canzona.planner.tp.context import HALF, Lockstep
+
+    big, small = (8.4, 5.1, 0.9), (2.9, 2.9, 0.9)  # (compute, collectives, hidden) seconds
+    chain = big[0] + big[1] - big[2]  # 12.6
+    # without the chain: max(Σ compute 11.3, Σ collectives 8.0 + least 2.0) = 11.3
+    assert lockstep_seconds([big, small], 5) == pytest.approx(chain)
+    assert lockstep_seconds([small], 5) == pytest.approx(small[0] + small[1] - small[2])
+    lock = Lockstep(0)
+    for key, (c, a, h) in ((1, big), (2, small)):
+        lock.add((key, c, a, max(c, a), 10, h))
+    assert lock.load() == pytest.approx(chain)
+    capped = Lockstep(15)  # each piece its own batch: two chains
+    halves = Lockstep(15)
+    for key, (c, a, h) in ((1, big), (2, small)):
+        capped.add((key, c, a, max(c, a), 10, h))
+        halves.add((key - HALF * (key == 1), c, a, max(c, a), 10, h))
+    two = chain + small[0] + small[1] - small[2]
+    assert capped.load() == pytest.approx(two)
+    assert halves.split() == pytest.approx((chain, small[0] + small[1] - small[2]))
+    together = Lockstep(20)
+    for key, (c, a, h) in ((-HALF + 1, big), (2, small)):
+        together.add((key, c, a, max(c, a), 10, h))
+    assert together.split() == pytest.approx((chain, 0.0))

@@ -151,9 +151,10 @@ class Lockstep:
     """The shared pieces of one DP index, as the runtime runs them: in task order, cut into
     batches whose scratch fits ``cap`` (``formulas.lockstep_batches``; 0: one batch), each batch
     in lockstep, each piece's collectives beside the others' compute
-    (``sharing.lockstep_seconds``: per iteration the longer of Σ compute and Σ collectives + the
-    least compute a piece does outside its own collectives). ``pieces``: Σ of their recorded
-    loads (what :func:`index_work` counts)."""
+    (``sharing.lockstep_seconds``: per iteration the longest of Σ compute, Σ collectives + the
+    least compute a piece does outside its own collectives, and each piece's own chain, its
+    compute and what its Gram products do not hide of its collectives). ``pieces``: Σ of their
+    recorded loads (what :func:`index_work` counts)."""
 
     cap: int = 0
     items: list[Piece] = field(default_factory=list)
@@ -162,6 +163,7 @@ class Lockstep:
     comm: float = 0.0
     shortest: float = math.inf
     nbytes: int = 0
+    chain: float = 0.0  # the longest piece's own chain, compute + unhidden collectives
 
     def add(self, piece: Piece) -> None:
         self.items.append(piece)
@@ -170,6 +172,7 @@ class Lockstep:
         self.comm += piece[2]
         self.shortest = min(self.shortest, piece[1] - piece[5])
         self.nbytes += piece[4]
+        self.chain = max(self.chain, piece[1] + piece[2] - piece[5])
 
     def split(self) -> tuple[float, float]:
         """The phase's load in the batches holding a half shared with a partner (keyed below
@@ -179,21 +182,22 @@ class Lockstep:
         if not any(x[0] < 0 for x in self.items):
             return 0.0, self.load()
         first = rest = 0.0
-        comp = comm = 0.0
+        comp = comm = chain = 0.0
         least = math.inf
         held = self.cap + 1 if self.cap and self.nbytes > self.cap else -math.inf
         halves = False
         for key, c, a, _, b, h in sorted(self.items):
             if held == -math.inf or held + b <= self.cap:
                 comp, comm, least = comp + c, comm + a, min(least, c - h)
+                chain = max(chain, c + a - h)
                 held = held + b if held != -math.inf else held
                 halves = halves or key < 0
                 continue
             if least != math.inf:
-                t = max(comp, comm + least)
+                t = max(comp, comm + least, chain)
                 first, rest = (first + t, rest) if halves else (first, rest + t)
-            comp, comm, least, held, halves = c, a, c - h, b, key < 0
-        t = max(comp, comm + least)
+            comp, comm, least, chain, held, halves = c, a, c - h, c + a - h, b, key < 0
+        t = max(comp, comm + least, chain)
         return (first + t, rest) if halves else (first, rest + t)
 
     def load(self) -> float:
@@ -201,11 +205,11 @@ class Lockstep:
         if not self.items:
             return 0.0
         if not self.cap or self.nbytes <= self.cap:  # one batch
-            return max(self.compute, self.comm + self.shortest)
+            return max(self.compute, self.comm + self.shortest, self.chain)
         # formulas.lockstep_batches over the pieces in task order, each batch's phase summed
         # (written out: the joint refinement calls this in its innermost loop)
         cap, out = self.cap, 0.0
-        comp = comm = 0.0
+        comp = comm = chain = 0.0
         least = math.inf
         held = cap + 1  # the first piece opens a batch
         for _, c, a, _, b, h in sorted(self.items):
@@ -213,16 +217,17 @@ class Lockstep:
                 comp += c
                 comm += a
                 least = min(least, c - h)
+                chain = max(chain, c + a - h)
                 held += b
             else:
                 if least != math.inf:
-                    out += max(comp, comm + least)
-                comp, comm, least, held = c, a, c - h, b
-        return out + max(comp, comm + least)
+                    out += max(comp, comm + least, chain)
+                comp, comm, least, chain, held = c, a, c - h, c + a - h, b
+        return out + max(comp, comm + least, chain)
 
     def copy(self) -> Lockstep:
         return Lockstep(self.cap, list(self.items), self.pieces, self.compute, self.comm,
-                        self.shortest, self.nbytes)
+                        self.shortest, self.nbytes, self.chain)
 
 
 def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
@@ -331,6 +336,8 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
     else:
         total = sum(sum(r) for r in grid)
     pairs = problem.pairs if problem.sizes.tp > 1 else {}
+    # a TP pair's half: its load alone, its own chain (compute and the exchanges its Gram
+    # products do not hide), which no piece beside it in a lockstep shortens
     largest = max((int(round(problem.shared[t.id][0])) if t.id in problem.shared
                    else max(pairs[t.id].loads) if t.id in pairs
                    else problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
