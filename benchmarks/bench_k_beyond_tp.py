@@ -12,8 +12,9 @@ collectives) with and without k = 2·tp, and a **layout-free placement**: every 
 index (no bucket order, no cuts: a floor on what the partition can reach), greedily, heaviest
 first, each onto the index whose lockstep is then the shortest, then moves and swaps off the
 busiest index; an index runs its pieces as the runtime does
-(``tp.context.Lockstep``: in batches of 2 · C_max scratch, per iteration the longer of Σ compute
-and Σ collectives + the least compute a piece does outside its own collectives). Printed: the busiest index's lockstep over the mean
+(``tp.context.Lockstep``: in batches of 2 · C_max scratch, per iteration the longest of Σ compute,
+Σ collectives + the least compute a piece does outside its own collectives, and each piece's own
+chain). Printed: the busiest index's lockstep over the mean
 useful work per GPU, and the mean of Σ collectives per index (a shared piece's Gram collectives
 do not shrink with k, so they bound what any placement reaches). Then the exact layout-free
 optimum with every matrix free to take any option: over its TP group or a TP pair; and TP
