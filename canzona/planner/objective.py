@@ -132,7 +132,7 @@ class StepTime(Objective):
     stock collectives against a balanced one that needs per-root calls.
 
     Seconds become load units at the problem's own rate (its total compute time under the
-    hardware profile over its total load). ``ceiling`` bounds the compute: a max load above it
+    hardware profile over its tasks' loads, the same with shared pieces or without). ``ceiling`` bounds the compute: a max load above it
     costs :data:`OVER_CEILING` times the excess, so the communication terms never buy more than
     the allowed growth of the compute gap.
 
@@ -147,8 +147,12 @@ class StepTime(Objective):
 
     def __init__(self, problem: DPProblem, hardware: HardwareProfile, *,
                  ceiling: float | None = None, state_cap: float | None = None) -> None:
+        # the tasks' own loads (``problem.total`` also counts shared pieces' exchanges, or per
+        # TP rank for a TP pair's halves): one rate for a problem with or without pieces, so
+        # the modelled steps of the two compare
         seconds = sum(hardware.seconds(c.flops) for c in problem.costs)
-        self.seconds_per_load = seconds / problem.total if problem.total else 1.0
+        base = sum(problem.loads)
+        self.seconds_per_load = seconds / base if base else 1.0
         _, self.link = comm.plan_link(hardware, problem.sizes.dp, problem.sizes.tp)
         self.ceiling = self.load_ceiling = ceiling
         self.state_cap = state_cap
