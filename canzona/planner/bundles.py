@@ -788,13 +788,15 @@ class _TPSearch:
                 return
             self.apply(best[1])
 
-    def _swaps(self, items: list[int], ceiling: float, strict: bool, onto: int | None = None
-               ) -> list[tuple[tuple[float, float], list[tuple[int, Place]]]]:
+    def _swaps(self, items: list[int], ceiling: float, strict: bool, onto: int | None = None,
+               near: tuple[int, ...] = ()
+               ) -> list[tuple[tuple[float, float], list[tuple[int, Place]], set[int]]]:
         """Exchanges of one of ``items`` with an unlike item elsewhere, and (``onto``) moves of
         an item elsewhere onto that index (a piece beside a pair's half hides its exchanges),
-        that leave every index they touch under ``ceiling`` (``strict``) or at most at it,
-        best first. Alike items and alike places are tried once; a forced task stays shared,
-        a task without a half whole."""
+        that leave every index they touch under ``ceiling`` (``strict``) or not above it:
+        (score, the ops, the indices they touch), best first. Alike items and alike places
+        are tried once (a place on one of the ``near`` indices is never alike one elsewhere);
+        a forced task stays shared, a task without a half whole."""
         def allowed(i: int, place: Place) -> bool:
             if place[0] == "s":
                 return self.half[i] is not None
@@ -806,16 +808,21 @@ class _TPSearch:
 
         def alike(j: int) -> tuple:
             wj = self.where[j]
+            if wj[0] == "w" and wj[1] in near:
+                return sig(j), wj
             return sig(j), wj[0], round(self.costs[wj[1]] if wj[0] == "w" else
                                         max(self.costs[2 * wj[1]], self.costs[2 * wj[1] + 1]), 6)
 
-        limit = ceiling * (1 - 1e-9) if strict else ceiling * (1 + 1e-9)
+        limit = ceiling * (1 - 1e-9) if strict else ceiling
         out = []
 
         def consider(ops: list[tuple[int, Place]]) -> None:
             got = self.trial(ops)
-            if got is not None and max(got.values()) < limit:
-                out.append(((max(got.values()), sum(got.values())), ops))
+            if got is None:
+                return
+            worst = max(got.values())
+            if worst < limit or not strict and worst <= limit:
+                out.append(((worst, sum(got.values())), ops, set(got)))
 
         mine = set(items)
         if onto is not None:
@@ -847,20 +854,24 @@ class _TPSearch:
         """Where no move off the busiest index lowers it: the best exchange of one of its items
         with an unlike one elsewhere (a QKV beside a pair's half for a lighter proj: what
         moves alone cannot reach). Where partners end their halves together, both may have
-        to change: an exchange, or an item brought beside the half, that leaves the busiest
-        no heavier, then one on the partner that lowers both (the first few tried)."""
-        got = self._swaps(here, ceiling, strict=True)
+        to change: an exchange, or an item brought beside the half, that leaves every index it
+        touches no heavier, then one on the partner after which every index either touches
+        is under the ceiling (the first few of each tried; the first is undone otherwise)."""
+        partner = top ^ 1
+        got = self._swaps(here, ceiling, strict=True, near=(top, partner))
         if got:
-            return got[0]
+            return got[0][:2]
         if top >= 2 * self.npairs or not self.shared[top // 2]:
             return None
-        partner = top ^ 1
-        for _, first in self._swaps(list(self.whole[top]), ceiling, False, onto=top)[:4]:
+        limit = ceiling * (1 - 1e-9)
+        for _, first, touched in self._swaps(list(self.whole[top]), ceiling, False, onto=top,
+                                             near=(top, partner))[:4]:
             back = [(i, self.where[i]) for i, _ in first]
             self.apply(first)
-            second = self._swaps(list(self.whole[partner]), ceiling, True, onto=partner)
-            if second:  # the first stays; the caller applies the second
-                return second[0]
+            for score, second, also in self._swaps(list(self.whole[partner]), ceiling, True,
+                                                   onto=partner, near=(top, partner)):
+                if all(self.costs[d] < limit for d in touched - also):
+                    return score, second  # the first stays; the caller applies the second
             self.apply(back)
         return None
 
@@ -870,10 +881,10 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
                         force: bool = False) -> tuple[float, tuple[DPProblem, Cuts] | None]:
     """tp > 1, Muon (``problem.shared``: the tasks TP groups share): a placement with the
     ``pairs`` (``sharing.tp_pair_decision``) shared by fixed partner indices (:class:`_TPSearch`,
-    heaviest first, then moves and exchanges off the busiest index; ``force``: every one of them shared,
-    which needs a bucket per pair and task: more pairs than that are left whole), laid out as
-    :func:`_layout` does (each
-    bucket by DP index, a shared matrix's TP shards cut between its partners). Returns (the
+    heaviest first, then moves and exchanges off the busiest index; ``force``: every one of
+    them shared, which needs a bucket per pair and task: more pairs than that are left whole),
+    laid out as :func:`_layout` does (each bucket by DP index, a shared matrix's TP shards cut
+    between its partners). Returns (the
     search's busiest index, (the reordered problem with the pairs used, its cuts) or None
     where it shares nothing). ``pipeline.tp_pair_candidates`` offers it to the pipeline."""
     if problem.settings.name != "muon" or problem.sizes.tp == 1 or problem.dp < 2 or not pairs \
