@@ -132,9 +132,10 @@ class StepTime(Objective):
     stock collectives against a balanced one that needs per-root calls.
 
     Seconds become load units at the problem's own rate (its total compute time under the
-    hardware profile over its tasks' loads, the same with shared pieces or without). ``ceiling`` bounds the compute: a max load above it
-    costs :data:`OVER_CEILING` times the excess, so the communication terms never buy more than
-    the allowed growth of the compute gap.
+    hardware profile over its tasks' loads, the same with shared pieces or without).
+    ``ceiling`` bounds the compute: a max load above it costs :data:`OVER_CEILING` times the
+    excess, so the communication terms never buy more than the allowed growth of the compute
+    gap.
 
     The per-bucket DP sees the separable part of a bucket's time, the per-call latency of the
     per-root calls (2α for every non-empty slice: a reduce and a broadcast), and, through
