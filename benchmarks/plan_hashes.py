@@ -10,7 +10,10 @@ writes):
 
 * ``plans/NAME`` — every example plan, built as ``plans/regenerate.py`` builds it (DP and TP);
 * ``sweep/MODEL-dpD-tpT`` and ``sweep/MODEL-dpD-tpT-no-reorder`` — the DP plans of
-  ``benchmarks/bench_planner.py``'s sweep (default solver, and ``reorder=False``).
+  ``benchmarks/bench_planner.py``'s sweep (default solver, and ``reorder=False``);
+* ``paths/MODEL-dpD-tpT[-epE]-OPTIMIZER-share-SHARE-HARDWARE`` — one plan per path the sweep does
+  not take: sharing (``auto`` at tp 1 and tp 8, DP pairs, Shampoo blocks, TP pairs), an ep 4 MoE
+  plan, Shampoo and SOAP at tp 1 and tp > 1 (:data:`PATHS`).
 
 Exit status 1 and one line per differing case when a plan changed.
 """
@@ -29,11 +32,41 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from canzona.planner import ParallelSizes, SizeError
-from canzona.planner.options import DPOptions
+from canzona.planner.options import DPOptions, TPOptions
 from canzona.planner.pipeline import plan
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "plan_hashes.json"
+
+#: (model, dp, tp, ep, optimizer, share, hardware): full plans (TP section included) of the
+#: planner paths the sweep does not take.
+PATHS = (
+    ("qwen3-0.6b", 8, 1, 1, "muon", "auto", "h100"),
+    ("qwen3-8b", 256, 1, 1, "muon", "auto", "h800"),
+    ("qwen3-0.6b", 8, 1, 1, "muon", "all-split", "h100"),
+    ("qwen3-0.6b", 4, 1, 1, "shampoo", "all", "h100"),
+    ("llama3-8b", 16, 8, 1, "muon", "auto", "h100"),
+    ("qwen3-4b", 16, 8, 1, "muon", "auto", "h800"),
+    ("qwen3-4b", 4, 4, 1, "muon", "pairs", "h100"),
+    ("qwen3-30b-a3b", 8, 2, 4, "muon", "off", "h100"),
+    ("qwen3-0.6b", 8, 1, 1, "shampoo", "off", "h100"),
+    ("qwen3-0.6b", 8, 1, 1, "soap", "off", "h100"),
+    ("qwen3-0.6b", 4, 4, 1, "shampoo", "off", "h100"),
+    ("qwen3-0.6b", 4, 4, 1, "soap", "off", "h100"),
+)
+
+
+def path_name(model: str, dp: int, tp: int, ep: int, optimizer: str, share: str,
+              hardware: str) -> str:
+    """The record's name of a :data:`PATHS` case."""
+    epn = f"-ep{ep}" if ep > 1 else ""
+    return f"paths/{model}-dp{dp}-tp{tp}{epn}-{optimizer}-share-{share}-{hardware}"
+
+
+def _path_plan(model: str, dp: int, tp: int, ep: int, optimizer: str, share: str,
+               hardware: str) -> str:
+    return plan(model, ParallelSizes(dp=dp, tp=tp, ep=ep), optimizer,
+                tp_options=TPOptions(share=share, hardware=hardware)).to_json()
 
 
 def _load(path: Path, name: str):
@@ -56,6 +89,8 @@ def cases() -> Iterator[tuple[str, str, Callable[[], str]]]:
                 for reorder in (True, False):
                     name = f"sweep/{model}-dp{dp}-tp{tp}" + ("" if reorder else "-no-reorder")
                     yield name, model, lambda m=model, d=dp, t=tp, r=reorder: _sweep(m, d, t, r)
+    for case in PATHS:
+        yield path_name(*case), case[0], lambda c=case: _path_plan(*c)
 
 
 def _sweep(model: str, dp: int, tp: int, reorder: bool) -> str | None:

@@ -22,7 +22,8 @@ def test_smallest_model_plans_match_the_record():
     mod = _module()
     record = json.loads(mod.RECORD.read_text())
     hashes = mod.compute(("qwen3-0.6b",))
-    assert len(hashes) >= 20 and all(n.startswith("sweep/qwen3-0.6b-") for n in hashes)
+    assert len(hashes) >= 20 and all(n.startswith(("sweep/qwen3-0.6b-", "paths/qwen3-0.6b-"))
+                                     for n in hashes)
     assert mod.check(hashes, record, ("qwen3-0.6b",)) == []
 
 
@@ -46,3 +47,16 @@ def test_changed_new_and_missing_plans_are_reported():
     assert "new: not in the record" in problems and "gone: recorded but no longer made" in problems
     # Checking some models only does not report the others as missing.
     assert mod.check({"a": "1" * 64}, record, ("m",)) == []
+
+
+def test_planner_paths_match_the_record():
+    """The planner paths the sweep does not take, of the models no other test here checks
+    (sharing at tp 8 on llama3-8b, an ep 4 MoE plan; ~2 s). With the qwen3-0.6b and qwen3-4b
+    cases above this guards the sharing search, TP pairs, Shampoo and SOAP; qwen3-8b dp256
+    (DP pairs chosen by ``auto``, ~9 s) is checked by the benchmark script."""
+    mod = _module()
+    record = json.loads(mod.RECORD.read_text())
+    hashes = mod.compute(("llama3-8b", "qwen3-30b-a3b"))
+    assert sorted(hashes) == sorted(mod.path_name(*c) for c in mod.PATHS
+                                    if c[0] in ("llama3-8b", "qwen3-30b-a3b"))
+    assert mod.check(hashes, record, ("llama3-8b", "qwen3-30b-a3b")) == []
