@@ -51,10 +51,10 @@ def plan_model(
         model: an ``nn.Module`` or its ``named_parameters()``.
         dp: data-parallel size. tp: tensor-parallel size (default: a Megatron-core model's
             ``tensor_model_parallel_size``, else 1): > 1 for a Megatron-core GPTModel built at
-            that TP size, or for a model whose TP-split parameters are DTensors placed ``Shard(0)`` (column) or ``Shard(1)`` (row) on the
-            mesh dim ``tp`` (``parallelize_module`` with ``ColwiseParallel`` /
-            ``RowwiseParallel``); fused layouts (qkv, gate_up, vocab) need a model config
-            (``canzona.planner.pipeline.plan``).
+            that TP size, or for a model whose TP-split parameters are DTensors placed
+            ``Shard(0)`` (column) or ``Shard(1)`` (row) on the mesh dim ``tp``
+            (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``); fused layouts
+            (qkv, gate_up, vocab) need a model config (``canzona.planner.pipeline.plan``).
         optimizer: a name in the optimizer registry, ``canzona.planner.optimizers`` (built in:
             ``muon``, ``shampoo``, ``soap``); another raises ``CanzonaError`` listing them.
         bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).
@@ -79,7 +79,8 @@ def plan_model(
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
 
     Returns:
-        The plan, ready for :class:`canzona.CanzonaOptimizer` or :func:`canzona.planner.plan.save_plan`.
+        The plan, ready for :class:`canzona.CanzonaOptimizer` or
+        :func:`canzona.planner.plan.save_plan`.
     """
     optimizers.get(optimizer)  # an unknown name fails here, naming the registered ones
     options = DPOptions(solver=solver, alpha=alpha, time_limit_s=time_limit_s, seed=seed,

@@ -22,7 +22,8 @@ def human_flops(n: float) -> str:
 
 def human_bytes(n: float) -> str:
     """Bytes in binary units: ``human_bytes(3 * 2**30)`` → ``3.00 GiB``."""
-    for div, suffix in ((2.0 ** 40, "TiB"), (2.0 ** 30, "GiB"), (2.0 ** 20, "MiB"), (2.0 ** 10, "KiB")):
+    for div, suffix in ((2.0 ** 40, "TiB"), (2.0 ** 30, "GiB"), (2.0 ** 20, "MiB"),
+                        (2.0 ** 10, "KiB")):
         if abs(n) >= div:
             return f"{n / div:.2f} {suffix}"
     return f"{n:.0f} B"

@@ -59,7 +59,8 @@ def resolve_chart(plot: Path, stem: str) -> Path:
                            f"of: {', '.join('.' + f for f in formats)}.")
     folder = plot.parent if str(plot.parent) else Path(".")
     if not folder.is_dir():
-        raise CanzonaError(f"--plot: cannot write chart '{plot}': folder '{folder}' does not exist.")
+        raise CanzonaError(f"--plot: cannot write chart '{plot}': folder '{folder}' does not "
+                           "exist.")
     return plot
 
 
@@ -106,7 +107,8 @@ def plot_plan(plan: Plan, path: Path) -> None:
         ax.set_ylabel(f"{label}\n({unit})")
         ax.set_ylim(0, max(ys + [mean]) * 1.3 or 1.0)  # headroom for the legend
         ax.legend(loc="upper left", ncol=2, fontsize="small")
-    axes[-1].set_xlabel("DP index" + ("" if inp.tp == 1 else f" (each bar: its {inp.tp} TP ranks summed)"))
+    axes[-1].set_xlabel("DP index" + (
+        "" if inp.tp == 1 else f" (each bar: its {inp.tp} TP ranks summed)"))
     fig.suptitle(f"{inp.model} dp={inp.dp} tp={inp.tp} {inp.optimizer.name}: "
                  f"{inp.solver.strategy}, gap to bound {m.gap_to_bound:.2%}")
     _save(fig, path)
@@ -177,7 +179,8 @@ def plot_compare(comp, path: Path) -> None:
     ax.legend(loc="upper right", fontsize="small")
     ep = f" ep={comp.ep}" if comp.ep > 1 else ""
     ax.set_title(f"{comp.model} dp={comp.dp} tp={comp.tp}{ep} on {comp.hardware}: forward+backward "
-                 f"{comp.forward_backward_s * 1e3:.3g} ms (modelled, not measured)", fontsize="medium")
+                 f"{comp.forward_backward_s * 1e3:.3g} ms (modelled, not measured)",
+                 fontsize="medium")
     _save(fig, path)
 
 

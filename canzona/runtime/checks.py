@@ -50,7 +50,8 @@ def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
     """The plan is a Plan this runtime executes (ep = 1; tp > 1 with its TP schedule and a TP
     group of that size); ``grad_sync`` is known."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a canzona Plan (canzona.load_plan), got {type(plan).__name__}")
+        raise TypeError("plan must be a canzona Plan (canzona.load_plan), got "
+                        f"{type(plan).__name__}")
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"grad_sync = {grad_sync!r} is not allowed; choose 'reduce_scatter' or "
                          "'external'")
@@ -82,7 +83,8 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | N
     order = list(dict.fromkeys(t.param for t in plan.tasks))
     live = [n for n, _ in pairs]
     if live != order:
-        k = next((k for k, (a, b) in enumerate(zip(order, live)) if a != b), min(len(order), len(live)))
+        k = next((k for k, (a, b) in enumerate(zip(order, live)) if a != b),
+                 min(len(order), len(live)))
         a = order[k] if k < len(order) else "nothing"
         b = live[k] if k < len(live) else "nothing"
         return (f"the plan does not match the model: parameter #{k} is '{a}' in the plan but "
@@ -124,7 +126,8 @@ def check_split_parts(plan: Plan, pairs: list[tuple[str, Tensor]]) -> None:
     """At tp = 1 the runtime updates a split part as contiguous rows of its parameter. Megatron's
     fused QKV (``linear_qkv``, TP layout ``qkv``) holds its rows grouped per KV group
     ([q_g; k_g; v_g] per group), so its Q, K and V are not contiguous there: refuse rather than
-    orthogonalise the wrong rows (tp > 1 gathers the parts by the plan's shard maps and is exact)."""
+    orthogonalise the wrong rows (tp > 1 gathers the parts by the plan's shard maps and is
+    exact)."""
     if plan.inputs.tp != 1:
         return
     parts = {t.param for t in plan.tasks if t.part in ("q", "k", "v")}
@@ -200,7 +203,8 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | No
         return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
                 f"{len(live)} in the model; the {other} lacks '{first}'.")
     return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
-            f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs {spec.fingerprint()[:19]}…).")
+            f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs "
+            f"{spec.fingerprint()[:19]}…).")
 
 
 def _unpadded_vocab(spec: ModelSpec, planned: list[tuple[str, tuple[int, ...], str]],

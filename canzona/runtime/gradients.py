@@ -87,7 +87,8 @@ class GradientCollector:
         """The complete buckets from ``next_bucket`` on, in order; they count as launched."""
         out = []
         nb = len(self._schedule.buckets)
-        while self.next_bucket < nb and self.reported[self.next_bucket] >= self.expected[self.next_bucket]:
+        while (self.next_bucket < nb
+               and self.reported[self.next_bucket] >= self.expected[self.next_bucket]):
             out.append(self.next_bucket)
             self.launched[self.next_bucket] = True
             self.next_bucket += 1

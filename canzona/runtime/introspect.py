@@ -1,4 +1,5 @@
-"""Live inventory: a planner :class:`~canzona.planner.inventory.ModelSpec` read from an ``nn.Module``.
+"""Live inventory: a planner :class:`~canzona.planner.inventory.ModelSpec` read from an
+``nn.Module``.
 
 The planner needs names, shapes, dtypes, a kind per parameter and the optimizer route. They come
 from ``named_parameters()`` (registration order, shared parameters once, as Megatron's buffers see
@@ -60,11 +61,12 @@ DEFAULT_OUTPUT_GLOBS: tuple[str, ...] = (
 #: 3-D parameters named so hold E expert matrices ([E, m, n]: transformers' MoE experts).
 DEFAULT_EXPERT_GLOBS: tuple[str, ...] = ("*.experts.*", "experts.*")
 
-DEFAULT_ROUTER_GLOBS: tuple[str, ...] = ("*mlp.router.weight", "*mlp.gate.weight", "*moe.gate.weight",
-                                         "*block_sparse_moe.gate.weight")
+DEFAULT_ROUTER_GLOBS: tuple[str, ...] = ("*mlp.router.weight", "*mlp.gate.weight",
+                                         "*moe.gate.weight", "*block_sparse_moe.gate.weight")
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_MEGATRON_FUSED: tuple[tuple[str, TPLayout], ...] = (("linear_qkv", "qkv"), ("linear_fc1", "gate_up"))
+_MEGATRON_FUSED: tuple[tuple[str, TPLayout], ...] = (("linear_qkv", "qkv"),
+                                                     ("linear_fc1", "gate_up"))
 
 
 def dtype_name(dtype: torch.dtype, name: str = "?") -> str:
@@ -76,7 +78,9 @@ def dtype_name(dtype: torch.dtype, name: str = "?") -> str:
                          "parameters.") from None
 
 
-def named_params(model: nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def named_params(
+    model: nn.Module | Iterable[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
     """``(name, parameter)`` pairs of a module or of a ``named_parameters()`` iterable."""
     pairs = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
     for item in pairs:
@@ -150,8 +154,8 @@ def _dtensor_layout(name: str, p: torch.Tensor) -> TPLayout:
     if pl.is_shard(0) and len(p.shape) == 1:
         return "column"  # a column-parallel bias
     raise ModelError(f"parameter '{name}' (shape {list(p.shape)}) is a DTensor placed {pl!r} on "
-                     "the tp mesh dim; canzona reads Shard(0) (column), Shard(1) (row) of a matrix, "
-                     "Shard(0) of a vector, or Replicate.")
+                     "the tp mesh dim; canzona reads Shard(0) (column), Shard(1) (row) of a "
+                     "matrix, Shard(0) of a vector, or Replicate.")
 
 
 def is_tp_split(p: torch.Tensor) -> bool:

@@ -689,7 +689,8 @@ def _problem(meta: dict, saved: Any, E: _Entries, opt: Any, model: Any,
                 "load it with the version that wrote it.")
     if meta and meta.get("kernel") != opt._matrix.name:
         return (f"the checkpoint holds {meta.get('kernel')} state; this optimizer runs "
-                f"{opt._matrix.name}. Build the optimizer with the plan's kernel it was saved with.")
+                f"{opt._matrix.name}. Build the optimizer with the plan's kernel it was saved "
+                "with.")
     have = saved.state_dict_metadata
     for key, shape in E.needs.items():
         if key.endswith(".main") and key not in have:

@@ -76,7 +76,8 @@ def find_gpt(model: Any) -> tuple[str, nn.Module] | None:
     return None
 
 
-def megatron_config(gpt: nn.Module, *, vocab: int | None = None, name: str | None = None) -> ModelConfig:
+def megatron_config(gpt: nn.Module, *, vocab: int | None = None,
+                    name: str | None = None) -> ModelConfig:
     """The planner's config of a Megatron-core GPTModel.
 
     Args:
@@ -129,8 +130,8 @@ def megatron_config(gpt: nn.Module, *, vocab: int | None = None, name: str | Non
             experts_per_token=int(c.moe_router_topk or 0) if moe else 0,
             moe_ffn=int(c.moe_ffn_hidden_size or 0) if moe else 0, dtype=dtype)
     except ValueError as exc:  # pydantic's ValidationError
-        raise ModelError(f"the Megatron model's TransformerConfig does not describe a model canzona "
-                         f"plans: {exc}") from None
+        raise ModelError("the Megatron model's TransformerConfig does not describe a model "
+                         f"canzona plans: {exc}") from None
 
 
 def _megatron_attrs(t: Any) -> tuple[bool, int | None, int]:
@@ -178,8 +179,8 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
         a = planned[k] if k < len(planned) else "nothing"
         b = names[k] if k < len(names) else "nothing"
         raise ModelError(f"the Megatron model's parameter #{k} is '{b}' but its TransformerConfig "
-                         f"describes '{a}' there; canzona.plan_model reads GPTModels built with the "
-                         "local or Transformer-Engine-free layer spec of a Llama/Qwen3 model.")
+                         f"describes '{a}' there; canzona.plan_model reads GPTModels built with "
+                         "the local or Transformer-Engine-free layer spec of a Llama/Qwen3 model.")
     params = []
     for p, (n, t) in zip(spec.params, live):
         want = shard_map(p, tp, kv_groups=cfg.kv_heads).local_shape if tp > 1 else (
@@ -190,10 +191,12 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
                              f"TransformerConfig at tp={tp} gives {list(want)}.")
         attrs = _megatron_attrs(t)
         if attrs != (p.tp_layout != "replicated", p.tp_dim, p.tp_stride):
-            raise ModelError(f"the Megatron model's '{n}' has tensor_model_parallel, partition_dim, "
-                             f"partition_stride = {attrs} but its TransformerConfig gives the "
-                             f"'{p.tp_layout}' layout {(p.tp_layout != 'replicated', p.tp_dim, p.tp_stride)}.")
-        if getattr(t, "is_embedding_or_output_parameter", False) and p.kind not in ("embedding", "output"):
+            raise ModelError(f"the Megatron model's '{n}' has tensor_model_parallel, "
+                             f"partition_dim, partition_stride = {attrs} but its TransformerConfig "
+                             f"gives the '{p.tp_layout}' layout "
+                             f"{(p.tp_layout != 'replicated', p.tp_dim, p.tp_stride)}.")
+        if (getattr(t, "is_embedding_or_output_parameter", False)
+                and p.kind not in ("embedding", "output")):
             raise ModelError(f"the Megatron model marks '{n}' is_embedding_or_output_parameter but "
                              f"its TransformerConfig gives a {p.kind} there.")
         params.append(dataclasses.replace(p, name=n, dtype=dtype_name(t.dtype, n)))

@@ -106,7 +106,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     Args:
         model: the ``nn.Module`` (or its ``named_parameters()``) the plan was made for.
-        plan: a :class:`~canzona.planner.plan.Plan` (``canzona.plan_model`` or ``canzona.load_plan``).
+        plan: a :class:`~canzona.planner.plan.Plan` (``canzona.plan_model`` or
+            ``canzona.load_plan``).
 
     Every other argument is keyword-only:
 

@@ -5,9 +5,9 @@ dimension), so each of the two DP ranks holds a row block of the parameter, of i
 gradient and of its momentum (``schedule.MatrixTask`` with ``pair`` set). Each rank applies
 Muon's momentum to its rows, then the two orthogonalise the matrix together with
 :func:`~canzona.runtime.optim.shared_ns.shared_newton_schulz_many` over the pair's process
-group (one all-reduce of the Gram's upper block rows per iteration) and each applies its rows of the update with the
-whole matrix's learning-rate scale. The result is the single-device Muon update up to summation
-order.
+group (one all-reduce of the Gram's upper block rows per iteration) and each applies its rows of
+the update with the whole matrix's learning-rate scale. The result is the single-device Muon
+update up to summation order.
 
 No process group is created for a pair: the two ranks exchange their partial Grams (and
 polynomial blocks) with point-to-point messages on the DP group

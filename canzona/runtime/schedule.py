@@ -226,8 +226,9 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                     continue
                 matrix[owner][bi].append(MatrixTask(
                     t.id, i, t.param, None, bi, a - c0, z - c0, r0, (r1 - r0, cols),
-                    full=(rows, cols), pair=tuple(x.owners), phase=x.phase,  # type: ignore[arg-type]
-                    split_poly=x.split_poly))
+                    full=(rows, cols),
+                    pair=tuple(x.owners),  # type: ignore[arg-type]
+                    phase=x.phase, split_poly=x.split_poly))
         elif t.optimizer == "matrix":
             rows, cols = t.shape
             row0 = rows_done[t.param]

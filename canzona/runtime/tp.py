@@ -119,9 +119,10 @@ def build_tp_groups(plan: Plan, names: list[str], param_bucket: Sequence[int],
                 raise PlanMismatchError(f"the plan's TP layout of '{t.param}' is not a split "
                                         "matrix; the plan is inconsistent.")
             name = t.param if t.part is None else f"{t.param}#{t.part}"
-            built.append(TPTask(t.id, i, name, t.part, gt.host, bi, lo - own_start[bi],
-                                hi - own_start[bi], lay.dim, tuple(lay.local_shape),  # type: ignore[arg-type]
-                                tuple(lay.full_shape), tuple(lay.segments)))  # type: ignore[arg-type]
+            built.append(TPTask(
+                t.id, i, name, t.part, gt.host, bi, lo - own_start[bi], hi - own_start[bi],
+                lay.dim, tuple(lay.local_shape),  # type: ignore[arg-type]
+                tuple(lay.full_shape), tuple(lay.segments)))  # type: ignore[arg-type]
         send = tuple(sum(t.numel(tp_rank) for t in built if t.host == h) for h in range(tp))
         recv = tuple(sum(t.numel(r) for t in built if t.host == tp_rank) for r in range(tp))
         if send != tuple(g.gather_send[tp_rank]) or recv != tuple(g.gather_recv[tp_rank]):
@@ -205,9 +206,10 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
             lo += row0 * shape[1]
             hi = lo + rows * shape[1]
             shape = (rows, shape[1])
-        out.append(SharedTask(t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
-                              lay.dim, shape, tuple(lay.full_shape),  # type: ignore[arg-type]
-                              x.split_poly, name == "shampoo", pair, row0))  # type: ignore[arg-type]
+        out.append(SharedTask(
+            t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
+            lay.dim, shape, tuple(lay.full_shape),  # type: ignore[arg-type]
+            x.split_poly, name == "shampoo", pair, row0))  # type: ignore[arg-type]
     listed = {x.id for x in out if x.pair is not None}
     for p in pairs.values():
         if plan.inputs.tp > 1 and dp_rank in p.owners and p.id not in listed:
@@ -443,7 +445,8 @@ class MicroGroupRunner:
         orthos = shared_newton_schulz_many(
             blocks, group=groups, coefficients=cfg.schedule, steps=cfg.ns_steps, eps=cfg.eps,
             dtype=cfg.ns_dtype, split_polynomial=[x.split_poly for x in todo],
-            timeout_s=self.timeout_s, what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo],
+            timeout_s=self.timeout_s,
+            what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo],
             flight=self.flight)
         updates = [(ortho.mT if flip else ortho).to(torch.float32)
                    for ortho, flip in zip(orthos, flips)]

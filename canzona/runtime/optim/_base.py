@@ -81,7 +81,9 @@ def check_range(
 def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
     """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ValueError(f"{owner}.{field} = {value!r} is not allowed; choose one of {list(choices)}")
+        raise ValueError(
+            f"{owner}.{field} = {value!r} is not allowed; choose one of {list(choices)}"
+        )
 
 
 def param_names(names: Sequence[str] | None, count: int) -> list[str]:
@@ -143,7 +145,8 @@ def check_state(
             )
         if device is not None and key != "step" and t.device != device:
             raise ValueError(
-                f"{owner}: state {key!r} of parameter {name} is on {t.device}, its gradient on {device}"
+                f"{owner}: state {key!r} of parameter {name} is on {t.device}, "
+                f"its gradient on {device}"
             )
 
 
@@ -151,7 +154,9 @@ def check_matrix_grads(owner: str, grads: Sequence[Tensor], names: list[str]) ->
     """Matrix optimizers take 2-D floating-point gradients."""
     for g, name in zip(grads, names):
         if g.ndim != 2:
-            raise ValueError(f"{owner}: gradient of {name} has shape {tuple(g.shape)}; expected 2-D")
+            raise ValueError(
+                f"{owner}: gradient of {name} has shape {tuple(g.shape)}; expected 2-D"
+            )
         if not g.is_floating_point():
             raise ValueError(f"{owner}: gradient of {name} has dtype {g.dtype}; expected floating")
         if g.is_sparse:

@@ -101,12 +101,16 @@ class MuonConfig:
         check_range(owner, "eps", self.eps, 0.0, lo_open=True)
         check_range(owner, "ns_steps", self.ns_steps, 1, 99, integer=True)
         check_choice(owner, "nesterov", self.nesterov, (True, False))
-        check_choice(owner, "adjust_lr_fn", self.adjust_lr_fn, (None, "original", "match_rms_adamw"))
+        check_choice(
+            owner, "adjust_lr_fn", self.adjust_lr_fn, (None, "original", "match_rms_adamw")
+        )
         check_choice(
             owner, "ns_dtype", self.ns_dtype, (torch.bfloat16, torch.float32, torch.float64)
         )
         check_choice(owner, "nonfinite", self.nonfinite, ("raise", "skip"))
-        object.__setattr__(self, "_schedule", _coefficient_schedule(self.ns_coefficients, self.ns_steps))
+        object.__setattr__(
+            self, "_schedule", _coefficient_schedule(self.ns_coefficients, self.ns_steps)
+        )
 
     @property
     def schedule(self) -> tuple[Coefficients, ...]:
@@ -121,14 +125,21 @@ def _coefficient_schedule(spec: object, ns_steps: int) -> tuple[Coefficients, ..
         if (
             not isinstance(t, (tuple, list))
             or len(t) != 3
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in t)
+            or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                for x in t
+            )
         ):
             raise ValueError(f"{owner}: {t!r} is not a triple (a, b, c) of finite numbers")
         return (float(t[0]), float(t[1]), float(t[2]))
 
     if spec == "quintic":
         cycle = QUINTIC_COEFFICIENTS
-    elif isinstance(spec, (tuple, list)) and len(spec) > 0 and all(isinstance(x, (tuple, list)) for x in spec):
+    elif (
+        isinstance(spec, (tuple, list))
+        and len(spec) > 0
+        and all(isinstance(x, (tuple, list)) for x in spec)
+    ):
         cycle = tuple(triple(t) for t in spec)
     else:
         return (triple(spec),) * ns_steps
@@ -286,7 +297,8 @@ class Muon(MatrixOptimizer):
         shape = tuple(param.shape) if full_shape is None else tuple(full_shape)
         if update.shape != param.shape:
             raise ValueError(
-                f"Muon.apply: update shape {tuple(update.shape)} != param shape {tuple(param.shape)}"
+                f"Muon.apply: update shape {tuple(update.shape)} != "
+                f"param shape {tuple(param.shape)}"
             )
         adjusted = adjust_lr(lr, cfg.adjust_lr_fn, shape)
         param.mul_(1 - lr * wd)

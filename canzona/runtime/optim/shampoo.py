@@ -102,7 +102,9 @@ class ShampooConfig:
         check_choice(owner, "nonfinite", self.nonfinite, ("raise", "skip"))
 
 
-def inverse_root(stat: Tensor, *, root: int = 4, eps: float = 0.0, dtype: torch.dtype | None = None) -> Tensor:
+def inverse_root(
+    stat: Tensor, *, root: int = 4, eps: float = 0.0, dtype: torch.dtype | None = None
+) -> Tensor:
     """``(stat + eps·I)^{-1/root}`` of a symmetric PSD matrix by eigendecomposition.
 
     Eigenvalues are clamped at 0 first (round-off can make them slightly negative).
@@ -277,7 +279,8 @@ class Shampoo(MatrixOptimizer):
         wd = cfg.weight_decay if weight_decay is None else weight_decay
         if update.shape != param.shape:
             raise ValueError(
-                f"Shampoo.apply: update shape {tuple(update.shape)} != param shape {tuple(param.shape)}"
+                f"Shampoo.apply: update shape {tuple(update.shape)} != "
+                f"param shape {tuple(param.shape)}"
             )
         param.mul_(1.0 - lr * wd)
         param.add_(update, alpha=-lr)

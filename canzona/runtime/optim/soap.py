@@ -189,7 +189,8 @@ class SOAP(MatrixOptimizer):
         wd = cfg.weight_decay if weight_decay is None else weight_decay
         if update.shape != param.shape:
             raise ValueError(
-                f"SOAP.apply: update shape {tuple(update.shape)} != param shape {tuple(param.shape)}"
+                f"SOAP.apply: update shape {tuple(update.shape)} != "
+                f"param shape {tuple(param.shape)}"
             )
         # The reference decays after the update (θ − lr·U)·(1 − lr·wd).
         param.add_(update, alpha=-lr)
@@ -197,7 +198,11 @@ class SOAP(MatrixOptimizer):
             param.mul_(1.0 - wd * lr)
 
     def _update_statistics(self, grad: Tensor, state: dict[str, Tensor]) -> None:
-        beta = self.config.betas[1] if self.config.shampoo_beta is None else self.config.shampoo_beta
+        beta = (
+            self.config.betas[1]
+            if self.config.shampoo_beta is None
+            else self.config.shampoo_beta
+        )
         if "GG_L" in state:
             state["GG_L"].lerp_((grad @ grad.T).to(state["GG_L"].dtype), 1.0 - beta)
         if "GG_R" in state:
