@@ -21,7 +21,7 @@ __all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "l
 _LAZY = {
     "CanzonaOptimizer": ("canzona.runtime.optimizer", "CanzonaOptimizer"),
     "plan_model": ("canzona._facade", "plan_model"),
-    "load_plan": ("canzona.planner.validate", "load_plan"),
+    "load_plan": ("canzona.planner.plan.load", "load_plan"),
     "save_checkpoint": ("canzona.runtime.logical_checkpoint", "save_checkpoint"),
     "load_checkpoint": ("canzona.runtime.logical_checkpoint", "load_checkpoint"),
     "dcp_state": ("canzona.runtime.logical_checkpoint", "dcp_state"),

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
 from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, Plan, save_plan
-from canzona.planner.plan_load import load_plan, parse_plan
+from canzona.planner.plan.load import load_plan, parse_plan
 from canzona.planner.planning import baseline_plan, make_problem
 
 
