@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CanzonaError
-from .hardware import DEFAULT_HARDWARE, load_hardware
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
@@ -78,9 +78,14 @@ def pairs_dict(plan: Plan) -> dict | None:
     index against the mean useful work (every task's single-device cost once, not its pieces and
     collectives): ``max_over_useful_mean`` with every piece's exchanges in its load
     (``metrics.dp_load``), ``run_max_over_useful_mean`` as the runtime runs the pairs
-    (:func:`_pair_runs`; Shampoo's blocks: the same as the first)."""
+    (:func:`_pair_runs` on the plan's hardware profile, the default one where that profile is no
+    longer there; Shampoo's blocks: the same as the first)."""
     if not plan.dp_shared or plan.inputs.tp > 1:  # at tp > 1: the TP section's (tp_summary)
         return None
+    try:
+        hw = load_hardware(plan.comm.hardware)
+    except CanzonaError:
+        hw = load_hardware(DEFAULT_HARDWARE)
     m = plan.metrics
     node = plan.comm.gpus_per_node  # at tp = 1 a DP index is its global rank
     total = sum(m.dp_load) + sum(plan.tasks[x.id].cost - sum(x.loads) for x in plan.dp_shared)
@@ -98,11 +103,11 @@ def pairs_dict(plan: Plan) -> dict | None:
             "kinds": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
             "useful_mean_load": mean, "max_load": max(m.dp_load),
             "max_over_useful_mean": round(max(m.dp_load) / mean, 6) if mean else 1.0,
-            "run_max_over_useful_mean": round(max(_pair_runs(plan)) / mean, 6)
+            "run_max_over_useful_mean": round(max(_pair_runs(plan, hw)) / mean, 6)
             if mean else 1.0}
 
 
-def _pair_runs(plan: Plan) -> list[float]:
+def _pair_runs(plan: Plan, hw: HardwareProfile) -> list[float]:
     """Per DP index of a plan with DP pairs, its load as the runtime meets it (the simulator's
     model, ``sharing.pair_waits``): the pairs first, phase by phase, each pair's matrices in
     lockstep (one's exchanges beside the others' compute), a pair starting when both partners
@@ -110,15 +115,10 @@ def _pair_runs(plan: Plan) -> list[float]:
 
     Each piece's load and modelled seconds are the plan's (``dp_shared``); the plan does not
     record how many of those seconds are exchanges and how many of them the piece's own Gram
-    products hide, so those come from ``sharing.shared_piece`` on the plan's hardware profile
-    (the default profile where that profile is no longer there)."""
+    products hide, so those come from ``sharing.shared_piece`` on ``hw``."""
     load = [float(x) for x in plan.metrics.dp_load]
     if plan.inputs.optimizer.name != "muon":
         return load
-    try:
-        hw = load_hardware(plan.comm.hardware)
-    except CanzonaError:
-        hw = load_hardware(DEFAULT_HARDWARE)
     runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     steps = plan.inputs.optimizer.ns_steps
     for x in plan.dp_shared:
