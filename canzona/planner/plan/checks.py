@@ -39,7 +39,7 @@ from ..errors import PlanFileError
 from ..layout import ParallelSizes, padded_vocab
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
 from .inverse import read_problem
-from .messages import inconsistency, matches, label
+from .messages import inconsistency, label, matches
 from .pair_checks import check_pairs
 from .schema import Plan, gc_paused
 from .structure import check_structure

@@ -10,7 +10,7 @@ from ..cost import DTYPE_BYTES
 from ..hardware import load_hardware
 from ..shards import Segment, ShardMap
 from ..sharing import shard_blocks_aligned, shared_piece, tp_pair_piece
-from .messages import matches, label
+from .messages import label, matches
 from .schema import Plan
 
 __all__ = ["check_tp"]
