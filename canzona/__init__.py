@@ -14,8 +14,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "load_plan", "plan_model",
-           "save_checkpoint"]
+__all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "load_plan",
+           "plan_model", "save_checkpoint"]
 
 # name → (module, attribute), imported on first access (PEP 562).
 _LAZY = {

@@ -25,9 +25,8 @@ from .errors import SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan,
-                   BufferPlan, Metrics, PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan,
-                   SolverOptions, TaskPlan, TPPlan)
+from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
+                   PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).
@@ -473,8 +472,7 @@ def build_plan(
                                   expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
                                   buckets=buckets))
     tasks = tuple(
-        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape,
-                 optimizer=t.optimizer,  # type: ignore[arg-type]
+        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape, optimizer=t.optimizer,  # type: ignore[arg-type]
                  owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
                  cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
                  tp_comm_bytes=c.tp_comm_bytes,

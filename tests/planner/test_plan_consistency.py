@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import canzona
-from canzona.planner import OptimizerSettings, ParallelSizes, PlanFileError, build_inventory, get_preset
+from canzona.planner import (OptimizerSettings, ParallelSizes, PlanFileError, build_inventory,
+                             get_preset)
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.plan import Plan, save_plan
 from canzona.planner.plan.checks import check_plan

@@ -112,7 +112,8 @@ def test_malformed_files(tmp_path, good):
     assert "invalid JSON" in _one_line_error(_write(tmp_path, "{oops"))
     assert "no schema_version" in _one_line_error(_write(tmp_path, {"hello": 1}))
     assert "no schema_version" in _one_line_error(_write(tmp_path, [1, 2]))
-    assert "must be an integer" in _one_line_error(_write(tmp_path, {**good, "schema_version": "1"}))
+    assert "must be an integer" in _one_line_error(_write(tmp_path, {**good,
+                                                                     "schema_version": "1"}))
     missing = {k: v for k, v in good.items() if k != "tasks"}
     assert "field 'tasks'" in _one_line_error(_write(tmp_path, missing))
     extra = {**good, "surprise": True}
