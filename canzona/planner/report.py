@@ -15,17 +15,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .comm import CommSummary, plan_summary
 from .errors import CanzonaError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.inverse import read_problem
-from .sharing import Run, kind_of, pair_link, pair_timeline, profile_rate, shared_piece
+from .sharing import (Run, kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
+                      sharing_bound)
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
-    from .comm import CommSummary
     from .plan import MicroGroupPlan, Plan
     from .tp.baselines import TPBaselineRow
 
@@ -246,8 +247,6 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     report["dp_pairs"] = pairs_dict(plan)
     report["sharing"] = None
     if problem is not None:
-        from .sharing import sharing_bound
-
         say("sharing bound")
         report["sharing"] = sharing_bound(problem, hardware=plan.comm.hardware).to_dict()
     return report
@@ -257,8 +256,6 @@ def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -
     """The DP part of :func:`inspect_report`: inputs, metrics, per-DP-index rows (compute, state,
     bytes sent and predicted collective seconds), heaviest tasks, the collectives
     (:func:`comm_dict`) and the baselines ``rows`` (None: not available)."""
-    from .comm import plan_summary
-
     inp, m = plan.inputs, plan.metrics
     summary = plan_summary(plan)
     sent, secs = summary.index_sent, summary.index_seconds
