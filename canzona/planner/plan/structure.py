@@ -1,6 +1,6 @@
-"""A plan's fields against each other, without cost formulas: the structural checks of
-:func:`canzona.planner.plan.load.parse_plan` (after the schema, before
-:func:`canzona.planner.plan.checks.check_plan`'s arithmetic, which relies on them).
+"""A plan's fields against each other, without cost formulas: the structural checks
+:func:`canzona.planner.plan.checks.check_plan` runs first (loading a plan runs it after the
+schema); the arithmetic checks rely on them.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def check_structure(plan: Plan, source: str = "<plan>") -> None:
     baselines ``asc`` / ``zero1`` may omit it), one entry per DP index, shard layouts whose
     shards keep every dimension but the split one whole, tp × tp split sizes, hosts and task ids
     in range, every hosted task scheduled once and in agreement with its task's owner, host and
-    micro-group. The arithmetic relations (costs, loads, totals) are
-    :mod:`canzona.planner.plan.checks`'.
+    micro-group. The arithmetic relations (costs, loads, totals) are in
+    :mod:`canzona.planner.plan.checks`.
 
     Raises:
         PlanFileError: one line naming the file, the field and the fix.
