@@ -141,7 +141,7 @@ def calibrated_profile(args: argparse.Namespace, say) -> tuple[object, dict]:
 
 def simulate(res: dict, hw, args: argparse.Namespace) -> dict:
     from canzona.planner import OptimizerSettings, ParallelSizes
-    from canzona.planner.plan_load import parse_plan
+    from canzona.planner.plan.load import parse_plan
     from canzona.planner.planning import make_problem
     from canzona.planner.strategies import compare_problem
     from canzona.runtime.introspect import inventory

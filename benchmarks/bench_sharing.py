@@ -29,7 +29,8 @@ import warnings
 from canzona.planner import DPOptions, ParallelSizes, TPOptions
 from canzona.planner.hardware import load_hardware
 from canzona.planner.pipeline import plan
-from canzona.planner.report import pairs_dict, rebuild_problem, useful_mean
+from canzona.planner.plan.inverse import read_problem
+from canzona.planner.report import pairs_dict, useful_mean
 from canzona.planner.sharing import sharing_bound
 from canzona.planner.simulate import simulate_plan
 
@@ -73,7 +74,7 @@ def main() -> None:
                       tp_options=TPOptions(hardware=args.hardware))
         whole = plan(model, sizes, tp_options=TPOptions(hardware=args.hardware))
         shared = plan(model, sizes, tp_options=TPOptions(hardware=args.hardware, share="auto"))
-        bound = sharing_bound(rebuild_problem(whole), hardware=hw)
+        bound = sharing_bound(read_problem(whole, model=True).problem, hardware=hw)
         rows = {"canzona-greedy": _row(greedy, hw), "canzona": _row(whole, hw),
                 "canzona --share auto": _row(shared, hw)}
         # the compute alone decides (the default weighs the DP collectives too)

@@ -14,14 +14,14 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "load_plan", "plan_model",
-           "save_checkpoint"]
+__all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "load_plan",
+           "plan_model", "save_checkpoint"]
 
 # name → (module, attribute), imported on first access (PEP 562).
 _LAZY = {
     "CanzonaOptimizer": ("canzona.runtime.optimizer", "CanzonaOptimizer"),
     "plan_model": ("canzona._facade", "plan_model"),
-    "load_plan": ("canzona.planner.validate", "load_plan"),
+    "load_plan": ("canzona.planner.plan.load", "load_plan"),
     "save_checkpoint": ("canzona.runtime.logical_checkpoint", "save_checkpoint"),
     "load_checkpoint": ("canzona.runtime.logical_checkpoint", "load_checkpoint"),
     "dcp_state": ("canzona.runtime.logical_checkpoint", "dcp_state"),

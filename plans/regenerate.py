@@ -5,20 +5,28 @@
 
 Each plan is what ``canzona plan --model M --dp D --tp T`` writes with the defaults (Muon, α = 1,
 FLOPs cost, solver auto). Plans hold no wall-clock time, so identical code gives identical bytes.
+
+``--check`` also loads ``plans/old/``: one file of every older plan schema version this canzona
+reads (:func:`old_versions_problems`), never rewritten.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
-from canzona.planner import ParallelSizes
+from canzona.planner import ParallelSizes, PlanFileError
 from canzona.planner.pipeline import plan
-from canzona.planner.plan import Plan, save_plan
+from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, Plan, save_plan
+from canzona.planner.plan.convert import OLDEST_VERSION
+from canzona.planner.plan.load import load_plan
 from canzona.planner.planning import default_plan_name
 
 HERE = Path(__file__).resolve().parent
+#: One plan file of every older schema version (``NAME-vN.plan.json``), kept as written.
+OLD = HERE / "old"
 MODELS = ("qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 SIZES = ((32, 8), (16, 8), (32, 4))  # the paper's (dp, tp)
 CASES = tuple((m, dp, tp) for m in MODELS for dp, tp in SIZES)
@@ -39,7 +47,8 @@ def index(plans: dict[str, Plan]) -> str:
         "# Example plans",
         "",
         "Written by `python plans/regenerate.py` (do not edit; re-run it after a planner change).",
-        "Each is `canzona plan --model M --dp D --tp T` with the defaults: Muon, α = 1, FLOPs cost,",
+        "Each is `canzona plan --model M --dp D --tp T` with the defaults: Muon, α = 1, "
+        "FLOPs cost,",
         "solver `auto`. Read one with `canzona inspect plans/FILE`.",
         "",
         "| plan | GPUs | max/mean FLOPs | gap to certified bound | max/mean state | status |",
@@ -52,6 +61,41 @@ def index(plans: dict[str, Plan]) -> str:
                      f"{m.gap_to_bound:.2%} | {max(st) / (sum(st) / len(st)):.3f} | "
                      f"{m.solver_status} |")
     return "\n".join(lines) + "\n"
+
+
+def old_versions_problems() -> list[str]:
+    """What is wrong with ``plans/old/`` (nothing: an empty list): every schema version from the
+    oldest read to the one before the newest has a file there, and each loads with every check
+    (:func:`canzona.planner.plan.load.load_plan`): a version-1 file converted to version
+    2 (``comm.converted_from = 1``), a newer one as itself, saving byte for byte as read."""
+    problems = []
+    found: dict[int, Path] = {}
+    for path in sorted(OLD.glob("*.plan.json")):
+        m = re.search(r"-v(\d+)\.plan\.json$", path.name)
+        if m is None:
+            problems.append(f"plans/old/{path.name}: not named NAME-vN.plan.json")
+            continue
+        found[int(m.group(1))] = path
+    for version in range(OLDEST_VERSION, SCHEMA_VERSION):
+        if version not in found:
+            problems.append(f"plans/old: no file of schema version {version} (NAME-v{version}"
+                            f".plan.json)")
+    for version, path in sorted(found.items()):
+        where = f"plans/old/{path.name}"
+        try:
+            p = load_plan(path)
+        except PlanFileError as exc:
+            problems.append(f"{where}: does not load: {exc}")
+            continue
+        if version < BASE_VERSION:
+            if (p.schema_version, p.comm.converted_from) != (BASE_VERSION, version):
+                problems.append(f"{where}: loads as version {p.schema_version} with "
+                                f"comm.converted_from {p.comm.converted_from}, not as version "
+                                f"{BASE_VERSION} converted from {version}")
+        elif p.schema_version != version or p.to_json() != path.read_text(encoding="utf-8"):
+            problems.append(f"{where}: does not load as the version-{version} plan it is "
+                            f"(schema_version {p.schema_version}, or other text when saved)")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stale: plans/{name}", file=sys.stderr)
         if stale:
             print("run: python plans/regenerate.py", file=sys.stderr)
-        return 1 if stale else 0
+        old = old_versions_problems()
+        for problem in old:
+            print(problem, file=sys.stderr)
+        return 1 if stale or old else 0
     print(f"wrote {len(files)} files to {HERE}")
     return 0
 

@@ -40,7 +40,7 @@ def refused_edit(tmp_path):
     """``refused_edit(plan, edit)``: the one-line ``PlanFileError`` that loading ``plan``'s JSON
     after ``edit(data)`` (a change in place) raises (the test fails if it loads)."""
     from canzona.planner.errors import PlanFileError
-    from canzona.planner.validate import load_plan
+    from canzona.planner.plan.load import load_plan
 
     def refuse(plan, edit) -> str:
         data = json.loads(plan.to_json())

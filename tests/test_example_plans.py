@@ -35,3 +35,21 @@ def test_cli_in_a_fresh_process_reproduces_the_committed_plan(tmp_path):
     assert r.returncode == 0, r.stderr
     assert out.read_bytes() == committed.read_bytes(), (
         f"plans/{name} is stale (the planner changed): run python plans/regenerate.py")
+
+
+def test_old_schema_versions_load_and_convert(tmp_path, monkeypatch):
+    """plans/old holds a file of every older schema version; each loads (and the version-1 one
+    converts). A missing version, or a file that no longer loads, is named."""
+    mod = _regenerate_module()
+    assert mod.old_versions_problems() == []
+    for path in mod.OLD.glob("*.plan.json"):
+        if "-v3." not in path.name:
+            (tmp_path / path.name).write_text(path.read_text(encoding="utf-8"))
+    v2 = tmp_path / "tiny-dp2-tp2-v2.plan.json"
+    v2.write_text(v2.read_text().replace('"total_params": ', '"total_params": 1'))
+    monkeypatch.setattr(mod, "OLD", tmp_path)
+    problems = mod.old_versions_problems()
+    assert any("no file of schema version 3" in p for p in problems), problems
+    assert any(p.startswith("plans/old/tiny-dp2-tp2-v2.plan.json: does not load")
+               and "total_params" in p for p in problems), problems
+    assert len(problems) == 2

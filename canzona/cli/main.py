@@ -320,7 +320,7 @@ def inspect(
     """Report a plan: per-DP-index loads and collectives, the costliest buckets, gap to the bound,
     heaviest tasks, every baseline."""
     from canzona.planner.report import inspect_report
-    from canzona.planner.validate import load_plan
+    from canzona.planner.plan.load import load_plan
 
     from . import plots
 
@@ -362,7 +362,7 @@ def simulate(
     """Predict a plan's optimizer step on a cluster: compute, TP gather/scatter, DP reduce and
     all-gather, what overlaps what, and the critical rank."""
     from canzona.planner.simulate import plan_hardware, simulate_plan
-    from canzona.planner.validate import load_plan
+    from canzona.planner.plan.load import load_plan
 
     from . import _simulate_render, plots
 
@@ -450,7 +450,7 @@ def compare(
         if share != "off":
             raise CanzonaError("--share applies when compare makes the plans (--model/--config); "
                                "the plan given with --plan already records what it shares.")
-        from canzona.planner.validate import load_plan
+        from canzona.planner.plan.load import load_plan
         title = plan_file.name
     else:
         cfg = resolve_model(model, config)

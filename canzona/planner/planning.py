@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
                    task_cost)
@@ -134,6 +135,11 @@ class DPProblem:
     def dp(self) -> int:
         return self.sizes.dp
 
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element of the buckets."""
+        return GRAD_BYTES[self.layout.buffers[0].grad_dtype] if self.layout.buffers else 4
+
     def dp_index(self, bucket: BucketProblem, r: int) -> int:
         """DP index of rank ``r`` of ``bucket``'s sharding group."""
         buf = self.layout.buffers[bucket.buffer]
@@ -150,6 +156,27 @@ class DPProblem:
     def lower_bound(self) -> int:
         """LB = max(⌈total / dp⌉, largest atomic item)."""
         return max(-(-self.total_load() // self.dp), self.largest_atomic())
+
+
+class Partition(Protocol):
+    """What :func:`evaluate` and :func:`pair_owners` read of a problem: the DP size, the buckets
+    (items in buffer order), the DP index of each bucket rank, the gradient bytes per element and
+    the tasks DP pairs split. A :class:`DPProblem` is one; so is a plan read back without its
+    model (:class:`canzona.planner.plan.inverse.PlanProblem`)."""
+
+    @property
+    def dp(self) -> int: ...
+
+    @property
+    def buckets(self) -> tuple[BucketProblem, ...]: ...
+
+    @property
+    def pairs(self) -> Mapping[int, object]: ...
+
+    @property
+    def grad_bytes(self) -> int: ...
+
+    def dp_index(self, bucket: BucketProblem, r: int) -> int: ...
 
 
 def make_problem(
@@ -226,7 +253,7 @@ def pair_items(it: Item, shape: tuple[int, ...], row: int, loads: tuple[int, int
             Item(slot + 1, mid, it.end, loads[1], flops[1], states[1], True, it.tasks))
 
 
-def pair_owners(problem: DPProblem, cuts: Cuts) -> dict[int, tuple[int, int]]:
+def pair_owners(problem: Partition, cuts: Cuts) -> dict[int, tuple[int, int]]:
     """Task id → the DP indices of its two pieces, for every task of ``problem.pairs``."""
     out: dict[int, list[int]] = {}
     for b in problem.buckets:
@@ -342,7 +369,7 @@ class Evaluation:
     split_matrices: int
 
 
-def evaluate(problem: DPProblem, cuts: Cuts,
+def evaluate(problem: Partition, cuts: Cuts,
              *, split_mode: str = "owner") -> Evaluation:
     """Loads per DP index.
 
@@ -359,7 +386,7 @@ def evaluate(problem: DPProblem, cuts: Cuts,
     rs = [0] * dp
     owners: dict[int, int] = {}
     split = 0
-    grad_bytes = GRAD_BYTES[problem.layout.buffers[0].grad_dtype] if problem.layout.buffers else 4
+    grad_bytes = problem.grad_bytes
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         for r in range(b.ranks):
@@ -493,24 +520,6 @@ def _placement(placements: Mapping[int, tuple[int, int]] | None, task: int) -> d
         return {}
     host, group = placements[task]
     return {"host": host, "micro_group": group}
-
-
-def problem_for_plan(problem: DPProblem, plan: Plan) -> tuple[DPProblem, Cuts]:
-    """The problem a saved plan's cuts refer to — ``problem`` (``make_problem`` with the plan's
-    inputs) with every bucket's parameters in the plan's order, since plans made with
-    reordering move parameters inside buckets — and the plan's cuts."""
-    cuts: Cuts = {}
-    buckets = []
-    by_key = {(b.buffer, b.bucket): b for b in problem.buckets}
-    for bi, buf in enumerate(plan.buffers):
-        for bp in buf.buckets:
-            old = by_key[(bi, bp.index)]
-            by_name = {problem.tasks[it.tasks[0]].param: it for it in old.items}
-            buckets.append(BucketProblem(bi, bp.index, bp.start, bp.end, old.ranks, tuple(
-                dataclasses.replace(by_name[s.name], slot=k, start=s.start, end=s.end)
-                for k, s in enumerate(bp.slots))))
-            cuts[(bi, bp.index)] = tuple(bp.cuts)
-    return dataclasses.replace(problem, buckets=tuple(buckets)), cuts
 
 
 def baseline_plan(problem: DPProblem, strategy: str = "asc", model_source: str = "preset") -> Plan:

@@ -1,8 +1,9 @@
 """Reports on models, layouts and plans as plain data (what ``canzona ... --json`` prints).
 
 Front ends render these dicts; nothing here prints. The main entry is :func:`inspect_report`: a
-saved plan's problem rebuilt from its inputs (fingerprint checked), its per-DP-index metrics,
-heaviest tasks, DP baselines and, for tp > 1, the TP schedule and its baselines.
+saved plan's problem rebuilt from its inputs (fingerprint checked:
+:func:`canzona.planner.plan.inverse.read_problem`), its per-DP-index metrics, heaviest tasks, DP
+baselines and, for tp > 1, the TP schedule and its baselines.
 
 Torch-free, like the rest of the planner; the solvers and baselines are imported where they are
 used, so that importing this module (and the CLI) stays quick.
@@ -14,22 +15,24 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .comm import CommSummary, plan_summary
 from .errors import CanzonaError
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
+from .plan.inverse import read_problem
+from .sharing import (Run, kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
+                      sharing_bound)
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
-    from .comm import CommSummary
-    from .hardware import HardwareProfile
     from .plan import MicroGroupPlan, Plan
-    from .planning import DPProblem
     from .tp.baselines import TPBaselineRow
 
 __all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
            "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",
-           "rebuild_problem", "task_name", "tp_dict"]
+           "task_name", "tp_dict"]
 
 
 # --- small metrics shared by the reports and their renderers ---------------------------------
@@ -70,24 +73,22 @@ def useful_mean(plan: Plan) -> float:
 
 
 def pairs_dict(plan: Plan) -> dict | None:
-    """The matrices DP pairs share (``plan.dp_shared``; None when none): how many, of which
-    kinds, how many with the polynomial split, the phases, and the busiest DP index against the
-    mean useful work (every task's single-device cost once, not its pieces and collectives):
-    ``max_over_useful_mean`` with every piece's exchanges in its load (``metrics.dp_load``),
-    ``run_max_over_useful_mean`` as the runtime runs the pairs (each pair's matrices in
-    lockstep, waits between partners: ``sharing.pair_waits``' model; Shampoo's blocks: the
-    same as the first)."""
+    """The matrices DP pairs share (``plan.dp_shared``; None when none), as the plan records
+    them: how many, of which kinds, how many with the polynomial split, the phases, the pairs of
+    adjacent DP indices and of indices on two nodes (``comm.gpus_per_node``), and the busiest DP
+    index against the mean useful work (every task's single-device cost once, not its pieces and
+    collectives): ``max_over_useful_mean`` with every piece's exchanges in its load
+    (``metrics.dp_load``), ``run_max_over_useful_mean`` as the runtime runs the pairs
+    (:func:`_pair_runs` on the plan's hardware profile, the default one where that profile is no
+    longer there; Shampoo's blocks: the same as the first)."""
     if not plan.dp_shared or plan.inputs.tp > 1:  # at tp > 1: the TP section's (tp_summary)
         return None
-    from .errors import CanzonaError
-    from .hardware import DEFAULT_HARDWARE, load_hardware
-    from .sharing import kind_of, pair_link
-
-    m = plan.metrics
     try:
         hw = load_hardware(plan.comm.hardware)
-    except CanzonaError:  # a profile file no longer there: the default's node size
+    except CanzonaError:
         hw = load_hardware(DEFAULT_HARDWARE)
+    m = plan.metrics
+    node = plan.comm.gpus_per_node  # at tp = 1 a DP index is its global rank
     total = sum(m.dp_load) + sum(plan.tasks[x.id].cost - sum(x.loads) for x in plan.dp_shared)
     mean = total / plan.inputs.dp
     kinds: dict[str, int] = {}
@@ -98,7 +99,7 @@ def pairs_dict(plan: Plan) -> dict | None:
             "split_poly": sum(x.split_poly for x in plan.dp_shared),
             "phases": 1 + max(x.phase for x in plan.dp_shared),
             "adjacent": sum(x.owners[1] == x.owners[0] + 1 for x in plan.dp_shared),
-            "across_nodes": sum(pair_link(hw, tuple(x.owners)) is hw.inter_node
+            "across_nodes": sum(x.owners[0] // node != x.owners[1] // node
                                 for x in plan.dp_shared),
             "kinds": dict(sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0]))),
             "useful_mean_load": mean, "max_load": max(m.dp_load),
@@ -111,9 +112,11 @@ def _pair_runs(plan: Plan, hw: HardwareProfile) -> list[float]:
     """Per DP index of a plan with DP pairs, its load as the runtime meets it (the simulator's
     model, ``sharing.pair_waits``): the pairs first, phase by phase, each pair's matrices in
     lockstep (one's exchanges beside the others' compute), a pair starting when both partners
-    are free; then the rest of the index's load."""
-    from .sharing import Run, pair_link, pair_timeline, profile_rate, shared_piece
+    are free; then the rest of the index's load.
 
+    Each piece's load and modelled seconds are the plan's (``dp_shared``); the plan does not
+    record how many of those seconds are exchanges and how many of them the piece's own Gram
+    products hide, so those come from ``sharing.shared_piece`` on ``hw``."""
     load = [float(x) for x in plan.metrics.dp_load]
     if plan.inputs.optimizer.name != "muon":
         return load
@@ -199,54 +202,6 @@ def layout_dict(spec: ModelSpec, lay: PhysicalLayout) -> dict:
 # --- canzona inspect ---------------------------------------------------------------------------
 
 
-def rebuild_problem(plan: Plan, config: Path | None = None) -> DPProblem | None:
-    """The plan's :class:`DPProblem` rebuilt from its inputs, checked against its fingerprint.
-
-    Args:
-        plan: a loaded plan.
-        config: the Hugging Face ``config.json`` the plan was made from (plans whose
-            ``model_source`` is ``hf_config`` only).
-
-    Returns:
-        None when the inputs cannot be rebuilt (a live module, a custom cost model).
-
-    Raises:
-        CanzonaError: an ``hf_config`` plan without ``config``, or a model whose parameters do
-            not match the plan's fingerprint.
-    """
-    from .models import get_preset, load_hf_config
-    from .options import COSTS
-    from .planning import make_problem
-
-    inp = plan.inputs
-    if inp.model_source == "module" or inp.cost_model not in COSTS:
-        return None
-    if inp.model_source == "hf_config":
-        if config is None:
-            raise CanzonaError(f"this plan was made from a Hugging Face config (model "
-                               f"'{inp.model}'); pass it again with {{inspect_report.config}} "
-                               f"PATH.", fields=("inspect_report.config",))
-        cfg = load_hf_config(config)
-    else:
-        cfg = get_preset(inp.model)
-    # Megatron's names, or the live transformers model's (a plan made with names='hf').
-    spec = build_inventory(cfg)
-    if spec.fingerprint() != plan.fingerprint and inp.tp == 1 and inp.ep == 1:
-        hf = build_inventory(cfg, names="hf")
-        spec = hf if hf.fingerprint() == plan.fingerprint else spec
-    if spec.fingerprint() != plan.fingerprint:
-        src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"
-        raise CanzonaError(f"plan fingerprint {plan.fingerprint[:19]}… does not match {src} "
-                           f"({spec.fingerprint()[:19]}…): the plan was made for other "
-                           "parameters.")
-    sizes = ParallelSizes(dp=inp.dp, tp=inp.tp, ep=inp.ep,
-                          etp=None if inp.etp == inp.tp else inp.etp)
-    return make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
-                        bucket_size=inp.bucket_size,
-                        overlap_grad_reduce=inp.bucket_size is not None,
-                        comm_dtype=inp.comm_dtype)
-
-
 def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
                    progress: Callable[[str], None] | None = None) -> dict:
     """Everything ``canzona inspect`` shows, as plain data (``canzona inspect --json``).
@@ -265,25 +220,25 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
         sharing bound are None where the problem cannot be rebuilt.
 
     Raises:
-        CanzonaError: see :func:`rebuild_problem`.
+        CanzonaError: see :func:`canzona.planner.plan.inverse.rebuild_model`.
     """
     from .baselines import baselines
 
     say = progress or (lambda _phase: None)
     say("rebuilding the model's problem")
-    problem = rebuild_problem(plan, config)
+    inverse = read_problem(plan, model=True, config=config)
+    problem = inverse.problem
     say("baselines")
     rows = baselines(problem, plan) if problem is not None else None
     report = inspect_dict(plan, rows, top=top)
     tp_rows = None
-    if plan.tp is not None and problem is not None:
-        from .planning import problem_for_plan
+    if plan.tp is not None and inverse.in_plan_order is not None:
         from .tp.baselines import TPBaselineRow, tp_baselines
 
         say("TP baselines")
-        pr, cuts = problem_for_plan(problem, plan)
         # The plan's own schedule is the "canzona" row, from its recorded metrics.
-        tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
+        tp_rows = [r for r in tp_baselines(inverse.in_plan_order, inverse.cuts)
+                   if r.name != "canzona"]
         m = plan.tp.metrics
         flat = [x for r in m.gpu_load for x in r]
         tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
@@ -292,8 +247,6 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     report["dp_pairs"] = pairs_dict(plan)
     report["sharing"] = None
     if problem is not None:
-        from .sharing import sharing_bound
-
         say("sharing bound")
         report["sharing"] = sharing_bound(problem, hardware=plan.comm.hardware).to_dict()
     return report
@@ -303,8 +256,6 @@ def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -
     """The DP part of :func:`inspect_report`: inputs, metrics, per-DP-index rows (compute, state,
     bytes sent and predicted collective seconds), heaviest tasks, the collectives
     (:func:`comm_dict`) and the baselines ``rows`` (None: not available)."""
-    from .comm import plan_summary
-
     inp, m = plan.inputs, plan.metrics
     summary = plan_summary(plan)
     sent, secs = summary.index_sent, summary.index_seconds

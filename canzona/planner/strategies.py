@@ -45,6 +45,7 @@ from .inventory import ModelSpec
 from .layout import ParallelSizes
 from .options import MIB, DPOptions, TPOptions
 from .plan import Plan
+from .plan.inverse import read_problem
 from .planning import DPProblem, equal_cuts, make_problem, owner_of
 from .simulate import (ADAMW_BYTES_PER_ELEMENT, BucketWork, GroupWork, RankWork, StepSim,
                        Workload, forward_backward_seconds, simulate, split_forward_backward,
@@ -577,10 +578,9 @@ def compare_plan(plan: Plan, hardware: str | HardwareProfile | None = None, *,
             model, or a fingerprint that does not match).
     """
     from .errors import CanzonaError
-    from .report import rebuild_problem
     from .simulate import plan_hardware
 
-    problem = rebuild_problem(plan, config)
+    problem = read_problem(plan, model=True, config=config).problem
     if problem is None:
         raise CanzonaError("this plan was made from a live module or with a custom cost model: "
                            "its problem cannot be rebuilt for the other strategies; compare "

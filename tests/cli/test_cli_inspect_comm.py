@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from canzona.planner.validate import load_plan
+from canzona.planner.plan.load import load_plan
 from cli_helpers import run
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from canzona.planner.plan import SCHEMA_VERSION
-from canzona.planner.plan_load import load_plan
+from canzona.planner.plan.load import load_plan
 from canzona.planner.report import inspect_report
 from cli_helpers import run
 

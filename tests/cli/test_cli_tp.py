@@ -3,7 +3,7 @@
 import json
 
 
-from canzona.planner.plan_load import load_plan
+from canzona.planner.plan.load import load_plan
 from cli_helpers import run
 
 

@@ -22,7 +22,7 @@ from canzona.planner.plan import save_plan
 from canzona.planner.report import pairs_dict
 from canzona.planner.sharing import pair_decision, pair_waits
 from canzona.planner.simulate import simulate_plan
-from canzona.planner.validate import load_plan
+from canzona.planner.plan.load import load_plan
 
 H800 = load_hardware("h800")
 

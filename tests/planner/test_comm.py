@@ -22,7 +22,7 @@ from canzona.planner.hardware import DEFAULT_HARDWARE, HardwareProfile, LinkProf
 from canzona.planner.options import DPOptions
 from canzona.planner.pipeline import plan as make_plan
 from canzona.planner.plan import Plan
-from canzona.planner.plan_load import load_plan
+from canzona.planner.plan.load import load_plan
 
 #: α = 0.5 s, 100 bytes/s: a call costs 0.5 s and every 100 bytes through the busiest rank 1 s.
 LINK = LinkProfile(busbw=100.0, latency_s=0.5)

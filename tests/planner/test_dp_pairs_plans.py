@@ -16,7 +16,7 @@ from canzona.planner.planning import make_problem, pair_phases
 from canzona.planner.report import pairs_dict
 from canzona.planner.sharing import kind_of, pair_decision, share_options
 from canzona.planner.simulate import simulate_plan, workload_from_plan
-from canzona.planner.validate import load_plan
+from canzona.planner.plan.load import load_plan
 
 
 def _plan(model: str, dp: int, share: str, hardware: str = "h100", **kw):

@@ -8,7 +8,7 @@ never crashes the runtime's preparation and never changes what a step computes.
 sizes and options, and the runtime's :class:`canzona.runtime.errors.PlanMismatchError` for a plan
 that does not fit the model, the process group or the settings. Here:
 
-* loading (``canzona.planner.validate.parse_plan``: JSON, version, schema, structure, formulas)
+* loading (``canzona.planner.plan.load.parse_plan``: JSON, version, schema, structure, formulas)
   must return a plan or raise ``PlanFileError`` with one line; any other exception — ``KeyError``,
   ``IndexError``, ``TypeError``, ``ZeroDivisionError``, ``AttributeError``, ``OverflowError``,
   ``RecursionError``, a pydantic ``ValidationError`` leaking unwrapped, or even a plain
@@ -52,7 +52,8 @@ from canzona.planner.models import ModelConfig
 from canzona.planner.options import DPOptions
 from canzona.planner.pipeline import plan as make_plan
 from canzona.planner.plan import Plan
-from canzona.planner.validate import check_plan, parse_plan
+from canzona.planner.plan.checks import check_plan
+from canzona.planner.plan.load import parse_plan
 
 torch = pytest.importorskip("torch")
 

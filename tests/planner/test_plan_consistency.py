@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 import canzona
-from canzona.planner import OptimizerSettings, ParallelSizes, PlanFileError, build_inventory, get_preset
-from canzona.planner.plan import Plan, save_plan
-from canzona.planner.plan_load import load_plan as load_structure
-from canzona.planner.planning import baseline_plan, make_problem
+from canzona.planner import (OptimizerSettings, ParallelSizes, PlanFileError, build_inventory,
+                             get_preset)
 from canzona.planner.pipeline import plan_problem
-from canzona.planner.validate import check_plan, load_plan
+from canzona.planner.plan import Plan, save_plan
+from canzona.planner.plan.checks import check_plan
+from canzona.planner.plan.load import load_plan, parse_plan
+from canzona.planner.planning import baseline_plan, make_problem
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -95,7 +96,7 @@ def test_baseline_plans_pass_with_and_without_split_matrices(tmp_path):
 def test_fixture_plans_pass_and_top_level_load_plan_validates(tmp_path, plans):
     for data in plans.values():
         path = _write(tmp_path, data)
-        assert load_plan(path) == canzona.load_plan(path) == load_structure(path)
+        assert load_plan(path) == canzona.load_plan(path) == parse_plan(path.read_text())
     bad = copy.deepcopy(plans["tp1"])
     bad["total_params"] += 1
     with pytest.raises(PlanFileError, match="total_params"):

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
 from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, Plan, save_plan
-from canzona.planner.plan_load import load_plan, parse_plan
+from canzona.planner.plan.load import load_plan, parse_plan
 from canzona.planner.planning import baseline_plan, make_problem
 
 
@@ -112,7 +112,8 @@ def test_malformed_files(tmp_path, good):
     assert "invalid JSON" in _one_line_error(_write(tmp_path, "{oops"))
     assert "no schema_version" in _one_line_error(_write(tmp_path, {"hello": 1}))
     assert "no schema_version" in _one_line_error(_write(tmp_path, [1, 2]))
-    assert "must be an integer" in _one_line_error(_write(tmp_path, {**good, "schema_version": "1"}))
+    assert "must be an integer" in _one_line_error(_write(tmp_path, {**good,
+                                                                     "schema_version": "1"}))
     missing = {k: v for k, v in good.items() if k != "tasks"}
     assert "field 'tasks'" in _one_line_error(_write(tmp_path, missing))
     extra = {**good, "surprise": True}
@@ -131,3 +132,37 @@ def test_plan_is_frozen():
         p.inputs.dp = 4  # type: ignore[misc]
     assert p.inputs.dp == 8 and p.metrics is not None
     assert parse_plan(p.to_json()) == p
+
+
+def test_one_converter_per_older_version_applied_in_sequence(monkeypatch, good):
+    """Every schema version from the oldest read to the one before the newest has its converter
+    (n → n + 1), and loading applies them in order from the file's version."""
+    from canzona.planner.plan import convert
+
+    assert sorted(convert.UPGRADES) == list(range(convert.OLDEST_VERSION, SCHEMA_VERSION))
+    seen = []
+    for n, step in list(convert.UPGRADES.items()):
+        def spy(data, source, n=n, step=step):
+            seen.append(n)
+            return step(data, source)
+        monkeypatch.setitem(convert.UPGRADES, n, spy)
+    assert parse_plan(json.dumps(good)) == _plan()
+    assert seen == list(range(BASE_VERSION, SCHEMA_VERSION))
+    seen.clear()
+    v1 = {**good, "schema_version": 1}
+    del v1["comm"]
+    v1["buffers"] = [{**buf, "buckets": [{k: v for k, v in b.items() if k != "method"}
+                                         for b in buf["buckets"]]} for buf in good["buffers"]]
+    assert parse_plan(json.dumps(v1)).comm.converted_from == 1
+    assert seen == list(range(1, SCHEMA_VERSION))
+
+
+def test_parse_plan_checks_the_formulas_too(good):
+    """``parse_plan`` (text) runs every check ``load_plan`` (file) runs: a task cost that does not
+    match the optimizer's formulas is refused from text as from a file."""
+    assert parse_plan(json.dumps(good)) == _plan()
+    bad = json.loads(json.dumps(good))
+    bad["tasks"][0]["flops"] += 1
+    with pytest.raises(PlanFileError, match=r"field 'tasks\[0\]\.flops'") as e:
+        parse_plan(json.dumps(bad), "<text>")
+    assert str(e.value).startswith("<text>: inconsistent plan") and "\n" not in str(e.value)

@@ -6,8 +6,8 @@ import pytest
 
 from canzona.planner import PRESETS, CanzonaError, ParallelSizes, get_preset
 from canzona.planner.pipeline import plan
-from canzona.planner.report import (busiest_index, inspect_report, layout_dict, layout_of,
-                                    model_rows, rebuild_problem)
+from canzona.planner.plan.inverse import rebuild_model
+from canzona.planner.report import busiest_index, inspect_report, layout_dict, layout_of, model_rows
 
 QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -60,7 +60,7 @@ def test_hf_config_plans_need_their_config_and_the_right_one(tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**QWEN3_0_6B, "num_hidden_layers": 27}))
     with pytest.raises(CanzonaError, match="does not match config .*other parameters"):
-        rebuild_problem(p, other)
+        rebuild_model(p, other)
 
 
 def test_layout_dict_counts_what_the_layout_splits():

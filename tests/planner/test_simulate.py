@@ -12,7 +12,7 @@ import pytest
 
 from canzona.planner.comm import bucket_comm, plan_link, plan_summary
 from canzona.planner.hardware import LinkProfile, load_hardware
-from canzona.planner.plan_load import parse_plan
+from canzona.planner.plan.load import parse_plan
 from canzona.planner.errors import CanzonaError
 from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload, _a2a,
                                       iteration_time, plan_hardware, simulate, simulate_plan,

@@ -14,7 +14,7 @@ from canzona.planner.cost import OptimizerSettings
 from canzona.planner.hardware import load_hardware
 from canzona.planner.inventory import build_inventory
 from canzona.planner.models import get_preset
-from canzona.planner.plan_load import parse_plan
+from canzona.planner.plan.load import parse_plan
 from canzona.planner.planning import make_problem
 from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload, simulate,
                                       split_forward_backward)

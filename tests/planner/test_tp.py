@@ -12,7 +12,7 @@ from canzona.planner import (OptimizerSettings, OversizedTaskWarning, ParallelSi
                              build_inventory, get_preset)
 from canzona.planner.dp import greedy, solve
 from canzona.planner.plan import SolverOptions
-from canzona.planner.plan_load import parse_plan
+from canzona.planner.plan.load import parse_plan
 from canzona.planner.planning import build_plan, equal_cuts, make_problem
 from canzona.planner.tp import (MIB, TPContext, TPOptions, gpu_loads, index_gpu_max,
                                 joint_refine, lb_gpu, placements, schedule_tp, tp_plan)

@@ -24,7 +24,7 @@ from canzona.planner.simulate import simulate_plan
 from canzona.planner.tp import MIB, TPContext, index_gpu_max, schedule_tp
 from canzona.planner.tp.joint import lockstep_assign
 from canzona.planner.tp.schedule import share_decision
-from canzona.planner.validate import load_plan, parse_plan
+from canzona.planner.plan.load import load_plan, parse_plan
 
 
 def _plan(model: str, dp: int, tp: int, share: str, hardware: str = "h800"):
@@ -246,7 +246,7 @@ def test_shampoo_blocks_shard_by_shard_plan_simulate_and_validate(tmp_path):
     save_plan(shard, path)
     assert load_plan(path) == shard
     # the check a plan file's shared Shampoo task passes, against blocks of 1024
-    from canzona.planner.validate import _check_shard_blocks
+    from canzona.planner.plan.tp_checks import _check_shard_blocks
 
     def bad(field, msg):
         return ValueError(f"{field}: {msg}")

@@ -1,150 +1,19 @@
-"""Reading a plan file: JSON, schema version, the pydantic schema (types, ranges, unknown
-fields), then :func:`check_structure` — the plan's internal consistency that needs no cost
-formulas (sizes against cuts, owners and hosts in range, ids, every parameter slot covered, the TP
-section's shape). Every failure is one :class:`~canzona.planner.errors.PlanFileError` line.
-
-:mod:`canzona.planner.validate` adds the arithmetic relations; ``canzona.load_plan`` runs both.
+"""A plan's fields against each other, without cost formulas: the structural checks
+:func:`canzona.planner.plan.checks.check_plan` runs first (loading a plan runs it after the
+schema); the arithmetic checks rely on them.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
-from pydantic import ValidationError
+from ..errors import PlanFileError
+from ..settings import PARAM_ALIGN
+from .messages import REGENERATE, inconsistency
+from .schema import Plan
 
-from .errors import PlanFileError
-from .plan import BASE_VERSION, SCHEMA_VERSION, Plan, gc_paused
-from .settings import PARAM_ALIGN
-
-def parse_plan(text: str, source: str = "<plan>") -> Plan:
-    """Parse plan JSON text; every failure is one line naming the problem (and versions).
-
-    Checks the JSON, the schema version, the fields, then :func:`check_structure`.
-    """
-    with gc_paused():
-        return _parse_plan(text, source)
-
-
-def _parse_plan(text: str, source: str) -> Plan:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
-                            f"({exc.msg}).") from None
-    except RecursionError:
-        raise PlanFileError(f"{source}: not a plan file: JSON nested too deeply (a plan is a "
-                            f"few levels deep).") from None
-    if not isinstance(data, dict) or "schema_version" not in data:
-        raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
-    found = data["schema_version"]
-    if not isinstance(found, int) or isinstance(found, bool):
-        raise PlanFileError(f"{source}: schema_version must be an integer, found {found!r}.")
-    if found > SCHEMA_VERSION:
-        raise PlanFileError(f"{source}: plan schema version {found} is newer than this canzona "
-                            f"reads (version {SCHEMA_VERSION}); upgrade canzona.")
-    if found < 1:
-        raise PlanFileError(f"{source}: plan schema version {found} does not exist (versions "
-                            f"1 to {SCHEMA_VERSION}); regenerate it with 'canzona plan'.")
-    if found < BASE_VERSION:
-        data = _convert(data, source)
-    try:
-        plan = Plan.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise PlanFileError(_one_line(f"{source}: malformed plan (schema version {SCHEMA_VERSION}): "
-                                      f"field '{loc}': {err['msg']}{more}.")) from None
-    _check_structure(plan, source)
-    return plan
-
-
-def _convert(data: dict, source: str) -> dict:
-    """A version-1 plan's fields in version 2 (version 3 only adds optional fields).
-
-    1 → 2: buckets gain their collective ``method`` and the plan its ``comm`` section, chosen
-    with the default hardware profile's communication model; ``comm.converted_from`` records
-    the conversion, ``inputs.solver.objective`` that the cuts were made for the max load.
-    """
-    from . import comm as comm_model
-    from .hardware import DEFAULT_HARDWARE, load_hardware
-    from .plan import BufferPlan
-
-    out = dict(data)
-    try:
-        inputs, layout = dict(out["inputs"]), out["rank_layout"]
-        dp, tp = int(layout["dp"]), int(layout["tp"])
-        ep = int(inputs.get("ep", 1))
-        buffers = [BufferPlan.model_validate({**buf, "buckets": [
-            {**b, "method": "padded"} for b in buf["buckets"]]}) for buf in out["buffers"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PlanFileError(_one_line(f"{source}: malformed plan (schema version 1, converting "
-                                      f"to {SCHEMA_VERSION}): {exc}.")) from None
-    for name, value in (("dp", dp), ("tp", tp), ("ep", ep)):
-        if value < 1:
-            where = f"inputs.{name}" if name == "ep" else f"rank_layout.{name}"
-            raise PlanFileError(f"{source}: malformed plan (schema version 1): {where} is "
-                                f"{value}, must be ≥ 1; regenerate it with 'canzona plan'.")
-    hw = load_hardware(DEFAULT_HARDWARE)
-    try:  # the comm section from the buckets' slices, which must fit the rank layout
-        _, link = comm_model.plan_link(hw, dp, tp)
-        slices = comm_model.buffer_slices(buffers, ep)
-        methods = [comm_model.choose(s.sizes, grad_bytes=s.grad_bytes,
-                                     param_bytes=s.param_bytes, link=link).method
-                   for s in slices]
-        comm = comm_model.comm_section(slices, methods, hw, dp=dp, tp=tp, converted_from=1)
-    except (IndexError, KeyError, TypeError, ValueError) as exc:
-        raise PlanFileError(_one_line(
-            f"{source}: malformed plan (schema version 1, converting to {SCHEMA_VERSION}): its "
-            f"buckets do not fit rank_layout (dp {dp}, tp {tp}, ep {ep}): "
-            f"{type(exc).__name__}: {exc}; regenerate it with 'canzona plan'.")) from None
-    it = iter(methods)
-    out["buffers"] = [{**buf, "buckets": [{**b, "method": next(it)} for b in buf["buckets"]]}
-                      for buf in out["buffers"]]
-    inputs["solver"] = {**inputs["solver"], "objective": "max-load"}
-    out["inputs"] = inputs
-    out["comm"] = comm.model_dump(mode="json")
-    out["schema_version"] = BASE_VERSION
-    return out
-
-
-def load_plan(path: str | Path) -> Plan:
-    """Read a plan file and check its schema and structure (:func:`check_structure`).
-
-    ``canzona.load_plan`` (:func:`canzona.planner.validate.load_plan`) also checks the task costs
-    and loads against the optimizer's formulas; use that one for files from elsewhere.
-
-    Raises:
-        PlanFileError: unreadable, not JSON, another schema version, fields that do not validate,
-            or an inconsistent structure.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise PlanFileError(f"cannot read plan '{path}': {reason}.") from None
-    return parse_plan(text, str(path))
-
-
-# --- structural consistency --------------------------------------------------------------------
-
-#: The fix named by every consistency error: plans are written by the planner, never by hand.
-REGENERATE = "regenerate it with 'canzona plan'"
 #: Strategies without a TP schedule even for tp > 1 (ZeRO-1 equal-cut baselines).
 BASELINE_STRATEGIES = ("asc", "zero1")
-
-
-def _one_line(text: str) -> str:
-    return text.replace("\r", "\\r").replace("\n", "\\n")
-
-
-def inconsistency(source: str, field: str, problem: str, fix: str = REGENERATE) -> PlanFileError:
-    """The one-line error for a plan that parses but contradicts itself."""
-    return PlanFileError(_one_line(f"{source}: inconsistent plan: field '{field}': {problem}; "
-                                   f"{fix}."))
 
 
 def check_structure(plan: Plan, source: str = "<plan>") -> None:
@@ -159,18 +28,12 @@ def check_structure(plan: Plan, source: str = "<plan>") -> None:
     baselines ``asc`` / ``zero1`` may omit it), one entry per DP index, shard layouts whose
     shards keep every dimension but the split one whole, tp × tp split sizes, hosts and task ids
     in range, every hosted task scheduled once and in agreement with its task's owner, host and
-    micro-group. The arithmetic relations (costs, loads, totals) are
-    :func:`canzona.planner.validate.check_plan`'s.
+    micro-group. The arithmetic relations (costs, loads, totals) are in
+    :mod:`canzona.planner.plan.checks`.
 
     Raises:
         PlanFileError: one line naming the file, the field and the fix.
     """
-
-    with gc_paused():
-        _check_structure(plan, source)
-
-
-def _check_structure(plan: Plan, source: str) -> None:
     def bad(field: str, problem: str, fix: str = REGENERATE) -> PlanFileError:
         return inconsistency(source, field, problem, fix)
 
@@ -244,16 +107,18 @@ def _check_structure(plan: Plan, source: str) -> None:
             pos = b.start
             for k, sl in enumerate(b.slots):
                 if sl.start < pos:
-                    raise bad(f"{bf}.slots[{k}].start", f"is {sl.start} but the previous slot (or the "
-                                             f"bucket) ends at {pos}: slots must not overlap")
+                    raise bad(f"{bf}.slots[{k}].start", f"is {sl.start} but the previous slot "
+                                                        f"(or the bucket) ends at {pos}: slots "
+                                                        f"must not overlap")
                 if sl.start % PARAM_ALIGN:
-                    raise bad(f"{bf}.slots[{k}].start", f"is {sl.start}, not aligned to {PARAM_ALIGN} "
-                                             f"elements")
+                    raise bad(f"{bf}.slots[{k}].start", f"is {sl.start}, not aligned to "
+                                                        f"{PARAM_ALIGN} elements")
                 if sl.end <= sl.start:
-                    raise bad(f"{bf}.slots[{k}].end", f"is {sl.end}, not after its start {sl.start}")
+                    raise bad(f"{bf}.slots[{k}].end", f"is {sl.end}, not after its start "
+                                                      f"{sl.start}")
                 if sl.name in slot_of:
-                    raise bad(f"{bf}.slots[{k}].name", f"parameter '{sl.name}' already has a slot "
-                                            f"({_slot_field(slot_of[sl.name])})")
+                    raise bad(f"{bf}.slots[{k}].name", f"parameter '{sl.name}' already has a "
+                                                       f"slot ({_slot_field(slot_of[sl.name])})")
                 slot_of[sl.name] = (i, j, k)
                 pos = sl.end
             if pos > b.end:
@@ -283,26 +148,26 @@ def _check_structure(plan: Plan, source: str) -> None:
     tasks_of: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         if t.id != i:
-            raise bad(f"tasks[{i}].id", f"is {t.id} but task ids run 0 … {n - 1} in order (this one is "
-                                  f"{i})")
+            raise bad(f"tasks[{i}].id", f"is {t.id} but task ids run 0 … {n - 1} in order "
+                                        f"(this one is {i})")
         if t.shape and min(t.shape) < 1:
             raise bad(f"tasks[{i}].shape", f"is {list(t.shape)}; every dimension must be positive")
         if t.param not in slot_of:
             raise bad(f"tasks[{i}].param", f"'{t.param}' is in no bucket's slots")
         if t.optimizer == "matrix":
             if t.owner is None:
-                raise bad(f"tasks[{i}].owner", "is null but a matrix task needs the DP index that "
-                                         "computes it")
+                raise bad(f"tasks[{i}].owner", "is null but a matrix task needs the DP index "
+                                               "that computes it")
             if not 0 <= t.owner < dp:
                 raise bad(f"tasks[{i}].owner", f"is {t.owner} but DP indices run 0 … {dp - 1} "
-                                         f"(inputs.dp = {dp})")
+                                               f"(inputs.dp = {dp})")
         elif t.owner is not None or t.host is not None or t.micro_group is not None:
             attr = next(a for a in ("owner", "host", "micro_group") if getattr(t, a) is not None)
-            raise bad(f"tasks[{i}].{attr}", f"is {getattr(t, attr)} but an AdamW task has none (null): "
-                                      f"its elements follow the cuts")
+            raise bad(f"tasks[{i}].{attr}", f"is {getattr(t, attr)} but an AdamW task has none "
+                                            f"(null): its elements follow the cuts")
         if t.host is not None and not 0 <= t.host < tp:
-            raise bad(f"tasks[{i}].host", f"is {t.host} but TP ranks run 0 … {tp - 1} (inputs.tp = "
-                                    f"{tp})")
+            raise bad(f"tasks[{i}].host", f"is {t.host} but TP ranks run 0 … {tp - 1} "
+                                          f"(inputs.tp = {tp})")
         if (t.host is None) != (t.micro_group is None):
             raise bad(f"tasks[{i}].micro_group", f"is {t.micro_group} with host {t.host}: a hosted "
                                            f"task has both, other tasks neither")
@@ -323,8 +188,8 @@ def _check_structure(plan: Plan, source: str) -> None:
                                                        f"{tasks[ids[0]].optimizer!r}")
     for name, where in slot_of.items():
         if name not in tasks_of:
-            raise bad(f"{_slot_field(where)}.name", f"parameter '{name}' has no task (every parameter slot "
-                                       f"needs one)")
+            raise bad(f"{_slot_field(where)}.name", f"parameter '{name}' has no task (every "
+                                                    f"parameter slot needs one)")
 
     # The TP section.
     strategy = inp.solver.strategy
@@ -360,7 +225,7 @@ def _check_shard_cover(plan: Plan, seen: dict[int, str], bad) -> None:  # noqa: 
     for name, ids in parts.items():
         lays = [T.layouts[layout_of[i]] for i in ids]
         if any(L.dim is None for L in lays):
-            continue  # a replicated layout for a hosted task: check_plan names it
+            continue  # a replicated layout for a hosted task: the checks name it
         first = lays[0]
         for i, L in zip(ids, lays):
             if L.dim != first.dim or L.local_shape != first.local_shape:
@@ -378,9 +243,9 @@ def _check_shard_cover(plan: Plan, seen: dict[int, str], bad) -> None:  # noqa: 
                 if a != pos:
                     how = "twice" if a < pos else "by no part"
                     raise bad(f"{seen[i]}.layout", f"reads rows/columns {a} … {z - 1} of TP rank "
-                                                   f"{r}'s shard of '{name}', which leaves "
-                                                   f"{min(a, pos)} … covered {how}: the parts of a "
-                                                   f"parameter read each row of its shard once")
+                                               f"{r}'s shard of '{name}', which leaves "
+                                               f"{min(a, pos)} … covered {how}: the parts of a "
+                                               f"parameter read each row of its shard once")
                 pos = z
             if pos < size:
                 raise bad(f"{seen[ids[-1]]}.layout", f"leaves rows/columns {pos} … {size - 1} of "
@@ -503,7 +368,7 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
             task = tasks[x.id]
             if task.optimizer != "matrix":
                 raise bad(f"{sf}.id", f"is {x.id}, an AdamW task; only matrix tasks are shared")
-            if x.partner is not None:  # a half: on its two indices (validate pairs them)
+            if x.partner is not None:  # a half: on its two indices (the checks pair them)
                 if x.partner == d or not 0 <= x.partner < dp:
                     raise bad(f"{sf}.partner", f"is {x.partner} but must be another DP index "
                                                f"in [0, {dp})")

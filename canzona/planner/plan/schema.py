@@ -3,21 +3,18 @@
 A plan holds the inputs that shaped it, the rank layout, the inventory fingerprint, Megatron's
 buffers → buckets with the DP cut points, every task with its owner DP index (and, under TP, host
 rank and micro-group), and the load metrics. It holds no wall-clock time, so the same inputs give a
-byte-identical file in any process. The runtime reads plans through this module, which imports
-only ``errors`` and ``settings`` of the planner (never the cost model, inventory or layout).
+byte-identical file in any process. This module is a leaf: it imports only ``errors`` and
+``settings`` of the planner (never the cost model, inventory or layout), so the communication
+model, ``planning`` and the torch runtime import the schema without the planner's machinery.
 
-Versioning: ``schema_version`` is checked before anything else; a newer file asks the user to
-upgrade canzona; an older one is converted on load (:mod:`canzona.planner.plan_load`): version 1
-had no collective method per bucket and no ``comm`` section, so the converter chooses the methods
-with the default hardware profile and records ``comm.converted_from = 1``. Version 3 adds
-matrices shared by their TP group (``tp.share``, ``tp.indices[d].shared``): a plan that shares
-is written as version 3 (so an older canzona asks for an upgrade instead of running it without
-its shared tasks), every other plan as version 2, byte for byte as before.
-
-Reading a file is :mod:`canzona.planner.plan_load` (JSON, version, schema, then the structural
-consistency that needs no cost formulas); :mod:`canzona.planner.validate` adds the arithmetic
-relations (task costs from the optimizer's formulas, loads against cuts, totals);
-``canzona.load_plan`` runs both.
+Versions: ``schema_version`` is the lowest version that holds the plan — 2 (:data:`BASE_VERSION`)
+for a plan that shares no matrix, 3 (:data:`TP_SHARE_VERSION`) when its TP groups share matrices
+(``tp.share``, ``tp.indices[d].shared``), 4 (:data:`DP_PAIR_VERSION`) when DP pairs do
+(``dp_shared``), 5 (:data:`TP_PAIR_VERSION`) when TP groups share with a partner DP index's; an
+older canzona then asks for an upgrade instead of running a plan without its shared tasks, and a
+plan without them keeps the text version 2 wrote. Reading a file — the version checks, the
+converters of older versions (:mod:`canzona.planner.plan.convert`), this schema and every
+consistency check — is :func:`canzona.planner.plan.load.load_plan` (``canzona.load_plan``).
 """
 
 from __future__ import annotations
@@ -33,8 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from .errors import PlanFileError
-from .settings import OptimizerSettings
+from ..errors import PlanFileError
+from ..settings import OptimizerSettings
 
 #: The newest plan version this canzona reads and writes.
 SCHEMA_VERSION = 5
@@ -183,8 +180,9 @@ class ShardLayoutPlan(_Frozen):
     """How TP shards concatenate into a task's logical matrix (``canzona.planner.shards``).
 
     ``segments`` are (rank, local_start, full_start, length) along ``dim``, sorted by full_start:
-    ``local[local_start:local_start+length]`` of TP rank ``rank`` is ``full[full_start:…]``. On the
-    wire, each rank sends a task's segments in this order; the host places them back the same way.
+    ``local[local_start:local_start+length]`` of TP rank ``rank`` is ``full[full_start:…]``. On
+    the wire, each rank sends a task's segments in this order; the host places them back the same
+    way.
     """
 
     dim: int | None = Field(description="partition dim (0 rows, 1 columns); null: replicated.")
@@ -230,9 +228,10 @@ class MicroGroupPlan(_Frozen):
 class SharedTaskPlan(_Frozen):
     """A TP-split Muon matrix task its TP group shares (``TPOptions.share``), alone or with the
     same TP ranks at a ``partner`` DP index (each index then holds half of every shard's rows,
-    ``plan.dp_shared``): every TP rank orthogonalises the rows of its own shard with shared Newton–Schulz (one all-reduce of the
-    symmetric n × n Gram's upper block rows per iteration over the TP group) and applies its part; nothing is gathered. The
-    shared tasks run before the micro-groups, in this order on every TP rank."""
+    ``plan.dp_shared``): every TP rank orthogonalises the rows of its own shard with shared
+    Newton–Schulz (one all-reduce of the symmetric n × n Gram's upper block rows per iteration
+    over the TP group) and applies its part; nothing is gathered. The shared tasks run before the
+    micro-groups, in this order on every TP rank."""
 
     id: int = Field(ge=0, description="task id (plan.tasks).")
     layout: int = Field(ge=0, description="index into tp.layouts (where each shard sits).")
@@ -352,13 +351,12 @@ class PairTaskPlan(_Frozen):
     the parameter, at row ``row``, so DP index ``owners[0]`` holds rows [0, row) and
     ``owners[1]`` rows [row, m) of the parameter (at tp > 1: of every TP shard, a tall
     column-parallel one; the two TP groups share it, ``SharedTaskPlan.partner``), its gradient
-    and its momentum (the
-    indices between them, if any, hold nothing of that bucket). Both orthogonalise the matrix
-    with shared Newton–Schulz, exchanging over the DP group (the Gram's upper block rows per iteration; a
-    wide matrix's row blocks are first swapped for column blocks ⌈cols/2⌉ wide, and back
-    after) and apply their rows. Pairs run in
-    ``phase`` order; no DP index is in two pairs of one phase, so the pairs of a phase run side
-    by side and every index meets its partners in the order they meet it."""
+    and its momentum (the indices between them, if any, hold nothing of that bucket). Both
+    orthogonalise the matrix with shared Newton–Schulz, exchanging over the DP group (the Gram's
+    upper block rows per iteration; a wide matrix's row blocks are first swapped for column
+    blocks ⌈cols/2⌉ wide, and back after) and apply their rows. Pairs run in ``phase`` order;
+    no DP index is in two pairs of one phase, so the pairs of a phase run side by side and every
+    index meets its partners in the order they meet it."""
 
     id: int = Field(ge=0, description="task id (plan.tasks); its owner is owners[0].")
     owners: tuple[int, int] = Field(description="the two DP indices, ascending.")
@@ -386,7 +384,8 @@ class Plan(_Frozen):
     schema_version: Literal[2, 3, 4, 5] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
-    fingerprint: str = Field(description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
+    fingerprint: str = Field(
+        description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
     total_params: int
     buffers: tuple[BufferPlan, ...]
     tasks: tuple[TaskPlan, ...]

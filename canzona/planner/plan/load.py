@@ -1,0 +1,105 @@
+"""Reading a plan file: the one reader, and every check a plan file gets.
+
+:func:`load_plan` (``canzona.load_plan``) and :func:`parse_plan` check, in order:
+
+1. the JSON;
+2. the schema version: a newer one asks the user to upgrade canzona, one older than the oldest
+   read (:data:`~canzona.planner.plan.convert.OLDEST_VERSION`) to regenerate the plan; an older
+   one is converted (:mod:`canzona.planner.plan.convert`: the chain of converters, one per
+   version);
+3. the pydantic schema (:mod:`canzona.planner.plan.schema`: types, ranges, unknown fields, the
+   version each feature needs);
+4. the structure (:func:`~canzona.planner.plan.structure.check_structure`: the fields against each
+   other, without cost formulas);
+5. the arithmetic (:func:`~canzona.planner.plan.checks.check_plan`: what the planner computes
+   from the plan's own contents — task costs, owners and loads from the cuts, totals, the TP
+   section and the shared tasks).
+
+Every failure is one :class:`~canzona.planner.errors.PlanFileError` line naming the file, the
+field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ..errors import PlanFileError
+from .checks import check_plan
+from .convert import OLDEST_VERSION, upgrade
+from .messages import one_line
+from .schema import SCHEMA_VERSION, Plan, gc_paused
+
+__all__ = ["load_plan", "parse_plan"]
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan file and check everything: JSON, version, schema, structure and the planner's
+    formulas (:func:`parse_plan`). This is ``canzona.load_plan``.
+
+    Raises:
+        PlanFileError: unreadable, not JSON, a schema version this canzona does not read, fields
+            that do not validate, or a plan that contradicts itself or the planner's formulas;
+            one line naming the file, the field and the fix.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PlanFileError(f"cannot read plan '{path}': {reason}.") from None
+    return parse_plan(text, str(path))
+
+
+def parse_plan(text: str, source: str = "<plan>") -> Plan:
+    """Plan JSON text → a checked :class:`~canzona.planner.plan.schema.Plan` (every check of the
+    module docstring); ``source`` names the text in errors.
+
+    Raises:
+        PlanFileError: one line naming ``source``, the problem (and versions) and the fix.
+    """
+    with gc_paused():  # no cycles are made here; the collector would walk the whole plan
+        plan = _validate(_read(text, source), source)
+        check_plan(plan, source)
+        return plan
+
+
+def _read(text: str, source: str) -> dict:
+    """The JSON of a plan file, brought to the current schema version."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
+                            f"({exc.msg}).") from None
+    except RecursionError:
+        raise PlanFileError(f"{source}: not a plan file: JSON nested too deeply (a plan is a "
+                            f"few levels deep).") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
+    found = data["schema_version"]
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise PlanFileError(f"{source}: schema_version must be an integer, found {found!r}.")
+    if found > SCHEMA_VERSION:
+        raise PlanFileError(f"{source}: plan schema version {found} is newer than this canzona "
+                            f"reads (version {SCHEMA_VERSION}); upgrade canzona.")
+    if found < OLDEST_VERSION:
+        what = "does not exist" if found < 1 else "is older than this canzona reads"
+        raise PlanFileError(f"{source}: plan schema version {found} {what} (versions "
+                            f"{OLDEST_VERSION} to {SCHEMA_VERSION}); regenerate it with "
+                            f"'canzona plan'.")
+    return upgrade(data, source)
+
+
+def _validate(data: dict, source: str) -> Plan:
+    """The schema's validation of ``data``: its first problem, in one line."""
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        raise PlanFileError(one_line(f"{source}: malformed plan (schema version "
+                                     f"{SCHEMA_VERSION}): field '{loc}': {err['msg']}"
+                                     f"{more}.")) from None
