@@ -10,7 +10,7 @@ shared matrix:
   partition's pair stage assumed: partners rarely share a second matrix);
 * ``bundles``: indices paired (2s, 2s + 1); a pair's shared matrices run in one lockstep,
   max(Σ compute, Σ exchanges + the shortest compute) per iteration
-  (``sharing.lockstep_seconds``), each partner then also holding whole matrices; a pair's
+  (``tp.context.lockstep_seconds``), each partner then also holding whole matrices; a pair's
   lockstep scratch within 2 · C_max (``--cmax``, MiB, as the planner's ``TPOptions.cmax_mib``).
 
 For each, CP-SAT decides over patterns (which matrices a bin, or a pair of bins, holds) whether
@@ -40,7 +40,8 @@ from canzona.planner.hardware import load_hardware
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.pipeline import inventory_of
 from canzona.planner.planning import make_problem
-from canzona.planner.sharing import lockstep_seconds, pair_decision, pair_waits, price_pair
+from canzona.planner.sharing import pair_decision, pair_waits, price_pair
+from canzona.planner.tp.context import lockstep_seconds
 
 
 def _kinds(problem, hw):  # noqa: ANN001, ANN202

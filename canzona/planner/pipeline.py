@@ -34,7 +34,7 @@ from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
 from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owners, pieces_apart,
                        with_pairs)
-from .sharing import pair_decision, pair_waits, pairs_in_nodes, priced_for
+from .sharing import pair_decision, pair_waits, pairs_in_nodes, priced_for, share_decision
 from .tp import TPContext, placements, schedule_tp, tp_plan
 from .tp.schedule import warn_oversized
 
@@ -144,8 +144,6 @@ def plan_problem(
                            "it needs DPOptions.reorder (drop --no-reorder), or use 'all-split'.")
     shares: list[dict] = []
     if t.share != "off" and problem.sizes.tp > 1 and not problem.shared:
-        from .tp.schedule import share_decision
-
         say("sharing decision")
         # auto: the bound's choice (the tasks above the mean), and every eligible task with
         # the polynomial split; the plan keeps whichever gives the lighter busiest GPU

@@ -67,6 +67,7 @@ from .formulas import (gram_chunks, lockstep_batches, lockstep_bytes, poly_flops
                        poly_packed_numel)
 from .hardware import HardwareProfile, LinkProfile
 from .planning import DPProblem, PairShare, equal_cuts, evaluate
+from .tp.context import Run, lockstep_seconds
 
 __all__ = ["PairShare", "Run", "ShareOption", "SharedTask", "SharingReport", "block_decision",
            "gram_pipeline", "kind_of", "lockstep_batches", "lockstep_bytes", "lockstep_seconds",
@@ -264,32 +265,6 @@ def tp_sub_piece(tp: int, k: int, split: bool, m: int, n: int, steps: int, e: in
     moved = (tp // k - 1) * -(-m // tp) * n * e  # shards one rank receives (and sends)
     a2a = 2 * (link.latency_s + moved / link.busbw) if moved else 0.0
     return dataclasses.replace(piece, comm_s=piece.comm_s + a2a)
-
-
-#: A shared piece as a lockstep meets it: seconds of its compute, of its collectives, and of
-#: those that run beside its own Gram products (``ShareOption.hidden_s``), all steps.
-Run = tuple[float, float, float]
-
-
-def lockstep_seconds(pieces: list[Run], steps: int) -> float:
-    """Seconds of the shared matrices of one group run in lockstep
-    (``runtime.optim.shared_ns.shared_newton_schulz_many``), from each one's (compute,
-    collectives, hidden) seconds per rank over all ``steps`` (:data:`Run`): per iteration the
-    collectives run one after another beside the compute, so an iteration takes
-    max(Σ compute, Σ collectives + the least compute any piece does outside its own
-    collectives, the longest piece's own chain) — a piece's chain is its compute plus what its
-    Gram products do not hide of its collectives: the others' compute fills its waits but
-    cannot shorten it (its next iteration needs its reduced Gram). With one matrix that is the
-    whole of it. With several it is a model, as the shortest compute was before the chunks:
-    what cannot overlap in the runtime's fixed order is the first matrix's first chunk and the
-    last one's work after its Gram, which the least over the pieces may understate."""
-    if not pieces:
-        return 0.0
-    comp = sum(c for c, _, _ in pieces) / steps
-    comm = sum(a for _, a, _ in pieces) / steps
-    first = min(c - h for c, _, h in pieces) / steps
-    chain = max(c + a - h for c, a, h in pieces) / steps
-    return steps * max(comp, comm + first, chain)
 
 
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
@@ -763,3 +738,40 @@ def kind_of(name: str) -> str:
     """``decoder.layers.3.mlp.linear_fc1.weight`` → ``mlp.linear_fc1``."""
     parts = [p for p in name.split("#")[0].split(".") if not p.isdigit() and p != "weight"]
     return ".".join(parts[-2:]) if len(parts) >= 2 else (parts[0] if parts else name)
+
+
+def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
+                   ) -> dict[int, tuple[float, bool, float, float, float]]:
+    """``TPOptions.share``: the tasks shared over their TP group (``auto``: those the bound of
+    ``planner.sharing`` shares; ``all``/``all-split``: every eligible one): task id → (load per
+    TP rank, polynomial split, compute seconds, collective seconds, of those the seconds beside
+    its own Gram products), what ``DPProblem.shared`` holds; the load is max(compute,
+    collectives) in cost units. Shampoo: the matrices whose
+    shards are whole blocks, preconditioned shard by shard (``sharing.shard_block_decision``)."""
+    if problem.settings.name == "shampoo":  # blocks preconditioned shard by shard, every mode
+        return shard_block_decision(problem, hardware)
+    hw = load_hardware(hardware)
+    rate = profile_rate(hw)
+    out = {}
+    if mode in ("all", "all-split"):
+        for t in problem.tasks:
+            opts = [o for o in share_options(problem, t.id, hw, groups=("tp",))
+                    if o.split_poly == (mode == "all-split")]
+            if opts:
+                out[t.id] = _entry(problem, t.id, opts[0], rate)
+        return out
+    report = sharing_bound(problem, hardware=hw, groups=("tp",), lockstep=True)
+    for x in report.shared:
+        out[x.task] = _entry(problem, x.task, x.option, rate)
+    return out
+
+
+def _entry(problem: DPProblem, task: int, o, rate: float  # noqa: ANN001
+           ) -> tuple[float, bool, float, float, float]:
+    """(load, split, compute s, collective s, hidden s) of one shared task: the load, for the DP side,
+    is the longer of its compute and its collectives (the others of its group hide the shorter
+    in the lockstep run); the schedule replaces the sum by the group's lockstep phase."""
+    flops = problem.costs[task].flops
+    unit = problem.loads[task] / flops if flops else 0.0
+    compute = o.piece_flops / rate
+    return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s, o.hidden_s)

@@ -242,7 +242,8 @@ def test_pair_waits_count_the_chains_between_partners():
     from canzona.planner import DPOptions, OptimizerSettings
     from canzona.planner.dp import solve
     from canzona.planner.planning import evaluate, pair_owners, pair_phases, with_pairs
-    from canzona.planner.sharing import lockstep_seconds, pair_waits
+    from canzona.planner.sharing import pair_waits
+    from canzona.planner.tp.context import lockstep_seconds
 
     hw = load_hardware("h800")
     chains = 0

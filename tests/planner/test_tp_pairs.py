@@ -171,7 +171,6 @@ def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_the_layout_free_opt
     from canzona.planner.options import MIB
     from canzona.planner.planning import pair_owners
     from canzona.planner.sharing import _useful_total
-    from canzona.planner.tp.schedule import share_decision
 
     hw = load_hardware(hardware)
     base = _problem("llama3-70b", 256, 8)
