@@ -21,7 +21,6 @@ from pathlib import Path
 
 from .cost import OptimizerSettings
 from .dp import solve
-from .bundles import bundle_candidates
 from .dp.solve import Solution, modelled_step, state_target
 from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
@@ -32,9 +31,10 @@ from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .objective import StepTime
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .planning import (DPProblem, build_plan, evaluate, make_problem, pair_owners, pieces_apart,
-                       with_pairs)
-from .sharing import pair_decision, pair_waits, pairs_in_nodes, priced_for, share_decision
+from .planning import DPProblem, build_plan, evaluate, make_problem, pair_owners
+from .sharing import (bundle_candidates, pair_decision, pair_waits, pairs_in_nodes,
+                      pieces_apart, priced_for, share_decision, tp_bundle_candidate,
+                      tp_pair_decision, with_pairs)
 from .tp import TPContext, placements, schedule_tp, tp_plan
 from .tp.schedule import warn_oversized
 
@@ -324,9 +324,6 @@ def tp_pair_candidates(problem: DPProblem, t: TPOptions, hw: HardwareProfile, *,
     polynomial split; with ``force``, every eligible one, each shared), laid out by
     ``bundles.tp_bundle_candidate``: (the problem with the pairs it uses, its cuts) each; empty
     where none applies or shares anything."""
-    from .bundles import tp_bundle_candidate
-    from .sharing import tp_pair_decision
-
     if problem.settings.name != "muon" or problem.sizes.tp == 1 or not problem.shared:
         return []
     out = []

@@ -126,7 +126,7 @@ class DPProblem:
     #: Scratch bytes one lockstep batch of shared tasks may hold (``formulas.LOCKSTEP_CMAX`` ·
     #: C_max, set with ``shared``; 0: unbounded, every piece of an index in one lockstep).
     lockstep_cap: int = 0
-    #: Tasks adjacent DP pairs share (tp = 1): task id → its two pieces. ``with_pairs`` cuts
+    #: Tasks adjacent DP pairs share (tp = 1): task id → its two pieces. ``sharing.with_pairs`` cuts
     #: each such task's bucket item into two atomic items at the row boundary.
     pairs: Mapping[int, PairShare] = field(default_factory=dict)
 
@@ -191,31 +191,6 @@ def make_problem(
                      getattr(model, "name", "custom"), tuple(buckets), sum(loads), comm_dtype)
 
 
-def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
-    """``problem`` with ``pairs``: each task's item (a whole-parameter matrix; at tp > 1 its TP
-    shard) becomes two atomic items, rows [0, row) and [row, m) of what it stores, each
-    carrying one piece's load and FLOPs and its rows' share of the state. The DP solvers then place the pieces like any matrix; a plan keeps a
-    pair only where the pieces land on adjacent DP indices (``pair_owners``)."""
-    if not pairs:
-        return dataclasses.replace(problem, pairs={})
-    buckets = []
-    total = problem.total
-    for b in problem.buckets:
-        items: list[Item] = []
-        for it in b.items:
-            x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
-            if x is None:
-                items.append(dataclasses.replace(it, slot=len(items)))
-                continue
-            shape = problem.tasks[it.tasks[0]].shape
-            rows = (it.end - it.start) // shape[1]  # the stored rows: a TP shard's at tp > 1
-            items.extend(pair_items(it, shape, x.row, x.loads, x.flops,
-                                    x.state_bytes(it.state_bytes, rows), len(items)))
-            total += sum(x.loads) - it.load
-        buckets.append(dataclasses.replace(b, items=tuple(items)))
-    return dataclasses.replace(problem, buckets=tuple(buckets), total=total, pairs=dict(pairs))
-
-
 def pair_items(it: Item, shape: tuple[int, ...], row: int, loads: tuple[int, int],
                flops: tuple[int, int], states: tuple[int, int],
                slot: int) -> tuple[Item, Item]:
@@ -235,42 +210,6 @@ def pair_owners(problem: DPProblem, cuts: Cuts) -> dict[int, tuple[int, int]]:
             if len(it.tasks) == 1 and it.tasks[0] in problem.pairs:
                 out.setdefault(it.tasks[0], []).append(problem.dp_index(b, owner_of(c, it.start)))
     return {t: (d[0], d[1]) for t, d in out.items()}
-
-
-def pieces_apart(problem: DPProblem, cuts: Cuts, *, slack: float = 0.05) -> Cuts:
-    """``share="all"``: tasks of ``problem.pairs`` whose two pieces the cuts left on one DP
-    index, split between two where a cut can move: the cut after the owner moves to the row
-    boundary (the next index takes the second piece and what followed it in the owner's range),
-    or the cut before it (the previous index takes what preceded). A move is kept only if no
-    pair already apart comes together and the busiest DP index stays within ``slack`` of where it
-    was."""
-    out = {k: tuple(c) for k, c in cuts.items()}
-    ceiling = max(evaluate(problem, out).load) * (1 + slack)
-    for b in problem.buckets:
-        key = (b.buffer, b.bucket)
-        for first, second in zip(b.items, b.items[1:]):
-            if first.tasks != second.tasks or first.tasks[0] not in problem.pairs:
-                continue
-            c = out[key]
-            d = owner_of(c, first.start)
-            if owner_of(c, second.start) != d:
-                continue
-            apart = {i for i, (x, y) in pair_owners(problem, out).items() if x != y}
-            for k in (d + 1, d):  # the cut after the owner, else the one before
-                if not 0 < k < b.ranks:
-                    continue
-                moved = list(c)
-                moved[k] = second.start
-                if any(a > z for a, z in zip(moved, moved[1:])):
-                    continue
-                trial = {**out, key: tuple(moved)}
-                now = pair_owners(problem, trial)
-                if any(now[i][0] == now[i][1] for i in apart) or now[first.tasks[0]][0] == \
-                        now[first.tasks[0]][1] or max(evaluate(problem, trial).load) > ceiling:
-                    continue
-                out = trial
-                break
-    return out
 
 
 def coupled(loads: Sequence[float], partners: Sequence[set[int]]) -> list[float]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .plan import MicroGroupPlan, Plan
     from .planning import DPProblem
     from .tp.baselines import TPBaselineRow
+    from .tp.context import Run
 
 __all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
            "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",
@@ -112,7 +113,7 @@ def _pair_runs(plan: Plan, hw: HardwareProfile) -> list[float]:
     model, ``sharing.pair_waits``): the pairs first, phase by phase, each pair's matrices in
     lockstep (one's exchanges beside the others' compute), a pair starting when both partners
     are free; then the rest of the index's load."""
-    from .sharing import Run, pair_link, pair_timeline, profile_rate, shared_piece
+    from .sharing import pair_link, pair_timeline, profile_rate, shared_piece
 
     load = [float(x) for x in plan.metrics.dp_load]
     if plan.inputs.optimizer.name != "muon":

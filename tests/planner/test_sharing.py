@@ -214,8 +214,8 @@ def test_the_gram_all_reduce_runs_beside_its_own_products():
     alone (and ``lockstep_seconds`` of one piece) takes its compute plus what that hides not of
     its collectives; chunking adds one latency per chunk to the link, nothing else."""
     from canzona.planner.formulas import gram_chunks, gram_packed_numel
-    from canzona.planner.sharing import (_all_reduce_s, gram_pipeline, profile_rate,
-                                         shared_piece)
+    from canzona.planner.sharing import gram_pipeline, profile_rate, shared_piece
+    from canzona.planner.sharing.pieces import _all_reduce_s
     from canzona.planner.tp.context import lockstep_seconds
 
     def all_reduce(k, link):
