@@ -27,20 +27,23 @@ TP schedule's as well and live in ``tp.context``.
 from .blocks import (block_pieces, block_row, piece_loads, shard_block_decision,
                      shard_blocks_aligned)
 from .bound import SharedTask, SharingReport, sharing_bound
-from .candidates import bundle_candidates, bundle_pairs, tp_bundle_candidate
-from .decision import (block_decision, kind_of, pair_decision, share_decision,
-                       tp_pair_decision)
+from .candidates import (Candidate, Candidates, bundle_candidates, bundle_pairs,
+                         tp_bundle_candidate, tp_pair_candidates)
+from .decision import (ShareMode, block_decision, chosen, dp_pair_sets, kind_of, pair_decision,
+                       share_decision, tp_pair_decision, tp_share_sets)
 from .pairs import pair_timeline, pair_waits, pairs_in_nodes, pieces_apart, with_pairs
 from .pieces import (DP_GROUP_SIZES, Group, ShareOption, gram_pipeline, profile_rate,
                      share_options, shared_piece, tp_pair_piece, tp_sub_piece)
 from .prices import pair_link, price_pair, price_tp_pair, priced_for
 
 __all__ = [
-    "DP_GROUP_SIZES", "Group", "ShareOption", "SharedTask", "SharingReport", "block_decision",
-    "block_pieces", "block_row", "bundle_candidates", "bundle_pairs", "gram_pipeline",
-    "kind_of", "pair_decision", "pair_link", "pair_timeline", "pair_waits", "pairs_in_nodes",
+    "DP_GROUP_SIZES", "Candidate", "Candidates", "Group", "ShareMode", "ShareOption",
+    "SharedTask", "SharingReport", "block_decision", "block_pieces", "block_row",
+    "bundle_candidates", "bundle_pairs", "chosen", "dp_pair_sets", "gram_pipeline", "kind_of",
+    "pair_decision", "pair_link", "pair_timeline", "pair_waits", "pairs_in_nodes",
     "piece_loads", "pieces_apart", "price_pair", "price_tp_pair", "priced_for",
     "profile_rate", "shard_block_decision", "shard_blocks_aligned", "share_decision",
     "share_options", "shared_piece", "sharing_bound", "tp_bundle_candidate",
-    "tp_pair_decision", "tp_pair_piece", "tp_sub_piece", "with_pairs",
+    "tp_pair_candidates", "tp_pair_decision", "tp_pair_piece", "tp_share_sets", "tp_sub_piece",
+    "with_pairs",
 ]
