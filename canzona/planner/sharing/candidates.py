@@ -285,8 +285,7 @@ def bundle_candidates(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Ha
             or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
         return []
     search = PairSearch(problem, pairs, scratch_cap)
-    for i in sorted(range(len(search.load)), key=lambda i: (-search.load[i], i)):
-        search.place(i)
+    search.start()
     search.improve(max_moves)
     search.unshare()
     out = [(search.busiest(), lay_out(problem, pairs, search, hw))]
@@ -316,4 +315,4 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
     search = TPPairSearch(problem, pairs, scratch_cap, force)
     search.start()
     search.improve(max_moves)
-    return search.busiest(), lay_out(problem, pairs, search, hw)  # type: ignore[arg-type]
+    return search.busiest(), lay_out(problem, pairs, search, hw)

@@ -21,49 +21,41 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..formulas import lockstep_bytes
-from ..planning import DPProblem, PairShare
+from ..planning import DPProblem, Item, PairShare
 from ..tp.context import Run, lockstep_seconds
+from .search import Ops, Place, Search
 
 
-Place = tuple[str, int]  # ("w", DP index): whole there; ("s", pair): shared by that pair
-
-
-class PairSearch:
-    """The placement of every matrix item: whole on a DP index or shared by a fixed pair."""
+class PairSearch(Search):
+    """tp = 1, Muon: every matrix item whole on a DP index or, for a task of ``pairs``
+    (``decision.pair_decision``), shared by a fixed pair, its pieces (``piece``: compute,
+    exchanges and hidden seconds per partner, in load units; ``scratch``: bytes in a pair's
+    lockstep) in the pair's one lockstep. An index costs its whole items (``own``) and its
+    pair's lockstep (``lock``)."""
 
     def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare],
                  scratch_cap: int = 0) -> None:
-        self.dp = problem.dp
         self.cap = scratch_cap  # a pair's lockstep scratch, bytes (0: unbounded)
-        self.npairs = problem.dp // 2
         self.steps = problem.settings.ns_steps
-        self.load: list[int] = []  # per item, whole
+        self.pairs = pairs
         self.piece: list[Run | None] = []  # (compute, exchanges, hidden) per partner
-        self.key: list[tuple[int, int]] = []  # its bucket
-        self.ref: list[tuple[tuple[int, int], int]] = []  # (bucket, item index in the bucket)
-        self.task: list[int] = []  # its (first) task
         self.scratch: list[int] = []  # bytes its piece holds in a pair's lockstep
-        for b in problem.buckets:
-            for k, it in enumerate(b.items):
-                if not it.atomic:
-                    continue
-                x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
-                piece, scratch = None, 0
-                if x is not None and x.alone_s > 0:
-                    piece = x.run_piece()
-                    m, n = max(problem.tasks[it.tasks[0]].shape), min(problem.tasks[it.tasks[0]].shape)
-                    scratch = lockstep_bytes(-(-m // 2), n, 2, x.split_poly, 2)
-                self.task.append(it.tasks[0])
-                self.scratch.append(scratch)
-                self.load.append(it.load)
-                self.piece.append(piece)
-                self.key.append((b.buffer, b.bucket))
-                self.ref.append(((b.buffer, b.bucket), k))
-        self.where: list[Place] = [("w", 0)] * len(self.load)
+        super().__init__(problem)
         self.own = [0.0] * self.dp
         self.whole: list[set[int]] = [set() for _ in range(self.dp)]
-        self.shared: list[list[int]] = [[] for _ in range(self.npairs)]
         self.lock = [0.0] * self.npairs
+
+    def _item(self, problem: DPProblem, it: Item) -> float:
+        x = self.pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
+        piece, scratch = None, 0
+        if x is not None and x.alone_s > 0:
+            piece = x.run_piece()
+            shape = problem.tasks[it.tasks[0]].shape
+            m, n = max(shape), min(shape)
+            scratch = lockstep_bytes(-(-m // 2), n, 2, x.split_poly, 2)
+        self.piece.append(piece)
+        self.scratch.append(scratch)
+        return it.load
 
     # -- costs -------------------------------------------------------------------------------
     def lockstep(self, items: list[int]) -> float:
@@ -75,24 +67,18 @@ class PairSearch:
                                 self.steps)
 
     def fits(self, items: list[int]) -> bool:
-        """Whether a pair may share ``items``: every one has a piece, no two of one bucket (its
-        two pieces are neighbours in the bucket), their scratch within the cap."""
-        return all(self.piece[i] is not None for i in items) \
-            and len({self.key[i] for i in items}) == len(items) \
+        """Whether a pair may share ``items``: every one has a piece, no two of one bucket,
+        their scratch within the cap."""
+        return all(self.piece[i] is not None for i in items) and super().fits(items) \
             and (not self.cap or sum(self.scratch[i] for i in items) <= self.cap)
-
-    def busiest(self) -> float:
-        return max(self.cost(d) for d in range(self.dp))
 
     def cost(self, d: int) -> float:
         return self.own[d] + (self.lock[d // 2] if d < 2 * self.npairs else 0.0)
 
-    def indices(self, place: Place) -> tuple[int, ...]:
-        return (place[1],) if place[0] == "w" else (2 * place[1], 2 * place[1] + 1)
+    def whole_on(self, d: int) -> list[int]:
+        return sorted(self.whole[d])
 
-    def trial(self, ops: list[tuple[int, Place]]) -> dict[int, float] | None:
-        """New loads of the DP indices ``ops`` touch (item → new place), or None when a pair
-        could not share what it would hold (:meth:`fits`)."""
+    def trial(self, ops: Ops) -> dict[int, float] | None:
         own: dict[int, float] = {}
         bundles: dict[int, list[int]] = {}
         for i, new in ops:
@@ -116,7 +102,7 @@ class PairSearch:
             out[d] = own.get(d, self.own[d]) + lock
         return out
 
-    def apply(self, ops: list[tuple[int, Place]]) -> None:
+    def apply(self, ops: Ops) -> None:
         touched = set()
         for i, new in ops:
             for place, add in ((self.where[i], False), (new, True)):
@@ -131,6 +117,11 @@ class PairSearch:
             self.lock[s] = self.lockstep(self.shared[s])
 
     # -- construction and search -------------------------------------------------------------
+    def start(self) -> None:
+        """Heaviest first, each item where :meth:`place` puts it."""
+        for i in sorted(range(len(self.load)), key=lambda i: (-self.load[i], i)):
+            self.place(i)
+
     def place(self, i: int) -> None:
         """Item ``i`` where the busiest index it touches ends lightest: whole on the lightest
         index, or shared by the pair whose lockstep grows least (ties: whole)."""
@@ -156,14 +147,11 @@ class PairSearch:
             self.lock[new[1]] = self.lockstep(self.shared[new[1]])
         self.where[i] = new
 
-    def moves(self, top: int) -> list[list[tuple[int, Place]]]:
+    def moves(self, top: int) -> list[Ops]:
         """Moves and swaps that take work off DP index ``top``."""
-        out: list[list[tuple[int, Place]]] = []
-        here: list[int] = sorted(self.whole[top])
-        if top < 2 * self.npairs:
-            here += self.shared[top // 2]
+        out: list[Ops] = []
         seen = set()
-        for i in here:
+        for i in self.held(top):
             sig = (self.load[i], self.piece[i], self.where[i][0], self.key[i])
             if sig in seen:
                 continue
@@ -205,23 +193,7 @@ class PairSearch:
             if best is not None:
                 self.apply([(i, ("w", best[1]))])
 
-    def improve(self, max_moves: int) -> None:
-        for _ in range(max_moves):
-            costs = [self.cost(d) for d in range(self.dp)]
-            top = max(range(self.dp), key=lambda d: (costs[d], -d))
-            ceiling = costs[top]
-            best: tuple[float, float] | None = None
-            chosen = None
-            for ops in self.moves(top):
-                got = self.trial(ops)
-                if got is None:
-                    continue
-                worst = max(got.values())
-                if worst >= ceiling * (1 - 1e-9):  # a real gain, not a rounding
-                    continue
-                score = (worst, sum(got.values()) - sum(costs[d] for d in got))
-                if best is None or score < best:
-                    best, chosen = score, ops
-            if chosen is None:
-                return
-            self.apply(chosen)
+    def step(self, top: int, costs: list[float]) -> Ops | None:
+        """The move or swap off ``top`` (:meth:`moves`) that leaves the busiest index it
+        touches lowest, then adds least to the loads it changes."""
+        return self.best_of(self.moves(top), costs[top], before=costs)

@@ -16,11 +16,11 @@ from ..dp.solve import state_target
 from ..dp.units import spread_cuts
 from ..hardware import HardwareProfile
 from ..planning import BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners
-from .dp_search import PairSearch
+from .search import Search
 from .pairs import with_pairs
 
 
-def lay_out(problem: DPProblem, pairs: Mapping[int, PairShare], search: PairSearch,
+def lay_out(problem: DPProblem, pairs: Mapping[int, PairShare], search: Search,
             hw: HardwareProfile) -> tuple[DPProblem, Cuts] | None:
     """A search's placement laid out: each bucket's parameters by DP index, a shared one last
     among its first partner's (its second piece then opens the second partner's range); None

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..formulas import lockstep_bytes
-from ..planning import DPProblem, PairShare
+from ..planning import DPProblem, Item, PairShare
 from ..tp.context import HALF, Lockstep, TPContext, lockstep_piece, lpt_makespan
-from .dp_search import Place
+from .search import Ops, Place, Search
 
 
-class TPPairSearch:
+class TPPairSearch(Search):
     """tp > 1, Muon: every matrix item whole on a DP index — a piece of the index's lockstep
     where its TP group shares it (``problem.shared``), a micro-group task where a TP rank hosts
     it, every rank's where TP replicates it — or, for a task of ``pairs``
@@ -21,53 +21,42 @@ class TPPairSearch:
     pair's halves, halves first, in batches of ``cap`` scratch bytes as the runtime runs them:
     ``tp.context.Lockstep``; partners end the batches holding halves together), plus its
     hosted tasks packed on its TP ranks and its replicated ones; AdamW is left out (the layout
-    spreads it). Same interface as :class:`PairSearch` for :func:`lay_out` (``ref``, ``task``,
-    ``where``)."""
+    spreads it)."""
 
     def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare], cap: int = 0,
                  force: bool = False) -> None:
         self.force = force  # every task of ``pairs`` shared by a pair
-        ctx = TPContext.build(problem, problem.comm_dtype)
-        self.dp, self.npairs, self.tp, self.cap = problem.dp, problem.dp // 2, \
-            problem.sizes.tp, cap
-        k = 2 * self.tp
-        self.ref: list[tuple[tuple[int, int], int]] = []
-        self.task: list[int] = []
-        self.key: list[tuple[int, int]] = []
+        self.tp, self.cap = problem.sizes.tp, cap
+        self.pairs = pairs
+        self._ctx = TPContext.build(problem, problem.comm_dtype)
         self.kind: list[str] = []  # "lock", "host" or "base"
-        self.load: list[float] = []  # alone: a lock piece's recorded load, or the task's
         self.piece: list[tuple | None] = []  # its lockstep piece (whole, over the TP group)
         self.half: list[tuple | None] = []  # its half's piece (shared by a pair)
-        for b in problem.buckets:
-            for j, it in enumerate(b.items):
-                if not it.atomic:
-                    continue
-                i = it.tasks[0]
-                piece = half = None
-                if len(it.tasks) == 1 and i in problem.shared:
-                    kind, piece = "lock", lockstep_piece(problem, i)
-                    load = piece[3]
-                elif len(it.tasks) == 1 and ctx.split[i]:
-                    kind, load = "host", float(problem.loads[i])
-                else:
-                    kind, load = "base", float(sum(problem.loads[t] for t in it.tasks))
-                x = pairs.get(i) if len(it.tasks) == 1 else None
-                if x is not None and x.alone_s > 0:
-                    comp, comm, hidden = x.run_piece()
-                    m, n = max(problem.tasks[i].shape), min(problem.tasks[i].shape)
-                    half = (i, comp, comm, float(x.loads[0]),
-                            lockstep_bytes(-(-m // k), n, k, x.split_poly, 2), hidden)
-                self.ref.append(((b.buffer, b.bucket), j))
-                self.task.append(i)
-                self.key.append((b.buffer, b.bucket))
-                self.kind.append(kind)
-                self.load.append(load)
-                self.piece.append(piece)
-                self.half.append(half)
-        self.where: list[Place] = [("w", 0)] * len(self.load)
+        super().__init__(problem)  # ``load``: a lock piece's recorded load, or the task's
         self.whole: list[list[int]] = [[] for _ in range(self.dp)]
-        self.shared: list[list[int]] = [[] for _ in range(self.npairs)]
         self.costs = [0.0] * self.dp
+
+    def _item(self, problem: DPProblem, it: Item) -> float:
+        i = it.tasks[0]
+        piece = half = None
+        if len(it.tasks) == 1 and i in problem.shared:
+            kind, piece = "lock", lockstep_piece(problem, i)
+            load = piece[3]
+        elif len(it.tasks) == 1 and self._ctx.split[i]:
+            kind, load = "host", float(problem.loads[i])
+        else:
+            kind, load = "base", float(sum(problem.loads[t] for t in it.tasks))
+        x = self.pairs.get(i) if len(it.tasks) == 1 else None
+        if x is not None and x.alone_s > 0:
+            comp, comm, hidden = x.run_piece()
+            m, n = max(problem.tasks[i].shape), min(problem.tasks[i].shape)
+            k = 2 * self.tp
+            half = (i, comp, comm, float(x.loads[0]),
+                    lockstep_bytes(-(-m // k), n, k, x.split_poly, 2), hidden)
+        self.kind.append(kind)
+        self.piece.append(piece)
+        self.half.append(half)
+        return load
 
     # -- costs -------------------------------------------------------------------------------
     def _lock(self, whole: list[int], halves: list[int]) -> tuple[float, float]:
@@ -106,14 +95,13 @@ class TPPairSearch:
             out[d] = halves + own + rest
         return out
 
-    def busiest(self) -> float:
-        return max(self.costs)
+    def cost(self, d: int) -> float:
+        return self.costs[d]
 
-    def fits(self, s: int, items: list[int]) -> bool:
-        """A pair shares at most one matrix of a bucket (its pieces are neighbours there)."""
-        return len({self.key[i] for i in items}) == len(items)
+    def whole_on(self, d: int) -> list[int]:
+        return list(self.whole[d])
 
-    def trial(self, ops: list[tuple[int, Place]]) -> dict[int, float] | None:
+    def trial(self, ops: Ops) -> dict[int, float] | None:
         whole: dict[int, list[int]] = {}
         shared: dict[int, list[int]] = {}
         touched: set[int] = set()
@@ -129,11 +117,11 @@ class TPPairSearch:
                     got.append(i)
                 else:
                     got.remove(i)
-        if not all(self.fits(s, got) for s, got in shared.items()):
+        if not all(self.fits(got) for got in shared.values()):
             return None
         return self._costs(whole, shared, touched)
 
-    def apply(self, ops: list[tuple[int, Place]]) -> None:
+    def apply(self, ops: Ops) -> None:
         got = self.trial(ops)
         assert got is not None
         for i, new in ops:
@@ -156,7 +144,7 @@ class TPPairSearch:
                 [("w", d) for d in range(self.dp)]
             if self.half[i] is not None:
                 options += [("s", s) for s in range(self.npairs)
-                            if self.fits(s, self.shared[s] + [i])]
+                            if self.fits(self.shared[s] + [i])]
             if not options:  # forced, but every pair shares a matrix of its bucket already
                 options = [("w", d) for d in range(self.dp)]
             for place in options:
@@ -174,59 +162,46 @@ class TPPairSearch:
             for d, c in got.items():
                 self.costs[d] = c
 
-    def improve(self, max_moves: int) -> None:
-        """Moves off the busiest index while they lower it (alike items and alike indices
-        tried once), and where none does, exchanges (:meth:`_swap`)."""
-        for _ in range(max_moves):
-            top = max(range(self.dp), key=lambda d: (self.costs[d], -d))
-            ceiling = self.costs[top]
-            here = list(self.whole[top])
-            if top < 2 * self.npairs:
-                here += self.shared[top // 2]
-            best = None
-            tried = set()
-            for i in here:
-                sig = (self.kind[i], self.load[i], self.half[i] is not None, self.where[i][0])
-                if sig in tried:
-                    continue
-                tried.add(sig)
-                places: list[Place] = []
+    def moves(self, here: list[int]) -> list[Ops]:
+        """Moves of one of ``here`` (the busiest index's items) to another place: whole on an
+        index or, with a half, shared by a pair (alike items, and alike places for an item,
+        tried once; a forced task stays shared)."""
+        out: list[Ops] = []
+        tried = set()
+        for i in here:
+            sig = (self.kind[i], self.load[i], self.half[i] is not None, self.where[i][0])
+            if sig in tried:
+                continue
+            tried.add(sig)
+            seen = set()
+            for d in range(0 if self.force and self.half[i] is not None else self.dp):
+                alike = (tuple(sorted((self.kind[j], self.load[j]) for j in self.whole[d])),
+                         tuple(sorted(self.load[j] for j in self.shared[d // 2]))
+                         if d < 2 * self.npairs else (), round(self.costs[d], 6))
+                if ("w", d) != self.where[i] and alike not in seen:
+                    seen.add(alike)
+                    out.append([(i, ("w", d))])
+            if self.half[i] is not None:
                 seen = set()
-                for d in range(0 if self.force and self.half[i] is not None else self.dp):
-                    alike = (tuple(sorted((self.kind[j], self.load[j]) for j in self.whole[d])),
-                             tuple(sorted(self.load[j] for j in self.shared[d // 2]))
-                             if d < 2 * self.npairs else (), round(self.costs[d], 6))
-                    if ("w", d) != self.where[i] and alike not in seen:
+                for s in range(self.npairs):
+                    alike = (tuple(sorted((self.kind[j], self.load[j])
+                                          for d in (2 * s, 2 * s + 1) for j in self.whole[d])),
+                             tuple(sorted(self.load[j] for j in self.shared[s])))
+                    if ("s", s) != self.where[i] and alike not in seen:
                         seen.add(alike)
-                        places.append(("w", d))
-                if self.half[i] is not None:
-                    seen = set()
-                    for s in range(self.npairs):
-                        alike = (tuple(sorted((self.kind[j], self.load[j])
-                                              for d in (2 * s, 2 * s + 1) for j in self.whole[d])),
-                                 tuple(sorted(self.load[j] for j in self.shared[s])))
-                        if ("s", s) != self.where[i] and alike not in seen:
-                            seen.add(alike)
-                            places.append(("s", s))
-                for place in places:
-                    got = self.trial([(i, place)])
-                    if got is None:
-                        continue
-                    worst = max(got.values())
-                    if worst >= ceiling * (1 - 1e-9):
-                        continue
-                    score = (worst, sum(got.values()))
-                    if best is None or score < best[0]:
-                        best = (score, [(i, place)])
-            if best is None:
-                best = self._swap(top, here, ceiling)
-            if best is None:
-                return
-            self.apply(best[1])
+                        out.append([(i, ("s", s))])
+        return out
+
+    def step(self, top: int, costs: list[float]) -> Ops | None:
+        """The move off ``top`` (:meth:`moves`) that leaves the busiest index it touches lowest,
+        then the lowest sum of their loads; where none lowers it, an exchange
+        (:meth:`_swap`)."""
+        here = self.held(top)
+        return self.best_of(self.moves(here), costs[top]) or self._swap(top, here, costs[top])
 
     def _swaps(self, items: list[int], ceiling: float, strict: bool, onto: int | None = None,
                near: tuple[int, ...] = ()
-               ) -> list[tuple[tuple[float, float], list[tuple[int, Place]], set[int]]]:
+               ) -> list[tuple[tuple[float, float], Ops, set[int]]]:
         """Exchanges of one of ``items`` with an unlike item elsewhere, and (``onto``) moves of
         an item elsewhere onto that index (a piece beside a pair's half hides its exchanges),
         that leave every index they touch under ``ceiling`` (``strict``) or not above it:
@@ -252,7 +227,7 @@ class TPPairSearch:
         limit = ceiling * (1 - 1e-9) if strict else ceiling
         out = []
 
-        def consider(ops: list[tuple[int, Place]]) -> None:
+        def consider(ops: Ops) -> None:
             got = self.trial(ops)
             if got is None:
                 return
@@ -285,8 +260,7 @@ class TPPairSearch:
         out.sort(key=lambda x: x[0])
         return out
 
-    def _swap(self, top: int, here: list[int], ceiling: float
-              ) -> tuple[tuple[float, float], list[tuple[int, Place]]] | None:
+    def _swap(self, top: int, here: list[int], ceiling: float) -> Ops | None:
         """Where no move off the busiest index lowers it: the best exchange of one of its items
         with an unlike one elsewhere (a QKV beside a pair's half for a lighter proj: what
         moves alone cannot reach). Where partners end their halves together, both may have
@@ -296,7 +270,7 @@ class TPPairSearch:
         partner = top ^ 1
         got = self._swaps(here, ceiling, strict=True, near=(top, partner))
         if got:
-            return got[0][:2]
+            return got[0][1]
         if top >= 2 * self.npairs or not self.shared[top // 2]:
             return None
         limit = ceiling * (1 - 1e-9)
@@ -304,9 +278,9 @@ class TPPairSearch:
                                              near=(top, partner))[:4]:
             back = [(i, self.where[i]) for i, _ in first]
             self.apply(first)
-            for score, second, also in self._swaps(list(self.whole[partner]), ceiling, True,
-                                                   onto=partner, near=(top, partner)):
+            for _, second, also in self._swaps(list(self.whole[partner]), ceiling, True,
+                                               onto=partner, near=(top, partner)):
                 if all(self.costs[d] < limit for d in touched - also):
-                    return score, second  # the first stays; the caller applies the second
+                    return second  # the first stays; the caller applies the second
             self.apply(back)
         return None
