@@ -91,7 +91,8 @@ def plan(
     say = progress or (lambda _msg: None)
     o = dp_options or DPOptions()
     t = tp_options or TPOptions()
-    settings = OptimizerSettings(name=optimizer) if isinstance(optimizer, str) else optimizer  # type: ignore[arg-type]
+    settings = (OptimizerSettings(name=optimizer)  # type: ignore[arg-type]
+                if isinstance(optimizer, str) else optimizer)
     say("model inventory and ZeRO-1 layout")
     if names == "hf" and (sizes.tp > 1 or sizes.ep > 1):
         raise SizeError(f"parameter names 'hf' describe a plain transformers model at tp 1 and "

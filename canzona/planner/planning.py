@@ -24,8 +24,9 @@ from .errors import SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
-                   PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan, TPPlan)
+from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan,
+                   BufferPlan, Metrics, PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan,
+                   SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).
@@ -88,7 +89,7 @@ class PairShare:
 
     def run_piece(self) -> tuple[float, float, float]:
         """One piece's (compute, exchanges, hidden) in load units, as a pair's lockstep meets
-        them (``sharing.lockstep_seconds``): its load is its seconds alone, converted."""
+        them (``tp.context.lockstep_seconds``): its load is its seconds alone, converted."""
         total = self.alone_s
         per = self.loads[0] / total if total else 0.0  # load units per second
         return self.compute_s * per, self.comm_s * per, self.hidden_s * per
@@ -117,7 +118,7 @@ class DPProblem:
     total: int = 0  # Σ loads, computed once by make_problem
     comm_dtype: str = "bf16"  # dtype of the TP gather/scatter (the tasks' tp_comm_bytes)
     #: Tasks the TP group of their DP index shares (``TPOptions.share``,
-    #: ``tp.schedule.share_decision``): task id → (load per TP rank, polynomial split, compute
+    #: ``sharing.share_decision``): task id → (load per TP rank, polynomial split, compute
     #: seconds, collective seconds per TP rank, of those the seconds beside its own Gram
     #: products). Every TP rank of the owner computes its piece;
     #: nothing is hosted. The load is max(compute, collectives) at the profile's rate (what the
@@ -126,8 +127,8 @@ class DPProblem:
     #: Scratch bytes one lockstep batch of shared tasks may hold (``formulas.LOCKSTEP_CMAX`` ·
     #: C_max, set with ``shared``; 0: unbounded, every piece of an index in one lockstep).
     lockstep_cap: int = 0
-    #: Tasks adjacent DP pairs share (tp = 1): task id → its two pieces. ``sharing.with_pairs`` cuts
-    #: each such task's bucket item into two atomic items at the row boundary.
+    #: Tasks two DP indices share: task id → its two pieces. ``sharing.with_pairs`` cuts each
+    #: such task's bucket item into two atomic items at the row boundary.
     pairs: Mapping[int, PairShare] = field(default_factory=dict)
 
     @property
@@ -384,7 +385,8 @@ def build_plan(
                                   expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
                                   buckets=buckets))
     tasks = tuple(
-        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape, optimizer=t.optimizer,  # type: ignore[arg-type]
+        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape,
+                 optimizer=t.optimizer,  # type: ignore[arg-type]
                  owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
                  cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
                  tp_comm_bytes=c.tp_comm_bytes,

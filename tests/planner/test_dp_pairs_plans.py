@@ -168,7 +168,8 @@ def test_edited_pair_plans_are_refused(refused_edit):
                         mid = sl["start"] + x["row"] * t["shape"][1]
                         b["cuts"][b["cuts"].index(mid)] = mid - t["shape"][1]
 
-    for change, field in ((cut_inside, "dp_shared[0].row"), (version, "schema_version"), (owners, "dp_shared[0].owners"),
+    for change, field in ((cut_inside, "dp_shared[0].row"), (version, "schema_version"),
+                          (owners, "dp_shared[0].owners"),
                           (flops, "dp_shared[0].flops"), (twice, "dp_shared[1].id"),
                           (row, "dp_shared[0].row"), (phase, ".phase")):
         msg = refused_edit(p, change)

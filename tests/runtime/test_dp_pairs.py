@@ -82,9 +82,10 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
 
 
 def bundle_plan(split: bool = True):
-    """A dp-4 plan from the bundle stage (``planner.sharing``: the DP pair search): DP indices paired (0, 1) and
-    (2, 3) up front, each pair sharing several matrices in one lockstep, the buckets'
-    parameters reordered by DP index (the shared one at the boundary between the partners)."""
+    """A dp-4 plan from the bundle stage (``planner.sharing``: the DP pair search): DP indices
+    paired (0, 1) and (2, 3) up front, each pair sharing several matrices in one lockstep, the
+    buckets' parameters reordered by DP index (the shared one at the boundary between the
+    partners)."""
     import os
     import tempfile
 

@@ -7,10 +7,10 @@ matrix's update there, with no exchange."""
 from __future__ import annotations
 
 from .. import optimizers
-from ..cost import STATE_BYTES, load_hardware
+from ..cost import STATE_BYTES, OptimizerSettings, load_hardware
 from ..hardware import HardwareProfile
 from ..planning import DPProblem
-from ..shards import shard_map
+from ..shards import ShardMap, shard_map
 from .pieces import profile_rate
 
 
@@ -21,8 +21,8 @@ def block_row(rows: int, max_block: int) -> int | None:
     return None if blocks < 2 else -(-blocks // 2) * max_block
 
 
-def block_pieces(settings, rows: int, cols: int, row: int) -> tuple[tuple[int, int],  # noqa: ANN001
-                                                                    tuple[int, int]]:
+def block_pieces(settings: OptimizerSettings, rows: int, cols: int, row: int
+                 ) -> tuple[tuple[int, int], tuple[int, int]]:
     """(FLOPs, state bytes) of the two pieces of a Shampoo matrix cut before block row ``row``:
     each is the kernel on its own rows (blocks are preconditioned independently)."""
     spec = optimizers.get(settings.name)
@@ -33,15 +33,16 @@ def block_pieces(settings, rows: int, cols: int, row: int) -> tuple[tuple[int, i
 
 def piece_loads(load: int, flops: int, piece_flops: tuple[int, int]) -> tuple[int, int]:
     """A task's load split over its pieces in proportion to their FLOPs."""
-    return tuple(load * f // flops if flops else 0 for f in piece_flops)  # type: ignore[return-value]
+    return tuple(load * f // flops if flops else 0  # type: ignore[return-value]
+                 for f in piece_flops)
 
 
-def shard_blocks_aligned(smap, block: int) -> bool:  # noqa: ANN001  (shards.ShardMap)
-    """Whether every TP rank's shard of a matrix (``shards.ShardMap``) is whole blocks of the
-    matrix's Shampoo block grid (``block`` per side, the remainder last), laid out so that the
-    shard's own grid is those blocks: every segment starts on a block boundary, in the shard and
-    in the matrix, and is whole blocks long (or ends both at the matrix's end and the shard's).
-    Then each TP rank preconditions its own blocks and gets the whole matrix's update on them."""
+def shard_blocks_aligned(smap: ShardMap, block: int) -> bool:
+    """Whether every TP rank's shard of a matrix is whole blocks of the matrix's Shampoo block
+    grid (``block`` per side, the remainder last), laid out so that the shard's own grid is
+    those blocks: every segment starts on a block boundary, in the shard and in the matrix, and
+    is whole blocks long (or ends both at the matrix's end and the shard's). Then each TP rank
+    preconditions its own blocks and gets the whole matrix's update on them."""
     if smap.dim is None or len(smap.full_shape) != 2:
         return False
     full, local = smap.full_shape[smap.dim], smap.local_shape[smap.dim]
@@ -56,7 +57,7 @@ def shard_blocks_aligned(smap, block: int) -> bool:  # noqa: ANN001  (shards.Sha
 
 def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100"
                          ) -> dict[int, tuple[float, bool, float, float, float]]:
-    """Shampoo at tp > 1 (item 3 of issue 18): the TP-split matrices whose shards are whole
+    """Shampoo at tp > 1: the TP-split matrices whose shards are whole
     blocks (:func:`shard_blocks_aligned`), each preconditioned by its TP group shard by shard —
     every TP rank its own blocks, nothing gathered, no host, no collective; exactly the whole
     matrix's update (Shampoo's statistics, roots, grafting and momentum are per block or per
@@ -64,7 +65,7 @@ def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "
     ``DPProblem.shared`` holds; the load is the task's load in proportion to its shard's FLOPs.
     Every eligible matrix: on the GPUs it is never heavier than hosting (the same FLOPs over tp
     ranks, no gather); whether the plan keeps them is the objective's call
-    (``pipeline.plan_problem``: ``share="auto"`` compares with hosting)."""
+    (``candidates.Candidates``: ``share="auto"`` compares with hosting)."""
     st, sizes = problem.settings, problem.sizes
     if st.name != "shampoo" or sizes.tp == 1:
         return {}

@@ -107,8 +107,10 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         hardware: the profile whose links time the collectives and whose achieved rate turns
             seconds into FLOPs.
         ns_bytes: bytes per element of the Newton–Schulz iteration (bf16: 2).
-        groups: the sharing groups allowed (``("tp",)``: the TP schedule's ``share="auto"``).
-        dp_sizes: the DP group sizes allowed (``(2,)``: the pairs ``pair_decision`` plans).
+        groups: the sharing groups allowed (``("tp",)``: ``decision.share_decision``'s
+            ``auto``).
+        dp_sizes: the DP group sizes allowed (``(2,)``: the pairs ``decision.pair_decision``
+            plans).
         lockstep: choose among the options that fit by the longer of a piece's compute and its
             collectives (what it adds to a group run in lockstep, where the others hide the
             shorter) instead of by the FLOPs sharing adds.

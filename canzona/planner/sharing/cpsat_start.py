@@ -38,12 +38,13 @@ def pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare],
     """A start from the patterns of a class-level ILP (alike matrices are one class): CP-SAT
     decides, for a ceiling, how many pairs hold each bundle (≤ PATTERN_MOST of a class, its
     scratch within the cap) and each partner which whole matrices beside it, every index under
-    the ceiling (matrices only: AdamW, bucket order and the one-matrix-per-bucket rule aside);
-    a bisection lowers the ceiling from ``ceiling`` (the other start's busiest index: only a
-    lower one can win; None: twice the mean or the heaviest matrix). The patterns are then given real matrices, each bundle's
-    from distinct buckets; what does not fit goes where ``PairSearch.place`` puts it. None where
-    the classes are too many, dp is odd, or CP-SAT finds no pattern within its budget (a
-    ceiling it does not decide in time counts as infeasible)."""
+    the ceiling (matrices only: AdamW, bucket order and the one-matrix-per-bucket rule aside); a
+    bisection lowers the ceiling from ``ceiling`` (the other start's busiest index: only a lower
+    one can win; None: twice the mean or the heaviest matrix). The patterns are then given real
+    matrices, each bundle's from distinct buckets; what does not fit goes where
+    ``PairSearch.place`` puts it. None where the classes are too many, dp is odd, or CP-SAT
+    finds no pattern within its budget (a ceiling it does not decide in time counts as
+    infeasible)."""
     from ortools.sat.python import cp_model
 
     search = PairSearch(problem, pairs, scratch_cap)

@@ -11,7 +11,7 @@ another). Start: heaviest matrix first, each where the busiest index it touches 
 (whole on the lightest index, or shared by the pair whose lockstep grows least); then moves and
 swaps off the busiest index while that lowers it; last, a shared matrix is made whole again
 wherever that keeps every index at or under the busiest. A pair's lockstep holds at most
-``scratch_cap`` bytes (the pipeline: 2 · C_max). A bucket's two pieces of a matrix are
+``scratch_cap`` bytes (the candidates: 2 · C_max). A bucket's two pieces of a matrix are
 neighbours (the cut between the partners falls inside it), so a pair shares at most one matrix
 of each bucket.
 """

@@ -16,8 +16,8 @@ from ..dp.solve import state_target
 from ..dp.units import spread_cuts
 from ..hardware import HardwareProfile
 from ..planning import BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners
-from .search import Search
 from .pairs import with_pairs
+from .search import Search
 
 
 def lay_out(problem: DPProblem, pairs: Mapping[int, PairShare], search: Search,

@@ -17,9 +17,10 @@ from .prices import pair_link, price_pair
 
 def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
     """``problem`` with ``pairs``: each task's item (a whole-parameter matrix; at tp > 1 its TP
-    shard) becomes two atomic items, rows [0, row) and [row, m) of what it stores, each
-    carrying one piece's load and FLOPs and its rows' share of the state. The DP solvers then place the pieces like any matrix; a plan keeps a
-    pair only where the pieces land on adjacent DP indices (``pair_owners``)."""
+    shard) becomes two atomic items, rows [0, row) and [row, m) of what it stores, each carrying
+    one piece's load and FLOPs and its rows' share of the state. The DP solvers then place the
+    pieces like any matrix; a plan keeps a pair only where the pieces land on adjacent DP
+    indices (``pair_owners``)."""
     if not pairs:
         return dataclasses.replace(problem, pairs={})
     buckets = []
@@ -171,8 +172,9 @@ def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
 def pair_timeline(runs: dict[tuple[int, tuple[int, int]], list[Run]],
                   steps: int, ranks: int) -> list[float]:
     """When each of ``ranks`` is done with its DP pairs: ``runs`` maps (phase, (a, b)) to the
-    pair's matrices' (compute, collectives, hidden) (:data:`Run`); pairs run in phase order, each in lockstep
-    (:func:`lockstep_seconds`), and a pair starts when both partners are free."""
+    pair's matrices' (compute, collectives, hidden) (:data:`Run`); pairs run in phase order,
+    each in lockstep (:func:`lockstep_seconds`), and a pair starts when both partners are
+    free."""
     free = [0.0] * ranks
     for (_, (a, b)), pieces in sorted(runs.items()):
         free[a] = free[b] = max(free[a], free[b]) + lockstep_seconds(pieces, steps)

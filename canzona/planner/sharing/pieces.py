@@ -54,9 +54,8 @@ from ..hardware import HardwareProfile, LinkProfile
 from ..planning import DPProblem
 
 
+#: The groups a matrix may be shared over (see the module docstring).
 Group = Literal["tp", "tp_pair", "dp", "tp_sub"]
-
-
 #: DP sharing group sizes: adjacent DP indices in fixed pairs or quads.
 DP_GROUP_SIZES = (2, 4)
 

@@ -16,7 +16,7 @@ class TPPairSearch(Search):
     """tp > 1, Muon: every matrix item whole on a DP index — a piece of the index's lockstep
     where its TP group shares it (``problem.shared``), a micro-group task where a TP rank hosts
     it, every rank's where TP replicates it — or, for a task of ``pairs``
-    (``sharing.tp_pair_decision``), shared by the fixed pair (2s, 2s + 1): a half in each
+    (``decision.tp_pair_decision``), shared by the fixed pair (2s, 2s + 1): a half in each
     partner's lockstep (k = 2·tp). An index costs its lockstep (its shared pieces and its
     pair's halves, halves first, in batches of ``cap`` scratch bytes as the runtime runs them:
     ``tp.context.Lockstep``; partners end the batches holding halves together), plus its

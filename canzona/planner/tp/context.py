@@ -17,7 +17,7 @@ from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of  # noqa: F
 from ..shards import ShardMap, shard_map
 
 
-# --- per-task TP facts ---------------------------------------------------------------------------
+# --- per-task TP facts ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -112,7 +112,7 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
     return base, owned
 
 
-# --- shared tasks in lockstep ----------------------------------------------------------------------
+# --- shared tasks in lockstep ---------------------------------------------------------------------
 
 
 #: One shared piece as its DP index's lockstep sees it: (order key: the task id, compute,
@@ -342,7 +342,7 @@ def lpt_makespan(loads: Sequence[int], tp: int) -> int:
     return max(heap)
 
 
-# --- the per-GPU objective and bounds ----------------------------------------------------------------
+# --- the per-GPU objective and bounds -------------------------------------------------------------
 
 
 def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,

@@ -16,7 +16,7 @@ from ..planning import DPProblem, pair_owners
 from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
                       lockstep_seconds, shared_by_index)
 
-# --- schedule records ------------------------------------------------------------------------------
+# --- schedule records -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +111,11 @@ class TPSchedule:
         return [[int(round(x)) for x in s.gpu_load()] for s in self.indices]
 
 
-# --- greedy: global LPT with rollback ----------------------------------------------------------------
+# --- greedy: global LPT with rollback -------------------------------------------------------------
 
 
-def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool) -> MicroGroup:
+def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool
+                ) -> MicroGroup:
     pairs = sorted(pairs, key=lambda x: (x[1], x[0]))  # wire order: by host, then task id
     loads, flops, mem = [0] * tp, [0] * tp, [0] * tp
     send = [[0] * tp for _ in range(tp)]
@@ -156,7 +157,7 @@ def _greedy_groups(ctx: TPContext, ids: list[int], base: list[float], tp: int, c
     return groups
 
 
-# --- CP-SAT per group ----------------------------------------------------------------------------------
+# --- CP-SAT per group -----------------------------------------------------------------------------
 
 
 def _cpsat_group(ctx: TPContext, pairs: list[tuple[int, int]], base: list[float], tp: int,
@@ -235,7 +236,7 @@ def _group_lower_bound(base: list[float], loads: list[int], tp: int) -> float:
     return max(max(base), (sum(base) + sum(loads)) / tp, min(base) + max(loads, default=0))
 
 
-# --- ordering and timeline ---------------------------------------------------------------------------
+# --- ordering and timeline ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +306,7 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
     return out, timeline
 
 
-# --- the schedule ------------------------------------------------------------------------------------
+# --- the schedule ---------------------------------------------------------------------------------
 
 
 def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[float, float]:
