@@ -1,27 +1,27 @@
 """How low DP pairs can take a tp-1 plan's busiest index: a restricted pattern ILP.
 
-A check of ``planner.bundles`` against an optimum, layout aside (no bucket order, no cuts): the
-DP indices are bins and the matrices of each kind (one transformer layer's QKV, proj, fc1, fc2,
-each repeated per layer) are placed whole, or shared by two indices with the polynomial split,
-priced as the planner prices them (H800 profile, NVLink between partners). Two models of a
-shared matrix:
+A check of the DP pair search (``planner.sharing``) against an optimum, layout aside (no bucket
+order, no cuts): the DP indices are bins and the matrices of each kind (one transformer layer's
+QKV, proj, fc1, fc2, each repeated per layer) are placed whole, or shared by two indices with
+the polynomial split, priced as the planner prices them (H800 profile, NVLink between partners).
+Two models of a shared matrix:
 
 * ``pieces``: each piece costs its compute plus its exchanges, wherever it goes (what the
   partition's pair stage assumed: partners rarely share a second matrix);
 * ``bundles``: indices paired (2s, 2s + 1); a pair's shared matrices run in one lockstep,
   max(Σ compute, Σ exchanges + the shortest compute) per iteration
-  (``sharing.lockstep_seconds``), each partner then also holding whole matrices; a pair's
+  (``tp.context.lockstep_seconds``), each partner then also holding whole matrices; a pair's
   lockstep scratch within 2 · C_max (``--cmax``, MiB, as the planner's ``TPOptions.cmax_mib``).
 
 For each, CP-SAT decides over patterns (which matrices a bin, or a pair of bins, holds) whether
 every index can stay under a ceiling, and a bisection finds the lowest ceiling (max/mean, the
-mean being the useful work per index). Restricted: at most 3 matrices of a kind per bundle (which
-can only raise it), the layers' matrices only, no AdamW, no bucket order and not the rule that
-a pair shares one matrix per bucket (which can lower it) — a reference for the search, not a
-bound. It is the same formulation as the planner's second start (``bundles._pattern_start``),
-written apart over the layers' kinds by name: a check of what the materialisation and the
-search then reach, not an independent optimum. Then the planner's bundle stage on the real
-layout. Torch-free; about 2 s.
+mean being the useful work per index). Restricted: at most 3 matrices of a kind per bundle
+(which can only raise it), the layers' matrices only, no AdamW, no bucket order and not the rule
+that a pair shares one matrix per bucket (which can lower it) — a reference for the search, not
+a bound. It is the same formulation as the planner's second start
+(``sharing.cpsat_start.pattern_start``), written apart over the layers' kinds by name: a check
+of what the materialisation and the search then reach, not an independent optimum. Then the
+planner's bundle stage on the real layout. Torch-free; about 2 s.
 
     python benchmarks/bench_pair_patterns.py [--model qwen3-8b] [--dp 64] [--cmax 512]
 """
@@ -34,13 +34,13 @@ import time
 
 from ortools.sat.python import cp_model
 
-from canzona.planner.bundles import bundle_pairs
 from canzona.planner.formulas import LOCKSTEP_CMAX, lockstep_bytes
 from canzona.planner.hardware import load_hardware
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.pipeline import inventory_of
 from canzona.planner.planning import make_problem
-from canzona.planner.sharing import lockstep_seconds, pair_decision, pair_waits, price_pair
+from canzona.planner.sharing import bundle_pairs, pair_decision, pair_waits, price_pair
+from canzona.planner.tp.context import lockstep_seconds
 
 
 def _kinds(problem, hw):  # noqa: ANN001, ANN202
@@ -181,10 +181,10 @@ def main() -> None:
     got = bundle_pairs(problem, pair_decision(problem, hw, "all-split"), hw,
                        scratch_cap=int(cap))
     if got is None:
-        print("planner.bundles: not applicable here")
+        print("sharing.bundle_pairs: not applicable here")
         return
     used, cuts = got
-    print(f"planner.bundles on the layout: {max(pair_waits(used, cuts)) / mean:.4f} "
+    print(f"sharing.bundle_pairs on the layout: {max(pair_waits(used, cuts)) / mean:.4f} "
           f"({len(used.pairs)} matrices shared, {time.perf_counter() - t0:.2f} s)")
 
 

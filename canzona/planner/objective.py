@@ -234,3 +234,11 @@ OVER_CEILING = 1e9
 #: after the load ceiling, ahead of the communication terms (a collective time is a few
 #: mean loads at most).
 STATE_WEIGHT = 1000.0
+
+
+def objective_name(objective: object) -> str:
+    """The name of ``DPOptions.objective`` (a name, an :class:`Objective`, or None for
+    ``max-load``): what a plan records, and what the sharing candidates are judged by."""
+    if isinstance(objective, str):
+        return objective
+    return getattr(objective, "name", "max-load") if objective is not None else "max-load"

@@ -25,8 +25,9 @@ from .errors import SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
-                   PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan, TPPlan)
+from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan,
+                   BufferPlan, Metrics, PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan,
+                   SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).
@@ -89,7 +90,7 @@ class PairShare:
 
     def run_piece(self) -> tuple[float, float, float]:
         """One piece's (compute, exchanges, hidden) in load units, as a pair's lockstep meets
-        them (``sharing.lockstep_seconds``): its load is its seconds alone, converted."""
+        them (``tp.context.lockstep_seconds``): its load is its seconds alone, converted."""
         total = self.alone_s
         per = self.loads[0] / total if total else 0.0  # load units per second
         return self.compute_s * per, self.comm_s * per, self.hidden_s * per
@@ -118,7 +119,7 @@ class DPProblem:
     total: int = 0  # Σ loads, computed once by make_problem
     comm_dtype: str = "bf16"  # dtype of the TP gather/scatter (the tasks' tp_comm_bytes)
     #: Tasks the TP group of their DP index shares (``TPOptions.share``,
-    #: ``tp.schedule.share_decision``): task id → (load per TP rank, polynomial split, compute
+    #: ``sharing.share_decision``): task id → (load per TP rank, polynomial split, compute
     #: seconds, collective seconds per TP rank, of those the seconds beside its own Gram
     #: products). Every TP rank of the owner computes its piece;
     #: nothing is hosted. The load is max(compute, collectives) at the profile's rate (what the
@@ -127,8 +128,8 @@ class DPProblem:
     #: Scratch bytes one lockstep batch of shared tasks may hold (``formulas.LOCKSTEP_CMAX`` ·
     #: C_max, set with ``shared``; 0: unbounded, every piece of an index in one lockstep).
     lockstep_cap: int = 0
-    #: Tasks adjacent DP pairs share (tp = 1): task id → its two pieces. ``with_pairs`` cuts
-    #: each such task's bucket item into two atomic items at the row boundary.
+    #: Tasks two DP indices share: task id → its two pieces. ``sharing.with_pairs`` cuts each
+    #: such task's bucket item into two atomic items at the row boundary.
     pairs: Mapping[int, PairShare] = field(default_factory=dict)
 
     @property
@@ -218,31 +219,6 @@ def make_problem(
                      getattr(model, "name", "custom"), tuple(buckets), sum(loads), comm_dtype)
 
 
-def with_pairs(problem: DPProblem, pairs: Mapping[int, PairShare]) -> DPProblem:
-    """``problem`` with ``pairs``: each task's item (a whole-parameter matrix; at tp > 1 its TP
-    shard) becomes two atomic items, rows [0, row) and [row, m) of what it stores, each
-    carrying one piece's load and FLOPs and its rows' share of the state. The DP solvers then place the pieces like any matrix; a plan keeps a
-    pair only where the pieces land on adjacent DP indices (``pair_owners``)."""
-    if not pairs:
-        return dataclasses.replace(problem, pairs={})
-    buckets = []
-    total = problem.total
-    for b in problem.buckets:
-        items: list[Item] = []
-        for it in b.items:
-            x = pairs.get(it.tasks[0]) if len(it.tasks) == 1 else None
-            if x is None:
-                items.append(dataclasses.replace(it, slot=len(items)))
-                continue
-            shape = problem.tasks[it.tasks[0]].shape
-            rows = (it.end - it.start) // shape[1]  # the stored rows: a TP shard's at tp > 1
-            items.extend(pair_items(it, shape, x.row, x.loads, x.flops,
-                                    x.state_bytes(it.state_bytes, rows), len(items)))
-            total += sum(x.loads) - it.load
-        buckets.append(dataclasses.replace(b, items=tuple(items)))
-    return dataclasses.replace(problem, buckets=tuple(buckets), total=total, pairs=dict(pairs))
-
-
 def pair_items(it: Item, shape: tuple[int, ...], row: int, loads: tuple[int, int],
                flops: tuple[int, int], states: tuple[int, int],
                slot: int) -> tuple[Item, Item]:
@@ -262,42 +238,6 @@ def pair_owners(problem: Partition, cuts: Cuts) -> dict[int, tuple[int, int]]:
             if len(it.tasks) == 1 and it.tasks[0] in problem.pairs:
                 out.setdefault(it.tasks[0], []).append(problem.dp_index(b, owner_of(c, it.start)))
     return {t: (d[0], d[1]) for t, d in out.items()}
-
-
-def pieces_apart(problem: DPProblem, cuts: Cuts, *, slack: float = 0.05) -> Cuts:
-    """``share="all"``: tasks of ``problem.pairs`` whose two pieces the cuts left on one DP
-    index, split between two where a cut can move: the cut after the owner moves to the row
-    boundary (the next index takes the second piece and what followed it in the owner's range),
-    or the cut before it (the previous index takes what preceded). A move is kept only if no
-    pair already apart comes together and the busiest DP index stays within ``slack`` of where it
-    was."""
-    out = {k: tuple(c) for k, c in cuts.items()}
-    ceiling = max(evaluate(problem, out).load) * (1 + slack)
-    for b in problem.buckets:
-        key = (b.buffer, b.bucket)
-        for first, second in zip(b.items, b.items[1:]):
-            if first.tasks != second.tasks or first.tasks[0] not in problem.pairs:
-                continue
-            c = out[key]
-            d = owner_of(c, first.start)
-            if owner_of(c, second.start) != d:
-                continue
-            apart = {i for i, (x, y) in pair_owners(problem, out).items() if x != y}
-            for k in (d + 1, d):  # the cut after the owner, else the one before
-                if not 0 < k < b.ranks:
-                    continue
-                moved = list(c)
-                moved[k] = second.start
-                if any(a > z for a, z in zip(moved, moved[1:])):
-                    continue
-                trial = {**out, key: tuple(moved)}
-                now = pair_owners(problem, trial)
-                if any(now[i][0] == now[i][1] for i in apart) or now[first.tasks[0]][0] == \
-                        now[first.tasks[0]][1] or max(evaluate(problem, trial).load) > ceiling:
-                    continue
-                out = trial
-                break
-    return out
 
 
 def coupled(loads: Sequence[float], partners: Sequence[set[int]]) -> list[float]:
@@ -472,7 +412,8 @@ def build_plan(
                                   expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
                                   buckets=buckets))
     tasks = tuple(
-        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape, optimizer=t.optimizer,  # type: ignore[arg-type]
+        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape,
+                 optimizer=t.optimizer,  # type: ignore[arg-type]
                  owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
                  cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
                  tp_comm_bytes=c.tp_comm_bytes,

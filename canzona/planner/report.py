@@ -22,13 +22,14 @@ from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.inverse import read_problem
-from .sharing import (Run, kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
+from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
                       sharing_bound)
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
     from .plan import MicroGroupPlan, Plan
     from .tp.baselines import TPBaselineRow
+    from .tp.context import Run
 
 __all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
            "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",

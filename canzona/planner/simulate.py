@@ -74,10 +74,10 @@ from . import optimizers
 from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from .plan import Plan
-from .formulas import LOCKSTEP_CMAX
+from .formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from .planning import coupled
-from .sharing import (Run, lockstep_batches, lockstep_bytes, lockstep_seconds, pair_link,
-                      pair_timeline, shared_piece, tp_pair_piece)
+from .sharing import pair_link, pair_timeline, shared_piece, tp_pair_piece
+from .tp.context import Run, lockstep_seconds
 
 #: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
 #: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).

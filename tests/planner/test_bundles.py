@@ -1,8 +1,9 @@
-"""DP pairs as bundles (issue 18, tp = 1; ``canzona.planner.bundles``): DP indices paired up
-front, each pair sharing several Muon matrices in one lockstep so that their exchanges hide
-behind each other's compute. qwen3-8b at dp 64 on the H800 profile: the whole-matrix plan sits
-at 1.054× the mean (fc1 0.856 + proj 0.198 is the best bin), and so does every placement of
-pieces priced with their exchanges (a pattern ILP says 1.0535); bundles reach below the mean."""
+"""DP pairs as bundles (issue 18, tp = 1; ``canzona.planner.sharing``'s DP pair search): DP
+indices paired up front, each pair sharing several Muon matrices in one lockstep so that their
+exchanges hide behind each other's compute. qwen3-8b at dp 64 on the H800 profile: the
+whole-matrix plan sits at 1.054× the mean (fc1 0.856 + proj 0.198 is the best bin), and so does
+every placement of pieces priced with their exchanges (a pattern ILP says 1.0535); bundles reach
+below the mean."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import importlib
 import pytest
 
 from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions
-from canzona.planner.bundles import bundle_pairs
 from canzona.planner.hardware import load_hardware
 from canzona.planner.inventory import build_inventory
 from canzona.planner.models import ModelConfig
@@ -20,7 +20,7 @@ from canzona.planner.pipeline import inventory_of, plan
 from canzona.planner.planning import make_problem, pair_owners
 from canzona.planner.plan import save_plan
 from canzona.planner.report import pairs_dict
-from canzona.planner.sharing import pair_decision, pair_waits
+from canzona.planner.sharing import bundle_pairs, pair_decision, pair_waits
 from canzona.planner.simulate import simulate_plan
 from canzona.planner.plan.load import load_plan
 
@@ -175,7 +175,7 @@ def test_cut_layouts_keep_every_matrix_on_its_rank(seed):
     # matrix inside its owner's range, AdamW elements only moved, never a matrix
     import random
 
-    from canzona.planner.bundles import _cheaper_cuts, _compact_cuts, _spread_over
+    from canzona.planner.sharing.layout import _cheaper_cuts, _compact_cuts, _spread_over
     from canzona.planner.planning import owner_of
 
     rng = random.Random(seed)
@@ -207,18 +207,19 @@ def test_the_pattern_start_reaches_what_moves_alone_do_not():
     # qwen3-8b dp64 at the default C_max: from the heaviest-first placement the moves and swaps
     # stop at 1.049; the class-level ILP's patterns (an fc1 and a QKV per pair, a whole fc2
     # beside each half, ...) given real matrices reach under 1.0
-    from canzona.planner.bundles import _pattern_start, _Search
+    from canzona.planner.sharing.cpsat_start import pattern_start
+    from canzona.planner.sharing.dp_search import PairSearch
 
     spec, _ = inventory_of("qwen3-8b")
     problem = make_problem(spec, ParallelSizes(dp=64, tp=1))
     pairs = pair_decision(problem, H800, "all-split")
     cap = 2 * 512 * 2**20
     mean = problem.total / problem.dp
-    moves = _Search(problem, pairs, cap)
+    moves = PairSearch(problem, pairs, cap)
     for i in sorted(range(len(moves.load)), key=lambda i: (-moves.load[i], i)):
         moves.place(i)
     moves.improve(5000)
-    start = _pattern_start(problem, pairs, cap)
+    start = pattern_start(problem, pairs, cap)
     assert start is not None
     start.improve(5000)
     assert start.busiest() / mean <= 1.0 < 1.02 < moves.busiest() / mean
@@ -231,7 +232,7 @@ def test_the_pattern_start_reaches_what_moves_alone_do_not():
     for s, b in enumerate(start.shared):
         assert all(start.where[i] == ("s", s) for i in b) and start.fits(b)
     odd = make_problem(spec, ParallelSizes(dp=63, tp=1))
-    assert _pattern_start(odd, pair_decision(odd, H800, "all-split"), cap) is None
+    assert pattern_start(odd, pair_decision(odd, H800, "all-split"), cap) is None
 
 
 def test_both_starts_are_laid_out_and_judged_on_the_layout():
@@ -240,7 +241,7 @@ def test_both_starts_are_laid_out_and_judged_on_the_layout():
     search found the lighter busiest index (heaviest-first on a tie), while the pipeline judges
     both layouts by its objective: at qwen3-8b dp256 the two searches tie, and the pattern
     start's layout is the lighter one, which the max-load plan takes."""
-    from canzona.planner.bundles import bundle_candidates
+    from canzona.planner.sharing import bundle_candidates
     from canzona.planner.report import _pair_runs
 
     spec, _ = inventory_of("qwen3-8b")

@@ -168,7 +168,8 @@ def test_edited_pair_plans_are_refused(refused_edit):
                         mid = sl["start"] + x["row"] * t["shape"][1]
                         b["cuts"][b["cuts"].index(mid)] = mid - t["shape"][1]
 
-    for change, field in ((cut_inside, "dp_shared[0].row"), (version, "schema_version"), (owners, "dp_shared[0].owners"),
+    for change, field in ((cut_inside, "dp_shared[0].row"), (version, "schema_version"),
+                          (owners, "dp_shared[0].owners"),
                           (flops, "dp_shared[0].flops"), (twice, "dp_shared[1].id"),
                           (row, "dp_shared[0].row"), (phase, ".phase")):
         msg = refused_edit(p, change)
@@ -178,7 +179,8 @@ def test_edited_pair_plans_are_refused(refused_edit):
 def test_all_moves_pieces_apart_without_undoing_pairs_or_piling_up_load():
     from canzona.planner.dp import solve
     from canzona.planner.options import DPOptions
-    from canzona.planner.planning import evaluate, pair_owners, pieces_apart, with_pairs
+    from canzona.planner.planning import evaluate, pair_owners
+    from canzona.planner.sharing import pieces_apart, with_pairs
 
     spec, _ = inventory_of("qwen3-0.6b")
     for opt in ("muon", "shampoo"):
@@ -205,8 +207,8 @@ def test_pairs_move_into_one_node_where_the_ranks_between_are_empty():
     every cut still in order and every pair still apart."""
     from canzona.planner import DPOptions, OptimizerSettings
     from canzona.planner.dp import solve
-    from canzona.planner.planning import pair_owners, with_pairs
-    from canzona.planner.sharing import pair_link, pairs_in_nodes
+    from canzona.planner.planning import pair_owners
+    from canzona.planner.sharing import pair_link, pairs_in_nodes, with_pairs
 
     hw = load_hardware("h800").model_copy(update={"gpus_per_node": 2})
     spec, _ = inventory_of("qwen3-1.7b")
@@ -241,8 +243,9 @@ def test_pair_waits_count_the_chains_between_partners():
     pair partner first ran an earlier pair waits for it (the chain the simulator models)."""
     from canzona.planner import DPOptions, OptimizerSettings
     from canzona.planner.dp import solve
-    from canzona.planner.planning import evaluate, pair_owners, pair_phases, with_pairs
-    from canzona.planner.sharing import lockstep_seconds, pair_waits
+    from canzona.planner.planning import evaluate, pair_owners, pair_phases
+    from canzona.planner.sharing import pair_waits, with_pairs
+    from canzona.planner.tp.context import lockstep_seconds
 
     hw = load_hardware("h800")
     chains = 0

@@ -214,8 +214,9 @@ def test_the_gram_all_reduce_runs_beside_its_own_products():
     alone (and ``lockstep_seconds`` of one piece) takes its compute plus what that hides not of
     its collectives; chunking adds one latency per chunk to the link, nothing else."""
     from canzona.planner.formulas import gram_chunks, gram_packed_numel
-    from canzona.planner.sharing import (_all_reduce_s, gram_pipeline, lockstep_seconds,
-                                         profile_rate, shared_piece)
+    from canzona.planner.sharing import gram_pipeline, profile_rate, shared_piece
+    from canzona.planner.sharing.pieces import _all_reduce_s
+    from canzona.planner.tp.context import lockstep_seconds
 
     def all_reduce(k, link):
         return lambda numel: (_all_reduce_s(numel, 2, k, link), 0.0)
@@ -279,7 +280,7 @@ def test_a_lockstep_never_beats_a_pieces_own_chain():
     iteration needs its reduced Gram): a long piece with exposed collectives beside a short
     one takes at least its compute plus what its Gram products do not hide. The planner's
     ``Lockstep`` (whole and split into batches) and the simulator's ``lockstep_seconds`` agree."""
-    from canzona.planner.sharing import lockstep_seconds
+    from canzona.planner.tp.context import lockstep_seconds
     from canzona.planner.tp.context import HALF, Lockstep
 
     big, small = (8.4, 5.1, 0.9), (2.9, 2.9, 0.9)  # (compute, collectives, hidden) seconds

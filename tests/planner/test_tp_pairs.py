@@ -2,7 +2,7 @@
 each cut at one row between two DP indices (``sharing.tp_pair_decision``, ``with_pairs`` at
 tp > 1) and the per-GPU objective that counts each half on its index and makes partners finish
 their locksteps together (``tp.context``), the placement on fixed partners
-(``bundles.tp_bundle_candidate``) at llama3-70b dp256 tp8."""
+(``sharing.tp_bundle_candidate``) at llama3-70b dp256 tp8."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from canzona.planner.hardware import load_hardware
 from canzona.planner.inventory import build_inventory
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.models import get_preset
-from canzona.planner.planning import evaluate, make_problem, with_pairs
+from canzona.planner.planning import evaluate, make_problem
 from canzona.planner.settings import OptimizerSettings
 from canzona.planner.sharing import (kind_of, profile_rate, share_options, tp_pair_decision,
-                                     tp_pair_piece)
+                                     tp_pair_piece, with_pairs)
 from canzona.planner.tp.context import (TPContext, coupled, index_gpu_max, index_lockstep,
                                         index_work, lb_gpu)
 
@@ -164,14 +164,13 @@ def test_llama3_70b_dp256_tp8_with_fc1_over_tp_pairs_reaches_the_layout_free_opt
     exchanges, which nothing beside it shortens); on H800 1.540, an fc1 half beside a proj
     (≤ 1.5 asked; 1.679 / 1.795 with the TP group alone). Moves alone stopped at 1.574 there:
     partners end their halves together, so both need a change at once
-    (``_TPSearch._swap``). Each pair's halves sit on partners, every shard cut at its middle
+    (``TPPairSearch._swap``). Each pair's halves sit on partners, every shard cut at its middle
     row, at most one shared matrix per bucket and pair."""
-    from canzona.planner.bundles import tp_bundle_candidate
     from canzona.planner.formulas import LOCKSTEP_CMAX
     from canzona.planner.options import MIB
     from canzona.planner.planning import pair_owners
-    from canzona.planner.sharing import _useful_total
-    from canzona.planner.tp.schedule import share_decision
+    from canzona.planner.sharing import share_decision, tp_bundle_candidate
+    from canzona.planner.sharing.bound import _useful_total
 
     hw = load_hardware(hardware)
     base = _problem("llama3-70b", 256, 8)

@@ -19,11 +19,10 @@ from canzona.planner.pipeline import plan
 from canzona.planner.plan import BASE_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, save_plan
 from canzona.planner.planning import evaluate, make_problem
 from canzona.planner.report import useful_mean
-from canzona.planner.sharing import kind_of
+from canzona.planner.sharing import kind_of, share_decision
 from canzona.planner.simulate import simulate_plan
 from canzona.planner.tp import MIB, TPContext, index_gpu_max, schedule_tp
 from canzona.planner.tp.joint import lockstep_assign
-from canzona.planner.tp.schedule import share_decision
 from canzona.planner.plan.load import load_plan, parse_plan
 
 

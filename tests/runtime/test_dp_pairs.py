@@ -41,9 +41,8 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
     from canzona.planner.hardware import load_hardware
     from canzona.planner.inventory import build_inventory
     from canzona.planner.plan import SolverOptions
-    from canzona.planner.planning import (build_plan, make_problem, owner_of, pair_owners,
-                                          with_pairs)
-    from canzona.planner.sharing import pair_decision
+    from canzona.planner.planning import build_plan, make_problem, owner_of, pair_owners
+    from canzona.planner.sharing import pair_decision, with_pairs
 
     cfg = T.CFG.model_copy(update={"dtype": "bf16" if bf16 else "fp32"})
     problem = make_problem(build_inventory(cfg), ParallelSizes(dp=DP, tp=1),
@@ -83,20 +82,20 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
 
 
 def bundle_plan(split: bool = True):
-    """A dp-4 plan from the bundle stage (``planner.bundles``): DP indices paired (0, 1) and
-    (2, 3) up front, each pair sharing several matrices in one lockstep, the buckets'
-    parameters reordered by DP index (the shared one at the boundary between the partners)."""
+    """A dp-4 plan from the bundle stage (``planner.sharing``: the DP pair search): DP indices
+    paired (0, 1) and (2, 3) up front, each pair sharing several matrices in one lockstep, the
+    buckets' parameters reordered by DP index (the shared one at the boundary between the
+    partners)."""
     import os
     import tempfile
 
     from canzona import load_plan
     from canzona.planner import OptimizerSettings, ParallelSizes
-    from canzona.planner.bundles import bundle_pairs
     from canzona.planner.hardware import LinkProfile, load_hardware
     from canzona.planner.inventory import build_inventory
     from canzona.planner.plan import SolverOptions
     from canzona.planner.planning import build_plan, make_problem
-    from canzona.planner.sharing import pair_decision
+    from canzona.planner.sharing import bundle_pairs, pair_decision
 
     problem = make_problem(build_inventory(T.CFG), ParallelSizes(dp=DP, tp=1),
                            OptimizerSettings(name="muon"), bucket_size=20_000,

@@ -17,7 +17,7 @@ from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of  # noqa: F
 from ..shards import ShardMap, shard_map
 
 
-# --- per-task TP facts ---------------------------------------------------------------------------
+# --- per-task TP facts ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -112,7 +112,7 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
     return base, owned
 
 
-# --- shared tasks in lockstep ----------------------------------------------------------------------
+# --- shared tasks in lockstep ---------------------------------------------------------------------
 
 
 #: One shared piece as its DP index's lockstep sees it: (order key: the task id, compute,
@@ -146,12 +146,38 @@ def lockstep_piece(problem: DPProblem, task: int) -> Piece:
             hidden * per_s)
 
 
+#: A shared piece as a lockstep meets it: seconds of its compute, of its collectives, and of
+#: those that run beside its own Gram products (``sharing.ShareOption.hidden_s``), all steps.
+Run = tuple[float, float, float]
+
+
+def lockstep_seconds(pieces: list[Run], steps: int) -> float:
+    """Seconds of the shared matrices of one group run in lockstep
+    (``runtime.optim.shared_ns.shared_newton_schulz_many``), from each one's (compute,
+    collectives, hidden) seconds per rank over all ``steps`` (:data:`Run`): per iteration the
+    collectives run one after another beside the compute, so an iteration takes
+    max(Σ compute, Σ collectives + the least compute any piece does outside its own
+    collectives, the longest piece's own chain) — a piece's chain is its compute plus what its
+    Gram products do not hide of its collectives: the others' compute fills its waits but
+    cannot shorten it (its next iteration needs its reduced Gram). With one matrix that is the
+    whole of it. With several it is a model, as the shortest compute was before the chunks:
+    what cannot overlap in the runtime's fixed order is the first matrix's first chunk and the
+    last one's work after its Gram, which the least over the pieces may understate."""
+    if not pieces:
+        return 0.0
+    comp = sum(c for c, _, _ in pieces) / steps
+    comm = sum(a for _, a, _ in pieces) / steps
+    first = min(c - h for c, _, h in pieces) / steps
+    chain = max(c + a - h for c, a, h in pieces) / steps
+    return steps * max(comp, comm + first, chain)
+
+
 @dataclass(slots=True)
 class Lockstep:
     """The shared pieces of one DP index, as the runtime runs them: in task order, cut into
     batches whose scratch fits ``cap`` (``formulas.lockstep_batches``; 0: one batch), each batch
     in lockstep, each piece's collectives beside the others' compute
-    (``sharing.lockstep_seconds``: per iteration the longest of Σ compute, Σ collectives + the
+    (:func:`lockstep_seconds`: per iteration the longest of Σ compute, Σ collectives + the
     least compute a piece does outside its own collectives, and each piece's own chain, its
     compute and what its Gram products do not hide of its collectives). ``pieces``: Σ of their
     recorded loads (what :func:`index_work` counts)."""
@@ -316,7 +342,7 @@ def lpt_makespan(loads: Sequence[int], tp: int) -> int:
     return max(heap)
 
 
-# --- the per-GPU objective and bounds ----------------------------------------------------------------
+# --- the per-GPU objective and bounds -------------------------------------------------------------
 
 
 def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,

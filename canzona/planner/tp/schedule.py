@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 from ..cost import DTYPE_BYTES, load_hardware
 from ..errors import CanzonaError, OversizedTaskWarning
+from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..planning import DPProblem, pair_owners
 from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
-                      shared_by_index)
+                      lockstep_seconds, shared_by_index)
 
-# --- schedule records ------------------------------------------------------------------------------
+# --- schedule records -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +111,11 @@ class TPSchedule:
         return [[int(round(x)) for x in s.gpu_load()] for s in self.indices]
 
 
-# --- greedy: global LPT with rollback ----------------------------------------------------------------
+# --- greedy: global LPT with rollback -------------------------------------------------------------
 
 
-def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool) -> MicroGroup:
+def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool
+                ) -> MicroGroup:
     pairs = sorted(pairs, key=lambda x: (x[1], x[0]))  # wire order: by host, then task id
     loads, flops, mem = [0] * tp, [0] * tp, [0] * tp
     send = [[0] * tp for _ in range(tp)]
@@ -155,7 +157,7 @@ def _greedy_groups(ctx: TPContext, ids: list[int], base: list[float], tp: int, c
     return groups
 
 
-# --- CP-SAT per group ----------------------------------------------------------------------------------
+# --- CP-SAT per group -----------------------------------------------------------------------------
 
 
 def _cpsat_group(ctx: TPContext, pairs: list[tuple[int, int]], base: list[float], tp: int,
@@ -234,7 +236,7 @@ def _group_lower_bound(base: list[float], loads: list[int], tp: int) -> float:
     return max(max(base), (sum(base) + sum(loads)) / tp, min(base) + max(loads, default=0))
 
 
-# --- ordering and timeline ---------------------------------------------------------------------------
+# --- ordering and timeline ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,18 +306,15 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
     return out, timeline
 
 
-# --- the schedule ------------------------------------------------------------------------------------
+# --- the schedule ---------------------------------------------------------------------------------
 
 
 def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[float, float]:
     """Seconds of one index's shared tasks as the runtime runs them (``runtime.tp``): the halves
     it shares with a partner index first, then its TP group's own matrices, in batches whose
-    scratch fits 2 · ``cap`` (C_max), each batch in lockstep (``sharing.lockstep_seconds``; a
+    scratch fits 2 · ``cap`` (C_max), each batch in lockstep (:func:`lockstep_seconds`; a
     half holds its rows of 2·tp). Returns (the batches holding a half, the others): partners
     finish the first together."""
-    from ..formulas import LOCKSTEP_CMAX, lockstep_bytes
-    from ..sharing import lockstep_batches, lockstep_seconds
-
     tp = pr.sizes.tp
     ordered = [x for x in runs if x.partner is not None] + [x for x in runs if x.partner is None]
     sizes = []
@@ -342,7 +341,7 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
                    runs: tuple[SharedRun, ...] = (), phase_at_least: float = 0.0
                    ) -> tuple[IndexSchedule, str]:
     """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable);
-    ``runs``: the tasks this index's TP group shares (:func:`share_decision`), run before the
+    ``runs``: the tasks this index's TP group shares (``problem.shared``), run before the
     groups, in task order (halves shared with a partner index among them);
     ``phase_at_least``: seconds its shared phase lasts at least (its halves' part as long as
     its partner's: they exchange every iteration, so they finish it together)."""
@@ -398,45 +397,6 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
         timeline = [tuple(round(v + phase_s, 9) for v in row) for row in timeline]
     return IndexSchedule(d, tp, tuple(base), tuple(groups), tuple(timeline), runs,
                          phase_s, phase_load), status
-
-
-def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
-                   ) -> dict[int, tuple[float, bool, float, float, float]]:
-    """``TPOptions.share``: the tasks shared over their TP group (``auto``: those the bound of
-    ``planner.sharing`` shares; ``all``/``all-split``: every eligible one): task id → (load per
-    TP rank, polynomial split, compute seconds, collective seconds, of those the seconds beside
-    its own Gram products), what ``DPProblem.shared`` holds; the load is max(compute,
-    collectives) in cost units. Shampoo: the matrices whose
-    shards are whole blocks, preconditioned shard by shard (``sharing.shard_block_decision``)."""
-    from ..sharing import profile_rate, shard_block_decision, share_options, sharing_bound
-
-    if problem.settings.name == "shampoo":  # blocks preconditioned shard by shard, every mode
-        return shard_block_decision(problem, hardware)
-    hw = load_hardware(hardware)
-    rate = profile_rate(hw)
-    out = {}
-    if mode in ("all", "all-split"):
-        for t in problem.tasks:
-            opts = [o for o in share_options(problem, t.id, hw, groups=("tp",))
-                    if o.split_poly == (mode == "all-split")]
-            if opts:
-                out[t.id] = _entry(problem, t.id, opts[0], rate)
-        return out
-    report = sharing_bound(problem, hardware=hw, groups=("tp",), lockstep=True)
-    for x in report.shared:
-        out[x.task] = _entry(problem, x.task, x.option, rate)
-    return out
-
-
-def _entry(problem: DPProblem, task: int, o, rate: float  # noqa: ANN001
-           ) -> tuple[float, bool, float, float, float]:
-    """(load, split, compute s, collective s, hidden s) of one shared task: the load, for the DP side,
-    is the longer of its compute and its collectives (the others of its group hide the shorter
-    in the lockstep run); the schedule replaces the sum by the group's lockstep phase."""
-    flops = problem.costs[task].flops
-    unit = problem.loads[task] / flops if flops else 0.0
-    compute = o.piece_flops / rate
-    return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s, o.hidden_s)
 
 
 def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None, *,
