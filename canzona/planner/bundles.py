@@ -323,9 +323,9 @@ def _layout(problem: DPProblem, pairs: Mapping[int, PairShare], search: _Search,
             d = next(ranks)
             out += [d, d + 1] if len(it.tasks) == 1 and it.tasks[0] in used else [d]
         expanded[key] = out
-    # the optimizer state's target of the plan without pairs (``dp.solve.state_target``: its
+    # the optimizer state's target of the plan without pairs (``solve.state_target``: its
     # largest whole matrix, not a piece, or 1.1 × the mean)
-    from .dp.solve import state_target
+    from .solve import state_target
 
     cuts = _cheaper_cuts(paired, expanded, hw, state_target(problem))
     got = pair_owners(paired, cuts)

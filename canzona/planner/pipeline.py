@@ -4,7 +4,7 @@ options to a :class:`~canzona.planner.plan.Plan`.
 ::
 
     source ──inventory──► ModelSpec ──make_problem──► DPProblem (layout, tasks, costs, buckets)
-        ──dp.solve──► cut points (and the reordered problem) ──tp.schedule_tp──► TP schedule
+        ──solve──► cut points (and the reordered problem) ──tp.schedule_tp──► TP schedule
         ──planning.build_plan──► Plan (assembled once, TP section included)
 
 The CLI (``canzona plan``), ``canzona.plan_model``, ``plans/regenerate.py`` and the benchmarks
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .cost import OptimizerSettings
-from .dp import solve
+from .solve import solve
 from .bundles import bundle_candidates
-from .dp.solve import Solution, modelled_step, state_target
+from .solve import Solution, modelled_step, state_target
 from .formulas import LOCKSTEP_CMAX
 from .errors import CanzonaError, CanzonaWarning, SizeError
 from .hardware import HardwareProfile, load_hardware
