@@ -161,3 +161,49 @@ def test_the_documented_layers_are_the_tested_ones():
                   for layer, mods in rows]
     assert documented == [(layer, tuple(p.replace(".", "/") for p in prefixes))
                           for layer, prefixes in LAYERS]
+
+
+#: Where an optimizer's name may be tested: the two registries and the kernels' own files.
+NAME_HOMES = ("planner/optimizers.py", "runtime/optim/registry.py", "runtime/optim/muon.py",
+              "runtime/optim/shampoo.py", "runtime/optim/soap.py")
+
+
+def _name_tests(tree: ast.AST, names: set[str]):
+    """(line, source) of every comparison, ``in`` test or dict key naming one of ``names``."""
+    def named(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(named(c) for c in [node.left,
+                                                                    *node.comparators]):
+            yield node.lineno, ast.unparse(node)
+        elif isinstance(node, ast.Dict) and any(k is not None and named(k) for k in node.keys):
+            yield node.lineno, ast.unparse(node)[:80]
+        elif isinstance(node, ast.match_case) and named(getattr(node.pattern, "value", None)):
+            yield node.lineno, ast.unparse(node.pattern)
+
+
+def test_no_optimizer_name_is_branched_on_outside_the_registries():
+    """What an optimizer can do is a capability of its registry spec (``OptimizerSpec.share``):
+    no ``== "muon"``, ``in ("muon", …)`` or ``{"shampoo": …}`` elsewhere in the package."""
+    from canzona.planner import optimizers
+
+    names = set(optimizers.names())
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in NAME_HOMES:
+            continue
+        for line, src in _name_tests(ast.parse(path.read_text(encoding="utf-8")), names):
+            bad.append(f"canzona/{rel}:{line}: {src}")
+    assert not bad, "optimizer names branched on (use the spec's capabilities):\n" + "\n".join(bad)
+
+
+def test_the_name_test_sees_comparisons_in_tests_and_keys():
+    tree = ast.parse('a == "muon"\nb in ("x", "shampoo")\nc = {"soap": 1}\nd = "muon"\n'
+                     'e != other\n')
+    assert [line for line, _ in _name_tests(tree, {"muon", "shampoo", "soap"})] == [1, 2, 3]
