@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
-from canzona.planner.dp import greedy, solve
+from canzona.planner.dp import greedy
+from canzona.planner.solve import solve
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
 from canzona.planner.tp import TPContext, TPOptions, gpu_loads, joint_refine, lb_gpu, schedule_tp
@@ -60,7 +61,7 @@ def case(model: str, dp: int, tp: int, split: bool = False, ep: int = 1) -> dict
     g_grid = gpu_loads(pr, g_cuts, ctx=g_ctx)
     if _max(g_grid) < _max(ours.grid()):
         # Never worse than the paper: keep the greedy partition when it packs better per GPU
-        # (the guard dp.solve applies on the DP load, here on the per-GPU one).
+        # (the guard solve applies on the DP load, here on the per-GPU one).
         p2, ctx, cuts = pr, g_ctx, g_cuts
         ours = schedule_tp(pr, cuts, ctx=ctx, warn=False)
         t3 = time.perf_counter()

@@ -12,6 +12,10 @@ which imports torch; this module imports only the standard library, ``formulas``
 so the plan schema and the planner stay torch-free. ``docs/adding-an-optimizer.md`` walks
 through adding one.
 
+A spec also says what the optimizer can do beyond one owner per matrix
+(:attr:`OptimizerSpec.share`); the planner, the simulator, the plan checks and the runtime read
+that capability, never the name.
+
 AdamW, which updates every non-matrix parameter whatever the matrix optimizer, is not in the
 registry: its costs are fixed (``formulas.adamw_flops``, ``formulas.adamw_state_numel``).
 """
@@ -25,7 +29,18 @@ from typing import Any
 from . import formulas
 from .errors import CanzonaError
 
-__all__ = ["OptimizerSpec", "get", "names", "register"]
+__all__ = ["SHARE_KINDS", "OptimizerSpec", "get", "names", "register"]
+
+#: How several ranks can update one matrix (:attr:`OptimizerSpec.share`):
+#:
+#: * ``"gram"`` — shared Newton–Schulz: each rank holds some rows of the (oriented) matrix and
+#:   the ranks all-reduce their Gram products, so the pieces exchange every iteration (they
+#:   meet in phases and lockstep batches, and a matrix may be shared by two TP groups); the
+#:   optimizer state splits with the rows;
+#: * ``"blocks"`` — block-hosted: the matrix's preconditioner blocks are apart, so each rank
+#:   updates its own block rows with no collective, and keeps the blocks' state;
+#: * ``None`` — not shareable: every matrix is updated whole by one rank.
+SHARE_KINDS = ("gram", "blocks", None)
 
 #: ``(m, n, settings) -> int``: a cost of one m×n matrix under ``settings`` (an
 #: ``OptimizerSettings``; not imported here, because ``settings`` imports this registry).
@@ -44,6 +59,7 @@ class OptimizerSpec:
             ``name``); the others do not change this optimizer's plan.
         flops: ``(m, n, settings)`` → FLOPs of one amortised step of an m×n matrix.
         state_numel: ``(m, n, settings)`` → optimizer-state elements the kernel keeps for it.
+        share: how several ranks can update one matrix, one of :data:`SHARE_KINDS`.
     """
 
     name: str
@@ -51,6 +67,22 @@ class OptimizerSpec:
     settings: tuple[str, ...]
     flops: CostFormula
     state_numel: CostFormula
+    share: str | None = None
+
+    @property
+    def gram_shared(self) -> bool:
+        """Shared matrices run the shared Newton–Schulz (pieces exchange Gram products)."""
+        return self.share == "gram"
+
+    @property
+    def block_hosted(self) -> bool:
+        """Shared matrices are split into their preconditioner blocks (no collective)."""
+        return self.share == "blocks"
+
+    @property
+    def shareable(self) -> bool:
+        """Several ranks can update one matrix."""
+        return self.share is not None
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
@@ -62,6 +94,9 @@ def register(spec: OptimizerSpec) -> OptimizerSpec:
         raise ValueError(f"optimizer name {spec.name!r} must be a lower-case identifier")
     if spec.name in _REGISTRY:
         raise ValueError(f"optimizer {spec.name!r} is already registered")
+    if spec.share not in SHARE_KINDS:
+        raise ValueError(f"optimizer {spec.name!r}: share must be one of {SHARE_KINDS}, "
+                         f"not {spec.share!r}")
     _REGISTRY[spec.name] = spec
     return spec
 
@@ -92,6 +127,7 @@ register(OptimizerSpec(
     settings=("ns_steps",),
     flops=lambda m, n, s: formulas.muon_flops(m, n, ns_steps=s.ns_steps),
     state_numel=lambda m, n, s: formulas.muon_state_numel(m, n),
+    share="gram",
 ))
 
 register(OptimizerSpec(
@@ -103,6 +139,7 @@ register(OptimizerSpec(
         precondition_frequency=s.shampoo_precondition_frequency),
     state_numel=lambda m, n, s: formulas.shampoo_state_numel(
         m, n, max_preconditioner_dim=s.max_preconditioner_dim, grafting=s.shampoo_grafting),
+    share="blocks",
 ))
 
 register(OptimizerSpec(

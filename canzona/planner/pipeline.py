@@ -4,7 +4,7 @@ options to a :class:`~canzona.planner.plan.Plan`.
 ::
 
     source ──inventory──► ModelSpec ──make_problem──► DPProblem (layout, tasks, costs, buckets)
-        ──dp.solve──► cut points (and the reordered problem) ──tp.schedule_tp──► TP schedule
+        ──solve──► cut points (and the reordered problem) ──tp.schedule_tp──► TP schedule
         ──planning.build_plan──► Plan (assembled once, TP section included)
 
 The CLI (``canzona plan``), ``canzona.plan_model``, ``plans/regenerate.py`` and the benchmarks

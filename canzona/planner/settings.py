@@ -59,3 +59,8 @@ class OptimizerSettings(BaseModel):
     soap_max_precond_dim: int = Field(default=10000, ge=1)
     split_qkv: bool = Field(default=False, description="Q, K, V as separate matrices.")
     split_gate_up: bool = Field(default=False, description="gate and up as separate matrices.")
+
+    @property
+    def spec(self) -> optimizers.OptimizerSpec:
+        """The registry's spec of this optimizer: its formulas and capabilities."""
+        return optimizers.get(self.name)

@@ -74,7 +74,7 @@ def _shared_state(plan: Plan, t: Any, x: Any) -> int:
     """One TP rank's state of a task its TP group shares (``x``, its entry in the plan): Muon's
     momentum, one TP-th; Shampoo, the kernel's state of its shard (its blocks, moments, and a
     step counter of its own)."""
-    if plan.inputs.optimizer.name != "shampoo":
+    if not plan.inputs.optimizer.spec.block_hosted:
         return t.state_bytes // plan.inputs.tp
     assert plan.tp is not None
     m, n = plan.tp.layouts[x.layout].local_shape

@@ -182,7 +182,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
               else set())
     tp_pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp > 1 else {}
     pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp == 1 else {}
-    shares = plan.inputs.optimizer.name == "muon"  # shared Newton–Schulz; else blocks apart
+    shares = plan.inputs.optimizer.spec.gram_shared  # shared Newton–Schulz; else blocks apart
     for t in plan.tasks:
         i = index[t.param]
         bi = param_bucket[i]

@@ -170,10 +170,10 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
     mine = next((ix for ix in T.indices if ix.dp_index == dp_rank), None)
     if mine is None or not (mine.shared or plan.dp_shared):
         return ()
-    name = plan.inputs.optimizer.name
-    if mine.shared and name not in ("muon", "shampoo"):
-        raise PlanMismatchError(f"the plan shares matrices over TP but its optimizer is "
-                                f"{name}; only Muon and Shampoo share.")
+    name, spec = plan.inputs.optimizer.name, plan.inputs.optimizer.spec
+    if mine.shared and not spec.shareable:
+        raise PlanMismatchError(f"the plan shares matrices over TP but its optimizer {name} "
+                                f"updates every matrix whole; the plan is inconsistent.")
     index = {n: i for i, n in enumerate(names)}
     tasks = {t.id: t for t in plan.tasks}
     pairs = {x.id: x for x in plan.dp_shared}
@@ -196,7 +196,7 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
         if x.partner is not None:  # this index's rows of every shard (the cut inside them)
             p = pairs.get(x.id)
             if p is None or sorted((dp_rank, x.partner)) != list(p.owners) or lay.dim != 0 \
-                    or name != "muon":
+                    or not spec.gram_shared:
                 raise PlanMismatchError(f"the plan shares '{t.param}' with DP index "
                                         f"{x.partner} but its dp_shared entry or layout does "
                                         f"not say so; the plan is inconsistent.")
@@ -209,7 +209,7 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
         out.append(SharedTask(
             t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
             lay.dim, shape, tuple(lay.full_shape),  # type: ignore[arg-type]
-            x.split_poly, name == "shampoo", pair, row0))  # type: ignore[arg-type]
+            x.split_poly, spec.block_hosted, pair, row0))  # type: ignore[arg-type]
     listed = {x.id for x in out if x.pair is not None}
     for p in pairs.values():
         if plan.inputs.tp > 1 and dp_rank in p.owners and p.id not in listed:

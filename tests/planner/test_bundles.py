@@ -117,7 +117,7 @@ def test_a_pair_shares_one_matrix_per_bucket_and_lightens_the_busiest_index():
         pairs = [owners[t] for t in shared]
         assert len(pairs) == len(set(pairs)), (b.bucket, pairs)
     # the busiest index (pairs in lockstep) against the whole-matrix partition's
-    solve = importlib.import_module("canzona.planner.dp.solve").solve
+    solve = importlib.import_module("canzona.planner.solve").solve
     whole = solve(problem, DPOptions(objective="max-load"), hardware=hw)
     assert max(pair_waits(used, cuts)) < max(pair_waits(whole.problem, whole.cuts))
 

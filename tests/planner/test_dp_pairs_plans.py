@@ -177,7 +177,7 @@ def test_edited_pair_plans_are_refused(refused_edit):
 
 
 def test_all_moves_pieces_apart_without_undoing_pairs_or_piling_up_load():
-    from canzona.planner.dp import solve
+    from canzona.planner.solve import solve
     from canzona.planner.options import DPOptions
     from canzona.planner.planning import evaluate, pair_owners
     from canzona.planner.sharing import pieces_apart, with_pairs
@@ -206,7 +206,7 @@ def test_pairs_move_into_one_node_where_the_ranks_between_are_empty():
     them do so, the busiest DP index no heavier (pairs across nodes priced on the network),
     every cut still in order and every pair still apart."""
     from canzona.planner import DPOptions, OptimizerSettings
-    from canzona.planner.dp import solve
+    from canzona.planner.solve import solve
     from canzona.planner.planning import pair_owners
     from canzona.planner.sharing import pair_link, pairs_in_nodes, with_pairs
 
@@ -242,7 +242,7 @@ def test_pair_waits_count_the_chains_between_partners():
     lighter than its pieces' compute and the rest of its work; and an index whose later-phase
     pair partner first ran an earlier pair waits for it (the chain the simulator models)."""
     from canzona.planner import DPOptions, OptimizerSettings
-    from canzona.planner.dp import solve
+    from canzona.planner.solve import solve
     from canzona.planner.planning import evaluate, pair_owners, pair_phases
     from canzona.planner.sharing import pair_waits, with_pairs
     from canzona.planner.tp.context import lockstep_seconds

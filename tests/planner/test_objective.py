@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, build_inventory
-from canzona.planner.dp import greedy, solve, solve_cpsat
+from canzona.planner.dp import greedy, solve_cpsat
+from canzona.planner.solve import solve
 from canzona.planner.models import ModelConfig
 from canzona.planner.objective import MAX_LOAD, Objective
 from canzona.planner.planning import evaluate, make_problem
@@ -136,7 +137,7 @@ def test_step_time_lowers_the_predicted_collectives_within_its_bounds(dp, tp):
     """The default objective: never a slower predicted step than the max-load cuts, the busiest
     compute at most STEP_TIME_GAP_PP points of the bound above theirs, the busiest state under
     the target or hardly worse than theirs, every matrix whole."""
-    from canzona.planner.dp.solve import state_target
+    from canzona.planner.solve import state_target
     from canzona.planner.hardware import load_hardware
     from canzona.planner.objective import StepTime
     from canzona.planner.options import STEP_TIME_GAP_PP

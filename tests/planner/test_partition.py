@@ -11,7 +11,8 @@ from canzona.planner import (DPOptions, OptimizerSettings, OptionError, Parallel
                              build_inventory, get_preset)
 from canzona.planner.baselines import baselines
 from canzona.planner.models import ModelConfig
-from canzona.planner.dp import greedy, pigeonhole_bound, solve
+from canzona.planner.dp import greedy, pigeonhole_bound
+from canzona.planner.solve import solve
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import equal_cuts, evaluate, make_problem, owner_of
 

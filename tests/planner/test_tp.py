@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from canzona.planner import (OptimizerSettings, OversizedTaskWarning, ParallelSizes,
                              build_inventory, get_preset)
-from canzona.planner.dp import greedy, solve
+from canzona.planner.dp import greedy
+from canzona.planner.solve import solve
 from canzona.planner.plan import SolverOptions
 from canzona.planner.plan.load import parse_plan
 from canzona.planner.planning import build_plan, equal_cuts, make_problem

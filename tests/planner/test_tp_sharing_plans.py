@@ -10,7 +10,8 @@ import dataclasses
 
 from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions,
                              build_inventory, get_preset)
-from canzona.planner.dp import greedy, solve
+from canzona.planner.dp import greedy
+from canzona.planner.solve import solve
 from canzona.planner.dp.reorder import reorder_problem
 from canzona.planner.dp.units import owners_to_cuts
 from canzona.planner.formulas import LOCKSTEP_CMAX
@@ -153,7 +154,7 @@ def test_lockstep_placement_keeps_the_state_guard():
     """Under step-time the free re-placement must gain for real, and more where it piles the
     optimizer state up (as the joint refinement): at qwen3-4b dp32 tp4 it would gain 2e-9 of
     the busiest GPU for 18 % more state on the busiest index, and is not kept."""
-    from canzona.planner.dp.solve import _state_excess
+    from canzona.planner.solve import _state_excess
 
     sol = solve(_shared_problem("qwen3-4b", 32, 4))
     assert _state_excess(sol.problem, sol.cuts) == 0

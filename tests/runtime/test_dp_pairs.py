@@ -37,7 +37,7 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
     second piece and what followed it in the owner's range)."""
     from canzona import load_plan
     from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes
-    from canzona.planner.dp import solve
+    from canzona.planner.solve import solve
     from canzona.planner.hardware import load_hardware
     from canzona.planner.inventory import build_inventory
     from canzona.planner.plan import SolverOptions

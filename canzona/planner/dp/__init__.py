@@ -5,7 +5,8 @@ Inside every ZeRO-1 bucket, DP rank r still owns the r-th slice [s_r, s_{r+1}) �
 move to boundaries of matrix-optimizer parameters, so every matrix is whole on one rank. AdamW
 parameters are elementwise and may be cut anywhere, as plain ZeRO-1 does.
 
-Solvers (one entry, :func:`solve`, steered by :class:`~canzona.planner.options.DPOptions`):
+Solvers (one entry, :func:`canzona.planner.solve.solve`, steered by
+:class:`~canzona.planner.options.DPOptions`):
 
 * ``greedy`` — the paper's α-balanced LPT: buckets visited by load, largest first; each bucket's
   target split blends the even element split (α = 0, ZeRO-1's geometry) with filling every rank's
@@ -25,9 +26,9 @@ moves, only which parameters can share a rank; the plan records the new order, a
 runtime lays its buffers out from the plan. ``reorder=False`` keeps Megatron's order.
 
 Modules, in dependency order: ``units`` (buckets as units, cuts from owners) → ``greedy`` →
-``polish`` (per-bucket DP, moves/swaps) → ``bounds`` → ``cpsat`` → ``reorder`` → ``solve`` (which
-also calls the TP side's joint refinement, ``canzona.planner.tp.joint``). OR-Tools is imported
-only inside the functions that build a CP-SAT model.
+``polish`` (per-bucket DP, moves/swaps) → ``bounds`` → ``cpsat`` → ``reorder``. The stages run
+from ``canzona.planner.solve``, which also calls the TP side's joint refinement and so sits
+above both packages. OR-Tools is imported only inside the functions that build a CP-SAT model.
 """
 
 from .bounds import SCALE_UNITS, packing_bound, pigeonhole_bound
@@ -35,12 +36,10 @@ from .cpsat import solve_cpsat
 from .greedy import greedy
 from .polish import improve, polish, rebalance_divisible, swap_search
 from .reorder import assign_free, reorder_problem
-from .solve import JOINT_TP_MARGIN, PACKING_BOUND_ABOVE, SOLVERS, Solution, solve
 from .units import Cuts, Units, bucket_units, owners_to_cuts, piece_grain, spread_cuts
 
 __all__ = [
-    "JOINT_TP_MARGIN", "PACKING_BOUND_ABOVE", "SCALE_UNITS", "SOLVERS", "Cuts", "Solution",
-    "Units", "assign_free", "bucket_units", "greedy", "improve", "owners_to_cuts",
-    "packing_bound", "piece_grain", "pigeonhole_bound", "polish", "rebalance_divisible",
-    "reorder_problem", "solve", "solve_cpsat", "spread_cuts", "swap_search",
+    "SCALE_UNITS", "Cuts", "Units", "assign_free", "bucket_units", "greedy", "improve",
+    "owners_to_cuts", "packing_bound", "piece_grain", "pigeonhole_bound", "polish",
+    "rebalance_divisible", "reorder_problem", "solve_cpsat", "spread_cuts", "swap_search",
 ]

@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from ..dp import solve
-from ..dp.solve import Solution, modelled_step, state_target
+from ..solve import solve
+from ..solve import Solution, modelled_step, state_target
 from ..errors import CanzonaError, CanzonaWarning
 from ..formulas import LOCKSTEP_CMAX
 from ..hardware import HardwareProfile

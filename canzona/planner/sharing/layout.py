@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from .. import comm
 from ..dp.reorder import reorder_problem, state_heavy
-from ..dp.solve import state_target
+from ..solve import state_target
 from ..dp.units import spread_cuts
 from ..hardware import HardwareProfile
 from ..planning import BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners
@@ -49,7 +49,7 @@ def lay_out(problem: DPProblem, pairs: Mapping[int, PairShare], search: Search,
             d = next(ranks)
             out += [d, d + 1] if len(it.tasks) == 1 and it.tasks[0] in used else [d]
         expanded[key] = out
-    # the optimizer state's target of the plan without pairs (``dp.solve.state_target``: its
+    # the optimizer state's target of the plan without pairs (``solve.state_target``: its
     # largest whole matrix, not a piece, or 1.1 × the mean)
     cuts = _cheaper_cuts(paired, expanded, hw, state_target(problem))
     got = pair_owners(paired, cuts)

@@ -127,7 +127,7 @@ def lockstep_scratch(problem: DPProblem, task: int) -> int:
     """Scratch bytes a task its TP group shares holds in a lockstep batch
     (``formulas.lockstep_bytes`` of its piece: its rows of the oriented matrix, bf16): what the
     TP schedule batches by and what :class:`Lockstep` models."""
-    if problem.settings.name != "muon":  # Shampoo's blocks shard by shard: its state only
+    if not problem.settings.spec.gram_shared:  # blocks apart, shard by shard: state only
         return 0
     t = problem.tasks[task]
     tp = problem.sizes.tp

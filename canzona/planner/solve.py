@@ -1,6 +1,6 @@
-"""The DP stage: :func:`solve` chooses every bucket's cut points (``canzona.planner.pipeline``
-turns them into a plan). Under TP it judges cuts per GPU with the TP side's joint refinement
-(``tp.joint``, which does not import back)."""
+"""The solve: :func:`solve` runs the DP stages (``dp``) and chooses every bucket's cut points
+(``canzona.planner.pipeline`` turns them into a plan). Under TP it judges cuts per GPU with the
+TP side's joint refinement (``tp.joint``), so it sits above both ``dp`` and ``tp``."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
-from ..objective import MAX_LOAD, Objective, StepTime
-from ..options import SOLVERS, STEP_TIME_GAP_PP, DPOptions  # noqa: F401
-from ..planning import DPProblem, evaluate
-from ..tp.context import TPContext, index_gpu_max, lb_gpu
-from ..tp.joint import joint_refine, lockstep_assign
-from .bounds import packing_bound, pigeonhole_bound
-from .cpsat import solve_cpsat
-from .greedy import greedy
-from .polish import improve, improve_comm, rebalance_divisible
-from .reorder import assign_free, reorder_problem
-from .units import Cuts, owners_to_cuts
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
+from .objective import MAX_LOAD, Objective, StepTime
+from .options import SOLVERS, STEP_TIME_GAP_PP, DPOptions  # noqa: F401
+from .planning import DPProblem, evaluate
+from .tp.context import TPContext, index_gpu_max, lb_gpu
+from .tp.joint import joint_refine, lockstep_assign
+from .dp.bounds import packing_bound, pigeonhole_bound
+from .dp.cpsat import solve_cpsat
+from .dp.greedy import greedy
+from .dp.polish import improve, improve_comm, rebalance_divisible
+from .dp.reorder import assign_free, reorder_problem
+from .dp.units import Cuts, owners_to_cuts
 
 #: The bin-packing bound (a CP-SAT covering model) is computed when the plan is more than this
 #: far above the simple bounds: below it the simple bound already certifies the plan.
