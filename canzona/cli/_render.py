@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from canzona.planner import optimizers
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
 from canzona.planner.report import (busiest_index, max_mean, oversized_groups, pairs_dict,
@@ -389,7 +390,7 @@ def pairs_view(pr: dict | None) -> None:
     """The matrices DP pairs share (``report["dp_pairs"]``)."""
     if pr is None:
         return
-    if pr["optimizer"] != "muon":
+    if not optimizers.get(pr["optimizer"]).gram_shared:
         console.print(
             f"blocks hosted by two DP ranks (the bucket cut inside the matrix between two block "
             f"rows; each preconditions its own blocks, nothing exchanged): {pr['tasks']} "
@@ -429,7 +430,7 @@ def sharing_view(sh: dict | None) -> None:
         groups.setdefault((x["group"], x["k"], x["split_poly"]), []).append(x)
     for (g, k, split), xs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         kinds = sorted({kind_of(x["name"]) for x in xs})
-        where = {"tp": "its TP group" if sh["optimizer"] != "shampoo"
+        where = {"tp": "its TP group" if not optimizers.get(sh["optimizer"]).block_hosted
                  else "its TP group, each rank the blocks of its own shard",
                  "tp_pair": "its TP group and the same TP ranks at a second DP index; "
                             "--share auto where it lowers the objective, or pairs",
@@ -502,7 +503,7 @@ def tp_summary(plan: Plan) -> None:
                       f"half of every shard's rows): {sum(pairs.values())} matrices ("
                       + ", ".join(f"{n} {k}" for k, n in sorted(pairs.items(),
                                                                 key=lambda kv: -kv[1])) + ")")
-        if plan.inputs.optimizer.name == "shampoo":
+        if plan.inputs.optimizer.spec.block_hosted:
             console.print(
                 f"preconditioned shard by shard (--share {plan.tp.share}: each TP rank Shampoo's "
                 f"blocks of its own shard, whole blocks of the matrix; no gather, no collective; "

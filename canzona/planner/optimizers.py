@@ -70,6 +70,11 @@ class OptimizerSpec:
     share: str | None = None
 
     @property
+    def title(self) -> str:
+        """The name as prose writes it (the summary's head: ``Muon``, ``SOAP``)."""
+        return self.summary.split(":", 1)[0]
+
+    @property
     def gram_shared(self) -> bool:
         """Shared matrices run the shared Newton–Schulz (pieces exchange Gram products)."""
         return self.share == "gram"

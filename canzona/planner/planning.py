@@ -436,8 +436,8 @@ def build_plan(
         grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
         comm_dtype=problem.comm_dtype, solver=solver)
     pairs = pair_owners(problem, cuts)
-    # Muon's pairs exchange, so they meet in phases; Shampoo's pieces never wait for each other
-    phases = pair_phases(pairs) if problem.settings.name == "muon" else {}
+    # pieces that exchange Gram products meet in phases; block rows never wait for each other
+    phases = pair_phases(pairs) if problem.settings.spec.gram_shared else {}
     dp_shared = tuple(
         PairTaskPlan(id=i, owners=pairs[i], phase=phases.get(pairs[i], 0), row=x.row,
                      split_poly=x.split_poly, loads=x.loads, flops=x.flops,

@@ -119,7 +119,7 @@ def _pair_runs(plan: Plan, hw: HardwareProfile) -> list[float]:
     record how many of those seconds are exchanges and how many of them the piece's own Gram
     products hide, so those come from ``sharing.shared_piece`` on ``hw``."""
     load = [float(x) for x in plan.metrics.dp_load]
-    if plan.inputs.optimizer.name != "muon":
+    if not plan.inputs.optimizer.spec.gram_shared:
         return load
     runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     steps = plan.inputs.optimizer.ns_steps

@@ -22,16 +22,17 @@ def check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
     inp, tasks = plan.inputs, plan.tasks
     if not plan.dp_shared:
         return
-    name = inp.optimizer.name
+    name, spec = inp.optimizer.name, inp.optimizer.spec
     tp = inp.tp
-    if tp != 1 and name != "muon":
-        raise bad("dp_shared", f"lists {len(plan.dp_shared)} tasks but at tp > 1 only Muon's "
-                               f"TP groups share a matrix with a partner DP index (inputs."
-                               f"optimizer is {name})")
-    if name not in ("muon", "shampoo"):
-        raise bad("dp_shared", f"lists tasks but only Muon (shared Newton–Schulz) and Shampoo "
-                               f"(blocks) split a matrix over DP indices (inputs.optimizer is "
+    if tp != 1 and not spec.gram_shared:
+        raise bad("dp_shared", f"lists {len(plan.dp_shared)} tasks but at tp > 1 only an "
+                               f"optimizer shared by Gram all-reduces (Muon) shares a matrix "
+                               f"with a partner DP index's TP group (inputs.optimizer is "
                                f"{name})")
+    if not spec.shareable:
+        raise bad("dp_shared", f"lists tasks but {name} updates every matrix whole; only a "
+                               f"shareable optimizer (Muon: shared Newton–Schulz, Shampoo: "
+                               f"blocks) splits a matrix over DP indices")
     expert = {sl.name for buf in plan.buffers if buf.expert for b in buf.buckets
               for sl in b.slots}
     link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
@@ -65,8 +66,8 @@ def check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
                                               f"with one partner only")
             rows //= tp
         block = inp.optimizer.max_preconditioner_dim
-        if not 0 < x.row < rows or (name == "shampoo" and x.row % block):
-            where = f" on a block-row boundary (a multiple of {block})" if name == "shampoo" \
+        if not 0 < x.row < rows or (spec.block_hosted and x.row % block):
+            where = f" on a block-row boundary (a multiple of {block})" if spec.block_hosted \
                 else ""
             raise bad(f"{xf}.row", f"is {x.row} but task {x.id} has rows 0 … {rows}; the cut "
                                    f"must be inside them{where}")
@@ -75,7 +76,7 @@ def check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
             raise bad(f"{xf}.owners", f"are {list(x.owners)} but must be two DP indices in "
                                       f"[0, {inp.dp}), ascending, the first the task's owner "
                                       f"({t.owner})")
-        if name == "shampoo":
+        if spec.block_hosted:
             flops, states = block_pieces(inp.optimizer, rows, cols, x.row)
             loads = piece_loads(t.cost, t.flops, flops)
             for field, got, want in (("flops", x.flops, flops), ("state_bytes", x.state_bytes,

@@ -180,10 +180,11 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
             xf = f"tp.indices[{d}].shared[{k}]"
             t = tasks[x.id]
             L = T.layouts[x.layout]
-            if inp.optimizer.name not in ("muon", "shampoo"):
-                raise bad(f"{xf}.id", f"shares task {x.id} but only Muon (shared Newton–Schulz) "
-                                      f"and Shampoo (blocks shard by shard) share over TP "
-                                      f"(inputs.optimizer is {inp.optimizer.name})")
+            if not inp.optimizer.spec.shareable:
+                raise bad(f"{xf}.id", f"shares task {x.id} but {inp.optimizer.name} updates "
+                                      f"every matrix whole; only a shareable optimizer (Muon: "
+                                      f"shared Newton–Schulz, Shampoo: blocks shard by shard) "
+                                      f"shares over TP")
             if L.dim is None or L.full_shape != t.shape or len(t.shape) != 2:
                 raise bad(f"{xf}.layout", f"tp.layouts[{x.layout}] has full shape "
                                           f"{list(L.full_shape)} (dim {L.dim}) but task {x.id} "
@@ -195,7 +196,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
             if local_numel[x.layout] != slots[t.param][2] or t.part is not None:
                 raise bad(f"{xf}.layout", f"task {x.id} ('{label(t)}') must be a whole TP-split "
                                           f"parameter whose shard is tp.layouts[{x.layout}]")
-            if inp.optimizer.name == "shampoo":
+            if inp.optimizer.spec.block_hosted:
                 out[x.id] = _check_shard_blocks(plan, x, L, xf, bad)
                 continue
             rows, cols = t.shape

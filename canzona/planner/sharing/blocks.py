@@ -67,7 +67,7 @@ def shard_block_decision(problem: DPProblem, hardware: str | HardwareProfile = "
     ranks, no gather); whether the plan keeps them is the objective's call
     (``candidates.Candidates``: ``share="auto"`` compares with hosting)."""
     st, sizes = problem.settings, problem.sizes
-    if st.name != "shampoo" or sizes.tp == 1:
+    if not st.spec.block_hosted or sizes.tp == 1:
         return {}
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     rate = profile_rate(hw)

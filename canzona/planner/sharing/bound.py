@@ -122,8 +122,8 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
     matrix = [t.id for t in problem.tasks if t.optimizer == "matrix"]
     largest = max((problem.loads[i] for i in matrix), default=0)
     atomic = max(mean, float(largest))
-    name = problem.settings.name
-    if name == "shampoo" and problem.sizes.tp > 1:
+    name, spec = problem.settings.name, problem.settings.spec
+    if spec.block_hosted and problem.sizes.tp > 1:
         # blocks shard by shard: no FLOPs added, no collective
         blocks = shard_block_decision(problem, hw)
         shared = []
@@ -138,10 +138,10 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         top = max([s.piece_load for s in shared] + [float(rest)], default=0.0)
         return SharingReport(name, gpus, mean, largest, atomic, max(mean, top), 0.0,
                              tuple(shared), longest_path=top,
-                             note="Shampoo: the matrices whose TP shards are whole blocks are "
+                             note=f"{spec.title}: the matrices whose TP shards are whole blocks are "
                                   "preconditioned shard by shard (no gather); the others stay "
                                   "whole")
-    if name != "muon":
+    if not spec.gram_shared:
         return SharingReport(name, gpus, mean, largest, atomic, atomic, 0.0, (),
                              note=f"sharing applies to Muon's Newton–Schulz (and Shampoo's "
                                   f"blocks); {name} tasks stay whole")

@@ -99,7 +99,7 @@ class Candidates:
         #: whether TP pairs are tried: asked for (``pairs``) or tried (``auto``) where the plan
         #: has a TP schedule, Muon's matrices and reordered buckets to lay them out in
         self.tp_pairs = schedule and mode.tp_pairs and dp_options.reorder \
-            and problem.settings.name == "muon"
+            and problem.settings.spec.gram_shared
         self._terms: StepTime | None = None
 
     # -- the candidates ----------------------------------------------------------------------
@@ -235,7 +235,7 @@ def tp_pair_candidates(problem: DPProblem, hw: HardwareProfile, *, scratch_cap: 
     polynomial split; with ``force``, every eligible one, each shared), laid out by
     :func:`tp_bundle_candidate`: (the problem with the pairs it uses, its cuts) each; empty
     where none applies or shares anything."""
-    if problem.settings.name != "muon" or problem.sizes.tp == 1 or not problem.shared:
+    if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 or not problem.shared:
         return []
     out = []
     seen: list[dict] = []
@@ -282,7 +282,7 @@ def bundle_candidates(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Ha
     where it shares nothing); an empty list where bundles do not apply (see
     :func:`bundle_pairs`). The caller judges them (:meth:`Candidates.better` by its objective:
     a start with a heavier busiest index may move fewer bytes)."""
-    if problem.settings.name != "muon" or problem.sizes.tp != 1 or problem.dp < 2 or not pairs \
+    if not problem.settings.spec.gram_shared or problem.sizes.tp != 1 or problem.dp < 2 or not pairs \
             or any(buf.expert for buf in problem.layout.buffers) \
             or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
         return []
@@ -311,7 +311,7 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
     shared matrix's TP shards cut between its partners). Returns (the search's busiest index,
     (the reordered problem with the pairs used, its cuts) or None where it shares nothing);
     :func:`tp_pair_candidates` offers it to the plan."""
-    if problem.settings.name != "muon" or problem.sizes.tp == 1 or problem.dp < 2 or not pairs \
+    if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 or problem.dp < 2 or not pairs \
             or any(buf.expert for buf in problem.layout.buffers):
         return 0.0, None
     search = TPPairSearch(problem, pairs, scratch_cap, force)

@@ -118,7 +118,7 @@ def share_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
     beside its own Gram products), what ``DPProblem.shared`` holds; the load is max(compute,
     collectives) in cost units. Shampoo: the matrices whose shards are whole blocks,
     preconditioned shard by shard (``blocks.shard_block_decision``), whatever the mode."""
-    if problem.settings.name == "shampoo":
+    if problem.settings.spec.block_hosted:
         return shard_block_decision(problem, hardware)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     rate = profile_rate(hw)
@@ -147,9 +147,9 @@ def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
     (``prices.priced_for`` reprices the pairs the cuts put on two nodes)."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     mode = ShareMode.of(mode)
-    if problem.settings.name == "shampoo":
+    if problem.settings.spec.block_hosted:
         return block_decision(problem, mode)
-    if problem.sizes.tp != 1 or problem.dp < 2 or problem.settings.name != "muon":
+    if problem.sizes.tp != 1 or problem.dp < 2 or not problem.settings.spec.gram_shared:
         return {}
     dense = {problem.tasks[i].param for b in problem.buckets for it in b.items for i in it.tasks
              if not problem.layout.buffers[b.buffer].expert}
@@ -165,7 +165,7 @@ def block_decision(problem: DPProblem, mode: ShareMode | str = "auto") -> dict[i
     matrices heavier than a quarter of the mean load per DP index; otherwise every one with two
     block rows or more."""
     st = problem.settings
-    if problem.sizes.tp != 1 or problem.dp < 2 or st.name != "shampoo":
+    if problem.sizes.tp != 1 or problem.dp < 2 or not st.spec.block_hosted:
         return {}
     dense = {problem.tasks[i].param for b in problem.buckets for it in b.items for i in it.tasks
              if not problem.layout.buffers[b.buffer].expert}
@@ -196,7 +196,7 @@ def tp_pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100
     (``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``) and the runtime account for them."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     sizes = problem.sizes
-    if problem.settings.name != "muon" or sizes.tp == 1 or problem.dp < 2:
+    if not problem.settings.spec.gram_shared or sizes.tp == 1 or problem.dp < 2:
         return {}
     got = chosen(problem, hw, ShareMode.of(mode), ("tp_pair",), bound_groups=("tp", "tp_pair"))
     return {i: price_tp_pair(problem, i, o.split_poly, hw) for i, o in sorted(got.items())
@@ -221,18 +221,18 @@ def tp_share_sets(problem: DPProblem, mode: ShareMode, hw: HardwareProfile, *,
         cand = share_decision(problem, hw, m)
         if cand not in shares:
             shares.append(cand)
-    name = problem.settings.name
-    if mode.auto and name == "shampoo" and shares[0]:
+    name, spec = problem.settings.name, problem.settings.spec
+    if mode.auto and spec.block_hosted and shares[0]:
         shares.append({})
-    if name != "shampoo" and not any(shares):
+    if not spec.block_hosted and not any(shares):
         why = ("no TP-split matrix here is split along its long dimension (its TP shards would "
-               "be its row blocks)" if name == "muon" else
+               "be its row blocks)" if spec.gram_shared else
                f"sharing applies to Muon's Newton–Schulz and Shampoo's blocks; {name}'s updates "
                f"stay whole")
         warnings.warn(f"TPOptions.share = {mode.name!r}: no matrix is shared over its TP group: "
                       f"{why}.", CanzonaWarning, stacklevel=stacklevel + 1)
-    if name == "shampoo" and not shares[0]:
-        warnings.warn(f"TPOptions.share = {mode.name!r}: no Shampoo matrix here has TP shards "
+    if spec.block_hosted and not shares[0]:
+        warnings.warn(f"TPOptions.share = {mode.name!r}: no {spec.title} matrix here has TP shards "
                       f"that are whole blocks of max_preconditioner_dim = "
                       f"{problem.settings.max_preconditioner_dim}, so every one is hosted whole "
                       f"(a block size dividing the shards' segments allows it).",

@@ -85,7 +85,7 @@ def pairs_in_nodes(base: DPProblem, pairs: dict[int, PairShare], cuts: dict,
     index). A move is kept if the busiest DP index gets no heavier, nor the largest optimizer
     state, and the summed load falls (the pair exchanges over NVLink instead of the network;
     ``priced_for``'s pricing)."""
-    if base.settings.name != "muon" or not pairs:
+    if not base.settings.spec.gram_shared or not pairs:
         return cuts
     problem = with_pairs(base, pairs)  # NVLink-priced pieces; a pair on two nodes adds `extra`
     extra = {i: price_pair(base, i, x.split_poly, hw, hw.inter_node).loads[0] - x.loads[0]
@@ -155,7 +155,7 @@ def pair_waits(problem: DPProblem, cuts: dict) -> list[float]:
     and a pair starts when both partners are free — waits chain along the pairs of later
     phases. The rest of an index's load follows its pairs."""
     load = list(evaluate(problem, cuts).load)
-    if problem.settings.name != "muon" or not problem.pairs:
+    if not problem.settings.spec.gram_shared or not problem.pairs:
         return [float(x) for x in load]
     owners = {i: o for i, o in pair_owners(problem, cuts).items() if o[0] != o[1]}
     phases = pair_phases(owners)

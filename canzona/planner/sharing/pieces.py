@@ -193,7 +193,7 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
     one that cannot be). DP groups (``dp_sizes`` DP indices) share a whole parameter cut in its
     buffer between two rows (a wide one's blocks exchanged for column blocks: its cost)."""
     t = problem.tasks[task]
-    if problem.settings.name != "muon" or t.optimizer != "matrix" or len(t.shape) != 2:
+    if not problem.settings.spec.gram_shared or t.optimizer != "matrix" or len(t.shape) != 2:
         return []
     rows, cols = t.shape
     m, n = max(rows, cols), min(rows, cols)

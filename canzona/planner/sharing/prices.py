@@ -40,7 +40,7 @@ def priced_for(problem: DPProblem, pairs: dict[int, PairShare],
                owners: dict[int, tuple[int, int]], hw: HardwareProfile) -> dict[int, PairShare]:
     """``pairs`` with each Muon pair's exchanges priced on the link between its owners (the
     decision assumed NVLink; a pair the cuts put on two nodes exchanges over the network)."""
-    if problem.settings.name != "muon":
+    if not problem.settings.spec.gram_shared:
         return pairs
     return {i: x if pair_link(hw, owners[i], problem.sizes.tp) is hw.intra_node
             else price_pair(problem, i, x.split_poly, hw, hw.inter_node)
