@@ -5,7 +5,8 @@ shards and ZeRO-1 buckets) → tasks and costs → DP cut points (``dp``) → TP
 plan (``canzona.planner.plan``). One call does it all: ``canzona.planner.pipeline.plan``.
 """
 
-from .cost import CostModel, OptimizerSettings, Task, TaskCost, build_tasks, load_hardware, task_cost
+from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, load_hardware,
+                   task_cost)
 from .errors import (CanzonaError, CanzonaWarning, ModelError, OptionError, OversizedTaskWarning,
                      PlanFileError, SizeError)
 from .inventory import ModelSpec, ParamSpec, build_inventory

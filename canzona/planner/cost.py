@@ -71,7 +71,8 @@ class TaskCost:
 
 
 def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSizes) -> list[Task]:
-    """One task per matrix-optimizer parameter (or per part, when split), one per AdamW parameter."""
+    """One task per matrix-optimizer parameter (or per part, when split), one per AdamW
+    parameter."""
     tasks: list[Task] = []
     for p in spec.params:
         t = sizes.expert_tp if p.is_expert else sizes.tp

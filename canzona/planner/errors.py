@@ -51,7 +51,8 @@ class PlanFileError(CanzonaError):
 
 
 class CanzonaWarning(UserWarning):
-    """Something a user should know about a plan that is still valid (the CLI prints it as a note)."""
+    """Something a user should know about a plan that is still valid (the CLI prints it as a
+    note)."""
 
 
 class OversizedTaskWarning(CanzonaWarning):

@@ -46,7 +46,8 @@ TPLayout = Literal["replicated", "column", "row", "qkv", "gate_up", "vocab"]
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    """A logical sub-matrix of a fused parameter (Q, K, V of ``linear_qkv``; gate, up of ``fc1``)."""
+    """A logical sub-matrix of a fused parameter (Q, K, V of ``linear_qkv``; gate, up of
+    ``fc1``)."""
 
     name: str
     rows: int
@@ -60,7 +61,8 @@ class ParamSpec:
         name: Megatron-core parameter name.
         shape: logical shape (vocabulary unpadded).
         dtype: parameter dtype ("bf16", "fp16", "fp32").
-        kind: matrix / expert (a 2-D weight of an MoE expert) / vector / embedding / output / router.
+        kind: matrix / expert (a 2-D weight of an MoE expert) / vector / embedding / output /
+            router.
         layer: transformer layer index, None outside the decoder layers.
         expert: global expert index for expert weights.
         tp_layout: how tensor parallelism splits it (``replicated``, ``column`` [dim 0], ``row``
@@ -229,9 +231,11 @@ def build_inventory(
     hf = _hf_prefix(cfg)
     out: list[ParamSpec] = []
 
-    def add(name: str, shape: tuple[int, ...], kind: Kind, layout: TPLayout, hf_names: Iterable[str],
-            layer: int | None = None, expert: int | None = None, parts: tuple[Part, ...] = ()) -> None:
-        out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer, expert=expert,
+    def add(name: str, shape: tuple[int, ...], kind: Kind, layout: TPLayout,
+            hf_names: Iterable[str], layer: int | None = None, expert: int | None = None,
+            parts: tuple[Part, ...] = ()) -> None:
+        out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer,
+                             expert=expert,
                              tp_layout=layout, parts=parts, hf_names=tuple(hf_names)))
 
     add("embedding.word_embeddings.weight", (cfg.vocab, h), "embedding", "vocab",
@@ -286,7 +290,8 @@ def megatron_route(p: ParamSpec) -> OptimizerRoute:
 
 
 def route(
-    params: Iterable[ParamSpec], *, matrix_globs: Sequence[str] = (), adamw_globs: Sequence[str] = ()
+    params: Iterable[ParamSpec], *, matrix_globs: Sequence[str] = (),
+    adamw_globs: Sequence[str] = (),
 ) -> list[ParamSpec]:
     """Assign each parameter its optimizer; name globs override Megatron's rule.
 

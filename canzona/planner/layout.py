@@ -63,7 +63,8 @@ class ParallelSizes:
     dp: int
     tp: int
     ep: int = 1
-    etp: int | None = None  # expert tensor parallel size; None means "same as tp" (Megatron's default)
+    # expert tensor parallel size; None means "same as tp" (Megatron's default)
+    etp: int | None = None
 
     @property
     def expert_tp(self) -> int:

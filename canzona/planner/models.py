@@ -19,7 +19,8 @@ from .errors import ModelError
 Arch = Literal["qwen3", "qwen3_moe", "llama"]
 
 #: Hugging Face ``model_type`` values we read, and the architecture each maps to.
-SUPPORTED_MODEL_TYPES: dict[str, Arch] = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}
+SUPPORTED_MODEL_TYPES: dict[str, Arch] = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                                           "llama": "llama"}
 
 
 class ModelConfig(BaseModel):
@@ -48,7 +49,8 @@ class ModelConfig(BaseModel):
         return self.num_experts > 0
 
 
-def _qwen3(name: str, hidden: int, ffn: int, layers: int, q: int, kv: int, tied: bool) -> ModelConfig:
+def _qwen3(name: str, hidden: int, ffn: int, layers: int, q: int, kv: int,
+           tied: bool) -> ModelConfig:
     return ModelConfig(name=name, arch="qwen3", hidden=hidden, ffn=ffn, layers=layers, q_heads=q,
                        kv_heads=kv, head_dim=128, vocab=151936, tied_embeddings=tied, qk_norm=True)
 
@@ -264,7 +266,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     except RecursionError:
         raise ModelError(f"{path}: not a model config (nested too deeply).") from None
     if not isinstance(cfg, dict):
-        raise ModelError(f"{path}: expected a JSON object, found {_JSON_TYPES.get(type(cfg), 'a value')}.")
+        found = _JSON_TYPES.get(type(cfg), "a value")
+        raise ModelError(f"{path}: expected a JSON object, found {found}.")
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ModelError(
@@ -273,7 +276,8 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelError(
             f"{path}: unsupported model_type "
-            f"{repr(model_type) if isinstance(model_type, str) else json.dumps(model_type)}; supported: "
+            f"{repr(model_type) if isinstance(model_type, str) else json.dumps(model_type)}; "
+            f"supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3, Qwen3-MoE, Llama)."
         )
     arch = SUPPORTED_MODEL_TYPES[model_type]
@@ -336,4 +340,6 @@ def resolve_model(model: str | None = None, config: str | Path | None = None) ->
     """Exactly one of a preset name or a ``config.json`` path."""
     if (model is None) == (config is None):
         raise ModelError("give exactly one of --model NAME or --config PATH.")
-    return get_preset(model) if model is not None else load_hf_config(config)  # type: ignore[arg-type]
+    if model is not None:
+        return get_preset(model)
+    return load_hf_config(config)  # type: ignore[arg-type]

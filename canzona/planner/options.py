@@ -2,8 +2,8 @@
 construction (a value out of range raises :class:`~canzona.planner.errors.OptionError` naming the
 field, e.g. ``DPOptions.alpha``; the CLI shows its flag instead).
 
-A leaf module (it imports only the errors and the hardware profiles' names), so the pipeline, the solvers and every front end share
-one definition of each option and its default.
+A leaf module (it imports only the errors and the hardware profiles' names), so the pipeline,
+the solvers and every front end share one definition of each option and its default.
 """
 
 from __future__ import annotations
@@ -145,14 +145,15 @@ class TPOptions:
             ``auto``: Muon matrices heavier than the mean per-GPU work are shared by their TP
             group (shared Newton–Schulz over its shards, no gather) where the cost model says
             it lowers the busiest GPU (``planner.sharing``), or every eligible one with the
-            polynomial split, whichever plan has the lighter busiest GPU; ``all`` / ``all-split``: every Muon
-            matrix TP splits along its long dimension is shared, without / with the polynomial
-            split (for tests and measurements); ``pairs`` (tp > 1): as ``all-split``, and
-            every tall column-parallel matrix (fc1, QKV) shared by its TP group and the same TP
-            ranks at a partner DP index (k = 2·tp, each holding half of every shard's rows;
-            ``auto`` does that where it lowers the objective). At tp = 1 the same choices share whole
-            matrices over two DP ranks each (DP pairs: the bucket cut inside the matrix at a
-            row boundary; ``auto`` keeps them only where the busiest DP index gets lighter).
+            polynomial split, whichever plan has the lighter busiest GPU; ``all`` /
+            ``all-split``: every Muon matrix TP splits along its long dimension is shared,
+            without / with the polynomial split (for tests and measurements); ``pairs``
+            (tp > 1): as ``all-split``, and every tall column-parallel matrix (fc1, QKV) shared
+            by its TP group and the same TP ranks at a partner DP index (k = 2·tp, each holding
+            half of every shard's rows; ``auto`` does that where it lowers the objective). At
+            tp = 1 the same choices share whole matrices over two DP ranks each (DP pairs: the
+            bucket cut inside the matrix at a row boundary; ``auto`` keeps them only where the
+            busiest DP index gets lighter).
             Shampoo: at tp > 1 every TP-split matrix whose shards are whole blocks is
             preconditioned by its TP group shard by shard (``sharing.shard_block_decision``: no
             gather) under ``all``/``all-split``, and under ``auto`` where the objective prefers

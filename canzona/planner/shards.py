@@ -145,7 +145,8 @@ def shard_map(p: ParamSpec, tp: int, *, kv_groups: int | None = None,
             if part in (None, u):
                 segs.append(Segment(r, f, (gr if part is None else 0) + r * f, f))
         full = p.shape if part is None else _part_shape(p, part)
-        return ShardMap(0, tp, (2 * f, *rest), full, tuple(sorted(segs, key=lambda s: s.full_start)))
+        return ShardMap(0, tp, (2 * f, *rest), full,
+                        tuple(sorted(segs, key=lambda s: s.full_start)))
     if layout == "qkv":
         if kv_groups is None:
             raise CanzonaError(f"{p.name}: the QKV shard map needs the number of KV groups.")

@@ -28,7 +28,8 @@ def pigeonhole_bound(problem: DPProblem) -> int:
     return best
 
 
-def _maximal_patterns(w: list[int], cap: list[int], C: int, limit: int) -> list[tuple[int, ...]] | None:
+def _maximal_patterns(w: list[int], cap: list[int], C: int,
+                      limit: int) -> list[tuple[int, ...]] | None:
     """Count vectors a (a_t ≤ cap_t) with Σ a_t w_t ≤ C to which no further item fits.
 
     Returns None when there are more than ``limit`` (the caller then gives up on this bound).
@@ -90,7 +91,8 @@ def packing_bound(problem: DPProblem, upper: int, *, time_limit_s: float = 0.2,
     w = [int(x / unit) for x, _ in types]
     cap = [c for _, c in types]
     # Flooring C loses up to one unit per rank of room: give the AdamW volume that slack back.
-    D = max(0, int(sum(it.load for b in problem.buckets for it in b.items if not it.atomic) / unit) - R)
+    divisible = sum(it.load for b in problem.buckets for it in b.items if not it.atomic)
+    D = max(0, int(divisible / unit) - R)
 
     def feasible(C: int) -> bool:
         pats = _maximal_patterns(w, cap, C, max_patterns)

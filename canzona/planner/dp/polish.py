@@ -8,7 +8,8 @@ import numpy as np
 from ..errors import OptionError
 from ..objective import MAX_LOAD, Objective
 from ..planning import BucketProblem, DPProblem, evaluate, owner_of
-from .units import Cuts, Units, bucket_units, cuts_from_indices, owners_to_cuts, piece_grain, spread_cuts
+from .units import (Cuts, Units, bucket_units, cuts_from_indices, owners_to_cuts, piece_grain,
+                    spread_cuts)
 
 
 #: Smooth objectives of the coordinate descent, ever closer to the maximum.

@@ -10,8 +10,8 @@ such a plan.
 
 Steps: assign whole parameters to DP indices (LPT, then move/swap local search), sort each
 bucket's matrices by their rank and put its AdamW parameters where the matrices leave the widest
-range of ranks free (so cuts can spread them, as ZeRO-1 does), rebuild the offsets with Megatron's alignment rules,
-and hand the reordered problem back to the usual cut optimisation.
+range of ranks free (so cuts can spread them, as ZeRO-1 does), rebuild the offsets with
+Megatron's alignment rules, and hand the reordered problem back to the usual cut optimisation.
 """
 
 from __future__ import annotations

@@ -138,9 +138,9 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         top = max([s.piece_load for s in shared] + [float(rest)], default=0.0)
         return SharingReport(name, gpus, mean, largest, atomic, max(mean, top), 0.0,
                              tuple(shared), longest_path=top,
-                             note=f"{spec.title}: the matrices whose TP shards are whole blocks are "
-                                  "preconditioned shard by shard (no gather); the others stay "
-                                  "whole")
+                             note=f"{spec.title}: the matrices whose TP shards are whole "
+                                  "blocks are preconditioned shard by shard (no gather); the "
+                                  "others stay whole")
     if not spec.gram_shared:
         return SharingReport(name, gpus, mean, largest, atomic, atomic, 0.0, (),
                              note=f"sharing applies to Muon's Newton–Schulz (and Shampoo's "

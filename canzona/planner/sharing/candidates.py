@@ -282,8 +282,8 @@ def bundle_candidates(problem: DPProblem, pairs: Mapping[int, PairShare], hw: Ha
     where it shares nothing); an empty list where bundles do not apply (see
     :func:`bundle_pairs`). The caller judges them (:meth:`Candidates.better` by its objective:
     a start with a heavier busiest index may move fewer bytes)."""
-    if not problem.settings.spec.gram_shared or problem.sizes.tp != 1 or problem.dp < 2 or not pairs \
-            or any(buf.expert for buf in problem.layout.buffers) \
+    if not problem.settings.spec.gram_shared or problem.sizes.tp != 1 or problem.dp < 2 \
+            or not pairs or any(buf.expert for buf in problem.layout.buffers) \
             or pair_link(hw, (0, 1)) is not hw.intra_node or hw.gpus_per_node % 2:
         return []
     search = PairSearch(problem, pairs, scratch_cap)
@@ -311,8 +311,8 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
     shared matrix's TP shards cut between its partners). Returns (the search's busiest index,
     (the reordered problem with the pairs used, its cuts) or None where it shares nothing);
     :func:`tp_pair_candidates` offers it to the plan."""
-    if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 or problem.dp < 2 or not pairs \
-            or any(buf.expert for buf in problem.layout.buffers):
+    if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 or problem.dp < 2 \
+            or not pairs or any(buf.expert for buf in problem.layout.buffers):
         return 0.0, None
     search = TPPairSearch(problem, pairs, scratch_cap, force)
     search.start()

@@ -38,8 +38,8 @@ Modules, in dependency order: ``context`` (settings, per-task facts, the per-GPU
 """
 
 from .assemble import placements, tp_plan
-from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work, lb_gpu,
-                      lpt_bins, lpt_makespan)
+from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work,
+                      lb_gpu, lpt_bins, lpt_makespan)
 from .joint import joint_refine
 from .schedule import IndexSchedule, MicroGroup, TPSchedule, gpu_loads, schedule_index, schedule_tp
 
