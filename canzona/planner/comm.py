@@ -63,10 +63,8 @@ class Traffic:
         return max(max(self.sent, default=0), max(self.received, default=0))
 
     def seconds(self, link: LinkProfile) -> float:
-        """α–β time: ``calls · α + busiest / busbw``."""
-        if self.calls == 0:
-            return 0.0
-        return self.calls * link.latency_s + self.busiest / link.busbw
+        """α–β time: ``calls · α + busiest / busbw`` (:meth:`LinkProfile.seconds`)."""
+        return link.seconds(self.busiest, self.calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +174,19 @@ def choose(sizes: Sequence[int], *, grad_bytes: int, param_bytes: int, link: Lin
         raise ValueError(f"none of the methods {list(methods or [])} can move slices "
                          f"{list(sizes)}")
     return best
+
+
+def all_to_all_busiest(matrix: Sequence[Sequence[int]]) -> int:
+    """The off-rank elements through the busiest rank of an all-to-all that moves
+    ``matrix[src][dst]`` elements: the larger of what a rank sends and receives, local copies
+    (``src == dst``) free."""
+    n = len(matrix)
+    worst = 0
+    for t in range(n):
+        sent = sum(matrix[t][h] for h in range(n) if h != t)
+        recv = sum(matrix[s][t] for s in range(n) if s != t)
+        worst = max(worst, sent, recv)
+    return worst
 
 
 def even_sizes(numel: int, ranks: int) -> tuple[int, ...]:

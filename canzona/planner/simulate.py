@@ -69,7 +69,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .comm import ELEMENT_BYTES, bucket_comm, buffer_slices, plan_link
+from .comm import ELEMENT_BYTES, all_to_all_busiest, bucket_comm, buffer_slices, plan_link
 from . import optimizers
 from .errors import CanzonaError
 from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
@@ -498,14 +498,8 @@ def iteration_time(forward_backward_s: float, step: StepSim) -> float:
 
 def _a2a(matrix: Sequence[Sequence[int]], elem_bytes: int, link: LinkProfile) -> tuple[float, int]:
     """All-to-all time and busiest rank's off-rank bytes for ``matrix[src][dst]`` elements."""
-    n = len(matrix)
-    worst = 0
-    for t in range(n):
-        sent = sum(matrix[t][h] for h in range(n) if h != t)
-        recv = sum(matrix[s][t] for s in range(n) if s != t)
-        worst = max(worst, sent, recv)
-    b = worst * elem_bytes
-    return (0.0 if b == 0 else link.latency_s + b / link.busbw), b
+    b = all_to_all_busiest(matrix) * elem_bytes
+    return (link.seconds(b) if b else 0.0), b
 
 
 def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "bf16",

@@ -131,7 +131,7 @@ class _Builder:
                 m = self.ctx.maps[self.ctx.layout[i]]
                 received = max(m.full_numel - m.sent_numel(t) for t in range(self.tp))
                 b = received * cm.ELEMENT_BYTES[self.problem.comm_dtype]
-                g = self.tp_link.latency_s + b / self.tp_link.busbw if b else 0.0
+                g = self.tp_link.seconds(b) if b else 0.0
                 self.groups[d].append(GroupWork(g, 0.0, (fl / self.mat_rate,) * self.tp, b,
                                                 (fl,) * self.tp))
             else:
