@@ -17,7 +17,7 @@ from ..planning import DPProblem, pair_owners
 from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
                       shared_by_index)
 
-# --- schedule records ------------------------------------------------------------------------------
+# --- schedule records -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +112,11 @@ class TPSchedule:
         return [[int(round(x)) for x in s.gpu_load()] for s in self.indices]
 
 
-# --- greedy: global LPT with rollback ----------------------------------------------------------------
+# --- greedy: global LPT with rollback -------------------------------------------------------------
 
 
-def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool) -> MicroGroup:
+def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int,
+                oversized: bool) -> MicroGroup:
     pairs = sorted(pairs, key=lambda x: (x[1], x[0]))  # wire order: by host, then task id
     loads, flops, mem = [0] * tp, [0] * tp, [0] * tp
     send = [[0] * tp for _ in range(tp)]
@@ -157,7 +158,7 @@ def _greedy_groups(ctx: TPContext, ids: list[int], base: list[float], tp: int, c
     return groups
 
 
-# --- CP-SAT per group ----------------------------------------------------------------------------------
+# --- CP-SAT per group -----------------------------------------------------------------------------
 
 
 def _cpsat_group(ctx: TPContext, pairs: list[tuple[int, int]], base: list[float], tp: int,
@@ -236,7 +237,7 @@ def _group_lower_bound(base: list[float], loads: list[int], tp: int) -> float:
     return max(max(base), (sum(base) + sum(loads)) / tp, min(base) + max(loads, default=0))
 
 
-# --- ordering and timeline ---------------------------------------------------------------------------
+# --- ordering and timeline ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +300,7 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
     return out, timeline
 
 
-# --- the schedule ------------------------------------------------------------------------------------
+# --- the schedule ---------------------------------------------------------------------------------
 
 
 def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[float, float]:
@@ -425,8 +426,8 @@ def share_decision(problem: DPProblem, hardware: str, mode: str = "auto"
 
 def _entry(problem: DPProblem, task: int, o, rate: float  # noqa: ANN001
            ) -> tuple[float, bool, float, float, float]:
-    """(load, split, compute s, collective s, hidden s) of one shared task: the load, for the DP side,
-    is the longer of its compute and its collectives (the others of its group hide the shorter
+    """(load, split, compute s, collective s, hidden s) of one shared task: the load, for the DP
+    side, is the longer of its compute and its collectives (the others of its group hide the shorter
     in the lockstep run); the schedule replaces the sum by the group's lockstep phase."""
     flops = problem.costs[task].flops
     unit = problem.loads[task] / flops if flops else 0.0
