@@ -42,8 +42,12 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile, LinkProfile
 from .plan import CommPlan, Plan
 
+#: The bucket collective methods, by the names plans, the plan schema and the runtime's
+#: collectives (``canzona.runtime.collectives``) use; this is their one spelling.
+EQUAL, PADDED, PER_ROOT, ALL_REDUCE, ALL_TO_ALL = (
+    "equal", "padded", "per_root", "all_reduce", "all_to_all")
 #: Every method, in the order ties are broken (the stock collectives first).
-METHODS = ("equal", "padded", "per_root", "all_reduce", "all_to_all")
+METHODS = (EQUAL, PADDED, PER_ROOT, ALL_REDUCE, ALL_TO_ALL)
 
 #: Bytes per element of the plan's dtype names.
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -89,7 +93,7 @@ class BucketComm:
 def _check(method: str, sizes: Sequence[int]) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of: {', '.join(METHODS)}; got {method!r}")
-    if method == "equal" and len(set(sizes)) > 1:
+    if method == EQUAL and len(set(sizes)) > 1:
         raise ValueError(f"'equal' needs equal slices, got {list(sizes)}")
 
 
@@ -120,12 +124,12 @@ def reduce_traffic(method: str, sizes: Sequence[int], elem_bytes: int) -> Traffi
     R, e = len(sizes), elem_bytes
     if R == 1:
         return Traffic(0, (0,), (0,))
-    if method in ("equal", "padded"):
+    if method in (EQUAL, PADDED):
         return _ring(sizes, e)
-    if method == "per_root":
+    if method == PER_ROOT:
         return _chain(sizes, e, broadcast=False)
     S = sum(sizes)
-    if method == "all_reduce":
+    if method == ALL_REDUCE:
         b = 2 * (R - 1) * S * e // R
         return Traffic(1, (b,) * R, (b,) * R)
     # all_to_all: rank m sends every other owner its slice and receives R-1 copies of its own.
@@ -138,9 +142,9 @@ def gather_traffic(method: str, sizes: Sequence[int], elem_bytes: int) -> Traffi
     R, e = len(sizes), elem_bytes
     if R == 1:
         return Traffic(0, (0,), (0,))
-    if method in ("equal", "padded"):
+    if method in (EQUAL, PADDED):
         return _ring(sizes, e)
-    if method in ("per_root", "all_reduce"):
+    if method in (PER_ROOT, ALL_REDUCE):
         return _chain(sizes, e, broadcast=True)
     S = sum(sizes)
     return Traffic(1, tuple((R - 1) * s * e for s in sizes), tuple((S - s) * e for s in sizes))
@@ -199,7 +203,7 @@ def zero1(numel: int, ranks: int, *, grad_bytes: int, param_bytes: int,
           link: LinkProfile) -> BucketComm:
     """The reference: ZeRO-1's even reduce-scatter and all-gather of the same bucket."""
     sizes = even_sizes(numel, ranks)
-    method = "equal" if len(set(sizes)) == 1 else "padded"
+    method = EQUAL if len(set(sizes)) == 1 else PADDED
     return bucket_comm(method, sizes, grad_bytes=grad_bytes, param_bytes=param_bytes, link=link)
 
 
