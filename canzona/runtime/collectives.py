@@ -79,7 +79,7 @@ class BucketCollective:
         """An all-gather was launched and not finished yet."""
         return self.gather_work is not None
 
-    # -- reduce-scatter ---------------------------------------------------------------------------
+    # -- reduce-scatter ----------------------------------------------------------------------------
 
     def launch_reduce(self, group: Any) -> None:
         self.reduce_work = self._start_reduce(group)
@@ -100,7 +100,7 @@ class BucketCollective:
             self._unpack_reduce()
             self.buffers.own.div_(self.dp)
 
-    # -- all-gather -------------------------------------------------------------------------------
+    # -- all-gather --------------------------------------------------------------------------------
 
     def launch_gather(self, group: Any) -> None:
         self.gather_work = self._start_gather(group)
@@ -118,7 +118,7 @@ class BucketCollective:
         """Forget the handles (after a failure, or once the group is released)."""
         self.reduce_work = self.gather_work = None
 
-    # -- one method ---------------------------------------------------------------------------------
+    # -- one method --------------------------------------------------------------------------------
 
     def _start_reduce(self, group: Any) -> Any:
         raise NotImplementedError
