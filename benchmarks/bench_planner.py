@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
-from canzona.planner.baselines import baselines
 from canzona.planner.options import DPOptions
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
+from canzona.planner.strategies import baseline_rows
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 DPS = (8, 16, 32, 64)
@@ -50,7 +50,7 @@ def run_case(model: str, dp: int, tp: int) -> dict | None:
     # The DP partition is what this sweep studies: the compute objective (max-load); the default
     # (step-time) may trade DP-index balance for collectives under TP (its own column).
     plan = plan_problem(problem, dp_options=DPOptions(objective="max-load"), dp_only=True)
-    rows = {r.name: r for r in baselines(problem, plan)}  # all against the same certified bound
+    rows = {r.name: r for r in baseline_rows(problem, plan)}  # all against the same certified bound
     t0 = time.perf_counter()
     default = plan_problem(problem, dp_only=True)
     solve_s = time.perf_counter() - t0

@@ -26,8 +26,8 @@ from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_i
 from canzona.planner.dp import greedy, solve
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
+from canzona.planner.strategies import tp_baseline_rows
 from canzona.planner.tp import TPContext, TPOptions, gpu_loads, joint_refine, lb_gpu, schedule_tp
-from canzona.planner.tp.baselines import tp_baselines
 
 SECTION = "## TP micro-groups"
 README = Path(__file__).resolve().parent / "README.md"
@@ -64,7 +64,7 @@ def case(model: str, dp: int, tp: int, split: bool = False, ep: int = 1) -> dict
         p2, ctx, cuts = pr, g_ctx, g_cuts
         ours = schedule_tp(pr, cuts, ctx=ctx, warn=False)
         t3 = time.perf_counter()
-    sc = next(r for r in tp_baselines(p2, cuts, ours, ctx) if r.name == "sc")
+    sc = next(r for r in tp_baseline_rows(p2, cuts, schedule=ours, ctx=ctx) if r.name == "sc")
     grid = ours.grid()
     flat = [x for r in grid for x in r]
     groups = [g for s_ in ours.indices for g in s_.groups]

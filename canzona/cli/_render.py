@@ -370,17 +370,16 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
                       "-" if x["collective_s"] is None else seconds(x["collective_s"]),
                       style=style)
         console.print(b)
-        console.print("zero1 charges split matrices by fragments (not the exact optimizer); asc "
-                      "computes each whole on the rank holding its start; layerwise all-reduces "
-                      "gradients and all-gathers uneven per-rank lists; layerwise-lpt balances "
-                      "Megatron's proxy max·min², not the plan's cost, so it can lose to "
-                      "layerwise; megatron-packed is Megatron's 2026 layout: whole matrices in "
-                      "shards padded to the largest, in its own buckets"
-                      + "".join(f" (padding {x['padding']:.1%} of the matrix elements)"
-                                for x in report["baselines"] if x.get("padding") is not None)
-                      + " (README: Reading the reports). max sent: bytes one rank sends per "
-                      "iteration; collectives: predicted on the plan's link.", highlight=False,
-                      style="dim")
+        from canzona.planner.strategies import DESCRIPTIONS
+
+        console.print("; ".join(
+            f"{x['name']}: {DESCRIPTIONS.get(x['name'], '')}"
+            + ("" if x.get("padding") is None
+               else f" (padding {x['padding']:.1%} of the matrix elements)")
+            for x in report["baselines"])
+            + " (README: Reading the reports). max sent: bytes one rank sends per "
+            "iteration; collectives: predicted on the plan's link.", highlight=False,
+            style="dim", markup=False)
     pairs_view(report.get("dp_pairs"))
     sharing_view(report.get("sharing"))
 

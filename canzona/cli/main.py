@@ -401,8 +401,8 @@ def compare(
         help="Hardware profile: h800, h100, cpu, or a profile file (.json); canzona's plans "
              "choose their collectives for it.")] = None,
     strategies: Annotated[str, typer.Option(
-        "--strategies", help="Comma-separated: sc, layerwise, megatron-packed, zero1, "
-                             "canzona-greedy, canzona.")] = "all",
+        "--strategies", help="Comma-separated: sc, zero1, layerwise, layerwise-lpt, "
+                             "megatron-packed, canzona-greedy, canzona; or all.")] = "all",
     mfu: Annotated[float, typer.Option(
         "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
                       "(0, 1].")] = 0.4,
@@ -426,8 +426,9 @@ def compare(
                        "folder: a name is made) and canzona's per-rank timeline beside it as "
                        "NAME-timeline.EXT (needs matplotlib).")] = None,
 ) -> None:
-    """Predict the optimizer step and iteration of every strategy (sc, layer-wise, Megatron's
-    packed layout, zero1, the paper's greedy, canzona) on one model, sizes and cluster."""
+    """Predict the optimizer step and iteration of every strategy (sc, zero1, layer-wise as
+    megatron-core deals it and by LPT, Megatron's packed layout, the paper's greedy, canzona) on
+    one model, sizes and cluster."""
     from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions, resolve_model
     from canzona.planner.strategies import STRATEGIES, compare as run_compare, compare_plan
 

@@ -4,8 +4,8 @@ Front ends render these dicts; nothing here prints. The main entry is :func:`ins
 saved plan's problem rebuilt from its inputs (fingerprint checked), its per-DP-index metrics,
 heaviest tasks, DP baselines and, for tp > 1, the TP schedule and its baselines.
 
-Torch-free, like the rest of the planner; the solvers and baselines are imported where they are
-used, so that importing this module (and the CLI) stays quick.
+Torch-free, like the rest of the planner; the strategy registry and the solvers are imported
+where they are used, so that importing this module (and the CLI) stays quick.
 """
 
 from __future__ import annotations
@@ -267,27 +267,22 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     Raises:
         CanzonaError: see :func:`rebuild_problem`.
     """
-    from .baselines import baselines
+    from .strategies import baseline_rows, tp_baseline_rows
 
     say = progress or (lambda _phase: None)
     say("rebuilding the model's problem")
     problem = rebuild_problem(plan, config)
     say("baselines")
-    rows = baselines(problem, plan) if problem is not None else None
+    rows = baseline_rows(problem, plan) if problem is not None else None
     report = inspect_dict(plan, rows, top=top)
     tp_rows = None
     if plan.tp is not None and problem is not None:
         from .planning import problem_for_plan
-        from .tp.baselines import TPBaselineRow, tp_baselines
 
         say("TP baselines")
         pr, cuts = problem_for_plan(problem, plan)
         # The plan's own schedule is the "canzona" row, from its recorded metrics.
-        tp_rows = [r for r in tp_baselines(pr, cuts) if r.name != "canzona"]
-        m = plan.tp.metrics
-        flat = [x for r in m.gpu_load for x in r]
-        tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
-                                     m.max_over_mean, m.gap_to_lb_gpu))
+        tp_rows = tp_baseline_rows(pr, cuts, plan=plan)
     report["tp_schedule"] = tp_dict(plan, tp_rows)
     report["dp_pairs"] = pairs_dict(plan)
     report["sharing"] = None

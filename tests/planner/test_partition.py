@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from canzona.planner import (DPOptions, OptimizerSettings, OptionError, ParallelSizes,
                              build_inventory, get_preset)
-from canzona.planner.baselines import baselines
+from canzona.planner.strategies import baseline_rows
 from canzona.planner.models import ModelConfig
 from canzona.planner.dp import greedy, pigeonhole_bound, solve
 from canzona.planner.pipeline import plan_problem
@@ -166,7 +166,7 @@ def test_cpsat_respects_time_limit_and_returns_valid_plan():
 def test_baselines_compare_like_with_like():
     pr = make_problem(build_inventory(get_preset("qwen3-1.7b")), ParallelSizes(16, 8))
     plan = plan_problem(pr)
-    rows = {r.name: r for r in baselines(pr, plan)}
+    rows = {r.name: r for r in baseline_rows(pr, plan)}
     assert set(rows) == {"zero1", "asc", "layerwise", "layerwise-lpt", "megatron-packed",
                          "canzona-greedy", "canzona"}
     # zero1 splits exactly the matrices ZeRO-1's equal chunks cut; every other strategy none.
