@@ -5,9 +5,10 @@ The assignments (the strategy registry, :mod:`canzona.planner.strategies`, reads
 
 * :func:`megatron_layerwise` — megatron-core 0.16.1's ``LayerWiseDistributedOptimizer
   .shard_params``: every parameter whole, sorted by ascending local (TP-shard) size and dealt
-  ping-pong (0 … R−1, R−1 … 0) over the ranks of its group; dense parameters over the DP group,
-  expert parameters over their expert-data-parallel group, each with its own count. Ties keep
-  Megatron's parameter-group order (:func:`megatron_param_order`).
+  ping-pong (0 … R−1, R−1 … 0) over the ranks of its group; the parameters all-reduced over the
+  DP group (the dense ones, and the experts at ep = 1) over it, the expert-parallel ones (ep > 1)
+  over their expert-data-parallel group, each with its own count. Ties keep Megatron's
+  parameter-group order (:func:`megatron_param_order`).
 * :func:`layerwise_lpt` — the same groups dealt by LPT on max(m,n)·min(m,n)² of the TP-local
   shape (elements for the other parameters): each parameter, largest first, to the least loaded
   rank of its group.
@@ -98,9 +99,8 @@ def _row(name: str, load: Sequence[int], bound: int, split: int, sync: str,
 
 @dataclass(frozen=True, slots=True)
 class DealtGroup:
-    """Whole parameters dealt over one group of DP indices: the DP group (dense parameters) or
-    an expert-data-parallel group (the expert parameters of one EP rank; at ep = 1 the whole DP
-    group, dealt apart from the dense ones, as Megatron does)."""
+    """Whole parameters dealt over one group of DP indices: the DP group (the dense buffers'
+    parameters) or an expert-data-parallel group (an expert buffer's: one EP rank's experts)."""
 
     members: tuple[int, ...]  # the DP index of each rank of the group, by rank
     expert: bool
@@ -133,14 +133,15 @@ def _slot(problem: DPProblem, b: BucketProblem, it: Item) -> Slot:
 
 def _groups(problem: DPProblem) -> list[tuple[bool, tuple[int, ...], list[Ref]]]:
     """(expert, members, items) of every dealing group, dense first, in bucket order: a
-    parameter is dealt over the DP indices of its bucket's sharding group, expert parameters
-    apart from the dense ones."""
+    parameter is dealt over the DP indices of its bucket's sharding group, the parameters of
+    an expert buffer (expert-parallel: ep > 1) apart from the dense ones. At ep = 1 the experts
+    are in the dense buffer and Megatron marks them all-reduced like the dense parameters, so
+    they are dealt with them."""
     groups: dict[tuple[bool, tuple[int, ...]], list[Ref]] = {}
     for bi, b in enumerate(problem.buckets):
         members = tuple(problem.dp_index(b, r) for r in range(b.ranks))
-        for ii, it in enumerate(b.items):
-            expert = problem.spec[_slot(problem, b, it).name].is_expert
-            groups.setdefault((expert, members), []).append((bi, ii))
+        expert = problem.layout.buffers[b.buffer].expert
+        groups.setdefault((expert, members), []).extend((bi, ii) for ii in range(len(b.items)))
     return [(e, m, refs) for (e, m), refs in sorted(groups.items())]
 
 
@@ -149,8 +150,8 @@ def megatron_param_order(problem: DPProblem) -> dict[str, tuple[int, int]]:
     breaks ties of equal size): the Muon optimizer's parameters first (2-D, not the embedding or
     the output layer), then AdamW's default parameter group (the embedding and output layer),
     then its no-weight-decay group (1-D parameters and biases), each in registration order
-    (``named_parameters``). Experts come after the dense parameters in each group, which does
-    not matter: they are dealt apart."""
+    (``named_parameters``). Expert-parallel parameters (ep > 1) have groups of their own after
+    the dense ones, which does not matter: they are dealt apart."""
     out = {}
     for i, p in enumerate(problem.spec.params):
         if len(p.shape) == 2 and p.kind not in ("embedding", "output"):
