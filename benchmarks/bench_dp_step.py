@@ -6,8 +6,9 @@ DP = 2 gloo ranks on this machine, one thread each, the same transformer, the sa
 * ``sync``: DDP all-reduces the gradients in backward; every rank updates every matrix (the
   synchronous baseline, how DDP + Muon runs);
 * ``layerwise``: DDP all-reduces the gradients; each rank updates whole parameters dealt by LPT on
-  Megatron's cost max(m,n)·min(m,n)² (AdamW parameters by numel), then one all-gather (padded to
-  the largest rank) returns them — Megatron's ``LayerWiseDistributedOptimizer``;
+  Megatron's cost max(m,n)·min(m,n)² (AdamW parameters by numel; the simulator's
+  ``layerwise-lpt``), then one all-gather (padded to the largest rank) returns them — Megatron's
+  ``LayerWiseDistributedOptimizer`` with that dealing;
 * ``canzona``: no DDP; ``CanzonaOptimizer`` reduce-scatters buckets during backward, updates the
   matrices of its plan and all-gathers (``canzona.plan_model``, default solver).
 
@@ -136,7 +137,7 @@ class LocalOptimizer:
 
 
 def layerwise_owners(named, route, world) -> dict[str, int]:
-    """Megatron's layer-wise dealing: LPT on max(m,n)·min(m,n)² (AdamW tensors by numel)."""
+    """The layer-wise dealing by LPT on max(m,n)·min(m,n)² (AdamW tensors by numel)."""
     load = [0] * world
     owner = {}
     def cost(n, p):
