@@ -7,7 +7,7 @@
 For every {qwen3-0.6b … qwen3-32b} × dp {8, 16, 32, 64} × tp {1, 4, 8} (Muon, FLOPs cost, α = 1):
 the gap of the busiest DP index's load to the best proven lower bound (max(mean, largest task),
 the pigeonhole bound over atomic matrices, or CP-SAT's bound) for ours (the default solver, auto),
-the paper's greedy and Megatron's layer-wise dealing; ZeRO-1's count of split matrices; the bounds;
+the paper's greedy and megatron-core's layer-wise dealing; ZeRO-1's count of split matrices; the bounds;
 the solve time. Then the wall time of ``canzona plan --model qwen3-32b --dp 32 --tp 8`` as a
 separate process (import included).
 """
@@ -114,8 +114,8 @@ def render(cases: list[dict], cli_s: list[tuple[float, float]], skipped: list[st
         "objective `step-time` (the plan `canzona plan` writes; under TP it may keep a less "
         "balanced DP partition whose busiest GPU is as light and whose collectives are faster: "
         "see the collectives and simulator sections), *greedy* the paper's α-balanced",
-        "greedy, *layerwise* Megatron's layer-wise dealing (gradients all-reduced, no ZeRO-1 "
-        "geometry); *zero1 split*",
+        "greedy, *layerwise* megatron-core's layer-wise dealing (`shard_params`: ascending size, "
+        "ping-pong; gradients all-reduced, no ZeRO-1 geometry); *zero1 split*",
         "counts the matrices ZeRO-1's equal chunks cut across DP ranks. Loads in optimizer FLOPs "
         "per step.",
         "",

@@ -9,7 +9,6 @@ like. Deterministic.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 

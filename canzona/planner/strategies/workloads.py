@@ -198,8 +198,8 @@ def sc_workload(x: WorkloadInputs, label: str) -> Built:
     return (w, *bld.balance())
 
 
-def dealt_workload(x: WorkloadInputs, label: str, dealing: Dealing, how: str) -> Built:
-    """Whole parameters as ``dealing`` gives them (``how``: the dealing, in words): gradients
+def dealt_workload(x: WorkloadInputs, label: str, dealing: Dealing, note: str) -> Built:
+    """Whole parameters as ``dealing`` gives them (``note``: what the strategy does): gradients
     all-reduced in backward, TP-split matrices ``duplicated`` on the owner's TP ranks, then one
     uneven all-gather of the dealt parameters per dealing group, which the optimizer waits for
     (NCCL runs it as one broadcast per root; gloo, without uneven all-gather, padded)."""
@@ -219,9 +219,8 @@ def dealt_workload(x: WorkloadInputs, label: str, dealing: Dealing, how: str) ->
         buckets.append(BucketWork(name, 0.0, g.members, 0.0, gat.seconds(bld.dp_link),
                                   x.gather_method, 0, gat.busiest, overlappable=False))
     w = bld.workload(buckets, label,
-                     [f"gradients all-reduced in backward; whole parameters dealt {how}; "
-                      "TP-split matrices duplicated; one uneven all-gather of the parameters per "
-                      f"dealing group ({x.gather_method})"])
+                     [note, f"one uneven all-gather of the dealt parameters per dealing group "
+                            f"({x.gather_method}), waited for in the step"])
     return (w, *bld.balance())
 
 
