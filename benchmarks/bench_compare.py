@@ -215,16 +215,16 @@ def scaling(hardware: str, quick: bool = False) -> tuple[list[dict], list[str]]:
 SCALING_NOTES = """\
 Reading it: every step here is dominated by the DP collectives once the DP group leaves the node
 (dp·tp > 8: one 400 Gb/s NIC per GPU), because at MFU 0.4 backward is too short to hide them; the
-compute is what separates the strategies. `sc` computes every matrix on every rank; `layerwise`
-and `layerwise-lpt` all-reduce (2× a reduce-scatter's bytes) and wait for their all-gather;
-`megatron-packed` keeps the stock even collectives but pads, and its last buckets (fewer matrices than ranks) pad more as dp
-grows. canzona-greedy beats canzona where the planner keeps compute balance first: at tp 1 and dp
-≥ 128 every bucket has up to 128–256 per-root owners, each charged 2α (the model does not credit
-NCCL's coalescing of those calls, so it is conservative there), and the planner holds the busiest
-compute within 0.5 points of the bound at tp 1 instead of concentrating owners as the greedy's
-unbalanced cuts do. For Qwen3-235B-A22B at tp 1, ep 8, `megatron-packed` (dp 16) and the inexact
-`zero1` predict shorter steps than canzona: expert buckets are sharded over only dp/ep = 2–8 ranks,
-where even collectives are cheap and canzona's per-root calls are not.
+compute is what separates the strategies. `sc` computes every matrix on every rank; `layerwise` and
+`layerwise-lpt` all-reduce (2× a reduce-scatter's bytes) and wait for their all-gather;
+`megatron-packed` keeps the stock even collectives but pads, and its last buckets (fewer matrices
+than ranks) pad more as dp grows. canzona-greedy beats canzona where the planner keeps compute
+balance first: at tp 1 and dp ≥ 128 every bucket has up to 128–256 per-root owners, each charged 2α
+(the model does not credit NCCL's coalescing of those calls, so it is conservative there), and the
+planner holds the busiest compute within 0.5 points of the bound at tp 1 instead of concentrating
+owners as the greedy's unbalanced cuts do. For Qwen3-235B-A22B at tp 1, ep 8, `megatron-packed` (dp
+16) and the inexact `zero1` predict shorter steps than canzona: expert buckets are sharded over only
+dp/ep = 2–8 ranks, where even collectives are cheap and canzona's per-root calls are not.
 """
 
 
@@ -245,7 +245,8 @@ def scaling_table(rows: list[dict], skipped: list[str]) -> str:
     slower = [r for r in rows if r["step_s"]["canzona"] > r["step_s"]["canzona-greedy"]]
     lw = [r["step_s"]["layerwise"] / r["step_s"]["canzona"] for r in rows]
     lines += ["", f"layer-wise / canzona: {min(lw):.2f}× to {max(lw):.2f}× over {len(rows)} "
-              f"configurations. canzona-greedy is predicted faster than canzona in {len(slower)} of "
+              f"configurations. canzona-greedy is predicted faster than canzona in "
+              f"{len(slower)} of "
               f"{len(rows)}" + (": " + ", ".join(
                   f"{r['model']} dp{r['dp']} tp{r['tp']}" + (f" ep{r['ep']}" if r["ep"] > 1 else "")
                   + f" ({r['step_s']['canzona'] / r['step_s']['canzona-greedy'] - 1:.1%})"

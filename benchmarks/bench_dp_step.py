@@ -254,25 +254,27 @@ def render(res: dict, args: argparse.Namespace) -> str:
         f"`python benchmarks/bench_dp_step.py --dim {args.dim} --layers {args.layers}` "
         f"({platform.machine()}, {os.cpu_count()} CPUs, gloo, DP = 2, one thread per rank, "
         f"torch {torch.__version__}). Model: {res['params'] / 1e6:.1f}M parameters "
-        f"({args.layers} blocks of width {args.dim}, {args.batch}×{args.seq} tokens per rank), Muon "
-        f"(Newton–Schulz in fp32) on the matrices, AdamW on the rest; canzona plan: "
+        f"({args.layers} blocks of width {args.dim}, {args.batch}×{args.seq} tokens per rank), "
+        f"Muon (Newton–Schulz in fp32) on the matrices, AdamW on the rest; canzona plan: "
         f"{res['plan']['buckets']} buckets, load max/mean {res['plan']['max_over_mean']:.3f}, "
         f"collectives {', '.join(res['plan']['methods'])}. Median over "
         f"{args.rounds}×{args.iters} iterations, slowest rank per iteration.",
         "",
-        "| strategy | optimizer step s | iteration s | step speed-up vs sync | iteration speed-up vs sync | MB sent per rank per step |",
+        "| strategy | optimizer step s | iteration s | step speed-up vs sync | "
+        "iteration speed-up vs sync | MB sent per rank per step |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name in ("sync", "layerwise", "canzona"):
         r = res[name]
         mb = sum(res["bytes"][name].values()) / 1e6
-        lines.append(f"| {name} | {r['step']:.3f} | {r['iter']:.3f} | {sync['step'] / r['step']:.2f}× | "
-                     f"{sync['iter'] / r['iter']:.2f}× | {mb:.1f} |")
+        lines.append(f"| {name} | {r['step']:.3f} | {r['iter']:.3f} | "
+                     f"{sync['step'] / r['step']:.2f}× | {sync['iter'] / r['iter']:.2f}× | "
+                     f"{mb:.1f} |")
     b = res["bytes"]
     lines += ["", "Bytes: sync all-reduces the fp32 gradients in backward "
-              f"({b['sync']['all_reduce'] / 1e6:.1f} MB); layerwise adds a padded all-gather of the "
-              f"parameters ({b['layerwise']['all_gather'] / 1e6:.1f} MB); canzona reduce-scatters "
-              f"({b['canzona']['reduce_scatter'] / 1e6:.1f} MB) and all-gathers "
+              f"({b['sync']['all_reduce'] / 1e6:.1f} MB); layerwise adds a padded all-gather of "
+              f"the parameters ({b['layerwise']['all_gather'] / 1e6:.1f} MB); canzona "
+              f"reduce-scatters ({b['canzona']['reduce_scatter'] / 1e6:.1f} MB) and all-gathers "
               f"({b['canzona']['all_gather'] / 1e6:.1f} MB). canzona's step includes waiting for "
               "its reduce-scatters (started in backward), the baselines' all-reduce is inside "
               "their backward, so the iteration column is the like-for-like comparison."]

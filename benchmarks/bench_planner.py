@@ -2,14 +2,15 @@
 
     python benchmarks/bench_planner.py                  # print the table
     python benchmarks/bench_planner.py --write-readme   # also rewrite the "## Planner (DP
-                                                        # partition)" section of benchmarks/README.md
+                                                        # partition)" section of
+                                                        # benchmarks/README.md
 
 For every {qwen3-0.6b … qwen3-32b} × dp {8, 16, 32, 64} × tp {1, 4, 8} (Muon, FLOPs cost, α = 1):
 the gap of the busiest DP index's load to the best proven lower bound (max(mean, largest task),
 the pigeonhole bound over atomic matrices, or CP-SAT's bound) for ours (the default solver, auto),
-the paper's greedy and megatron-core's layer-wise dealing; ZeRO-1's count of split matrices; the bounds;
-the solve time. Then the wall time of ``canzona plan --model qwen3-32b --dp 32 --tp 8`` as a
-separate process (import included).
+the paper's greedy and megatron-core's layer-wise dealing; ZeRO-1's count of split matrices;
+the bounds; the solve time. Then the wall time of ``canzona plan --model qwen3-32b --dp 32 --tp 8``
+as a separate process (import included).
 """
 
 from __future__ import annotations
@@ -136,12 +137,14 @@ def render(cases: list[dict], cli_s: list[tuple[float, float]], skipped: list[st
         "",
         f"Over {len(cases)} cases: ours median gap **{statistics.median(gaps):.2%}**, max "
         f"**{max(gaps):.2%}** (targets: median ≤ 2 %, max ≤ 5 %); worse than the paper's greedy "
-        f"in **{worse}** case(s){' (⚠)' if worse else ''}; with `--no-reorder` (Megatron's order) median "
+        f"in **{worse}** case(s){' (⚠)' if worse else ''}; with `--no-reorder` (Megatron's order) "
+        f"median "
         f"**{statistics.median(c['reorder'] for c in cases):.2%}**, max "
         f"**{max(c['reorder'] for c in cases):.2%}**; the default objective (step-time) median "
         f"{statistics.median(c['default'] for c in cases):.2%}, max "
         f"{max(c['default'] for c in cases):.2%} (at tp 1: max "
-        f"{max((c['default'] for c in cases if c['tp'] == 1), default=0):.2%}); paper's greedy median "
+        f"{max((c['default'] for c in cases if c['tp'] == 1), default=0):.2%}); paper's greedy "
+        f"median "
         f"{statistics.median(c['greedy'] for c in cases):.2%}, max "
         f"{max(c['greedy'] for c in cases):.2%}.",
     ]

@@ -129,7 +129,8 @@ def layout_view(spec: ModelSpec, lay: PhysicalLayout, *, show_buckets: bool = Fa
     split = lay.split_matrices()
     split_names = {n for n, _ in split}
     console.print(
-        f"[bold]{escape(spec.name)}[/]  {params_count(spec.total_params)} params  dp={s.dp} tp={s.tp}"
+        f"[bold]{escape(spec.name)}[/]  {params_count(spec.total_params)} params  "
+        f"dp={s.dp} tp={s.tp}"
         + (f" ep={s.ep} (expert dp={s.edp})" if s.ep > 1 or spec.config.is_moe else "")
         + f"  bucket size: {lay.bucket_size:,} elements" if lay.bucket_size else
         f"[bold]{escape(spec.name)}[/]  dp={s.dp} tp={s.tp}  one bucket per buffer (no overlap)")
@@ -409,7 +410,8 @@ def pairs_view(pr: dict | None) -> None:
 
 
 def sharing_view(sh: dict | None) -> None:
-    """The per-GPU atomic bound beside the bound with shared Newton–Schulz (``report["sharing"]``)."""
+    """The per-GPU atomic bound beside the bound with shared Newton–Schulz
+    (``report["sharing"]``)."""
     if sh is None:
         return
     from canzona.planner.sharing import kind_of
@@ -537,7 +539,8 @@ def _gantt(ix, width: int = 60) -> list[str]:
         paint(comm, gs, ge, "g")
         paint(comm, ss, se, "s")
         paint(comp, cs, ce, label)
-    return ["comm    |" + "".join(comm) + "|", "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
+    return ["comm    |" + "".join(comm) + "|",
+            "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
 
 
 def tp_view(plan: Plan, tp_rep: dict) -> None:
@@ -563,7 +566,8 @@ def tp_view(plan: Plan, tp_rep: dict) -> None:
     for col in ("group", "tasks", "peak gathered", "max rank load", "min rank load", "gather out"):
         g.add_column(col, justify="right")
     for grp in ix.groups:
-        out = max(sum(v for h, v in enumerate(row) if h != t) for t, row in enumerate(grp.gather_send))
+        out = max(sum(v for h, v in enumerate(row) if h != t)
+                  for t, row in enumerate(grp.gather_send))
         g.add_row(str(grp.index) + (" (oversized)" if grp.oversized else ""), str(len(grp.tasks)),
                   human_bytes(grp.peak_gathered_bytes), load(max(grp.rank_load), cm),
                   load(min(grp.rank_load), cm), f"{out:,} el")

@@ -244,6 +244,7 @@ def test_adamw_tensors_spread_over_ranks():
     # on the rank with the least FLOPs.
     pr = make_problem(build_inventory(get_preset("qwen3-8b")), ParallelSizes(8, 1))
     plan = plan_problem(pr, dp_options=DPOptions(reorder=False))
-    (first,) = [b for b in plan.buffers[0].buckets if [s.name for s in b.slots] == ["output_layer.weight"]]
+    (first,) = [b for b in plan.buffers[0].buckets
+                if [s.name for s in b.slots] == ["output_layer.weight"]]
     sizes = [y - x for x, y in zip(first.cuts, first.cuts[1:])]
     assert max(sizes) - min(sizes) <= 1

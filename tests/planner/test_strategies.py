@@ -159,7 +159,8 @@ def test_layerwise_moves_one_and_a_half_times_zero1s_bytes():
     pr = _problem("qwen3-1.7b", 8)
     hw = load_hardware("h100")
     R = 8
-    g, p = (ELEMENT_BYTES[pr.layout.buffers[0].grad_dtype], ELEMENT_BYTES[pr.layout.buffers[0].dtype])
+    buf = pr.layout.buffers[0]
+    g, p = ELEMENT_BYTES[buf.grad_dtype], ELEMENT_BYTES[buf.dtype]
     S = sum(b.end - b.start for b in pr.buckets)
     c = compare_problem(pr, hw, strategies=("layerwise", "zero1", "sc"))
     sent = {r.name: r.sent_bytes for r in c.runs}
@@ -235,7 +236,8 @@ def test_compare_by_preset_forward_backward_and_errors():
     hw = load_hardware("h800")
     assert c.tokens == 4 * 1024
     assert c.forward_backward_s == pytest.approx(
-        6 * active_params(build_inventory(get_preset("qwen3-0.6b"))) * 4096 / (4 * hw.peak_flops["bf16"] * 0.5))
+        6 * active_params(build_inventory(get_preset("qwen3-0.6b"))) * 4096
+        / (4 * hw.peak_flops["bf16"] * 0.5))
     assert not c.run("zero1").exact and c.run("canzona").exact
     assert c.run("canzona").iteration_s == pytest.approx(c.forward_backward_s
                                                          + c.run("canzona").step_s)

@@ -17,11 +17,11 @@ Torch-free. One registry (:mod:`.registry`) names the strategies and feeds both 
 * ``layerwise`` — megatron-core 0.16.1's ``LayerWiseDistributedOptimizer``: the gradients
   all-reduced as in ``sc``; whole parameters dealt to DP ranks as its ``shard_params`` deals them
   (:func:`~canzona.planner.baselines.megatron_layerwise`: ascending local size, ping-pong; the
-  all-reduced parameters over the DP group, the expert-parallel ones over their expert-DP
-  groups); TP-split matrices ``duplicated`` on the owner's TP ranks; then one uneven all-gather per group of the parameters each rank was dealt, which
-  NCCL runs as one broadcast per root (``gather_method``; ``padded`` is what gloo, without
-  uneven all-gather, runs instead). Per iteration it moves all-reduce + all-gather ≈ 1.5×
-  ZeRO-1's bytes (REFERENCE.md §6).
+  all-reduced parameters over the DP group, the expert-parallel ones over their expert-DP groups);
+  TP-split matrices ``duplicated`` on the owner's TP ranks; then one uneven all-gather per group of
+  the parameters each rank was dealt, which NCCL runs as one broadcast per root (``gather_method``;
+  ``padded`` is what gloo, without uneven all-gather, runs instead). Per iteration it moves
+  all-reduce + all-gather ≈ 1.5× ZeRO-1's bytes (REFERENCE.md §6).
 * ``layerwise-lpt`` — the same with the parameters dealt by LPT on max(m,n)·min(m,n)² of the
   TP-local shape (:func:`~canzona.planner.baselines.layerwise_lpt`), a proxy of their cost
   that can balance the real cost worse than ``layerwise``.

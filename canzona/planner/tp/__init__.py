@@ -38,8 +38,8 @@ above the DP package (it runs the DP greedy) and is imported on its own.
 """
 
 from .assemble import placements, tp_plan
-from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work, lb_gpu,
-                      lpt_bins, lpt_makespan)
+from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work,
+                      lb_gpu, lpt_bins, lpt_makespan)
 from .joint import joint_refine
 from .schedule import IndexSchedule, MicroGroup, TPSchedule, gpu_loads, schedule_index, schedule_tp
 
