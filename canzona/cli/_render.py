@@ -306,6 +306,8 @@ def comm_view(c: dict, *, top: int = 10) -> None:
 def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
     """The rich report of ``canzona inspect`` (``top_buckets``: how many of the most costly
     buckets to list)."""
+    from canzona.planner.strategies import CANZONA, DESCRIPTIONS
+
     inp, m = plan.inputs, plan.metrics
     r = report["metrics"]
     cm = inp.cost_model
@@ -364,15 +366,13 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
                     "grad sync", "max sent", "collectives"):
             b.add_column(col, justify="left" if col in ("strategy", "grad sync") else "right")
         for x in report["baselines"]:
-            style = "bold" if x["name"] == "canzona" else None
+            style = "bold" if x["name"] == CANZONA else None
             b.add_row(x["name"], load(x["max_load"], cm), f"{x['max_over_mean']:.4f}",
                       f"{x['gap_to_bound']:.2%}", str(x["split_matrices"]), x["grad_sync"],
                       "-" if x["max_sent_bytes"] is None else human_bytes(x["max_sent_bytes"]),
                       "-" if x["collective_s"] is None else seconds(x["collective_s"]),
                       style=style)
         console.print(b)
-        from canzona.planner.strategies import DESCRIPTIONS
-
         console.print("; ".join(
             f"{x['name']}: {DESCRIPTIONS.get(x['name'], '')}"
             + ("" if x.get("padding") is None
@@ -545,6 +545,8 @@ def _gantt(ix, width: int = 60) -> list[str]:
 
 def tp_view(plan: Plan, tp_rep: dict) -> None:
     """The TP section of ``canzona inspect``."""
+    from canzona.planner.strategies import CANZONA
+
     tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
     cm = plan.inputs.cost_model
     console.rule("TP micro-groups")
@@ -583,7 +585,8 @@ def tp_view(plan: Plan, tp_rep: dict) -> None:
             b.add_column(col, justify="left" if col == "strategy" else "right")
         for x in tp_rep["baselines"]:
             b.add_row(x["name"], load(x["max_gpu_load"], cm), f"{x['max_over_mean']:.3f}",
-                      f"{x['gap_to_lb_gpu']:.2%}", style="bold" if x["name"] == "canzona" else None)
+                      f"{x['gap_to_lb_gpu']:.2%}",
+                      style="bold" if x["name"] == CANZONA else None)
         console.print(b)
         console.print("sc: every TP rank all-gathers and computes every matrix of its DP index "
                       "(Megatron's duplicated); canzona-greedy: the paper's DP greedy + TP greedy.",

@@ -438,7 +438,7 @@ def compare(
     one model, sizes and cluster."""
     from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions,
                                  resolve_model)
-    from canzona.planner.strategies import STRATEGIES, compare as run_compare, compare_plan
+    from canzona.planner.strategies import CANZONA, STRATEGIES, compare as run_compare, compare_plan
 
     from . import _simulate_render, plots
 
@@ -486,7 +486,7 @@ def compare(
         if chart is not None:
             say("charts")
             plots.plot_compare(comp, chart)
-            focus = next((r for r in comp.runs if r.name == "canzona"), comp.runs[-1])
+            focus = next((r for r in comp.runs if r.name == CANZONA), comp.runs[-1])
             plots.plot_timeline(focus.sim, plots.timeline_path(chart),
                                 title=f"{comp.model} dp={comp.dp} tp={comp.tp}: {focus.name}, "
                                       f"optimizer step {focus.step_s * 1e3:.3g} ms (simulated)")
