@@ -129,7 +129,8 @@ def paper_tables(res: dict, hardware: str) -> str:
         ("iteration ratio layer-wise → canzona", PAPER["iter_ratio"],
          lw.iteration_s / cz.iteration_s, f"(b); (a): {lw_a.iteration_s / cz_a.iteration_s:.2f}×"),
         ("layer-wise DP FLOPs max/mean", PAPER["layerwise_flops"], lw.flops_balance,
-         "Megatron's LPT on max(m,n)·min(m,n)² over whole parameters"),
+         "megatron-core's shard_params (ascending size, ping-pong) over whole parameters; "
+         f"layerwise-lpt (LPT on max(m,n)·min(m,n)²): {b.run('layerwise-lpt').flops_balance:.2f}"),
         ("canzona DP FLOPs max/mean", PAPER["canzona_flops"], cz.flops_balance,
          f"per GPU (TP): {plan.tp.metrics.max_over_mean:.2f} (at LB_gpu: "
          f"{plan.tp.metrics.gap_to_lb_gpu:.2%} gap)" if plan and plan.tp else ""),
@@ -174,13 +175,13 @@ Reading it (⚑: more than 30 % from the paper's figure; the causes found):
   and 2.1× in (a). At MFU 0.4 backward lasts 0.165 s, too short to hide a 32B model's gradient
   collectives over one 400 Gb/s NIC per GPU (the DP group spans 32 nodes); they then dominate every
   strategy's step.
-- **DP FLOPs balance** (⚑ both): not reproduced. Qwen3-32B has 64 layers × 4 matrices; Megatron's
-  LPT on max(m,n)·min(m,n)² (and the legacy ping-pong by size, `canzona inspect`'s `layerwise`)
-  gives each of the 32 ranks two layers' worth of every kind: max/mean 1.00 in FLOPs. canzona's
-  plan is at its certified bound per DP index (1.00) and at LB_gpu per GPU (2.04, the gate/up
-  matrix alone). Neither count gives 3.24 or 1.43; REFERENCE.md §6 notes the paper prints one pair
-  for DP and TP. The **memory** figures agree: LPT balances its cost proxy, not the optimizer state
-  (2.36 against 2.46); canzona's state 1.00 against 1.11.
+- **DP FLOPs balance** (⚑ both): not reproduced. Qwen3-32B has 64 layers × 4 matrices;
+  megatron-core's ping-pong by size (`layerwise`) and the LPT on max(m,n)·min(m,n)²
+  (`layerwise-lpt`) both give each of the 32 ranks two layers' worth of every kind: max/mean 1.00 in
+  FLOPs. canzona's plan is at its certified bound per DP index (1.00) and at LB_gpu per GPU (2.04,
+  the gate/up matrix alone). Neither count gives 3.24 or 1.43; REFERENCE.md §6 notes the paper
+  prints one pair for DP and TP. The **memory** figures agree: the dealings balance sizes or a cost
+  proxy, not the optimizer state (2.36 against 2.46); canzona's state 1.00 against 1.11.
 """
 
 
@@ -214,16 +215,16 @@ def scaling(hardware: str, quick: bool = False) -> tuple[list[dict], list[str]]:
 SCALING_NOTES = """\
 Reading it: every step here is dominated by the DP collectives once the DP group leaves the node
 (dp·tp > 8: one 400 Gb/s NIC per GPU), because at MFU 0.4 backward is too short to hide them; the
-compute is what separates the strategies. `sc` computes every matrix on every rank; `layerwise`
-all-reduces (2× a reduce-scatter's bytes) and waits for its all-gather; `megatron-packed` keeps the
-stock even collectives but pads, and its last buckets (fewer matrices than ranks) pad more as dp
-grows. canzona-greedy beats canzona where the planner keeps compute balance first: at tp 1 and dp
-≥ 128 every bucket has up to 128–256 per-root owners, each charged 2α (the model does not credit
-NCCL's coalescing of those calls, so it is conservative there), and the planner holds the busiest
-compute within 0.5 points of the bound at tp 1 instead of concentrating owners as the greedy's
-unbalanced cuts do. For Qwen3-235B-A22B at tp 1, ep 8, `megatron-packed` (dp 16) and the inexact
-`zero1` predict shorter steps than canzona: expert buckets are sharded over only dp/ep = 2–8 ranks,
-where even collectives are cheap and canzona's per-root calls are not.
+compute is what separates the strategies. `sc` computes every matrix on every rank; `layerwise` and
+`layerwise-lpt` all-reduce (2× a reduce-scatter's bytes) and wait for their all-gather;
+`megatron-packed` keeps the stock even collectives but pads, and its last buckets (fewer matrices
+than ranks) pad more as dp grows. canzona-greedy beats canzona where the planner keeps compute
+balance first: at tp 1 and dp ≥ 128 every bucket has up to 128–256 per-root owners, each charged 2α
+(the model does not credit NCCL's coalescing of those calls, so it is conservative there), and the
+planner holds the busiest compute within 0.5 points of the bound at tp 1 instead of concentrating
+owners as the greedy's unbalanced cuts do. For Qwen3-235B-A22B at tp 1, ep 8, `megatron-packed` (dp
+16) and the inexact `zero1` predict shorter steps than canzona: expert buckets are sharded over only
+dp/ep = 2–8 ranks, where even collectives are cheap and canzona's per-root calls are not.
 """
 
 
@@ -244,7 +245,8 @@ def scaling_table(rows: list[dict], skipped: list[str]) -> str:
     slower = [r for r in rows if r["step_s"]["canzona"] > r["step_s"]["canzona-greedy"]]
     lw = [r["step_s"]["layerwise"] / r["step_s"]["canzona"] for r in rows]
     lines += ["", f"layer-wise / canzona: {min(lw):.2f}× to {max(lw):.2f}× over {len(rows)} "
-              f"configurations. canzona-greedy is predicted faster than canzona in {len(slower)} of "
+              f"configurations. canzona-greedy is predicted faster than canzona in "
+              f"{len(slower)} of "
               f"{len(rows)}" + (": " + ", ".join(
                   f"{r['model']} dp{r['dp']} tp{r['tp']}" + (f" ep{r['ep']}" if r["ep"] > 1 else "")
                   + f" ({r['step_s']['canzona'] / r['step_s']['canzona-greedy'] - 1:.1%})"
@@ -260,7 +262,8 @@ def scaling_figure(rows: list[dict], path: Path, hardware: str) -> None:
     models = [m for m in MODELS + (MOE[0],) if any(r["model"] == m for r in rows)]
     fig = Figure(figsize=(4.0 * len(TPS), 3.2 * len(models) + 0.8), layout="constrained")
     axes = fig.subplots(len(models), len(TPS), squeeze=False, sharex=True)
-    colours = {"sc": "#8c8c8c", "layerwise": "#c44e52", "megatron-packed": "#dd8452",
+    colours = {"sc": "#8c8c8c", "layerwise": "#c44e52", "layerwise-lpt": "#8172b3",
+               "megatron-packed": "#dd8452",
                "zero1": "#bbbbbb", "canzona-greedy": "#4878a8", "canzona": "#55a868"}
     for i, m in enumerate(models):
         for j, tp in enumerate(TPS):

@@ -6,8 +6,9 @@ DP = 2 gloo ranks on this machine, one thread each, the same transformer, the sa
 * ``sync``: DDP all-reduces the gradients in backward; every rank updates every matrix (the
   synchronous baseline, how DDP + Muon runs);
 * ``layerwise``: DDP all-reduces the gradients; each rank updates whole parameters dealt by LPT on
-  Megatron's cost max(m,n)·min(m,n)² (AdamW parameters by numel), then one all-gather (padded to
-  the largest rank) returns them — Megatron's ``LayerWiseDistributedOptimizer``;
+  Megatron's cost max(m,n)·min(m,n)² (AdamW parameters by numel; the simulator's
+  ``layerwise-lpt``), then one all-gather (padded to the largest rank) returns them — Megatron's
+  ``LayerWiseDistributedOptimizer`` with that dealing;
 * ``canzona``: no DDP; ``CanzonaOptimizer`` reduce-scatters buckets during backward, updates the
   matrices of its plan and all-gathers (``canzona.plan_model``, default solver).
 
@@ -136,7 +137,7 @@ class LocalOptimizer:
 
 
 def layerwise_owners(named, route, world) -> dict[str, int]:
-    """Megatron's layer-wise dealing: LPT on max(m,n)·min(m,n)² (AdamW tensors by numel)."""
+    """The layer-wise dealing by LPT on max(m,n)·min(m,n)² (AdamW tensors by numel)."""
     load = [0] * world
     owner = {}
     def cost(n, p):
@@ -253,25 +254,27 @@ def render(res: dict, args: argparse.Namespace) -> str:
         f"`python benchmarks/bench_dp_step.py --dim {args.dim} --layers {args.layers}` "
         f"({platform.machine()}, {os.cpu_count()} CPUs, gloo, DP = 2, one thread per rank, "
         f"torch {torch.__version__}). Model: {res['params'] / 1e6:.1f}M parameters "
-        f"({args.layers} blocks of width {args.dim}, {args.batch}×{args.seq} tokens per rank), Muon "
-        f"(Newton–Schulz in fp32) on the matrices, AdamW on the rest; canzona plan: "
+        f"({args.layers} blocks of width {args.dim}, {args.batch}×{args.seq} tokens per rank), "
+        f"Muon (Newton–Schulz in fp32) on the matrices, AdamW on the rest; canzona plan: "
         f"{res['plan']['buckets']} buckets, load max/mean {res['plan']['max_over_mean']:.3f}, "
         f"collectives {', '.join(res['plan']['methods'])}. Median over "
         f"{args.rounds}×{args.iters} iterations, slowest rank per iteration.",
         "",
-        "| strategy | optimizer step s | iteration s | step speed-up vs sync | iteration speed-up vs sync | MB sent per rank per step |",
+        "| strategy | optimizer step s | iteration s | step speed-up vs sync | "
+        "iteration speed-up vs sync | MB sent per rank per step |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name in ("sync", "layerwise", "canzona"):
         r = res[name]
         mb = sum(res["bytes"][name].values()) / 1e6
-        lines.append(f"| {name} | {r['step']:.3f} | {r['iter']:.3f} | {sync['step'] / r['step']:.2f}× | "
-                     f"{sync['iter'] / r['iter']:.2f}× | {mb:.1f} |")
+        lines.append(f"| {name} | {r['step']:.3f} | {r['iter']:.3f} | "
+                     f"{sync['step'] / r['step']:.2f}× | {sync['iter'] / r['iter']:.2f}× | "
+                     f"{mb:.1f} |")
     b = res["bytes"]
     lines += ["", "Bytes: sync all-reduces the fp32 gradients in backward "
-              f"({b['sync']['all_reduce'] / 1e6:.1f} MB); layerwise adds a padded all-gather of the "
-              f"parameters ({b['layerwise']['all_gather'] / 1e6:.1f} MB); canzona reduce-scatters "
-              f"({b['canzona']['reduce_scatter'] / 1e6:.1f} MB) and all-gathers "
+              f"({b['sync']['all_reduce'] / 1e6:.1f} MB); layerwise adds a padded all-gather of "
+              f"the parameters ({b['layerwise']['all_gather'] / 1e6:.1f} MB); canzona "
+              f"reduce-scatters ({b['canzona']['reduce_scatter'] / 1e6:.1f} MB) and all-gathers "
               f"({b['canzona']['all_gather'] / 1e6:.1f} MB). canzona's step includes waiting for "
               "its reduce-scatters (started in backward), the baselines' all-reduce is inside "
               "their backward, so the iteration column is the like-for-like comparison."]

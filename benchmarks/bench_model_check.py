@@ -14,9 +14,10 @@ In one run:
    all-reduce, LPT-dealt owners, a padded all-gather) and ``canzona`` (``CanzonaOptimizer``) —
    plus a plain local model (no communication) for the compute-only forward/backward, round by
    round, interleaved, at least 5 rounds.
-3. ``canzona.planner.strategies.compare_problem`` simulates ``sc`` (= sync), ``layerwise``
-   (its all-gather ``padded``, as gloo runs it) and ``canzona`` (the very plan the runtime ran) on
-   the calibrated profile, with the measured compute-only forward/backward.
+3. ``canzona.planner.strategies.compare_problem`` simulates ``sc`` (= sync), ``layerwise-lpt``
+   (= layerwise, the same LPT dealing; its all-gather ``padded``, as gloo runs it) and
+   ``canzona`` (the very plan the runtime ran) on the calibrated profile, with the measured
+   compute-only forward/backward.
 
 Compared quantity: the optimizer step including its exposed communication, i.e. iteration −
 compute-only forward/backward (measured) against the simulated step (end of backward →
@@ -50,7 +51,8 @@ from bench_dp_step import (VOCAB, Model, free_port, model_arguments, strategies,
                            timed_iteration)
 
 STRATEGIES = ("sync", "layerwise", "canzona")
-SIM_NAME = {"sync": "sc", "layerwise": "layerwise", "canzona": "canzona"}
+#: The simulated strategy of each measured one (bench_dp_step's layerwise deals by LPT).
+SIM_NAME = {"sync": "sc", "layerwise": "layerwise-lpt", "canzona": "canzona"}
 SECTION = "## Simulator against this machine"
 CRITERION = 0.20  # simulated ratios within 20 % of the measured ones
 

@@ -2,14 +2,15 @@
 
     python benchmarks/bench_planner.py                  # print the table
     python benchmarks/bench_planner.py --write-readme   # also rewrite the "## Planner (DP
-                                                        # partition)" section of benchmarks/README.md
+                                                        # partition)" section of
+                                                        # benchmarks/README.md
 
 For every {qwen3-0.6b … qwen3-32b} × dp {8, 16, 32, 64} × tp {1, 4, 8} (Muon, FLOPs cost, α = 1):
 the gap of the busiest DP index's load to the best proven lower bound (max(mean, largest task),
 the pigeonhole bound over atomic matrices, or CP-SAT's bound) for ours (the default solver, auto),
-the paper's greedy and Megatron's layer-wise dealing; ZeRO-1's count of split matrices; the bounds;
-the solve time. Then the wall time of ``canzona plan --model qwen3-32b --dp 32 --tp 8`` as a
-separate process (import included).
+the paper's greedy and megatron-core's layer-wise dealing; ZeRO-1's count of split matrices;
+the bounds; the solve time. Then the wall time of ``canzona plan --model qwen3-32b --dp 32 --tp 8``
+as a separate process (import included).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import time
 from pathlib import Path
 
 from canzona.planner import OptimizerSettings, ParallelSizes, SizeError, build_inventory, get_preset
-from canzona.planner.baselines import baselines
 from canzona.planner.options import DPOptions
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
+from canzona.planner.strategies import baseline_rows
 
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b")
 DPS = (8, 16, 32, 64)
@@ -50,7 +51,7 @@ def run_case(model: str, dp: int, tp: int) -> dict | None:
     # The DP partition is what this sweep studies: the compute objective (max-load); the default
     # (step-time) may trade DP-index balance for collectives under TP (its own column).
     plan = plan_problem(problem, dp_options=DPOptions(objective="max-load"), dp_only=True)
-    rows = {r.name: r for r in baselines(problem, plan)}  # all against the same certified bound
+    rows = {r.name: r for r in baseline_rows(problem, plan)}  # all against the same certified bound
     t0 = time.perf_counter()
     default = plan_problem(problem, dp_only=True)
     solve_s = time.perf_counter() - t0
@@ -114,8 +115,8 @@ def render(cases: list[dict], cli_s: list[tuple[float, float]], skipped: list[st
         "objective `step-time` (the plan `canzona plan` writes; under TP it may keep a less "
         "balanced DP partition whose busiest GPU is as light and whose collectives are faster: "
         "see the collectives and simulator sections), *greedy* the paper's α-balanced",
-        "greedy, *layerwise* Megatron's layer-wise dealing (gradients all-reduced, no ZeRO-1 "
-        "geometry); *zero1 split*",
+        "greedy, *layerwise* megatron-core's layer-wise dealing (`shard_params`: ascending size, "
+        "ping-pong; gradients all-reduced, no ZeRO-1 geometry); *zero1 split*",
         "counts the matrices ZeRO-1's equal chunks cut across DP ranks. Loads in optimizer FLOPs "
         "per step.",
         "",
@@ -136,12 +137,14 @@ def render(cases: list[dict], cli_s: list[tuple[float, float]], skipped: list[st
         "",
         f"Over {len(cases)} cases: ours median gap **{statistics.median(gaps):.2%}**, max "
         f"**{max(gaps):.2%}** (targets: median ≤ 2 %, max ≤ 5 %); worse than the paper's greedy "
-        f"in **{worse}** case(s){' (⚠)' if worse else ''}; with `--no-reorder` (Megatron's order) median "
+        f"in **{worse}** case(s){' (⚠)' if worse else ''}; with `--no-reorder` (Megatron's order) "
+        f"median "
         f"**{statistics.median(c['reorder'] for c in cases):.2%}**, max "
         f"**{max(c['reorder'] for c in cases):.2%}**; the default objective (step-time) median "
         f"{statistics.median(c['default'] for c in cases):.2%}, max "
         f"{max(c['default'] for c in cases):.2%} (at tp 1: max "
-        f"{max((c['default'] for c in cases if c['tp'] == 1), default=0):.2%}); paper's greedy median "
+        f"{max((c['default'] for c in cases if c['tp'] == 1), default=0):.2%}); paper's greedy "
+        f"median "
         f"{statistics.median(c['greedy'] for c in cases):.2%}, max "
         f"{max(c['greedy'] for c in cases):.2%}.",
     ]

@@ -10,13 +10,13 @@ matrix while process 1 waits in a barrier; **shared** — ``shared_newton_schulz
 process holding half the rows of the oriented matrix (per step one all-reduce of the Gram's
 packed upper block rows); **split** — the same with ``split_polynomial=True`` (each process
 also forms the upper parts of two block rows of the symmetric bG + cG², one all-gather of them
-per step); **pair** — ``shared`` over a ``PeerPair`` (the DP pairs' transport: each
-Gram exchanged point to point and summed, no collective). A shared time is the slower process's, from a common barrier to the end of
-its call. Round 0 is a warm-up and not reported; reported are the median and min–max over the
-other rounds, the achieved GFLOP/s (the single-device FLOP count over the time), the speed-up
-alone / shared, the relative difference (Frobenius) of the shared results from the alone one
-(the halves gathered on process 0) and of all three from a float64 Newton–Schulz of the same
-input. ``--json`` prints the same as one JSON object.
+per step); **pair** — ``shared`` over a ``PeerPair`` (the DP pairs' transport: each Gram exchanged
+point to point and summed, no collective). A shared time is the slower process's, from a common
+barrier to the end of its call. Round 0 is a warm-up and not reported; reported are the median and
+min–max over the other rounds, the achieved GFLOP/s (the single-device FLOP count over the time),
+the speed-up alone / shared, the relative difference (Frobenius) of the shared results from the
+alone one (the halves gathered on process 0) and of all three from a float64 Newton–Schulz of the
+same input. ``--json`` prints the same as one JSON object.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ import torch.distributed as dist
 
 from canzona.planner import formulas
 from canzona.runtime.optim.muon import DEFAULT_COEFFICIENTS, newton_schulz
-from canzona.runtime.optim.shared_ns import (PeerPair, orientation, shared_newton_schulz,
-                                              shared_ns_bytes)
+from canzona.runtime.optim.shared_ns import PeerPair, orientation, shared_newton_schulz
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 VARIANTS = ("alone", "shared", "split", "pair")
@@ -152,7 +151,7 @@ def _summary(name: str, r: dict, args: argparse.Namespace) -> dict:
         row[v]["rel_diff"] = r["diffs"][v]
     for v in VARIANTS:
         row[v]["rel_diff_vs_float64"] = r["diffs"][f"{v}_vs_f64"]
-        row[v]["bytes_sent_per_rank"] = shared_ns_bytes(n, 2, steps=args.steps,
+        row[v]["bytes_sent_per_rank"] = formulas.shared_ns_bytes(n, 2, steps=args.steps,
                                                         split_polynomial=v == "split",
                                                         element_size=elem)
     return row

@@ -27,8 +27,8 @@ from canzona.planner.dp import greedy
 from canzona.planner.solve import solve
 from canzona.planner.pipeline import plan_problem
 from canzona.planner.planning import make_problem
+from canzona.planner.strategies import tp_baseline_rows
 from canzona.planner.tp import TPContext, TPOptions, gpu_loads, joint_refine, lb_gpu, schedule_tp
-from canzona.planner.tp.baselines import tp_baselines
 
 SECTION = "## TP micro-groups"
 README = Path(__file__).resolve().parent / "README.md"
@@ -65,7 +65,7 @@ def case(model: str, dp: int, tp: int, split: bool = False, ep: int = 1) -> dict
         p2, ctx, cuts = pr, g_ctx, g_cuts
         ours = schedule_tp(pr, cuts, ctx=ctx, warn=False)
         t3 = time.perf_counter()
-    sc = next(r for r in tp_baselines(p2, cuts, ours, ctx) if r.name == "sc")
+    sc = next(r for r in tp_baseline_rows(p2, cuts, schedule=ours, ctx=ctx) if r.name == "sc")
     grid = ours.grid()
     flat = [x for r in grid for x in r]
     groups = [g for s_ in ours.indices for g in s_.groups]
@@ -114,18 +114,20 @@ def render(headline: list[dict], sweep: list[dict], moe: dict) -> str:
     mib = 2 ** 20
     out = [SECTION, "",
            f"Produced by `python benchmarks/bench_tp.py --write-readme` ({platform.machine()}, "
-           f"Python {platform.python_version()}). Muon, FLOPs cost, C_max 512 MiB (bf16), TP greedy. "
+           f"Python {platform.python_version()}). Muon, FLOPs cost, C_max 512 MiB (bf16), TP "
+           "greedy. "
            "Per-GPU load = FLOPs of the matrices a GPU hosts + its AdamW share; "
            "LB_gpu = max(total/(dp·tp), largest task); gap = busiest GPU / LB_gpu − 1. *ours* = DP "
-           "`auto` + `tp.joint_refine` + TP greedy (or the greedy DP partition where it packs better "
-           "per GPU); *DP only* = without the joint step; "
-           "*canzona-greedy* = the paper's DP greedy + TP greedy; *sc* = every TP rank computes every "
-           "matrix of its DP index (Megatron's `duplicated`).", "",
+           "`auto` + `tp.joint_refine` + TP greedy (or the greedy DP partition where it packs "
+           "better per GPU); *DP only* = without the joint step; "
+           "*canzona-greedy* = the paper's DP greedy + TP greedy; *sc* = every TP rank computes "
+           "every matrix of its DP index (Megatron's `duplicated`).", "",
            "| case | LB_gpu | LB_gpu / mean | ours | DP only | canzona-greedy | sc | groups | "
            "peak gathered | modelled TP step | DP s | joint s |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in headline:
-        name = f"{r['model']} dp{r['dp']} tp{r['tp']} {'split Q/K/V, gate/up' if r['split'] else 'fused'}"
+        kind = "split Q/K/V, gate/up" if r["split"] else "fused"
+        name = f"{r['model']} dp{r['dp']} tp{r['tp']} {kind}"
         out.append(f"| {name} | {r['lb'] / 1e12:.2f}T | {r['lb'] / r['mean']:.3f} | "
                    f"{r['ours']:.2%} | {r['dp_only']:.2%} | {r['greedy']:.2%} | {r['sc']:.0%} | "
                    f"{r['groups']} | {r['peak'] / mib:.0f} MiB | {r['modelled_ms']:.1f} ms | "
@@ -145,14 +147,16 @@ def render(headline: list[dict], sweep: list[dict], moe: dict) -> str:
             "| model | dp | tp | LB_gpu | ours | DP only | canzona-greedy | groups |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sweep:
-        out.append(f"| {r['model']} | {r['dp']} | {r['tp']} | {r['lb'] / 1e12:.3f}T | {r['ours']:.2%} | "
-                   f"{r['dp_only']:.2%} | {r['greedy']:.2%} | {r['groups']} |")
+        out.append(f"| {r['model']} | {r['dp']} | {r['tp']} | {r['lb'] / 1e12:.3f}T | "
+                   f"{r['ours']:.2%} | {r['dp_only']:.2%} | {r['greedy']:.2%} | {r['groups']} |")
     out += ["", f"Qwen3-235B-A22B, dp 64, tp 4, ep 8 (`canzona plan` path: problem + DP + TP): "
             f"problem {moe['problem_s']:.1f} s, DP partition {moe['dp_s']:.1f} s, TP schedule "
-            f"{moe['tp_s']:.1f} s — total {moe['problem_s'] + moe['dp_s'] + moe['tp_s']:.1f} s wall "
+            f"{moe['tp_s']:.1f} s — total "
+            f"{moe['problem_s'] + moe['dp_s'] + moe['tp_s']:.1f} s wall "
             f"(target 15 s); gap {moe['gap']:.2%}; {moe['groups']} micro-groups, peak "
             f"{moe['peak'] / mib:.0f} MiB, {moe['oversized']} oversized. With `joint_refine` "
-            f"(+{moe['joint_s']:.1f} s, bounded by its evaluation budget): gap {moe['gap_joint']:.2%}.",
+            f"(+{moe['joint_s']:.1f} s, bounded by its evaluation budget): gap "
+            f"{moe['gap_joint']:.2%}.",
             ""]
     return "\n".join(out)
 

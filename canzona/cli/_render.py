@@ -130,7 +130,8 @@ def layout_view(spec: ModelSpec, lay: PhysicalLayout, *, show_buckets: bool = Fa
     split = lay.split_matrices()
     split_names = {n for n, _ in split}
     console.print(
-        f"[bold]{escape(spec.name)}[/]  {params_count(spec.total_params)} params  dp={s.dp} tp={s.tp}"
+        f"[bold]{escape(spec.name)}[/]  {params_count(spec.total_params)} params  "
+        f"dp={s.dp} tp={s.tp}"
         + (f" ep={s.ep} (expert dp={s.edp})" if s.ep > 1 or spec.config.is_moe else "")
         + f"  bucket size: {lay.bucket_size:,} elements" if lay.bucket_size else
         f"[bold]{escape(spec.name)}[/]  dp={s.dp} tp={s.tp}  one bucket per buffer (no overlap)")
@@ -306,6 +307,8 @@ def comm_view(c: dict, *, top: int = 10) -> None:
 def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
     """The rich report of ``canzona inspect`` (``top_buckets``: how many of the most costly
     buckets to list)."""
+    from canzona.planner.strategies import CANZONA, DESCRIPTIONS
+
     inp, m = plan.inputs, plan.metrics
     r = report["metrics"]
     cm = inp.cost_model
@@ -364,24 +367,21 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
                     "grad sync", "max sent", "collectives"):
             b.add_column(col, justify="left" if col in ("strategy", "grad sync") else "right")
         for x in report["baselines"]:
-            style = "bold" if x["name"] == "canzona" else None
+            style = "bold" if x["name"] == CANZONA else None
             b.add_row(x["name"], load(x["max_load"], cm), f"{x['max_over_mean']:.4f}",
                       f"{x['gap_to_bound']:.2%}", str(x["split_matrices"]), x["grad_sync"],
                       "-" if x["max_sent_bytes"] is None else human_bytes(x["max_sent_bytes"]),
                       "-" if x["collective_s"] is None else seconds(x["collective_s"]),
                       style=style)
         console.print(b)
-        console.print("zero1 charges split matrices by fragments (not the exact optimizer); asc "
-                      "computes each whole on the rank holding its start; layerwise all-reduces "
-                      "gradients and all-gathers uneven per-rank lists; layerwise-lpt balances "
-                      "Megatron's proxy max·min², not the plan's cost, so it can lose to "
-                      "layerwise; megatron-packed is Megatron's 2026 layout: whole matrices in "
-                      "shards padded to the largest, in its own buckets"
-                      + "".join(f" (padding {x['padding']:.1%} of the matrix elements)"
-                                for x in report["baselines"] if x.get("padding") is not None)
-                      + " (README: Reading the reports). max sent: bytes one rank sends per "
-                      "iteration; collectives: predicted on the plan's link.", highlight=False,
-                      style="dim")
+        console.print("; ".join(
+            f"{x['name']}: {DESCRIPTIONS.get(x['name'], '')}"
+            + ("" if x.get("padding") is None
+               else f" (padding {x['padding']:.1%} of the matrix elements)")
+            for x in report["baselines"])
+            + " (README: Reading the reports). max sent: bytes one rank sends per "
+            "iteration; collectives: predicted on the plan's link.", highlight=False,
+            style="dim", markup=False)
     pairs_view(report.get("dp_pairs"))
     sharing_view(report.get("sharing"))
 
@@ -411,7 +411,8 @@ def pairs_view(pr: dict | None) -> None:
 
 
 def sharing_view(sh: dict | None) -> None:
-    """The per-GPU atomic bound beside the bound with shared Newton–Schulz (``report["sharing"]``)."""
+    """The per-GPU atomic bound beside the bound with shared Newton–Schulz
+    (``report["sharing"]``)."""
     if sh is None:
         return
     from canzona.planner.sharing import kind_of
@@ -539,11 +540,14 @@ def _gantt(ix, width: int = 60) -> list[str]:
         paint(comm, gs, ge, "g")
         paint(comm, ss, se, "s")
         paint(comp, cs, ce, label)
-    return ["comm    |" + "".join(comm) + "|", "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
+    return ["comm    |" + "".join(comm) + "|",
+            "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
 
 
 def tp_view(plan: Plan, tp_rep: dict) -> None:
     """The TP section of ``canzona inspect``."""
+    from canzona.planner.strategies import CANZONA
+
     tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
     cm = plan.inputs.cost_model
     console.rule("TP micro-groups")
@@ -565,7 +569,8 @@ def tp_view(plan: Plan, tp_rep: dict) -> None:
     for col in ("group", "tasks", "peak gathered", "max rank load", "min rank load", "gather out"):
         g.add_column(col, justify="right")
     for grp in ix.groups:
-        out = max(sum(v for h, v in enumerate(row) if h != t) for t, row in enumerate(grp.gather_send))
+        out = max(sum(v for h, v in enumerate(row) if h != t)
+                  for t, row in enumerate(grp.gather_send))
         g.add_row(str(grp.index) + (" (oversized)" if grp.oversized else ""), str(len(grp.tasks)),
                   human_bytes(grp.peak_gathered_bytes), load(max(grp.rank_load), cm),
                   load(min(grp.rank_load), cm), f"{out:,} el")
@@ -581,7 +586,8 @@ def tp_view(plan: Plan, tp_rep: dict) -> None:
             b.add_column(col, justify="left" if col == "strategy" else "right")
         for x in tp_rep["baselines"]:
             b.add_row(x["name"], load(x["max_gpu_load"], cm), f"{x['max_over_mean']:.3f}",
-                      f"{x['gap_to_lb_gpu']:.2%}", style="bold" if x["name"] == "canzona" else None)
+                      f"{x['gap_to_lb_gpu']:.2%}",
+                      style="bold" if x["name"] == CANZONA else None)
         console.print(b)
         console.print("sc: every TP rank all-gathers and computes every matrix of its DP index "
                       "(Megatron's duplicated); canzona-greedy: the paper's DP greedy + TP greedy.",

@@ -104,7 +104,7 @@ def compare_json(comp) -> dict:
 def compare_view(comp) -> None:
     """Every strategy: predicted step and iteration, the critical path's parts, what is hidden,
     bytes, balance, the critical rank."""
-    from canzona.planner.strategies import DESCRIPTIONS
+    from canzona.planner.strategies import CANZONA, DESCRIPTIONS
 
     ep = f" ep={comp.ep}" if comp.ep > 1 else ""
     ov = ("all-gathers overlap the next forward" if comp.overlap_param_gather
@@ -115,7 +115,7 @@ def compare_view(comp) -> None:
                   + ("(given)" if comp.forward_backward_given else
                      f"(6·N_active·{comp.tokens:,} tokens at MFU {comp.mfu:g})")
                   + f"; {ov}", highlight=False)
-    base = next((r for r in comp.runs if r.name == "canzona"), None)
+    base = next((r for r in comp.runs if r.name == CANZONA), None)
     t = Table(title="Predicted per iteration, ms (modelled, not measured); the step's critical "
                     "path = compute + TP + DP reduce + DP gather", title_justify="left")
     for col in ("strategy", "step", "iter", "×cz", "compute", "TP", "DP red", "DP gath",
@@ -137,7 +137,7 @@ def compare_view(comp) -> None:
                   highlight=False)
     share = comp.canzona_share
     for r in comp.runs:
-        note = f" (matrices shared: {share})" if r.name == "canzona" and share != "off" else ""
+        note = f" (matrices shared: {share})" if r.name == CANZONA and share != "off" else ""
         console.print(f"[dim]{r.name}: {escape(DESCRIPTIONS[r.name] + note)}[/]", highlight=False)
     if comp.runs:
         for n in comp.runs[-1].sim.notes[:2]:

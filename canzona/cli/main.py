@@ -63,8 +63,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Built-in model (see 'canzona models').")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Hugging Face config.json (Qwen3, Qwen3-MoE, Llama).")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Built-in model (see 'canzona models').")]
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", help="Hugging Face config.json (Qwen3, Qwen3-MoE, Llama).")]
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel size.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE models).")]
@@ -130,7 +132,8 @@ def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    """canzona: α-balanced ZeRO-1 partitioning and TP micro-group scheduling for matrix optimizers."""
+    """canzona: α-balanced ZeRO-1 partitioning and TP micro-group scheduling for matrix
+    optimizers."""
 
 
 @command
@@ -201,15 +204,17 @@ def plan(
     optimizer: Annotated[str, typer.Option(
         "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
     alpha: Annotated[float, typer.Option(
-        "--alpha", help="The paper's α in [0, 1] for the greedy: 0 even split, 1 fill deficits.")] = 1.0,
+        "--alpha",
+        help="The paper's α in [0, 1] for the greedy: 0 even split, 1 fill deficits.")] = 1.0,
     cost: Annotated[str, typer.Option(
-        "--cost", help="Load per matrix: flops (optimizer FLOPs) or numel (the paper's).")] = "flops",
+        "--cost",
+        help="Load per matrix: flops (optimizer FLOPs) or numel (the paper's).")] = "flops",
     solver: Annotated[str, typer.Option(
         "--solver", help="auto (greedy + exact per-bucket polish), greedy (the paper) or "
                          "cpsat (OR-Tools, proves a bound).")] = "auto",
     time_limit: Annotated[float, typer.Option(
-        "--time-limit", help="CP-SAT time limit in seconds per phase (cpsat only: the busiest load, "
-                            "then the state and slice balances with it held).")] = 10.0,
+        "--time-limit", help="CP-SAT time limit in seconds per phase (cpsat only: the busiest "
+                             "load, then the state and slice balances with it held).")] = 10.0,
     comm_limit: Annotated[Optional[float], typer.Option(
         "--comm-limit", show_default="no cap",
         help="Cap every DP slice at this multiple (≥ 1) of the even slice S/R (bounds the padded "
@@ -236,8 +241,8 @@ def plan(
         "--share", help="off; auto: Muon matrices heavier than the mean per-GPU work are "
                         "shared by their TP group (shared Newton–Schulz, no gather) where the "
                         "cost model says it lowers the busiest GPU, or every eligible one with "
-                        "the polynomial split, whichever plan is lighter; all / all-split: every Muon "
-                        "matrix TP splits along its long dimension, without / with the "
+                        "the polynomial split, whichever plan is lighter; all / all-split: "
+                        "every Muon matrix TP splits along its long dimension, without / with the "
                         "polynomial split; pairs: as all-split, and every tall column-parallel "
                         "matrix (fc1, QKV) shared by two TP groups, partner DP indices "
                         "(k = 2·tp; auto does that where it lowers the objective). At tp 1 the "
@@ -267,7 +272,8 @@ def plan(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically).")] = None,
 ) -> None:
-    """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the plan."""
+    """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the
+    plan."""
     from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions, pipeline,
                                  resolve_model)
     from canzona.planner.inventory import NAMINGS
@@ -283,8 +289,9 @@ def plan(
     tp_options = TPOptions(cmax_mib=cmax, solver=tp_solver.strip().lower(),
                            comm_dtype=comm_dtype.strip().lower(), hardware=hardware.strip(),
                            share=share.strip().lower())
-    settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
-                                 split_qkv=split_qkv, split_gate_up=split_gate_up)
+    settings = OptimizerSettings(
+        name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
+        split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
     name = resolve_model(model, config).name
     out = output or Path(default_plan_name(name, sizes, settings.name))
@@ -401,8 +408,8 @@ def compare(
         help="Hardware profile: h800, h100, cpu, or a profile file (.json); canzona's plans "
              "choose their collectives for it.")] = None,
     strategies: Annotated[str, typer.Option(
-        "--strategies", help="Comma-separated: sc, layerwise, megatron-packed, zero1, "
-                             "canzona-greedy, canzona.")] = "all",
+        "--strategies", help="Comma-separated: sc, zero1, layerwise, layerwise-lpt, "
+                             "megatron-packed, canzona-greedy, canzona; or all.")] = "all",
     mfu: Annotated[float, typer.Option(
         "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
                       "(0, 1].")] = 0.4,
@@ -426,10 +433,12 @@ def compare(
                        "folder: a name is made) and canzona's per-rank timeline beside it as "
                        "NAME-timeline.EXT (needs matplotlib).")] = None,
 ) -> None:
-    """Predict the optimizer step and iteration of every strategy (sc, layer-wise, Megatron's
-    packed layout, zero1, the paper's greedy, canzona) on one model, sizes and cluster."""
-    from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions, resolve_model
-    from canzona.planner.strategies import STRATEGIES, compare as run_compare, compare_plan
+    """Predict the optimizer step and iteration of every strategy (sc, zero1, layer-wise as
+    megatron-core deals it and by LPT, Megatron's packed layout, the paper's greedy, canzona) on
+    one model, sizes and cluster."""
+    from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions,
+                                 resolve_model)
+    from canzona.planner.strategies import CANZONA, STRATEGIES, compare as run_compare, compare_plan
 
     from . import _simulate_render, plots
 
@@ -466,8 +475,9 @@ def compare(
             p = load_plan(plan_file)
             comp = compare_plan(p, hardware, config=config, progress=say, **kw)
         else:
-            settings = OptimizerSettings(name=_choice(optimizer, optimizers.names(),  # type: ignore[arg-type]
-                                                      "--optimizer"))
+            settings = OptimizerSettings(
+                name=_choice(optimizer, optimizers.names(),  # type: ignore[arg-type]
+                             "--optimizer"))
             hw_name = (hardware or "h100").strip()
             comp = run_compare(model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings,
                                hardware=hw_name, dp_options=DPOptions(bucket_size=bucket_size),
@@ -476,7 +486,7 @@ def compare(
         if chart is not None:
             say("charts")
             plots.plot_compare(comp, chart)
-            focus = next((r for r in comp.runs if r.name == "canzona"), comp.runs[-1])
+            focus = next((r for r in comp.runs if r.name == CANZONA), comp.runs[-1])
             plots.plot_timeline(focus.sim, plots.timeline_path(chart),
                                 title=f"{comp.model} dp={comp.dp} tp={comp.tp}: {focus.name}, "
                                       f"optimizer step {focus.step_s * 1e3:.3g} ms (simulated)")
@@ -494,7 +504,8 @@ def calibrate(
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Profile file to write (atomically).")] = Path("hardware.json"),
     quick: Annotated[bool, typer.Option(
-        "--quick", help="Tiny shapes, few repetitions: seconds, rough figures (for tests).")] = False,
+        "--quick",
+        help="Tiny shapes, few repetitions: seconds, rough figures (for tests).")] = False,
     name: Annotated[Optional[str], typer.Option(
         "--name", show_default="calibrated-HOSTNAME", help="The profile's name.")] = None,
     as_json: JsonOpt = False,

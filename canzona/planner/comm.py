@@ -42,8 +42,12 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile, LinkProfile
 from .plan import CommPlan, Plan
 
+#: The bucket collective methods, by the names plans, the plan schema and the runtime's
+#: collectives (``canzona.runtime.collectives``) use; this is their one spelling.
+EQUAL, PADDED, PER_ROOT, ALL_REDUCE, ALL_TO_ALL = (
+    "equal", "padded", "per_root", "all_reduce", "all_to_all")
 #: Every method, in the order ties are broken (the stock collectives first).
-METHODS = ("equal", "padded", "per_root", "all_reduce", "all_to_all")
+METHODS = (EQUAL, PADDED, PER_ROOT, ALL_REDUCE, ALL_TO_ALL)
 
 #: Bytes per element of the plan's dtype names.
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -63,10 +67,8 @@ class Traffic:
         return max(max(self.sent, default=0), max(self.received, default=0))
 
     def seconds(self, link: LinkProfile) -> float:
-        """α–β time: ``calls · α + busiest / busbw``."""
-        if self.calls == 0:
-            return 0.0
-        return self.calls * link.latency_s + self.busiest / link.busbw
+        """α–β time: ``calls · α + busiest / busbw`` (:meth:`LinkProfile.seconds`)."""
+        return link.seconds(self.busiest, self.calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +93,7 @@ class BucketComm:
 def _check(method: str, sizes: Sequence[int]) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of: {', '.join(METHODS)}; got {method!r}")
-    if method == "equal" and len(set(sizes)) > 1:
+    if method == EQUAL and len(set(sizes)) > 1:
         raise ValueError(f"'equal' needs equal slices, got {list(sizes)}")
 
 
@@ -122,12 +124,12 @@ def reduce_traffic(method: str, sizes: Sequence[int], elem_bytes: int) -> Traffi
     R, e = len(sizes), elem_bytes
     if R == 1:
         return Traffic(0, (0,), (0,))
-    if method in ("equal", "padded"):
+    if method in (EQUAL, PADDED):
         return _ring(sizes, e)
-    if method == "per_root":
+    if method == PER_ROOT:
         return _chain(sizes, e, broadcast=False)
     S = sum(sizes)
-    if method == "all_reduce":
+    if method == ALL_REDUCE:
         b = 2 * (R - 1) * S * e // R
         return Traffic(1, (b,) * R, (b,) * R)
     # all_to_all: rank m sends every other owner its slice and receives R-1 copies of its own.
@@ -140,9 +142,9 @@ def gather_traffic(method: str, sizes: Sequence[int], elem_bytes: int) -> Traffi
     R, e = len(sizes), elem_bytes
     if R == 1:
         return Traffic(0, (0,), (0,))
-    if method in ("equal", "padded"):
+    if method in (EQUAL, PADDED):
         return _ring(sizes, e)
-    if method in ("per_root", "all_reduce"):
+    if method in (PER_ROOT, ALL_REDUCE):
         return _chain(sizes, e, broadcast=True)
     S = sum(sizes)
     return Traffic(1, tuple((R - 1) * s * e for s in sizes), tuple((S - s) * e for s in sizes))
@@ -178,6 +180,19 @@ def choose(sizes: Sequence[int], *, grad_bytes: int, param_bytes: int, link: Lin
     return best
 
 
+def all_to_all_busiest(matrix: Sequence[Sequence[int]]) -> int:
+    """The off-rank elements through the busiest rank of an all-to-all that moves
+    ``matrix[src][dst]`` elements: the larger of what a rank sends and receives, local copies
+    (``src == dst``) free."""
+    n = len(matrix)
+    worst = 0
+    for t in range(n):
+        sent = sum(matrix[t][h] for h in range(n) if h != t)
+        recv = sum(matrix[s][t] for s in range(n) if s != t)
+        worst = max(worst, sent, recv)
+    return worst
+
+
 def even_sizes(numel: int, ranks: int) -> tuple[int, ...]:
     """ZeRO-1's equal chunks of a bucket (its end is padded to a multiple of the ranks)."""
     q, r = divmod(numel, ranks)
@@ -188,7 +203,7 @@ def zero1(numel: int, ranks: int, *, grad_bytes: int, param_bytes: int,
           link: LinkProfile) -> BucketComm:
     """The reference: ZeRO-1's even reduce-scatter and all-gather of the same bucket."""
     sizes = even_sizes(numel, ranks)
-    method = "equal" if len(set(sizes)) == 1 else "padded"
+    method = EQUAL if len(set(sizes)) == 1 else PADDED
     return bucket_comm(method, sizes, grad_bytes=grad_bytes, param_bytes=param_bytes, link=link)
 
 

@@ -3,8 +3,9 @@
 These are exact integer counts of what ``canzona.runtime.optim`` executes for one logical matrix
 (or one AdamW tensor) in one optimizer step. This is a public module of the planner: its cost
 model (``canzona.planner.cost``) and the runtime's kernels and DP step (``canzona.runtime``) both
-import it, so it must import nothing (of ours or torch) beyond the standard library. ``tests/runtime/optim`` checks every formula against the matmuls the
-kernels perform (``torch.utils.flop_counter.FlopCounterMode``) and against the state they allocate.
+import it, so it must import nothing (of ours or torch) beyond the standard library.
+``tests/runtime/optim`` checks every formula against the matmuls the kernels perform
+(``torch.utils.flop_counter.FlopCounterMode``) and against the state they allocate.
 
 Conventions (REFERENCE.md §4):
 
@@ -41,6 +42,8 @@ __all__ = [
     "poly_blocks",
     "poly_flops",
     "poly_packed_numel",
+    "shared_ns_bytes",
+    "shared_ns_flops",
     "shampoo_flops",
     "shampoo_state_numel",
     "soap_flops",
@@ -293,6 +296,47 @@ def poly_flops(n: int, k: int) -> int:
     b·G[r0:r1, r0:] + c·G[r0:r1, :]·G[:, r0:], 2·(r1−r0)·n·(n−r0) each."""
     return 2 * n * poly_packed_numel(n, k)
 
+
+def shared_ns_flops(rows: int, n: int, k: int, *, steps: int = 5,
+                    split_polynomial: bool = False) -> int:
+    """Matmul FLOPs one rank spends in the shared Newton–Schulz
+    (``canzona.runtime.optim.shared_ns.shared_newton_schulz``) on ``rows`` × ``n``:
+    ``steps · (4n²·rows + 2n³)``, or with the split ``steps · (4n²·rows + poly_flops(n, k))``
+    (the busiest rank's upper parts of P, :func:`poly_flops`). With k = 1 it is the
+    single-device count (:func:`muon_flops` for rows ≥ n)."""
+    poly = poly_flops(n, k) if split_polynomial and k > 1 else 2 * n ** 3
+    return steps * (4 * n * n * rows + poly)
+
+
+def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = False,
+                    element_size: int = 4, tp_pair: bool = False) -> int:
+    """Bytes one rank sends per call under ring algorithms: per step the all-reduce of the
+    Gram's packed upper part, 2(k−1)/k·g elements (g = :func:`gram_packed_numel`),
+    plus with the split the all-gather of its padded packed parts of P, (k−1)·q elements
+    (q = :func:`poly_packed_numel`; the rare overflow guard's extra all-reduces not
+    counted).
+
+    ``tp_pair`` (the runtime's ``TPPair``, k = 2·t over t TP ranks): a reduce-scatter and an
+    all-gather over the TP group, 2(t−1)/t·g, and a 1/t chunk of g to the partner DP index; with
+    the split, this rank's q to the partner, then the all-gather of both over the TP group,
+    (t−1)·2q. Only g/t (+ q) per rank and step crosses between the DP indices."""
+    if k <= 1:
+        return 0
+    g = gram_packed_numel(n)
+    if tp_pair:
+        if k % 2:
+            raise ValueError(f"shared_ns_bytes: a TP group and its DP partner are k = 2·tp "
+                             f"ranks, not k = {k}")
+        t = k // 2
+        per_step = 2 * (t - 1) * g / t + g / t
+        if split_polynomial:
+            q = poly_packed_numel(n, k)
+            per_step += q + (t - 1) * 2 * q
+        return int(round(steps * per_step * element_size))
+    per_step = 2 * (k - 1) * g / k
+    if split_polynomial:
+        per_step += (k - 1) * poly_packed_numel(n, k)
+    return int(round(steps * per_step * element_size))
 
 
 def lockstep_bytes(rows: int, n: int, k: int, split: bool, e: int) -> int:

@@ -32,6 +32,13 @@ class LinkProfile(BaseModel):
     busbw: float = Field(gt=0, description="achieved NCCL bus bandwidth, bytes/s")
     latency_s: float = Field(ge=0, description="per-collective latency α, seconds")
 
+    def seconds(self, nbytes: float, calls: int = 1) -> float:
+        """The α–β time of ``calls`` collectives that move ``nbytes`` through the busiest rank:
+        ``calls · α + nbytes / busbw`` (REFERENCE.md §5); 0 for no calls."""
+        if calls == 0:
+            return 0.0
+        return calls * self.latency_s + nbytes / self.busbw
+
 
 class HardwareProfile(BaseModel):
     """A GPU (or this CPU) and its links, as data (``canzona/planner/hardware/*.json``)."""

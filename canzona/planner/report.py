@@ -5,8 +5,7 @@ saved plan's problem rebuilt from its inputs (fingerprint checked:
 :func:`canzona.planner.plan.inverse.read_problem`), its per-DP-index metrics, heaviest tasks, DP
 baselines and, for tp > 1, the TP schedule and its baselines.
 
-Torch-free, like the rest of the planner; the solvers and baselines are imported where they are
-used, so that importing this module (and the CLI) stays quick.
+Torch-free, like the rest of the planner.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.inverse import read_problem
+from .strategies import baseline_rows, tp_baseline_rows
 from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
                       sharing_bound)
 
@@ -223,27 +223,19 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     Raises:
         CanzonaError: see :func:`canzona.planner.plan.inverse.rebuild_model`.
     """
-    from .baselines import baselines
-
     say = progress or (lambda _phase: None)
     say("rebuilding the model's problem")
     inverse = read_problem(plan, model=True, config=config)
     problem = inverse.problem
     say("baselines")
-    rows = baselines(problem, plan) if problem is not None else None
+    rows = baseline_rows(problem, plan) if problem is not None else None
     report = inspect_dict(plan, rows, top=top)
     tp_rows = None
     if plan.tp is not None and inverse.in_plan_order is not None:
-        from .tp.baselines import TPBaselineRow, tp_baselines
 
         say("TP baselines")
         # The plan's own schedule is the "canzona" row, from its recorded metrics.
-        tp_rows = [r for r in tp_baselines(inverse.in_plan_order, inverse.cuts)
-                   if r.name != "canzona"]
-        m = plan.tp.metrics
-        flat = [x for r in m.gpu_load for x in r]
-        tp_rows.append(TPBaselineRow("canzona", m.max_gpu_load, sum(flat) / len(flat),
-                                     m.max_over_mean, m.gap_to_lb_gpu))
+        tp_rows = tp_baseline_rows(inverse.in_plan_order, inverse.cuts, plan=plan)
     report["tp_schedule"] = tp_dict(plan, tp_rows)
     report["dp_pairs"] = pairs_dict(plan)
     report["sharing"] = None

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from canzona.planner import comm
 from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.errors import CollectiveTimeoutError
 from canzona.runtime.schedule import Bucket
@@ -78,7 +79,7 @@ class BucketCollective:
         """An all-gather was launched and not finished yet."""
         return self.gather_work is not None
 
-    # -- reduce-scatter ---------------------------------------------------------------------------
+    # -- reduce-scatter ----------------------------------------------------------------------------
 
     def launch_reduce(self, group: Any) -> None:
         self.reduce_work = self._start_reduce(group)
@@ -99,7 +100,7 @@ class BucketCollective:
             self._unpack_reduce()
             self.buffers.own.div_(self.dp)
 
-    # -- all-gather -------------------------------------------------------------------------------
+    # -- all-gather --------------------------------------------------------------------------------
 
     def launch_gather(self, group: Any) -> None:
         self.gather_work = self._start_gather(group)
@@ -117,7 +118,7 @@ class BucketCollective:
         """Forget the handles (after a failure, or once the group is released)."""
         self.reduce_work = self.gather_work = None
 
-    # -- one method ---------------------------------------------------------------------------------
+    # -- one method --------------------------------------------------------------------------------
 
     def _start_reduce(self, group: Any) -> Any:
         raise NotImplementedError
@@ -148,7 +149,7 @@ class LocalCollective(BucketCollective):
 class EqualCollective(BucketCollective):
     """Equal slices: the stock collectives on the buffers themselves."""
 
-    method = "equal"
+    method = comm.EQUAL
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -167,7 +168,7 @@ class EqualCollective(BucketCollective):
 class PaddedCollective(BucketCollective):
     """Nearly equal slices: the stock collectives on slices padded to the largest."""
 
-    method = "padded"
+    method = comm.PADDED
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -207,7 +208,7 @@ class PaddedCollective(BucketCollective):
 class AllToAllCollective(BucketCollective):
     """Unequal slices: ``all_to_all_single`` with the exact split sizes."""
 
-    method = "all_to_all"
+    method = comm.ALL_TO_ALL
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -312,7 +313,7 @@ def _per_root(group: Any, device: torch.device, calls: list) -> Any:
 class PerRootCollective(BucketCollective):
     """Unequal slices: one reduce to, and one broadcast from, every owner of a non-empty slice."""
 
-    method = "per_root"
+    method = comm.PER_ROOT
 
     def _owners(self) -> list[int]:
         return [r for r, n in enumerate(self.bucket.sizes) if n > 0]
@@ -340,16 +341,17 @@ class AllReduceCollective(PerRootCollective):
     """The reduce as one all-reduce of the whole bucket (each rank keeps its slice); the gather
     per root."""
 
-    method = "all_reduce"
+    method = comm.ALL_REDUCE
 
     def _start_reduce(self, group: Any) -> Any:
         return dist.all_reduce(self.buffers.grads, group=group, async_op=True)
 
 
-#: Every method, by its name in plans and in ``CanzonaOptimizer(collective=...)``.
-_METHODS = {c.method: c for c in (EqualCollective, PaddedCollective, AllToAllCollective,
-                                  PerRootCollective, AllReduceCollective)}
-METHODS = tuple(_METHODS)
+#: Every method (``canzona.planner.comm.METHODS``, their one spelling), by its name in plans and
+#: in ``CanzonaOptimizer(collective=...)``.
+METHODS = comm.METHODS
+_METHODS = {c.method: c for c in (EqualCollective, PaddedCollective, PerRootCollective,
+                                  AllReduceCollective, AllToAllCollective)}
 
 
 def make_collective(bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, *,
@@ -360,9 +362,9 @@ def make_collective(bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, 
     if name not in _METHODS:
         raise ValueError(f"collective = {method!r} is not a method; choose one of: "
                          f"{', '.join(METHODS)}")
-    if name == "equal" and len(set(bucket.sizes)) > 1:
-        raise ValueError(f"collective = 'equal' cannot move bucket {bucket.index}'s unequal "
-                         f"slices {list(bucket.sizes)}; choose padded, per_root, all_reduce or "
-                         "all_to_all")
+    if name == comm.EQUAL and len(set(bucket.sizes)) > 1:
+        raise ValueError(f"collective = '{comm.EQUAL}' cannot move bucket {bucket.index}'s "
+                         f"unequal slices {list(bucket.sizes)}; choose one of: "
+                         f"{', '.join(m for m in METHODS if m != comm.EQUAL)}")
     cls = LocalCollective if dp == 1 else _METHODS[name]
     return cls(bucket, rank, dp, buffers, reduce=reduce)

@@ -153,6 +153,22 @@ def test_empty_bucket_per_root_issues_no_call():
     assert comm.gather_traffic("per_root", (0, 0), 4).seconds(LINK) == 0.0
 
 
+def test_link_seconds_is_alpha_plus_bytes_over_bandwidth():
+    """The α–β time every collective of the planner is priced by: calls·α + bytes/busbw."""
+    assert LINK.seconds(250) == 0.5 + 2.5
+    assert LINK.seconds(250, calls=3) == 3 * 0.5 + 2.5
+    assert LINK.seconds(0) == 0.5  # a call that moves nothing still pays α
+    assert LINK.seconds(250, calls=0) == 0.0
+    assert T(2, (100, 300), (300, 100)).seconds(LINK) == LINK.seconds(300, calls=2)
+
+
+def test_all_to_all_busiest_counts_off_rank_elements_sent_or_received():
+    # rank 0 sends 2 + 3 and receives 4 + 0; rank 1 sends 4 + 1, receives 2 + 6; rank 2 sends
+    # 0 + 6, receives 3 + 1: the busiest moves 8 (rank 1's receipts); the diagonal is free.
+    assert comm.all_to_all_busiest(((9, 2, 3), (4, 9, 1), (0, 6, 9))) == 8
+    assert comm.all_to_all_busiest(((5, 0), (0, 7))) == 0
+
+
 # --- choose -------------------------------------------------------------------------------------
 
 

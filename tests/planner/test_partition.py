@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from canzona.planner import (DPOptions, OptimizerSettings, OptionError, ParallelSizes,
                              build_inventory, get_preset)
-from canzona.planner.baselines import baselines
+from canzona.planner.strategies import baseline_rows
 from canzona.planner.models import ModelConfig
 from canzona.planner.dp import greedy, pigeonhole_bound
 from canzona.planner.solve import solve
@@ -167,7 +167,7 @@ def test_cpsat_respects_time_limit_and_returns_valid_plan():
 def test_baselines_compare_like_with_like():
     pr = make_problem(build_inventory(get_preset("qwen3-1.7b")), ParallelSizes(16, 8))
     plan = plan_problem(pr)
-    rows = {r.name: r for r in baselines(pr, plan)}
+    rows = {r.name: r for r in baseline_rows(pr, plan)}
     assert set(rows) == {"zero1", "asc", "layerwise", "layerwise-lpt", "megatron-packed",
                          "canzona-greedy", "canzona"}
     # zero1 splits exactly the matrices ZeRO-1's equal chunks cut; every other strategy none.
@@ -245,6 +245,7 @@ def test_adamw_tensors_spread_over_ranks():
     # on the rank with the least FLOPs.
     pr = make_problem(build_inventory(get_preset("qwen3-8b")), ParallelSizes(8, 1))
     plan = plan_problem(pr, dp_options=DPOptions(reorder=False))
-    (first,) = [b for b in plan.buffers[0].buckets if [s.name for s in b.slots] == ["output_layer.weight"]]
+    (first,) = [b for b in plan.buffers[0].buckets
+                if [s.name for s in b.slots] == ["output_layer.weight"]]
     sizes = [y - x for x, y in zip(first.cuts, first.cuts[1:])]
     assert max(sizes) - min(sizes) <= 1

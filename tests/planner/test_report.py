@@ -23,7 +23,8 @@ def test_inspect_report_restates_the_plan_and_adds_the_baselines(tp2_plan):
     p = tp2_plan
     phases = []
     rep = inspect_report(p, top=3, progress=phases.append)
-    assert phases == ["rebuilding the model's problem", "baselines", "TP baselines", "sharing bound"]
+    assert phases == ["rebuilding the model's problem", "baselines", "TP baselines",
+                      "sharing bound"]
     assert json.loads(json.dumps(rep)) == rep  # plain data
     assert (rep["model"], rep["dp"], rep["tp"]) == ("qwen3-0.6b", 4, 2)
     assert rep["metrics"]["max_load"] == max(p.metrics.dp_load)
@@ -211,10 +212,11 @@ def test_megatron_packed_places_every_matrix_whole_in_padded_even_shards(k):
 
 def test_megatron_packed_row_uses_even_collectives_over_the_padded_buckets():
     from canzona.planner import comm
-    from canzona.planner.baselines import baselines, megatron_packed, problem_link
+    from canzona.planner.baselines import megatron_packed, problem_link
+    from canzona.planner.strategies import baseline_rows
 
     problem = _packed_problems()[1]
-    rows = {r.name: r for r in baselines(problem)}
+    rows = {r.name: r for r in baseline_rows(problem)}
     link = problem_link(problem)
     packed = megatron_packed(problem)
     per_bucket = [comm.bucket_comm("equal", s.sizes, grad_bytes=s.grad_bytes,

@@ -14,9 +14,10 @@ from canzona.planner.comm import bucket_comm, plan_link, plan_summary
 from canzona.planner.hardware import LinkProfile, load_hardware
 from canzona.planner.plan.load import parse_plan
 from canzona.planner.errors import CanzonaError
-from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload, _a2a,
+from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload,
                                       iteration_time, plan_hardware, simulate, simulate_plan,
                                       split_forward_backward, workload_from_plan)
+from canzona.planner.simulate.from_plan import _a2a
 
 PLANS = sorted((Path(__file__).parents[2] / "plans").glob("*.plan.json"))
 SMALL = next(p for p in PLANS if p.name == "qwen3-1.7b-dp16-tp8-muon.plan.json")

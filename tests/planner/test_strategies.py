@@ -18,8 +18,10 @@ from canzona.planner.plan.load import parse_plan
 from canzona.planner.planning import make_problem
 from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload, simulate,
                                       split_forward_backward)
-from canzona.planner.strategies import (EXACT, STRATEGIES, active_params, compare,
-                                        compare_plan, compare_problem, strategy_workload)
+from canzona.planner.baselines import layerwise_lpt, lpt_cost, megatron_layerwise
+from canzona.planner.strategies import (DESCRIPTIONS, EXACT, REGISTRY, STRATEGIES, active_params,
+                                        baseline_rows, compare, compare_plan, compare_problem,
+                                        strategy_workload)
 
 PLANS = sorted((Path(__file__).parents[2] / "plans").glob("*.plan.json"))
 
@@ -66,6 +68,58 @@ def test_compare_is_deterministic_and_json_ready():
     assert [s["exact"] for s in d["strategies"]] == [s != "zero1" for s in STRATEGIES]
 
 
+# --- the registry and the dealings ----------------------------------------------------------------
+
+
+def test_one_registry_feeds_compare_and_inspect():
+    """Both front ends list the registry's strategies in its order: compare those with a
+    workload, inspect those with a DP row; every one has its description."""
+    names = list(REGISTRY)
+    assert list(STRATEGIES) == [n for n in names if REGISTRY[n].workload is not None]
+    assert set(DESCRIPTIONS) == set(names) and all(DESCRIPTIONS.values())
+    pr = _problem("qwen3-0.6b", 4)
+    rows = [r.name for r in baseline_rows(pr)]  # no plan: no canzona row
+    assert rows == [n for n in names if REGISTRY[n].baseline is not None and n != "canzona"]
+    assert {"layerwise", "layerwise-lpt"} <= set(STRATEGIES) & set(rows)
+    # the same dealing in both: compare's FLOPs per DP index are inspect's loads (cost: FLOPs)
+    c = compare_problem(pr, load_hardware("h100"), strategies=("layerwise", "layerwise-lpt"))
+    by_name = {r.name: r for r in baseline_rows(pr)}
+    for run in c.runs:
+        assert run.dp_flops == by_name[run.name].load
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(4, 1, 1), (3, 2, 1), (8, 1, 2)])
+def test_layerwise_deals_ascending_sizes_ping_pong(dp, tp, ep):
+    """megatron-core's shard_params: per group, ascending local size, ranks 0 … R−1, R−1 … 0;
+    the expert buffers of each EP rank (ep > 1) over their own members, apart."""
+    pr = _problem("qwen3-30b-a3b" if ep > 1 else "qwen3-0.6b", dp, tp, ep)
+    groups = megatron_layerwise(pr).groups
+    seen = [ref for g in groups for ref in g.items]
+    assert sorted(seen) == [(bi, ii) for bi, b in enumerate(pr.buckets)
+                            for ii in range(len(b.items))]  # every item once
+    assert [g.members for g in groups if not g.expert] == [tuple(range(dp))]
+    assert sorted(g.members for g in groups if g.expert) == (
+        [tuple(range(e, dp, ep)) for e in range(ep)] if ep > 1 else [])
+    for g in groups:
+        sizes = [pr.buckets[bi].items[ii].end - pr.buckets[bi].items[ii].start
+                 for bi, ii in g.items]
+        assert sizes == sorted(sizes)
+        R = len(g.members)
+        loop = [*range(R), *reversed(range(R))]
+        assert list(g.owners) == [g.members[loop[k % (2 * R)]] for k in range(len(g.items))]
+
+
+def test_layerwise_lpt_gives_each_item_to_the_least_loaded():
+    pr = _problem("qwen3-0.6b", 8, 2)
+    for g in layerwise_lpt(pr).groups:
+        load = dict.fromkeys(g.members, 0)
+        costs = [lpt_cost(pr, ref) for ref in g.items]
+        assert costs == sorted(costs, reverse=True)
+        for ref, d in zip(g.items, g.owners):
+            assert load[d] == min(load.values())
+            load[d] += lpt_cost(pr, ref)
+
+
 # --- the workloads -------------------------------------------------------------------------------
 
 
@@ -105,7 +159,8 @@ def test_layerwise_moves_one_and_a_half_times_zero1s_bytes():
     pr = _problem("qwen3-1.7b", 8)
     hw = load_hardware("h100")
     R = 8
-    g, p = (ELEMENT_BYTES[pr.layout.buffers[0].grad_dtype], ELEMENT_BYTES[pr.layout.buffers[0].dtype])
+    buf = pr.layout.buffers[0]
+    g, p = ELEMENT_BYTES[buf.grad_dtype], ELEMENT_BYTES[buf.dtype]
     S = sum(b.end - b.start for b in pr.buckets)
     c = compare_problem(pr, hw, strategies=("layerwise", "zero1", "sc"))
     sent = {r.name: r.sent_bytes for r in c.runs}
@@ -181,7 +236,8 @@ def test_compare_by_preset_forward_backward_and_errors():
     hw = load_hardware("h800")
     assert c.tokens == 4 * 1024
     assert c.forward_backward_s == pytest.approx(
-        6 * active_params(build_inventory(get_preset("qwen3-0.6b"))) * 4096 / (4 * hw.peak_flops["bf16"] * 0.5))
+        6 * active_params(build_inventory(get_preset("qwen3-0.6b"))) * 4096
+        / (4 * hw.peak_flops["bf16"] * 0.5))
     assert not c.run("zero1").exact and c.run("canzona").exact
     assert c.run("canzona").iteration_s == pytest.approx(c.forward_backward_s
                                                          + c.run("canzona").step_s)

@@ -17,7 +17,7 @@ from canzona.planner.plan.load import parse_plan
 from canzona.planner.planning import build_plan, equal_cuts, make_problem
 from canzona.planner.tp import (MIB, TPContext, TPOptions, gpu_loads, index_gpu_max,
                                 joint_refine, lb_gpu, placements, schedule_tp, tp_plan)
-from canzona.planner.tp.baselines import tp_baselines
+from canzona.planner.strategies import tp_baseline_rows
 
 _CACHE: dict = {}
 
@@ -152,7 +152,7 @@ def test_plan_section_round_trips_and_is_deterministic():
             for gt in g.tasks:
                 assert hosted[gt.id] == (gt.host, g.index)
             assert g.scatter_send == g.gather_recv and g.scatter_recv == g.gather_send
-    rows = {r.name: r for r in tp_baselines(pr, sol.cuts, sch, ctx)}
+    rows = {r.name: r for r in tp_baseline_rows(pr, sol.cuts, schedule=sch, ctx=ctx)}
     assert rows["sc"].max_gpu_load >= rows["canzona"].max_gpu_load
 
 

@@ -67,3 +67,13 @@ def test_external_reduces_nothing_and_dp1_sends_nothing():
 def test_equal_refuses_unequal_slices():
     with pytest.raises(ValueError, match="'equal' needs equal slices"):
         comm_bytes(["equal"], [SIZES], 0, grad_bytes=[4], param_bytes=[2], external=False)
+
+
+def test_the_runtime_collectives_are_the_planners_methods():
+    """One spelling of the methods: the runtime has one collective class per name in
+    ``comm.METHODS`` and lists them in the planner's order."""
+    from canzona.runtime import collectives
+
+    assert collectives.METHODS == comm.METHODS
+    assert tuple(collectives._METHODS) == comm.METHODS
+    assert all(cls.method == name for name, cls in collectives._METHODS.items())

@@ -30,8 +30,6 @@ from canzona.runtime.optim.shared_ns import (
     dp_row_block,
     orientation,
     shared_newton_schulz,
-    shared_ns_bytes,
-    shared_ns_flops,
     tp_row_blocks,
 )
 
@@ -777,6 +775,7 @@ def test_dp_row_block():
 
 def test_cost_formulas():
     from canzona.planner import formulas
+    from canzona.planner.formulas import shared_ns_bytes, shared_ns_flops
 
     m, n = 4096, 1024
     assert shared_ns_flops(m, n, 1) == formulas.muon_flops(m, n)

@@ -33,8 +33,8 @@ largest task) bounds every schedule with whole-matrix tasks.
 
 Modules, in dependency order: ``context`` (settings, per-task facts, the per-GPU objective) →
 ``schedule`` → ``joint`` (the refinement the DP solver calls) → ``assemble`` (into the plan).
-``baselines`` sits above the DP package (it runs the DP greedy) and is imported on its own:
-``from canzona.planner.tp.baselines import tp_baselines``.
+``baselines`` (the TP rows of the strategy registry, :mod:`canzona.planner.strategies`) sits
+above the DP package (it runs the DP greedy) and is imported on its own.
 """
 
 from .assemble import placements, tp_plan

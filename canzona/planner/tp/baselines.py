@@ -1,4 +1,6 @@
-"""TP baselines on the same model and sizes: ``sc``, ``canzona-greedy`` and ``canzona``.
+"""TP rows on the same model and sizes (per GPU), which the strategy registry
+(:mod:`canzona.planner.strategies`) lists: :func:`sc_row`, :func:`greedy_row` and
+:func:`schedule_row` (canzona's).
 
 Above the DP package (it runs the paper's DP greedy), so ``tp/__init__`` does not import it.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dp.greedy import greedy
+from ..plan import Plan
 from ..planning import DPProblem
 from .context import Cuts, TPContext, index_work, lb_gpu
 from .schedule import TPSchedule, gpu_loads
@@ -22,26 +25,46 @@ class TPBaselineRow:
     gap_to_lb_gpu: float
 
 
-def tp_baselines(problem: DPProblem, cuts: Cuts, schedule: TPSchedule | None = None,
-                 ctx: TPContext | None = None) -> list[TPBaselineRow]:
-    """``sc`` (all-gather and redundant compute on every TP rank, Megatron's ``duplicated``, on
-    the same DP partition), ``canzona-greedy`` (the paper's DP greedy and TP greedy) and, given a
-    schedule, ``canzona``."""
-    ctx = ctx or TPContext.build(problem)
-    lb = lb_gpu(problem, ctx=ctx)
-    rows = []
+class TPBaselineInputs:
+    """What every TP row reads: the problem, the DP partition (``cuts``), canzona's plan or
+    schedule (None: no canzona row), the TP context and LB_gpu."""
 
-    def row(name: str, grid: list[list[float]]) -> TPBaselineRow:
+    def __init__(self, problem: DPProblem, cuts: Cuts, *, plan: Plan | None = None,
+                 schedule: TPSchedule | None = None, ctx: TPContext | None = None) -> None:
+        self.problem, self.cuts, self.plan, self.schedule = problem, cuts, plan, schedule
+        self.ctx = ctx or TPContext.build(problem)
+        self.lb = lb_gpu(problem, ctx=self.ctx)
+
+    def row(self, name: str, grid: list[list[float]]) -> TPBaselineRow:
+        """The row of a per-GPU load grid."""
         flat = [x for r in grid for x in r]
         mx, mean = max(flat), sum(flat) / len(flat)
-        return TPBaselineRow(name, mx, mean, mx / mean if mean else 1.0, mx / lb - 1 if lb else 0.0)
+        return TPBaselineRow(name, mx, mean, mx / mean if mean else 1.0,
+                             mx / self.lb - 1 if self.lb else 0.0)
 
-    base, owned = index_work(problem, cuts, ctx)
-    tp = problem.sizes.tp
-    rows.append(row("sc", [[base[d] + sum(problem.loads[i] for i in owned[d])] * tp
-                           for d in range(problem.dp)]))
-    g = greedy(problem, alpha=1.0)
-    rows.append(row("canzona-greedy", gpu_loads(problem, g, ctx=ctx)))
-    if schedule is not None:
-        rows.append(row("canzona", gpu_loads(problem, cuts, schedule)))
-    return rows
+
+def sc_row(x: TPBaselineInputs, name: str) -> TPBaselineRow:
+    """Every TP rank all-gathers and computes every matrix of its DP index (Megatron's
+    ``duplicated``), on the same DP partition."""
+    p = x.problem
+    base, owned = index_work(p, x.cuts, x.ctx)
+    return x.row(name, [[base[d] + sum(p.loads[i] for i in owned[d])] * p.sizes.tp
+                        for d in range(p.dp)])
+
+
+def greedy_row(x: TPBaselineInputs, name: str) -> TPBaselineRow:
+    """The paper's DP greedy (α = 1) and TP greedy."""
+    return x.row(name, gpu_loads(x.problem, greedy(x.problem, alpha=1.0), ctx=x.ctx))
+
+
+def schedule_row(x: TPBaselineInputs, name: str) -> TPBaselineRow | None:
+    """canzona's: the plan's recorded TP metrics, else the schedule's per-GPU loads (None
+    without either)."""
+    if x.plan is not None and x.plan.tp is not None:
+        m = x.plan.tp.metrics
+        flat = [v for r in m.gpu_load for v in r]
+        return TPBaselineRow(name, m.max_gpu_load, sum(flat) / len(flat), m.max_over_mean,
+                             m.gap_to_lb_gpu)
+    if x.schedule is not None:
+        return x.row(name, gpu_loads(x.problem, x.cuts, x.schedule))
+    return None

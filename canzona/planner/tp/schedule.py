@@ -9,9 +9,11 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..comm import all_to_all_busiest
 from ..cost import DTYPE_BYTES, load_hardware
 from ..errors import CanzonaError, OversizedTaskWarning
 from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
+from ..hardware import LinkProfile
 from ..planning import DPProblem, pair_owners
 from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
                       lockstep_seconds, shared_by_index)
@@ -114,8 +116,8 @@ class TPSchedule:
 # --- greedy: global LPT with rollback -------------------------------------------------------------
 
 
-def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int, oversized: bool
-                ) -> MicroGroup:
+def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int,
+                oversized: bool) -> MicroGroup:
     pairs = sorted(pairs, key=lambda x: (x[1], x[0]))  # wire order: by host, then task id
     loads, flops, mem = [0] * tp, [0] * tp, [0] * tp
     send = [[0] * tp for _ in range(tp)]
@@ -242,25 +244,18 @@ def _group_lower_bound(base: list[float], loads: list[int], tp: int) -> float:
 @dataclass(frozen=True, slots=True)
 class _Rates:
     flops_per_s: float
-    bytes_per_s: float
-    latency_s: float
+    link: LinkProfile  # the TP group's (intra-node)
 
 
 def _rates(hardware: str) -> _Rates:
     hw = load_hardware(hardware)
-    return _Rates(hw.peak_flops["bf16"] * hw.compute_efficiency, hw.intra_node.busbw,
-                  hw.intra_node.latency_s)
+    return _Rates(hw.peak_flops["bf16"] * hw.compute_efficiency, hw.intra_node)
 
 
 def _a2a_seconds(g: MicroGroup, rates: _Rates, nbytes: int) -> float:
     """All-to-all time: the rank moving the most off-rank bytes (sent or received) sets it."""
-    tp = len(g.gather_send)
-    worst = 0
-    for t in range(tp):
-        sent = sum(g.gather_send[t][h] for h in range(tp) if h != t)
-        recv = sum(g.gather_send[s][t] for s in range(tp) if s != t)
-        worst = max(worst, sent, recv)
-    return 0.0 if worst == 0 else rates.latency_s + worst * nbytes / rates.bytes_per_s
+    worst = all_to_all_busiest(g.gather_send)
+    return 0.0 if worst == 0 else rates.link.seconds(worst * nbytes)
 
 
 def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int

@@ -46,7 +46,7 @@ diagonal blocks, identical on every rank again. Compute and bytes are about half
 row blocks of P (``formulas.poly_flops``, ``formulas.poly_packed_numel``).
 
 **Cost per rank and call** (s = ``steps``, mᵢ = this rank's rows, e = bytes per element of the
-iteration dtype, ring algorithms; :func:`shared_ns_flops`, :func:`shared_ns_bytes`):
+iteration dtype, ring algorithms; ``formulas.shared_ns_flops``, ``formulas.shared_ns_bytes``):
 
 ==================  =======================  =======================================
                     FLOPs                    bytes sent
@@ -136,14 +136,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.planner.formulas import (
-    gram_blocks,
-    gram_chunks,
-    gram_packed_numel,
-    poly_blocks,
-    poly_flops,
-    poly_packed_numel,
-)
+from canzona.planner.formulas import gram_blocks, gram_chunks, poly_blocks, poly_packed_numel
 from canzona.runtime.collectives import _Works, wait_for, wait_within
 from canzona.runtime.optim.muon import (
     DEFAULT_COEFFICIENTS,
@@ -161,8 +154,6 @@ __all__ = [
     "orientation",
     "shared_newton_schulz",
     "shared_newton_schulz_many",
-    "shared_ns_bytes",
-    "shared_ns_flops",
     "tp_row_blocks",
 ]
 
@@ -258,15 +249,15 @@ def shared_newton_schulz_many(
     """:func:`shared_newton_schulz` of several matrices shared by the same ``group``, in lockstep,
     so that each one's collectives run while the others compute.
 
-    Per iteration every matrix's partial Gram is computed and all-reduced asynchronously, in
-    order, chunk by chunk (each chunk's all-reduce launched once its rows are computed, beside
-    the next chunk's products; see the module docstring); then, matrix by matrix, the reduced
-    Gram is waited for and the polynomial formed (with ``split_polynomial`` its all-gather launched), and finally each
-    matrix's rows are updated. The all-reduce of matrix j thus overlaps the Gram products of the
-    matrices after it and the updates before it (on NCCL the collectives run on the
-    communicator's stream beside the compute). Each matrix goes through the same operations in
-    the same order as alone (:func:`shared_newton_schulz` is this loop with one matrix), so
-    every result is bitwise the one it gets alone.
+    Per iteration every matrix's partial Gram is computed and all-reduced asynchronously, in order,
+    chunk by chunk (each chunk's all-reduce launched once its rows are computed, beside the next
+    chunk's products; see the module docstring); then, matrix by matrix, the reduced Gram is waited
+    for and the polynomial formed (with ``split_polynomial`` its all-gather launched), and finally
+    each matrix's rows are updated. The all-reduce of matrix j thus overlaps the Gram products of
+    the matrices after it and the updates before it (on NCCL the collectives run on the
+    communicator's stream beside the compute). Each matrix goes through the same operations in the
+    same order as alone (:func:`shared_newton_schulz` is this loop with one matrix), so every result
+    is bitwise the one it gets alone.
 
     Args:
         blocks: This rank's row block of each matrix (oriented along its long dimension).
@@ -663,50 +654,6 @@ def _check_steps(steps: object) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 99:
         raise ValueError(f"shared_newton_schulz: steps = {steps!r} must be an integer in [1, 99]")
     return steps
-
-
-# -- cost ------------------------------------------------------------------------------------------
-
-
-def shared_ns_flops(rows: int, n: int, k: int, *, steps: int = 5,
-                    split_polynomial: bool = False) -> int:
-    """Matmul FLOPs one rank spends in :func:`shared_newton_schulz` on ``rows`` × ``n``:
-    ``steps · (4n²·rows + 2n³)``, or with the split ``steps · (4n²·rows + poly_flops(n, k))``
-    (the busiest rank's upper parts of P, ``formulas.poly_flops``). With k = 1 it is the
-    single-device count (``formulas.muon_flops`` for rows ≥ n)."""
-    poly = poly_flops(n, k) if split_polynomial and k > 1 else 2 * n ** 3
-    return steps * (4 * n * n * rows + poly)
-
-
-def shared_ns_bytes(n: int, k: int, *, steps: int = 5, split_polynomial: bool = False,
-                    element_size: int = 4, tp_pair: bool = False) -> int:
-    """Bytes one rank sends per call under ring algorithms: per step the all-reduce of the
-    Gram's packed upper part, 2(k−1)/k·g elements (g = ``formulas.gram_packed_numel(n)``),
-    plus with the split the all-gather of its padded packed parts of P, (k−1)·q elements
-    (q = ``formulas.poly_packed_numel(n, k)``; the rare overflow guard's extra all-reduces not
-    counted).
-
-    ``tp_pair`` (a :class:`TPPair`, k = 2·t over t TP ranks): a reduce-scatter and an
-    all-gather over the TP group, 2(t−1)/t·g, and a 1/t chunk of g to the partner DP index; with
-    the split, this rank's q to the partner, then the all-gather of both over the TP group,
-    (t−1)·2q. Only g/t (+ q) per rank and step crosses between the DP indices."""
-    if k <= 1:
-        return 0
-    g = gram_packed_numel(n)
-    if tp_pair:
-        if k % 2:
-            raise ValueError(f"shared_ns_bytes: a TP group and its DP partner are k = 2·tp "
-                             f"ranks, not k = {k}")
-        t = k // 2
-        per_step = 2 * (t - 1) * g / t + g / t
-        if split_polynomial:
-            q = poly_packed_numel(n, k)
-            per_step += q + (t - 1) * 2 * q
-        return int(round(steps * per_step * element_size))
-    per_step = 2 * (k - 1) * g / k
-    if split_polynomial:
-        per_step += (k - 1) * poly_packed_numel(n, k)
-    return int(round(steps * per_step * element_size))
 
 
 # -- orientation -----------------------------------------------------------------------------------

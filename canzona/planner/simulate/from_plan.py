@@ -1,0 +1,230 @@
+"""The plan adapter of the step simulator: :func:`workload_from_plan` turns a plan and a hardware
+profile into a :class:`~canzona.planner.simulate.engine.Workload` (:mod:`canzona.planner.simulate`
+describes how), :func:`simulate_plan` simulates it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..comm import ELEMENT_BYTES, all_to_all_busiest, bucket_comm, buffer_slices, plan_link
+from ..errors import CanzonaError
+from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
+from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
+from ..plan import Plan
+from ..planning import coupled
+from ..sharing import pair_link, pair_timeline, shared_piece, tp_pair_piece
+from ..tp.context import Run, lockstep_seconds
+from .engine import (ADAMW_BYTES_PER_ELEMENT, BucketWork, GroupWork, RankWork, StepSim,
+                     Workload, simulate)
+
+
+def _a2a(matrix: Sequence[Sequence[int]], elem_bytes: int,
+         link: LinkProfile) -> tuple[float, int]:
+    """All-to-all time and busiest rank's off-rank bytes for ``matrix[src][dst]`` elements."""
+    b = all_to_all_busiest(matrix) * elem_bytes
+    return (link.seconds(b) if b else 0.0), b
+
+
+def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "bf16",
+                       adamw_dtype: str = "bf16") -> Workload:
+    """The workload of ``plan`` on ``hw`` (the bucket methods the plan records)."""
+    inp = plan.inputs
+    dp, tp, ep = inp.dp, inp.tp, inp.ep
+    _, dp_link = plan_link(hw, dp, tp)
+    tp_link = hw.link(tp)
+    mat_rate = hw.peak_flops[matrix_dtype] * hw.compute_efficiency
+    adam_rate = hw.peak_flops[adamw_dtype] * hw.compute_efficiency
+    if tp > 1 and plan.tp is None:
+        raise ValueError("plan has tp > 1 but no TP schedule")
+
+    # Buckets: collectives under the recorded method; ready at their end's share of the buffer.
+    buckets: list[BucketWork] = []
+    slices = buffer_slices(plan.buffers, ep)
+    k = 0
+    for bi, buf in enumerate(plan.buffers):
+        total = max((b.end for b in buf.buckets), default=0) or 1
+        for b in buf.buckets:
+            s = slices[k]
+            k += 1
+            c = bucket_comm(b.method, s.sizes, grad_bytes=s.grad_bytes,
+                            param_bytes=s.param_bytes, link=dp_link)
+            buckets.append(BucketWork(f"{bi}.{b.index}", b.end / total, s.dp_indices,
+                                      c.reduce.seconds(dp_link), c.gather.seconds(dp_link),
+                                      b.method, c.reduce.busiest, c.gather.busiest))
+
+    # Element-wise (unowned) tasks: FLOPs per element of the logical parameter.
+    per_elem: dict[str, list[int]] = {}
+    for task in plan.tasks:
+        if task.owner is None:
+            acc = per_elem.setdefault(task.param, [0, 0])
+            acc[0] += task.flops
+            acc[1] += math.prod(task.shape) if task.shape else 1
+    adam_flops = [0.0] * (dp * tp)
+    adam_elems = [0] * (dp * tp)
+    for buf in plan.buffers:
+        for b in buf.buckets:
+            for slot in b.slots:
+                acc = per_elem.get(slot.name)
+                if acc is None or acc[1] == 0:
+                    continue
+                for r in range(len(b.cuts) - 1):
+                    lo, hi = max(slot.start, b.cuts[r]), min(slot.end, b.cuts[r + 1])
+                    if hi <= lo:
+                        continue
+                    d = r * ep + buf.ep_rank if buf.expert else r
+                    f = acc[0] * (hi - lo) / acc[1]  # the slot is this TP rank's shard
+                    for t in range(tp):
+                        adam_flops[d * tp + t] += f
+                        adam_elems[d * tp + t] += hi - lo
+
+    # Matrix tasks outside the micro-groups: whole on every TP rank of the owner (replicated or
+    # tp = 1). Tasks in micro-groups: on their host, in their group.
+    grouped = set()
+    if plan.tp is not None:
+        for ix in plan.tp.indices:
+            for g in ix.groups:
+                grouped.update(gt.id for gt in g.tasks)
+            grouped.update(x.id for x in ix.shared)
+    # DP pairs at tp = 1 (at tp > 1 a pair's halves are in its two TP groups' shared phases)
+    pairs = {x.id: x for x in plan.dp_shared} if tp == 1 else {}
+    mat_flops = [0] * (dp * tp)
+    waits = [0.0] * (dp * tp)  # DP pairs: their runs' time beyond the pieces' own compute
+    for task in plan.tasks:
+        if task.owner is not None and task.id not in grouped and task.id not in pairs:
+            for t in range(tp):
+                mat_flops[task.owner * tp + t] += task.flops
+    runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
+    for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
+        for d, f in zip(x.owners, x.flops):
+            mat_flops[d] += f
+        if inp.optimizer.spec.gram_shared:  # shared Newton–Schulz: exchanges with the partner
+            rows, cols = plan.tasks[x.id].shape
+            o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
+                             inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype],
+                             pair_link(hw, x.owners), rate=mat_rate, exchange=rows < cols)
+            runs.setdefault((x.phase, tuple(x.owners)), []).append(
+                (o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
+    # The runtime runs the pairs first, phase by phase, each pair's matrices in lockstep: a pair
+    # starts when both partners are free, so waits chain along pairs of later phases.
+    free = pair_timeline(runs, inp.optimizer.ns_steps, dp * tp)
+    for (_, pair), pieces in runs.items():
+        for d in pair:
+            waits[d] -= sum(c for c, _, _ in pieces)
+    waits = [w + f for w, f in zip(waits, free)]
+
+    flops_of = {task.id: task.flops for task in plan.tasks}
+    groups: list[tuple[GroupWork, ...]] = []
+    if plan.tp is not None:
+        eb = ELEMENT_BYTES[plan.tp.comm_dtype]
+        by_index = {ix.dp_index: ix for ix in plan.tp.indices}
+        steps = inp.optimizer.ns_steps
+        # d → (FLOPs, seconds of the halves' part, of the own part, compute)
+        phases: dict[int, tuple[int, float, float, float]] = {}
+        partners: list[set[int]] = [set() for _ in range(dp)]
+        for d in range(dp):
+            ix = by_index.get(d)
+            if ix is not None and ix.shared:
+                # The shared tasks first, every TP rank alike, in lockstep: each rank's
+                # Newton–Schulz FLOPs, the Gram all-reduces (and split-polynomial all-gathers)
+                # of each matrix running while the others compute (``lockstep_seconds``); a
+                # half shared with a partner index over k = 2·tp (``tp_pair_piece``).
+                fl, pieces, sizes, half = 0, [], [], []
+                cap = LOCKSTEP_CMAX * plan.tp.cmax_bytes
+                for x in ix.shared:
+                    if inp.optimizer.spec.block_hosted:  # its shard's blocks, no collective
+                        piece = inp.optimizer.spec.flops(
+                            *plan.tp.layouts[x.layout].local_shape, inp.optimizer)
+                        fl += piece
+                        pieces.append((piece / mat_rate, 0.0, 0.0))
+                        sizes.append(0)
+                        half.append(False)
+                        continue
+                    rows, cols = plan.tasks[x.id].shape
+                    m, n = max(rows, cols), min(rows, cols)
+                    if x.partner is None:
+                        k = tp
+                        o = shared_piece("tp", tp, x.split_poly, m, n, steps,
+                                         ELEMENT_BYTES[matrix_dtype], tp_link, rate=mat_rate)
+                    else:
+                        k = 2 * tp
+                        partners[d].add(x.partner)
+                        o = tp_pair_piece(tp, x.split_poly, m, n, steps,
+                                          ELEMENT_BYTES[matrix_dtype], tp_link, hw.link(2 * tp),
+                                          rate=mat_rate)
+                    fl += o.piece_flops
+                    pieces.append((o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
+                    sizes.append(lockstep_bytes(-(-m // k), n, k, x.split_poly,
+                                                ELEMENT_BYTES[matrix_dtype]))
+                    half.append(x.partner is not None)
+                # the runtime runs the halves first, then the own matrices (``runtime.tp``):
+                # the batches holding a half end together on both partners
+                order = sorted(range(len(pieces)), key=lambda j: not half[j])
+                secs = [0.0, 0.0]
+                for b in lockstep_batches(order, [sizes[j] for j in order], cap):
+                    secs[0 if any(half[j] for j in b) else 1] += \
+                        lockstep_seconds([pieces[j] for j in b], steps)
+                phases[d] = (fl, secs[0], secs[1], sum(c for c, _, _ in pieces))
+        # partners exchange every iteration: they end their halves' part together
+        ends = coupled([phases[d][1] if d in phases else 0.0 for d in range(dp)], partners)
+        for d in range(dp):
+            ix = by_index.get(d)
+            gs = []
+            if d in phases:
+                fl, _, own, comp = phases[d]
+                # compute as compute; what the lockstep does not hide of the collectives as TP
+                gs.append(GroupWork(0.0, max(0.0, ends[d] + own - comp), (comp,) * tp, 0,
+                                    (fl,) * tp, barrier=True))
+            for g in (ix.groups if ix else ()):
+                fl = [0] * tp
+                for gt in g.tasks:
+                    fl[gt.host] += flops_of[gt.id]
+                gs_s, gb = _a2a(g.gather_send, eb, tp_link)
+                sc_s, _ = _a2a(g.scatter_send, eb, tp_link)
+                gs.append(GroupWork(gs_s, sc_s, tuple(f / mat_rate for f in fl), gb, tuple(fl)))
+            groups.append(tuple(gs))
+
+    ranks = tuple(RankWork(mat_flops[r] / mat_rate + waits[r],
+                           max(adam_flops[r] / adam_rate,
+                               adam_elems[r] * ADAMW_BYTES_PER_ELEMENT / hw.memory_bandwidth),
+                           mat_flops[r], int(round(adam_flops[r]))) for r in range(dp * tp))
+    notes = (f"hardware {hw.name} v{hw.version}; matrix work in {matrix_dtype} at "
+             f"{hw.compute_efficiency:g} of peak; AdamW in {adamw_dtype}, or its "
+             f"{ADAMW_BYTES_PER_ELEMENT} B/element over {hw.memory_bandwidth / 1e12:g} TB/s "
+             f"if slower",
+             f"DP link {'intra' if dp_link is hw.intra_node else 'inter'}-node "
+             f"({dp_link.busbw / 1e9:g} GB/s, α {dp_link.latency_s * 1e6:g} µs); TP link "
+             f"{'intra' if tp_link is hw.intra_node else 'inter'}-node")
+    if (plan.comm.hardware, plan.comm.hardware_version) != (hw.name, hw.version):
+        notes += (f"the plan's bucket methods were chosen for {plan.comm.hardware} "
+                  f"v{plan.comm.hardware_version}; simulated as recorded on {hw.name}",)
+    label = f"{inp.model} dp{dp} tp{tp}" + (f" ep{ep}" if ep > 1 else "") + \
+        f" {inp.solver.strategy}"
+    return Workload(dp, tp, ranks, tuple(buckets), tuple(groups) if plan.tp is not None else (),
+                    label, notes)
+
+
+def plan_hardware(plan: Plan, name: str | None = None) -> HardwareProfile:
+    """The profile to simulate ``plan`` on: ``name`` (a built-in profile or a file), else the one
+    the plan records (``plan.comm.hardware``).
+
+    Raises:
+        CanzonaError: an unknown name or a bad file, or a recorded profile that is not built in.
+    """
+    if name is not None:
+        return load_hardware(name)
+    rec = plan.comm.hardware
+    if rec.lower() not in hardware_names():
+        raise CanzonaError(f"the plan was made with hardware profile '{rec}', which is not "
+                           f"built in; give --hardware {'|'.join(hardware_names())} or a "
+                           f"profile file (.json).")
+    return load_hardware(rec)
+
+
+def simulate_plan(plan: Plan, hw: HardwareProfile, *, backward_s: float = 0.0,
+                  overlap_param_gather: bool = False, forward_s: float = 0.0,
+                  matrix_dtype: str = "bf16", adamw_dtype: str = "bf16") -> StepSim:
+    """:func:`simulate` of :func:`workload_from_plan`."""
+    work = workload_from_plan(plan, hw, matrix_dtype=matrix_dtype, adamw_dtype=adamw_dtype)
+    return simulate(work, backward_s=backward_s, overlap_param_gather=overlap_param_gather,
+                    forward_s=forward_s)
