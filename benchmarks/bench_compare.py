@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 FIGURE = HERE / "figures" / "simulate_scaling.png"
 
-#: The paper's measurements (REFERENCE.md §6): Qwen3-32B, 256 H800, dp 32, tp 8, Muon.
+#: The paper's measurements: Qwen3-32B, 256 H800, dp 32, tp 8, Muon.
 PAPER = {"layerwise_step": 0.383, "canzona_step": 0.066, "step_ratio": 5.8,
          "layerwise_iter": 1.381, "canzona_iter": 0.877, "iter_ratio": 1.57,
          "layerwise_fb": 0.998, "canzona_fb": 0.811,
@@ -179,8 +179,8 @@ Reading it (⚑: more than 30 % from the paper's figure; the causes found):
   megatron-core's ping-pong by size (`layerwise`) and the LPT on max(m,n)·min(m,n)²
   (`layerwise-lpt`) both give each of the 32 ranks two layers' worth of every kind: max/mean 1.00 in
   FLOPs. canzona's plan is at its certified bound per DP index (1.00) and at LB_gpu per GPU (2.04,
-  the gate/up matrix alone). Neither count gives 3.24 or 1.43; REFERENCE.md §6 notes the paper
-  prints one pair for DP and TP. The **memory** figures agree: the dealings balance sizes or a cost
+  the gate/up matrix alone). Neither count gives 3.24 or 1.43; the paper prints
+  one pair for DP and TP. The **memory** figures agree: the dealings balance sizes or a cost
   proxy, not the optimizer state (2.36 against 2.46); canzona's state 1.00 against 1.11.
 """
 

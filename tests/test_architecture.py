@@ -7,18 +7,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
+import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1] / "canzona"
 PLANNER = ROOT / "planner"
 
 #: The planner's layers, lowest first: a module (dotted, relative to ``canzona.planner``) belongs
-#: to the layer of its longest listed prefix. ``plan`` (the package, which exports the schema)
-#: and ``plan.schema`` are leaves: the communication model, the problem and the runtime read the
-#: schema; the plan file's reading and checks (``plan.*``) sit above sharing.
+#: to the layer of its longest listed prefix. The plan file (its schema, assembly, reading, checks
+#: and inverse) sits above sharing: nothing below writes or reads a plan.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("formulas", ("errors", "formulas", "hardware", "comm", "settings", "options", "optimizers",
-                  "plan.__init__", "plan.schema")),
+    ("formulas", ("errors", "formulas", "hardware", "comm", "settings", "options", "optimizers")),
     ("model", ("models", "inventory", "shards", "layout")),
     ("cost", ("cost", "objective", "planning", "__init__")),
     ("dp", ("dp",)),
@@ -118,6 +116,27 @@ def test_no_import_goes_to_a_higher_layer():
     assert not bad, "imports to a higher layer:\n" + "\n".join(sorted(set(bad)))
 
 
+def _graph(unit) -> nx.DiGraph:
+    """The planner's import graph (every import, those inside functions included), its nodes
+    ``unit(module)``."""
+    g = nx.DiGraph()
+    for path in _planner_files():
+        me = unit(_module_name(path))
+        g.add_node(me)
+        for _, target, _, _ in _imports(path):
+            if target is not None and target != "__init__" and unit(target) != me:
+                g.add_edge(me, unit(target))
+    return g
+
+
+def test_no_import_cycles_between_modules_or_packages():
+    """No circle of imports between planner modules (a package as its ``__init__``), nor between
+    its packages and top-level modules (``dp``, ``tp``, ``sharing``, ``plan``, ``comm``, …)."""
+    for unit in (lambda m: m.removesuffix(".__init__"), lambda m: m.split(".")[0]):
+        cycles = sorted(" -> ".join(c + [c[0]]) for c in nx.simple_cycles(_graph(unit)))
+        assert not cycles, "import cycles:\n" + "\n".join(cycles[:10])
+
+
 def test_imports_inside_functions_are_only_lazy_libraries():
     bad = []
     for path in _planner_files():
@@ -146,8 +165,7 @@ def test_the_layer_rules_catch_what_they_should(tmp_path):
     assert ("errors", True) in found
     assert (None, True) in found  # ortools, lazily: allowed
     assert _rank("tp.context") > _rank("dp.greedy") > _rank("errors")
-    assert _rank("plan.schema") == _rank("comm") < _rank("plan.load") == _rank("plan.checks")
-    assert _rank("plan.__init__") == _rank("errors")
+    assert _rank("comm") < _rank("sharing.search") < _rank("plan.schema") == _rank("plan.load")
 
 
 def test_the_documented_layers_are_the_tested_ones():
@@ -207,3 +225,18 @@ def test_the_name_test_sees_comparisons_in_tests_and_keys():
     tree = ast.parse('a == "muon"\nb in ("x", "shampoo")\nc = {"soap": 1}\nd = "muon"\n'
                      'e != other\n')
     assert [line for line, _ in _name_tests(tree, {"muon", "shampoo", "soap"})] == [1, 2, 3]
+
+
+def test_lines_are_at_most_100_characters():
+    long = [f"{p.relative_to(ROOT.parent)}:{k}" for p in sorted(ROOT.rglob("*.py"))
+            for k, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > 100]
+    assert not long, "lines over 100 characters:\n" + "\n".join(long)
+
+
+def test_one_plan_reader():
+    """Every plan file is read by one function, which runs every check."""
+    defs = [f"{p.relative_to(ROOT.parent)}" for p in sorted(ROOT.rglob("*.py"))
+            for node in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+            if isinstance(node, ast.FunctionDef) and node.name == "load_plan"]
+    assert defs == ["canzona/planner/plan/load.py"]

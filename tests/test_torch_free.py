@@ -1,6 +1,6 @@
 """Planning needs no torch: the one check that ``import canzona``, every planner and CLI module and
 a whole plan-and-inspect run work with torch blocked, that the planner imports nothing of ours
-above it, and that the names needing torch say how to install it (STYLE.md 1: the planner imports
+above it, and that the names needing torch say how to install it (the planner imports
 no torch; cli → planner, never the reverse)."""
 
 import subprocess
@@ -23,7 +23,8 @@ CODE = textwrap.dedent("""
     # A plan with a TP section, built and reported on without torch.
     from canzona.planner import ParallelSizes, build_inventory, formulas, get_preset
     from canzona.planner.pipeline import plan
-    from canzona.planner.planning import baseline_plan, make_problem
+    from canzona.planner.plan.build import baseline_plan
+    from canzona.planner.planning import make_problem
     from canzona.planner.report import inspect_report
     baseline_plan(make_problem(build_inventory(get_preset("qwen3-0.6b")), ParallelSizes(2, 1)))
     report = inspect_report(plan("qwen3-0.6b", ParallelSizes(2, 2)))

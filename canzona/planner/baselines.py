@@ -28,7 +28,7 @@ row's collectives are:
   dtype), then one uneven all-gather per dealing group of the parameters each DP index was dealt
   (param dtype), which NCCL runs as one broadcast per root (Megatron's ``allgather_params``:
   ``torch.distributed.all_gather`` with per-rank sizes, no padding). Bytes ≈ 1.5× ZeRO-1's
-  (REFERENCE.md §6).
+ .
 * megatron-packed: even reduce-scatter + all-gather over every bucket's padded size R·shard.
 * canzona-greedy: the greedy's cuts, each bucket moved by its fastest method (what a plan
   records); canzona: the plan's own methods.
@@ -47,6 +47,7 @@ from .dp.greedy import greedy
 from .hardware import DEFAULT_HARDWARE, LinkProfile, load_hardware
 from .layout import Slot
 from .plan import Plan
+from .plan.comm_section import plan_summary
 from .planning import BucketProblem, DPProblem, Item, equal_cuts, evaluate
 from .settings import PARAM_ALIGN
 
@@ -525,4 +526,4 @@ def plan_row(x: BaselineInputs, name: str, sync: str) -> BaselineRow | None:
         return None
     m = x.plan.metrics
     return _row(name, m.dp_load, x.bound, m.split_matrices, sync,
-                cm.plan_summary(x.plan, x.link))
+                plan_summary(x.plan, x.link))

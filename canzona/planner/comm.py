@@ -24,14 +24,14 @@ tail r-1 sends s_r and every rank but r receives it; a ring all-reduce moves 2(R
 slice, receives (R-1)·max — padded's bytes, in one call too — and the incast on that owner makes
 it slower in practice, which this model does not charge; it stays for the runtime's comparisons.
 
-Time is α–β (REFERENCE.md §5): ``calls · α + busiest rank's bytes / busbw``, where the busiest
+Time is α–β: ``calls · α + busiest rank's bytes / busbw``, where the busiest
 rank is the one that sends or receives the most, and the link is NVLink when the group's ranks
 fit in one node, InfiniBand otherwise (:meth:`HardwareProfile.link`). For the stock collectives
 this is NCCL's ``α + S/algbw`` exactly. Per-root calls each pay α (conservative: on NCCL they are
 coalesced into one launch).
 
-Torch-free and near the planner's leaves (it reads the hardware profile and the plan schema),
-so the planner's objective, the plan loader's converter, ``inspect`` and the simulator share it.
+Torch-free and one of the planner's leaves (it reads only the hardware profile), so the planner's
+objective, the plan's assembly and converters, ``inspect`` and the simulator share it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile, LinkProfile
-from .plan import CommPlan, Plan
 
 #: The bucket collective methods, by the names plans, the plan schema and the runtime's
 #: collectives (``canzona.runtime.collectives``) use; this is their one spelling.
@@ -303,28 +302,3 @@ def buffer_slices(buffers: Sequence, ep: int) -> list[BucketSlices]:
             out.append(BucketSlices(sizes, ELEMENT_BYTES[buf.grad_dtype],
                                     ELEMENT_BYTES[buf.dtype], idx))
     return out
-
-
-def comm_section(slices: Sequence[BucketSlices], methods: Sequence[str], hw: HardwareProfile, *,
-                 dp: int, tp: int, converted_from: int | None = None) -> CommPlan:
-    """The plan's ``comm`` section: the profile and link used, and what ``methods`` (one per
-    bucket) predict against ZeRO-1."""
-    name, link = plan_link(hw, dp, tp)
-    s = summarise(slices, dp, link, methods)
-    counts: dict[str, int] = {}
-    for m in methods:
-        counts[m] = counts.get(m, 0) + 1
-    return CommPlan(hardware=hw.name, hardware_version=hw.version, gpus_per_node=hw.gpus_per_node,
-                    link=name, busbw=link.busbw, latency_s=link.latency_s,  # type: ignore[arg-type]
-                    predicted_s=round(s.seconds, 9), zero1_s=round(s.zero1_seconds, 9),
-                    max_sent_bytes=s.max_sent, zero1_max_sent_bytes=s.zero1_max_sent,
-                    methods={m: counts[m] for m in METHODS if m in counts},
-                    converted_from=converted_from)
-
-
-def plan_summary(plan: Plan, link: LinkProfile | None = None) -> CommSummary:
-    """Every bucket of ``plan`` under its recorded method, on ``link`` (default: the link the
-    plan recorded)."""
-    link = link or LinkProfile(busbw=plan.comm.busbw, latency_s=plan.comm.latency_s)
-    methods = [b.method for buf in plan.buffers for b in buf.buckets]
-    return summarise(buffer_slices(plan.buffers, plan.inputs.ep), plan.inputs.dp, link, methods)

@@ -7,7 +7,7 @@ import it, so it must import nothing (of ours or torch) beyond the standard libr
 ``tests/runtime/optim`` checks every formula against the matmuls the kernels perform
 (``torch.utils.flop_counter.FlopCounterMode``) and against the state they allocate.
 
-Conventions (REFERENCE.md §4):
+Conventions:
 
 * Matrix optimizers count **matmul FLOPs only** (2·m·n·k for an m×k by k×n product); their
   elementwise work is O(m·n) and is ignored, as in §4.
@@ -52,14 +52,14 @@ __all__ = [
 
 #: Elementwise FLOPs per element of one AdamW step as the kernel runs it (torch.optim.AdamW's
 #: single-tensor path): decay 1, first-moment lerp 3, second moment mul + addcmul 4,
-#: sqrt / bias-correction / +eps 3, addcdiv 3. REFERENCE.md §4 rounds this to "~10". The
+#: sqrt / bias-correction / +eps 3, addcdiv 3. The
 #: kernels' non-finite guard (``isfinite``: about 3 comparisons per element) is not counted.
 ADAMW_FLOPS_PER_ELEMENT = 14
 
 #: Shampoo's default ``precondition_frequency`` in ``canzona.runtime.optim.ShampooConfig``.
 SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY = 10
 
-# Approximate FLOPs of k×k decompositions, in units of k³ (REFERENCE.md §4): eigh ≈ 9k³;
+# Approximate FLOPs of k×k decompositions, in units of k³: eigh ≈ 9k³;
 # QR with explicit Q ≈ (4/3 + 4/3)k³ = 8/3·k³, kept as a fraction to stay in integers.
 _EIGH_K3 = 9
 _QR_K3_NUM, _QR_K3_DEN = 8, 3
@@ -87,7 +87,7 @@ def muon_flops(m: int, n: int, *, ns_steps: int = 5) -> int:
 
     With a = min(m, n), b = max(m, n) (tall matrices are transposed first), each of the
     ``ns_steps`` iterations computes A = X Xᵀ (2a²b), B = bA + cA·A (2a³) and X = aX + B X (2a²b):
-    ``ns_steps · (4a²b + 2a³)`` — REFERENCE.md §4 "FLOPs ≈ T·(4m²n + 2m³)", here exact.
+    ``ns_steps · (4a²b + 2a³)``.
     Momentum and the norm are elementwise and not counted.
     """
     _check_positive("m", m)
@@ -115,7 +115,7 @@ def shampoo_flops(
     """FLOPs of one Shampoo step of an m×n matrix, summed over its blocks.
 
     The matrix is cut into blocks of at most ``max_preconditioner_dim`` per side. A k1×k2 block
-    costs per step (REFERENCE.md §4): statistics L += G Gᵀ and R += GᵀG (2k1²k2 + 2k1k2²) and the
+    costs per step: statistics L += G Gᵀ and R += GᵀG (2k1²k2 + 2k1k2²) and the
     preconditioned gradient L^{-1/4} G R^{-1/4} (2k1²k2 + 2k1k2²). Every ``precondition_frequency``
     steps each side's inverse 4th root is recomputed: eigh (≈ 9k³) and Q·diag·Qᵀ (2k³), i.e. §4's
     "≈ 9k³ + 2k³ per side"; ``amortised=True`` adds that cost divided by the frequency.

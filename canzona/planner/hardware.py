@@ -2,7 +2,7 @@
 
 A profile is a JSON file (the built-in ones live in ``canzona/planner/hardware/``): peak FLOP/s
 per dtype and the achieved fraction, memory, and two links — NVLink inside a node and InfiniBand
-across nodes — each an achieved NCCL bus bandwidth and a per-call latency α (REFERENCE.md §5).
+across nodes — each an achieved NCCL bus bandwidth and a per-call latency α.
 ``version`` is the revision of a profile's numbers; a plan records the name, the version and
 the link figures it was made with (``Plan.comm``), so a later change of the numbers never
 changes what an old plan says it predicted.
@@ -34,7 +34,7 @@ class LinkProfile(BaseModel):
 
     def seconds(self, nbytes: float, calls: int = 1) -> float:
         """The α–β time of ``calls`` collectives that move ``nbytes`` through the busiest rank:
-        ``calls · α + nbytes / busbw`` (REFERENCE.md §5); 0 for no calls."""
+        ``calls · α + nbytes / busbw``; 0 for no calls."""
         if calls == 0:
             return 0.0
         return calls * self.latency_s + nbytes / self.busbw

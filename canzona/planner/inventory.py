@@ -282,7 +282,7 @@ def build_inventory(
 
 def megatron_route(p: ParamSpec) -> OptimizerRoute:
     """Megatron's rule: 2-D non-embedding weights → matrix optimizer; embeddings, output layer,
-    norms and the MoE router → AdamW (REFERENCE.md §2). A 3-D tensor of stacked expert
+    norms and the MoE router → AdamW. A 3-D tensor of stacked expert
     matrices is E matrices (Megatron's per-expert weights, stored together)."""
     if p.kind in ("matrix", "expert") and (len(p.shape) == 2 or p.stacked_experts):
         return "matrix"

@@ -1,6 +1,6 @@
 """Megatron-core's physical layout: TP shards and ZeRO-1 (DistributedOptimizer) buffers.
 
-Rules (REFERENCE.md §2-3, re-derived from megatron/core/distributed/param_and_grad_buffer.py and
+Rules (re-derived from megatron/core/distributed/param_and_grad_buffer.py and
 distributed_data_parallel.py, pipeline size 1, context parallel size 1):
 
 * Column-parallel weights (``linear_qkv``, ``linear_fc1``) keep [out/t, in] per TP rank,

@@ -1,6 +1,6 @@
 """Model configurations: built-in presets and Hugging Face ``config.json`` files.
 
-Values are the published Hugging Face configs (REFERENCE.md §1). A :class:`ModelConfig` holds only
+Values are the published Hugging Face configs. A :class:`ModelConfig` holds only
 what the parameter inventory needs; :func:`canzona.planner.inventory.build_inventory` turns it into
 parameters.
 """
@@ -66,7 +66,7 @@ def _llama3(name: str, hidden: int, ffn: int, layers: int, q: int) -> ModelConfi
                        kv_heads=8, head_dim=128, vocab=128256, tied_embeddings=False, qk_norm=False)
 
 
-#: Built-in presets, keyed by lower-case name (REFERENCE.md §1).
+#: Built-in presets, keyed by lower-case name.
 PRESETS: dict[str, ModelConfig] = {
     c.name: c
     for c in (

@@ -5,7 +5,7 @@ options to a :class:`~canzona.planner.plan.Plan`.
 
     source ──inventory──► ModelSpec ──make_problem──► DPProblem (layout, tasks, costs, buckets)
         ──solve──► cut points (and the reordered problem) ──tp.schedule_tp──► TP schedule
-        ──planning.build_plan──► Plan (assembled once, TP section included)
+        ──plan.build_plan──► Plan (assembled once, TP section included)
 
 The CLI (``canzona plan``), ``canzona.plan_model``, ``plans/regenerate.py`` and the benchmarks
 all plan through :func:`plan` (or :func:`plan_problem`, given a problem already built).
@@ -25,9 +25,10 @@ from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .objective import objective_name
 from .options import DPOptions, TPOptions
 from .plan import Plan, SolverOptions
-from .planning import DPProblem, build_plan, make_problem
+from .plan.build import build_plan
+from .plan.tp_section import placements, tp_plan
+from .planning import DPProblem, make_problem
 from .sharing import Candidates
-from .tp import placements, tp_plan
 from .tp.schedule import warn_oversized
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory

@@ -1,10 +1,10 @@
-"""From a model and sizes to a :class:`~canzona.planner.plan.Plan`.
+"""From a model and sizes to the DP problem the solvers cut.
 
 :func:`make_problem` joins the physical layout with the tasks and the cost model into a
-:class:`DPProblem`: per bucket, the items (parameters) in buffer order with their element ranges and
-loads, matrix-optimizer items *atomic* (they must not be cut) and AdamW items divisible.
-A strategy chooses cut points per bucket; :func:`evaluate` and :func:`build_plan` turn cuts into
-owners, loads and the plan file.
+:class:`DPProblem`: per bucket, the items (parameters) in buffer order with their element ranges
+and loads, matrix-optimizer items *atomic* (they must not be cut) and AdamW items divisible.
+A strategy chooses cut points per bucket; :func:`evaluate` turns cuts into owners and loads, and
+:func:`canzona.planner.plan.build.build_plan` into the plan file.
 
 DP indices: dense buffers are sharded over the DP group (index d); expert buffers of EP rank k over
 the expert-data-parallel group (index j). With expert TP = TP, Megatron's rank order makes that
@@ -13,21 +13,15 @@ expert group the TP group of DP index d = j·ep + k, so every load is reported p
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
                    task_cost)
-from . import comm as comm_model
 from .errors import SizeError
-from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
-from .plan import (BASE_VERSION, DP_PAIR_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan,
-                   BufferPlan, Metrics, PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan,
-                   SolverOptions, TaskPlan, TPPlan)
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).
@@ -360,117 +354,6 @@ def evaluate(problem: Partition, cuts: Cuts,
                 for t in it.tasks:
                     owners[t] = problem.dp_index(b, first)
     return Evaluation(tuple(load), tuple(flops), tuple(state), tuple(rs), owners, split)
-
-
-def build_plan(
-    problem: DPProblem,
-    cuts: Cuts,
-    *,
-    solver: SolverOptions,
-    model_source: str = "preset",
-    certified_bound: int | None = None,
-    status: str = "n/a",
-    split_mode: str = "owner",
-    tp: TPPlan | None = None,
-    placements: Mapping[int, tuple[int, int]] | None = None,
-    hardware: HardwareProfile | None = None,
-) -> Plan:
-    """Assemble the plan file from a problem and its cut points (the one place a Plan is built).
-
-    Args:
-        tp: the plan's TP section (``tp.assemble.tp_plan``), for tp > 1.
-        placements: task id → (host TP rank, micro-group) of every TP-split matrix task.
-        hardware: the profile whose communication model picks each bucket's collective method
-            (None: the default, ``h100``).
-    """
-    ev = evaluate(problem, cuts, split_mode=split_mode)
-    sizes = problem.sizes
-    hw = hardware or load_hardware(DEFAULT_HARDWARE)
-    _, link = comm_model.plan_link(hw, sizes.dp, sizes.tp)
-    buffers = []
-    slices: list[comm_model.BucketSlices] = []
-    methods: list[str] = []
-    for bi, buf in enumerate(problem.layout.buffers):
-        buckets = []
-        for b in buf.buckets:
-            c = cuts[(bi, b.index)]
-            sl = comm_model.BucketSlices(
-                tuple(y - x for x, y in zip(c, c[1:])), comm_model.ELEMENT_BYTES[buf.grad_dtype],
-                comm_model.ELEMENT_BYTES[buf.dtype],
-                tuple(r * sizes.ep + buf.ep_rank if buf.expert else r  # type: ignore[operator]
-                      for r in range(len(c) - 1)))
-            method = comm_model.choose(sl.sizes, grad_bytes=sl.grad_bytes,
-                                       param_bytes=sl.param_bytes, link=link).method
-            slices.append(sl)
-            methods.append(method)
-            buckets.append(BucketPlan(
-                index=b.index, start=b.start, end=b.end, numel_unpadded=b.numel_unpadded, cuts=c,
-                slots=tuple(SlotPlan(name=s.name, start=s.start, end=s.end) for s in b.slots),
-                method=method))  # type: ignore[arg-type]
-        buckets = tuple(buckets)
-        buffers.append(BufferPlan(key=buf.key, dtype=buf.dtype, grad_dtype=buf.grad_dtype,
-                                  expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
-                                  buckets=buckets))
-    tasks = tuple(
-        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape,
-                 optimizer=t.optimizer,  # type: ignore[arg-type]
-                 owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
-                 cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
-                 tp_comm_bytes=c.tp_comm_bytes,
-                 **_placement(placements, t.id))
-        for t, c in zip(problem.tasks, problem.costs))
-    lb = problem.lower_bound()
-    bound = max(lb, certified_bound or 0)
-    mean = sum(ev.load) / len(ev.load)
-    metrics = Metrics(
-        dp_load=ev.load, dp_flops=ev.flops, dp_state_bytes=ev.state_bytes,
-        dp_reduce_scatter_bytes=ev.rs_bytes,
-        max_over_mean=round(max(ev.load) / mean, 6) if mean else 1.0,
-        lower_bound=lb, certified_bound=bound,
-        gap_to_bound=round(max(ev.load) / bound - 1, 6) if bound else 0.0,
-        split_matrices=ev.split_matrices, solver_status=status)
-    inputs = PlanInputs(
-        model=problem.spec.name, model_source=model_source,  # type: ignore[arg-type]
-        dp=sizes.dp, tp=sizes.tp, ep=sizes.ep, etp=sizes.expert_tp, optimizer=problem.settings,
-        cost_model=problem.cost_model, bucket_size=problem.layout.bucket_size,
-        grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
-        comm_dtype=problem.comm_dtype, solver=solver)
-    pairs = pair_owners(problem, cuts)
-    # pieces that exchange Gram products meet in phases; block rows never wait for each other
-    phases = pair_phases(pairs) if problem.settings.spec.gram_shared else {}
-    dp_shared = tuple(
-        PairTaskPlan(id=i, owners=pairs[i], phase=phases.get(pairs[i], 0), row=x.row,
-                     split_poly=x.split_poly, loads=x.loads, flops=x.flops,
-                     state_bytes=x.state_bytes(problem.costs[i].state_bytes,
-                                               problem.tasks[i].shape[0] // sizes.tp),
-                     modelled_s=round(x.alone_s, 9))
-        for i, x in sorted(problem.pairs.items()))
-    tp_shares = tp is not None and any(ix.shared for ix in tp.indices)
-    version = (TP_PAIR_VERSION if dp_shared and sizes.tp > 1 else DP_PAIR_VERSION if dp_shared
-               else TP_SHARE_VERSION if tp_shares else BASE_VERSION)
-    return Plan(schema_version=version,
-                inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
-                fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
-                buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
-                comm=comm_model.comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp),
-                dp_shared=dp_shared)
-
-
-def _placement(placements: Mapping[int, tuple[int, int]] | None, task: int) -> dict[str, int]:
-    if placements is None or task not in placements:
-        return {}
-    host, group = placements[task]
-    return {"host": host, "micro_group": group}
-
-
-def baseline_plan(problem: DPProblem, strategy: str = "asc", model_source: str = "preset") -> Plan:
-    """ZeRO-1's equal cuts, charged as ``asc`` (owner = start rank) or ``zero1`` (fragments)."""
-    if strategy not in ("asc", "zero1"):
-        raise ValueError(f"strategy must be 'asc' or 'zero1', got {strategy!r}")
-    cuts = {(b.buffer, b.bucket): equal_cuts(b) for b in problem.buckets}
-    return build_plan(problem, cuts, solver=SolverOptions(strategy=strategy), status="baseline",
-                      model_source=model_source,
-                      split_mode="owner" if strategy == "asc" else "fragments")
 
 
 def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str) -> str:

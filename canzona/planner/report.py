@@ -14,12 +14,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .comm import CommSummary, plan_summary
+from .comm import CommSummary
 from .errors import CanzonaError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
+from .plan.comm_section import plan_summary
 from .plan.inverse import read_problem
 from .strategies import baseline_rows, tp_baseline_rows
 from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
@@ -304,7 +305,8 @@ def inspect_dict(plan: Plan, rows: list[BaselineRow] | None, *, top: int = 10) -
 def comm_dict(plan: Plan, summary: CommSummary) -> dict:
     """The plan's collectives: its ``comm`` section with the ratios to ZeRO-1, every bucket (plan
     order) and the totals, as :func:`canzona.planner.comm.summarise` computes them under the
-    plan's methods and recorded link (``summary``: :func:`canzona.planner.comm.plan_summary`).
+    plan's methods and recorded link (``summary``:
+    :func:`canzona.planner.plan.comm_section.plan_summary`).
 
     Per bucket: the FLOPs of the matrices it holds (all, and the busiest DP index's share), its
     method, slices (min, max, max over the even slice), calls, the most bytes a

@@ -3,7 +3,7 @@
 A host rank that computes a whole-matrix update receives every TP rank's shard and must rebuild the
 *logical* matrix: the Hugging Face view the plan's task shape refers to (``[q; k; v]`` for the fused
 QKV, ``[gate; up]`` for fc1, the unpadded vocabulary). Megatron-core's shards are not simply the
-logical matrix cut in ``tp`` pieces (REFERENCE.md §2, megatron/core/tensor_parallel/layers.py and
+logical matrix cut in ``tp`` pieces (megatron/core/tensor_parallel/layers.py and
 the HF↔Megatron checkpoint converters):
 
 * column parallel (``partition_dim=0``): rank r holds rows [r·m/t, (r+1)·m/t);

@@ -11,7 +11,7 @@
 * memory bandwidth (a large copy: read + write);
 * the collective link, with two local processes over gloo (NCCL when two GPUs are visible):
   ``all_reduce`` of a small message gives α, ``all_gather_into_tensor`` of a large one the bus
-  bandwidth, busbw = (R−1)/R · S / (t − α) (REFERENCE.md §5). One machine has one link: it is
+  bandwidth, busbw = (R−1)/R · S / (t − α). One machine has one link: it is
   both ``intra_node`` and ``inter_node``.
 
 Timings take the best of a few repetitions after a warm-up; on CUDA each is bracketed by

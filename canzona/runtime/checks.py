@@ -2,7 +2,7 @@
 
 * the plan's shape against this runtime and the process group (tp, ep, dp, arguments);
 * the plan's fingerprint against the live parameters, and every rank's plan against the others
-  (one small all-gather, so that all ranks fail together — STYLE.md §6);
+  (one small all-gather, so that all ranks fail together);
 * the settings the plan records against the constructor's arguments (the param groups a
   scheduler changes are checked in ``groups``);
 * the work order: the ranks together update every element of every parameter exactly once.

@@ -1,7 +1,7 @@
 """One object per bucket that owns the bucket's collective method and its scratch buffers.
 
 A bucket's reduce-scatter and all-gather have variable slice sizes, which no stock primitive
-takes (DESIGN.md "Runtime"). The plan fixes the method per bucket (the fastest under the planner's
+takes. The plan fixes the method per bucket (the fastest under the planner's
 communication model, ``canzona.planner.comm``, which counts each method's bytes and time)::
 
     equal       reduce_scatter_tensor / all_gather_into_tensor on the buffers themselves

@@ -12,7 +12,7 @@ them) and, when a module is given, from the module types:
   → AdamW;
 * MoE routers (Megatron ``mlp.router``, Hugging Face ``mlp.gate``) → ``router`` → AdamW;
 * 1-D tensors (norms, biases) → ``vector`` → AdamW; other 2-D weights → ``matrix`` (Muon,
-  Shampoo or SOAP); tensors of 3 or more dims go to AdamW (Megatron's rule, REFERENCE.md §2).
+  Shampoo or SOAP); tensors of 3 or more dims go to AdamW (Megatron's rule).
 
 Each rule is a list of name globs the caller can replace, and ``matrix_globs``/``adamw_globs``
 override the final route exactly as for presets (``canzona.planner.inventory.route``). The TP layout

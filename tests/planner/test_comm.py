@@ -22,6 +22,7 @@ from canzona.planner.hardware import DEFAULT_HARDWARE, HardwareProfile, LinkProf
 from canzona.planner.options import DPOptions
 from canzona.planner.pipeline import plan as make_plan
 from canzona.planner.plan import Plan
+from canzona.planner.plan.comm_section import comm_section
 from canzona.planner.plan.load import load_plan
 
 #: α = 0.5 s, 100 bytes/s: a call costs 0.5 s and every 100 bytes through the busiest rank 1 s.
@@ -378,7 +379,7 @@ def test_plan_comm_section_agrees_with_summarise(qwen_plan):
     counts = {m: methods.count(m) for m in comm.METHODS if m in methods}
     assert p.comm.methods == counts and sum(counts.values()) == len(slices)
     assert p.comm.converted_from is None
-    assert p.comm == comm.comm_section(slices, methods, hw, dp=p.inputs.dp, tp=p.inputs.tp)
+    assert p.comm == comm_section(slices, methods, hw, dp=p.inputs.dp, tp=p.inputs.tp)
 
 
 @pytest.mark.parametrize("dp,words", [(0, "rank_layout.dp is 0, must be ≥ 1"),

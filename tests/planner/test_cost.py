@@ -1,4 +1,4 @@
-"""Tasks and costs: REFERENCE.md §8's figures, cost models, hardware profiles."""
+"""Tasks and costs: the paper's figures, cost models, hardware profiles."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The greedy's snapping breaks ties towards the earlier boundary (STYLE.md §4: ties broken by
+"""The greedy's snapping breaks ties towards the earlier boundary (ties are broken by
 index). A cut target exactly halfway between two allowed boundaries must go to the earlier one;
 no other test puts a target on such a tie."""
 

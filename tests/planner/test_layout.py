@@ -1,4 +1,4 @@
-"""Physical layout against Megatron-core's rules (REFERENCE.md §2-3)."""
+"""Physical layout against Megatron-core's rules."""
 
 import math
 

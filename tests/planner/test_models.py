@@ -1,4 +1,4 @@
-"""Presets and Hugging Face configs: exact parameter counts (REFERENCE.md §1) and errors."""
+"""Presets and Hugging Face configs: exact parameter counts and errors."""
 
 import json
 

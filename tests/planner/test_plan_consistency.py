@@ -19,7 +19,8 @@ from canzona.planner.pipeline import plan_problem
 from canzona.planner.plan import Plan, save_plan
 from canzona.planner.plan.checks import check_plan
 from canzona.planner.plan.load import load_plan, parse_plan
-from canzona.planner.planning import baseline_plan, make_problem
+from canzona.planner.plan.build import baseline_plan
+from canzona.planner.planning import make_problem
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
 from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, Plan, save_plan
 from canzona.planner.plan.load import load_plan, parse_plan
-from canzona.planner.planning import baseline_plan, make_problem
+from canzona.planner.plan.build import baseline_plan
+from canzona.planner.planning import make_problem
 
 
 def _plan(model="qwen3-1.7b", dp=8, tp=2) -> Plan:
@@ -28,6 +29,7 @@ def test_round_trip_and_identical_bytes(tmp_path):
 
 
 _SNIPPET = ("from canzona.planner import *; from canzona.planner.planning import *; "
+            "from canzona.planner.plan.build import baseline_plan; "
             "import sys; sys.stdout.write(baseline_plan(make_problem(build_inventory("
             "get_preset('qwen3-30b-a3b')), ParallelSizes(8, 2, ep=4))).to_json())")
 

@@ -1,5 +1,6 @@
-"""The plan schema is a leaf: it loads settings, formulas, the optimizer registry and errors, never
-the planner's machinery; the plan package (``canzona.planner.plan``) loads the schema alone."""
+"""The plan schema is a leaf: it loads settings, formulas, the optimizer registry, the
+communication model's method names (with the hardware profiles they read) and errors, never the
+planner's machinery; the plan package (``canzona.planner.plan``) loads the schema alone."""
 
 import subprocess
 import sys
@@ -20,7 +21,8 @@ def test_plan_module_imports_only_settings_formulas_registry_and_errors():
     r = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     loaded, torch = r.stdout.splitlines()
-    assert loaded == str(sorted(["canzona.planner.errors", "canzona.planner.formulas",
+    assert loaded == str(sorted(["canzona.planner.comm", "canzona.planner.errors",
+                                 "canzona.planner.formulas", "canzona.planner.hardware",
                                  "canzona.planner.optimizers", "canzona.planner.plan",
                                  "canzona.planner.plan.schema", "canzona.planner.settings"]))
     assert torch == "False"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from canzona.planner.comm import bucket_comm, plan_link, plan_summary
+from canzona.planner.comm import bucket_comm, plan_link
+from canzona.planner.plan.comm_section import plan_summary
 from canzona.planner.hardware import LinkProfile, load_hardware
 from canzona.planner.plan.load import parse_plan
 from canzona.planner.errors import CanzonaError

@@ -14,9 +14,11 @@ from canzona.planner.dp import greedy
 from canzona.planner.solve import solve
 from canzona.planner.plan import SolverOptions
 from canzona.planner.plan.load import parse_plan
-from canzona.planner.planning import build_plan, equal_cuts, make_problem
+from canzona.planner.plan.build import build_plan
+from canzona.planner.plan.tp_section import placements, tp_plan
+from canzona.planner.planning import equal_cuts, make_problem
 from canzona.planner.tp import (MIB, TPContext, TPOptions, gpu_loads, index_gpu_max,
-                                joint_refine, lb_gpu, placements, schedule_tp, tp_plan)
+                                joint_refine, lb_gpu, schedule_tp)
 from canzona.planner.strategies import tp_baseline_rows
 
 _CACHE: dict = {}

@@ -41,7 +41,8 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
     from canzona.planner.hardware import load_hardware
     from canzona.planner.inventory import build_inventory
     from canzona.planner.plan import SolverOptions
-    from canzona.planner.planning import build_plan, make_problem, owner_of, pair_owners
+    from canzona.planner.plan.build import build_plan
+    from canzona.planner.planning import make_problem, owner_of, pair_owners
     from canzona.planner.sharing import pair_decision, with_pairs
 
     cfg = T.CFG.model_copy(update={"dtype": "bf16" if bf16 else "fp32"})
@@ -94,7 +95,8 @@ def bundle_plan(split: bool = True):
     from canzona.planner.hardware import LinkProfile, load_hardware
     from canzona.planner.inventory import build_inventory
     from canzona.planner.plan import SolverOptions
-    from canzona.planner.planning import build_plan, make_problem
+    from canzona.planner.plan.build import build_plan
+    from canzona.planner.planning import make_problem
     from canzona.planner.sharing import bundle_pairs, pair_decision
 
     problem = make_problem(build_inventory(T.CFG), ParallelSizes(dp=DP, tp=1),

@@ -2,7 +2,7 @@
 
 Every distributed case of a world size runs inside ONE spawn (module-scoped fixtures ``world2``
 and ``world4``); the single-process references run here. Newton–Schulz runs in float32 on both
-sides (REFERENCE.md §4: torch's bf16 cast makes the summation order visible).
+sides (torch's bf16 cast makes the summation order visible).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _errors(rank: int, world: int) -> dict:
     attempt("ns_steps", lambda: CanzonaOptimizer(H.TinyGPT(), plan, ns_steps=4))
     # a baseline plan that splits matrices
     from canzona.planner.layout import ParallelSizes
-    from canzona.planner.planning import baseline_plan, make_problem
+    from canzona.planner.plan.build import baseline_plan
+    from canzona.planner.planning import make_problem
     from canzona.runtime.introspect import inventory
 
     asc = baseline_plan(make_problem(inventory(H.TinyGPT()), ParallelSizes(world, 1),

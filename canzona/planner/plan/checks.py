@@ -21,11 +21,11 @@ planner's code:
   by d + Σ over AdamW parameters of their share of the elements in d's slices (cumulative integer
   rounding, so the shares of a parameter add up exactly), ``dp_reduce_scatter_bytes`` = Σ slice
   elements · grad bytes; expert buckets' rank r is DP index r·ep + ep_rank; and the bounds and
-  ratios of ``planning.build_plan``;
+  ratios of ``plan.build.build_plan``;
 * the matrices DP pairs split (``dp_shared``: :mod:`canzona.planner.plan.pair_checks`);
 * under TP, every micro-group against its tasks and shard layouts (loads, gathered bytes, the
   all-to-all split sizes, C_max), the tasks TP groups share and the per-GPU metrics of
-  ``tp.tp_plan`` (:mod:`canzona.planner.plan.tp_checks`).
+  ``plan.tp_section.tp_plan`` (:mod:`canzona.planner.plan.tp_checks`).
 
 Every failure is one :class:`~canzona.planner.errors.PlanFileError` line naming the file, the
 field and the fix.

@@ -18,7 +18,7 @@ The chain:
   ``dp_shared`` at tp > 1): each adds only fields a plan without that feature does not write, so
   a file of the older version already is one of the newer. These converters return the data as it
   is, and the plan keeps the version it was written as: the writer
-  (:func:`canzona.planner.planning.build_plan`) writes the lowest version that holds a plan, so a
+  (:func:`canzona.planner.plan.build.build_plan`) writes the lowest version that holds a plan, so a
   plan saves byte for byte as it was read.
 
 ``plans/old/`` holds one file of every older version; ``plans/regenerate.py --check`` loads them.
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from .. import comm as comm_model
 from ..errors import PlanFileError
 from ..hardware import DEFAULT_HARDWARE, load_hardware
+from .comm_section import comm_section
 from .messages import one_line
 from .schema import BASE_VERSION, DP_PAIR_VERSION, SCHEMA_VERSION, TP_SHARE_VERSION, BufferPlan
 
@@ -46,7 +47,7 @@ def _v1_to_v2(data: dict, source: str) -> dict:
         dp, tp = int(layout["dp"]), int(layout["tp"])
         ep = int(inputs.get("ep", 1))
         buffers = [BufferPlan.model_validate({**buf, "buckets": [
-            {**b, "method": "padded"} for b in buf["buckets"]]}) for buf in out["buffers"]]
+            {**b, "method": comm_model.PADDED} for b in buf["buckets"]]}) for buf in out["buffers"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanFileError(one_line(f"{source}: malformed plan (schema version 1, converting "
                                      f"to {SCHEMA_VERSION}): {exc}.")) from None
@@ -62,7 +63,7 @@ def _v1_to_v2(data: dict, source: str) -> dict:
         methods = [comm_model.choose(s.sizes, grad_bytes=s.grad_bytes,
                                      param_bytes=s.param_bytes, link=link).method
                    for s in slices]
-        comm = comm_model.comm_section(slices, methods, hw, dp=dp, tp=tp, converted_from=1)
+        comm = comm_section(slices, methods, hw, dp=dp, tp=tp, converted_from=1)
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise PlanFileError(one_line(
             f"{source}: malformed plan (schema version 1, converting to {SCHEMA_VERSION}): its "

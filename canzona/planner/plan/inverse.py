@@ -1,5 +1,5 @@
 """A plan read back as the DP problem it solves: the one inverse of
-:func:`canzona.planner.planning.build_plan`.
+:func:`canzona.planner.plan.build.build_plan`.
 
 :func:`read_problem` always reads what the plan itself records — its buckets in the plan's order,
 every slot an item with its tasks' recorded loads, FLOPs and state bytes (a matrix two DP indices

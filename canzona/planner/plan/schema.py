@@ -30,6 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from ..comm import METHODS
 from ..errors import PlanFileError
 from ..settings import OptimizerSettings
 
@@ -45,8 +46,8 @@ DP_PAIR_VERSION = 4
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
 
-#: Bucket collective methods (``canzona.planner.comm``; the runtime's spelling).
-CollectiveMethod = Literal["equal", "padded", "per_root", "all_reduce", "all_to_all"]
+#: Bucket collective methods (``canzona.planner.comm.METHODS``; the runtime's spelling).
+CollectiveMethod = Literal[METHODS]  # type: ignore[valid-type]
 
 
 class _Frozen(BaseModel):

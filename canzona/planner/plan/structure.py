@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from ..comm import EQUAL
 from ..errors import PlanFileError
 from ..settings import PARAM_ALIGN
 from .messages import REGENERATE, inconsistency
@@ -127,7 +128,7 @@ def check_structure(plan: Plan, source: str = "<plan>") -> None:
                 raise bad(f"{bf}.numel_unpadded", f"is {b.numel_unpadded} but its slots span "
                                                   f"{pos - b.start} elements")
             sizes = [y - x for x, y in zip(b.cuts, b.cuts[1:])]
-            if b.method == "equal" and len(set(sizes)) > 1:
+            if b.method == EQUAL and len(set(sizes)) > 1:
                 raise bad(f"{bf}.method", f"is 'equal' but the cuts give the DP ranks slices of "
                                           f"{min(sizes)} to {max(sizes)} elements; the stock "
                                           f"reduce-scatter/all-gather move equal slices only")

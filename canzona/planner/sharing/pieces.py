@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from ..formulas import gram_chunks, poly_flops, poly_packed_numel
+from ..formulas import gram_chunks, poly_packed_numel, shared_ns_flops
 from ..hardware import HardwareProfile, LinkProfile
 from ..planning import DPProblem
 
@@ -90,12 +90,12 @@ def profile_rate(hw: HardwareProfile) -> float:
 
 
 def _all_reduce_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
-    return link.latency_s + 2 * (k - 1) / k * numel * e / link.busbw
+    return link.seconds(2 * (k - 1) / k * numel * e)
 
 
 def _all_gather_s(numel: int, e: int, k: int, link: LinkProfile) -> float:
     """All-gather of ``numel`` elements in all (each rank contributing numel / k)."""
-    return link.latency_s + (k - 1) / k * numel * e / link.busbw
+    return link.seconds((k - 1) / k * numel * e)
 
 
 def gram_pipeline(rows: int, n: int, rate: float,
@@ -129,14 +129,13 @@ def shared_piece(group: Group, k: int, split: bool, m: int, n: int, steps: int, 
     rows = -(-m // k)
     reduce_s, hidden = gram_pipeline(rows, n, rate,
                                      lambda numel: (_all_reduce_s(numel, e, k, link), 0.0))
+    flops = shared_ns_flops(rows, n, k, steps=steps, split_polynomial=split)
     if split:  # each rank computes and all-gathers its packed upper parts of the symmetric P
-        flops = steps * (4 * n * n * rows + poly_flops(n, k))
         comm = steps * (reduce_s + _all_gather_s(k * poly_packed_numel(n, k), e, k, link))
     else:
-        flops = steps * (4 * n * n * rows + 2 * n ** 3)
         comm = steps * reduce_s
     if exchange:
-        comm += 2 * (link.latency_s + (k - 1) / k * (m * n / k) * e / link.busbw)
+        comm += 2 * link.seconds((k - 1) / k * (m * n / k) * e)
     return ShareOption(group, k, split, flops, comm, steps * hidden)
 
 
@@ -153,17 +152,14 @@ def tp_pair_piece(tp: int, split: bool, m: int, n: int, steps: int, e: int,
     rows = -(-m // k)
 
     def over_tp(numel: int) -> float:  # a reduce-scatter or all-gather of numel over TP
-        return tp_link.latency_s + (tp - 1) / tp * numel * e / tp_link.busbw
+        return tp_link.seconds((tp - 1) / tp * numel * e)
 
     comm, hidden = gram_pipeline(rows, n, rate, lambda numel: (
-        over_tp(numel), pair_link.latency_s + numel / tp * e / pair_link.busbw + over_tp(numel)))
+        over_tp(numel), pair_link.seconds(numel / tp * e) + over_tp(numel)))
+    flops = shared_ns_flops(rows, n, k, steps=steps, split_polynomial=split)
     if split:
         q = poly_packed_numel(n, k)
-        flops = steps * (4 * n * n * rows + poly_flops(n, k))
-        comm += (pair_link.latency_s + q * e / pair_link.busbw
-                 + _all_gather_s(2 * tp * q, e, tp, tp_link))
-    else:
-        flops = steps * (4 * n * n * rows + 2 * n ** 3)
+        comm += pair_link.seconds(q * e) + _all_gather_s(2 * tp * q, e, tp, tp_link)
     return ShareOption("tp_pair", k, split, flops, steps * comm, steps * hidden)
 
 
@@ -182,7 +178,7 @@ def tp_sub_piece(tp: int, k: int, split: bool, m: int, n: int, steps: int, e: in
         raise ValueError(f"a TP sub-group's size divides tp ({tp}); got {k}")
     piece = shared_piece("tp_sub", k, split, m, n, steps, e, link, rate=rate)
     moved = (tp // k - 1) * -(-m // tp) * n * e  # shards one rank receives (and sends)
-    a2a = 2 * (link.latency_s + moved / link.busbw) if moved else 0.0
+    a2a = 2 * link.seconds(moved) if moved else 0.0
     return dataclasses.replace(piece, comm_s=piece.comm_s + a2a)
 
 

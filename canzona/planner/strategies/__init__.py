@@ -21,7 +21,7 @@ Torch-free. One registry (:mod:`.registry`) names the strategies and feeds both 
   TP-split matrices ``duplicated`` on the owner's TP ranks; then one uneven all-gather per group of
   the parameters each rank was dealt, which NCCL runs as one broadcast per root (``gather_method``;
   ``padded`` is what gloo, without uneven all-gather, runs instead). Per iteration it moves
-  all-reduce + all-gather ≈ 1.5× ZeRO-1's bytes (REFERENCE.md §6).
+  all-reduce + all-gather ≈ 1.5× ZeRO-1's bytes.
 * ``layerwise-lpt`` — the same with the parameters dealt by LPT on max(m,n)·min(m,n)² of the
   TP-local shape (:func:`~canzona.planner.baselines.layerwise_lpt`), a proxy of their cost
   that can balance the real cost worse than ``layerwise``.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..comm import PER_ROOT
 from ..cost import OptimizerSettings
 from ..errors import CanzonaError
 from ..hardware import HardwareProfile, load_hardware
@@ -153,7 +154,7 @@ def compare_problem(problem: DPProblem, hardware: str | HardwareProfile = "h100"
                     tp_options: TPOptions | None = None, tokens: int | None = None,
                     seq: int = 4096, mfu: float = 0.4, forward_backward_s: float | None = None,
                     overlap_param_gather: bool = False, matrix_dtype: str = "bf16",
-                    adamw_dtype: str = "bf16", gather_method: str = "per_root",
+                    adamw_dtype: str = "bf16", gather_method: str = PER_ROOT,
                     progress: Callable[[str], None] | None = None) -> Comparison:
     """Simulate ``strategies`` on ``problem`` with one forward/backward time.
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import baselines as bl
+from ..comm import PER_ROOT
 from ..baselines import BaselineInputs, BaselineRow, Dealing
 from ..hardware import HardwareProfile, LinkProfile
 from ..options import DPOptions, TPOptions
@@ -162,7 +163,7 @@ def build(name: str, x: WorkloadInputs) -> Built:
 
 def strategy_workload(name: str, problem: DPProblem, hw: HardwareProfile, *,
                       plan: Plan | None = None, matrix_dtype: str = "bf16",
-                      adamw_dtype: str = "bf16", gather_method: str = "per_root") -> Workload:
+                      adamw_dtype: str = "bf16", gather_method: str = PER_ROOT) -> Workload:
     """The workload of strategy ``name`` (:data:`STRATEGIES`) on ``problem``.
 
     ``canzona`` and ``canzona-greedy`` need their ``plan`` (made from the same problem);
@@ -187,6 +188,12 @@ def tp_baseline_rows(problem: DPProblem, cuts: Cuts, *, plan: Plan | None = None
                      ctx: TPContext | None = None) -> list[TPBaselineRow]:
     """Every strategy's TP row (per GPU) on the DP partition ``cuts``; canzona's from ``plan``'s
     recorded metrics, else from ``schedule`` (neither: no canzona row)."""
-    x = TPBaselineInputs(problem, cuts, plan=plan, schedule=schedule, ctx=ctx)
+    recorded = None
+    if plan is not None and plan.tp is not None:
+        m = plan.tp.metrics
+        flat = [v for r in m.gpu_load for v in r]
+        recorded = TPBaselineRow(CANZONA, m.max_gpu_load, sum(flat) / len(flat),
+                                 m.max_over_mean, m.gap_to_lb_gpu)
+    x = TPBaselineInputs(problem, cuts, recorded=recorded, schedule=schedule, ctx=ctx)
     rows = (s.tp_baseline(s, x) for s in _ALL if s.tp_baseline is not None)
     return [r for r in rows if r is not None]

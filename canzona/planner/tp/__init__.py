@@ -32,12 +32,12 @@ matrices between neighbouring DP indices of a bucket) to lower it. LB_gpu = max(
 largest task) bounds every schedule with whole-matrix tasks.
 
 Modules, in dependency order: ``context`` (settings, per-task facts, the per-GPU objective) →
-``schedule`` → ``joint`` (the refinement the DP solver calls) → ``assemble`` (into the plan).
+``schedule`` → ``joint`` (the refinement the DP solver calls); the plan's TP section is written
+by :mod:`canzona.planner.plan.tp_section`.
 ``baselines`` (the TP rows of the strategy registry, :mod:`canzona.planner.strategies`) sits
 above the DP package (it runs the DP greedy) and is imported on its own.
 """
 
-from .assemble import placements, tp_plan
 from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work,
                       lb_gpu, lpt_bins, lpt_makespan)
 from .joint import joint_refine
@@ -46,5 +46,5 @@ from .schedule import IndexSchedule, MicroGroup, TPSchedule, gpu_loads, schedule
 __all__ = [
     "MIB", "TP_SOLVERS", "Cuts", "IndexSchedule", "MicroGroup", "TPContext", "TPSchedule",
     "TPOptions", "gpu_loads", "index_gpu_max", "index_work", "joint_refine", "lb_gpu",
-    "lpt_bins", "lpt_makespan", "placements", "schedule_index", "schedule_tp", "tp_plan",
+    "lpt_bins", "lpt_makespan", "schedule_index", "schedule_tp",
 ]

@@ -7,10 +7,10 @@ Above the DP package (it runs the paper's DP greedy), so ``tp/__init__`` does no
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..dp.greedy import greedy
-from ..plan import Plan
 from ..planning import DPProblem
 from .context import Cuts, TPContext, index_work, lb_gpu
 from .schedule import TPSchedule, gpu_loads
@@ -26,12 +26,12 @@ class TPBaselineRow:
 
 
 class TPBaselineInputs:
-    """What every TP row reads: the problem, the DP partition (``cuts``), canzona's plan or
-    schedule (None: no canzona row), the TP context and LB_gpu."""
+    """What every TP row reads: the problem, the DP partition (``cuts``), canzona's row as a plan
+    recorded it or its schedule (neither: no canzona row), the TP context and LB_gpu."""
 
-    def __init__(self, problem: DPProblem, cuts: Cuts, *, plan: Plan | None = None,
+    def __init__(self, problem: DPProblem, cuts: Cuts, *, recorded: TPBaselineRow | None = None,
                  schedule: TPSchedule | None = None, ctx: TPContext | None = None) -> None:
-        self.problem, self.cuts, self.plan, self.schedule = problem, cuts, plan, schedule
+        self.problem, self.cuts, self.recorded, self.schedule = problem, cuts, recorded, schedule
         self.ctx = ctx or TPContext.build(problem)
         self.lb = lb_gpu(problem, ctx=self.ctx)
 
@@ -58,13 +58,10 @@ def greedy_row(x: TPBaselineInputs, name: str) -> TPBaselineRow:
 
 
 def schedule_row(x: TPBaselineInputs, name: str) -> TPBaselineRow | None:
-    """canzona's: the plan's recorded TP metrics, else the schedule's per-GPU loads (None
-    without either)."""
-    if x.plan is not None and x.plan.tp is not None:
-        m = x.plan.tp.metrics
-        flat = [v for r in m.gpu_load for v in r]
-        return TPBaselineRow(name, m.max_gpu_load, sum(flat) / len(flat), m.max_over_mean,
-                             m.gap_to_lb_gpu)
+    """canzona's: the row its plan recorded, else the schedule's per-GPU loads (None without
+    either)."""
+    if x.recorded is not None:
+        return dataclasses.replace(x.recorded, name=name)
     if x.schedule is not None:
         return x.row(name, gpu_loads(x.problem, x.cuts, x.schedule))
     return None

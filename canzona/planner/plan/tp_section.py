@@ -1,14 +1,15 @@
 """Into the plan: the plan's TP section (:func:`tp_plan`) and every task's host and micro-group
-(:func:`placements`), which ``planning.build_plan`` writes into the plan in one step."""
+(:func:`placements`), which :func:`canzona.planner.plan.build.build_plan` writes into the plan in
+one step."""
 
 from __future__ import annotations
 
 from ..cost import DTYPE_BYTES
-from ..plan import (GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, SharedTaskPlan, TPIndexPlan,
-                    TPMetrics, TPPlan)
 from ..planning import DPProblem
-from .context import TPContext, lb_gpu
-from .schedule import TPSchedule
+from ..tp.context import TPContext, lb_gpu
+from ..tp.schedule import TPSchedule
+from .schema import (GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, SharedTaskPlan, TPIndexPlan,
+                     TPMetrics, TPPlan)
 
 
 def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = None) -> TPPlan:
