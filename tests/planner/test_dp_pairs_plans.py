@@ -221,7 +221,7 @@ def test_pairs_move_into_one_node_where_the_ranks_between_are_empty():
     def across(c):
         return sum(pair_link(hw, o) is not hw.intra_node for o in pair_owners(prob, c).values())
 
-    def busiest(c):  # as _solve_pairs prices it
+    def busiest(c):  # as sharing.Candidates prices it
         from canzona.planner.planning import evaluate
         from canzona.planner.sharing import priced_for
         owners = pair_owners(prob, c)
