@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -13,6 +14,7 @@ from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, Plan, save_plan
 from canzona.planner.plan.load import load_plan, parse_plan
 from canzona.planner.plan.build import baseline_plan
 from canzona.planner.planning import make_problem
+from canzona.planner.report import inspect_report
 
 
 def _plan(model="qwen3-1.7b", dp=8, tp=2) -> Plan:
@@ -168,3 +170,16 @@ def test_parse_plan_checks_the_formulas_too(good):
     with pytest.raises(PlanFileError, match=r"field 'tasks\[0\]\.flops'") as e:
         parse_plan(json.dumps(bad), "<text>")
     assert str(e.value).startswith("<text>: inconsistent plan") and "\n" not in str(e.value)
+
+
+def test_old_plans_inspect_with_their_config():
+    """Every committed file of an older schema version reports through ``inspect`` with the tiny
+    model's config beside it (its fingerprint matches; a version-1 file reports as converted)."""
+    old = Path(__file__).resolve().parents[2] / "plans" / "old"
+    files = sorted(old.glob("*.plan.json"))
+    assert len(files) == SCHEMA_VERSION - 1
+    for f in files:
+        plan = load_plan(f)
+        report = inspect_report(plan, config=old / "tiny-config.json")
+        assert report["baselines"], f.name
+        assert (plan.comm.converted_from == 1) == f.name.endswith("-v1.plan.json")
