@@ -22,9 +22,9 @@ _LAZY = {
     "CanzonaOptimizer": ("canzona.runtime.optimizer", "CanzonaOptimizer"),
     "plan_model": ("canzona._facade", "plan_model"),
     "load_plan": ("canzona.planner.plan.load", "load_plan"),
-    "save_checkpoint": ("canzona.runtime.logical_checkpoint", "save_checkpoint"),
-    "load_checkpoint": ("canzona.runtime.logical_checkpoint", "load_checkpoint"),
-    "dcp_state": ("canzona.runtime.logical_checkpoint", "dcp_state"),
+    "save_checkpoint": ("canzona.runtime.checkpoint.files", "save_checkpoint"),
+    "load_checkpoint": ("canzona.runtime.checkpoint.files", "load_checkpoint"),
+    "dcp_state": ("canzona.runtime.checkpoint.dcp", "dcp_state"),
 }
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from canzona.planner import optimizers, pipeline
 from canzona.planner.errors import CanzonaError, SizeError
-from canzona.planner.cost import OptimizerSettings
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.options import DPOptions, TPOptions
 from canzona.planner.plan import Plan
+from canzona.planner.settings import OptimizerSettings
 
 __all__ = ["plan_model"]
 
@@ -75,7 +75,7 @@ def plan_model(
         share: tp > 1: ``TPOptions.share`` — ``off``, ``auto`` (the TP group shares the Muon
             matrices heavier than the mean per-GPU work: shared Newton–Schulz over its shards),
             ``all`` or ``all-split``.
-        **settings: further :class:`~canzona.planner.cost.OptimizerSettings` fields
+        **settings: further :class:`~canzona.planner.settings.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
 
     Returns:

@@ -5,14 +5,15 @@ shards and ZeRO-1 buckets) → tasks and costs → DP cut points (``dp``) → TP
 plan (``canzona.planner.plan``). One call does it all: ``canzona.planner.pipeline.plan``.
 """
 
-from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, load_hardware,
-                   task_cost)
+from .cost import CostModel, Task, TaskCost, build_tasks, task_cost
 from .errors import (CanzonaError, CanzonaWarning, ModelError, OptionError, OversizedTaskWarning,
                      PlanFileError, SizeError)
+from .hardware import load_hardware
 from .inventory import ModelSpec, ParamSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout, local_shape, validate_sizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config, resolve_model
 from .options import DPOptions, TPOptions
+from .settings import OptimizerSettings
 
 __all__ = [
     "PRESETS",

@@ -17,10 +17,9 @@ from typing import Literal, Protocol
 
 from . import formulas, optimizers
 from .errors import CanzonaError, SizeError
-from .hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware  # noqa: F401
-from .inventory import EXPERT_PART, ModelSpec, ParamSpec
+from .inventory import EXPERT_PART, ModelSpec
 from .layout import ParallelSizes
-from .settings import OptimizerName, OptimizerSettings  # noqa: F401  (re-exported)
+from .settings import OptimizerSettings
 
 CostName = Literal["flops", "numel"]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .cost import OptimizerSettings
 from .errors import CanzonaError, SizeError
 from .hardware import load_hardware
 from .inventory import ModelSpec, build_inventory
@@ -28,6 +27,7 @@ from .plan import Plan, SolverOptions
 from .plan.build import build_plan
 from .plan.tp_section import placements, tp_plan
 from .planning import DPProblem, make_problem
+from .settings import OptimizerSettings
 from .sharing import Candidates
 from .tp.schedule import warn_oversized
 

@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .cost import (CostModel, OptimizerSettings, Task, TaskCost, build_tasks, make_cost_model,
-                   task_cost)
+from .cost import CostModel, Task, TaskCost, build_tasks, make_cost_model, task_cost
 from .errors import SizeError
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
+from .settings import OptimizerSettings
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Cut points per bucket: (buffer, bucket) → (s_0 = start, s_1, …, s_R = end).

@@ -5,7 +5,7 @@ Megatron's :data:`PARAM_ALIGN` live here so that the plan schema (``canzona.plan
 import them without loading the cost model, the inventory or the layout. This module imports only
 pydantic, the standard library, :mod:`canzona.planner.formulas` (itself stdlib-only, for the
 optimizer kernels' defaults) and the optimizer registry :mod:`canzona.planner.optimizers` (which
-names are valid); ``canzona.planner.cost`` and ``canzona.planner.layout`` re-export these names.
+names are valid).
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""The DP runtime's public names, kept importable from their first home.
+"""Deprecated: the names this module re-exports have their own homes, and it goes in the next
+release (``CHANGELOG.md``). Importing it warns.
 
-The runtime now lives in rooms (``schedule``, ``checks``, ``buffers``, ``gradients``,
-``collectives``, ``accounting``, ``checkpoint``, ``optimizer``); see
-:mod:`canzona.runtime.optimizer` for the step.
+* ``CanzonaOptimizer``: ``canzona.CanzonaOptimizer`` (:mod:`canzona.runtime.optimizer`)
+* ``PlanMismatchError``, ``UnusedParameterWarning``: :mod:`canzona.runtime.errors`
+* ``predicted_state_bytes``: :mod:`canzona.runtime.accounting`
 """
 
 from __future__ import annotations
+
+import warnings
 
 from canzona.runtime.accounting import predicted_state_bytes
 from canzona.runtime.errors import PlanMismatchError, UnusedParameterWarning
@@ -13,3 +16,9 @@ from canzona.runtime.optimizer import CanzonaOptimizer
 
 __all__ = ["CanzonaOptimizer", "PlanMismatchError", "UnusedParameterWarning",
            "predicted_state_bytes"]
+
+warnings.warn(
+    "canzona.runtime.dp is deprecated and goes in the next release: import CanzonaOptimizer "
+    "from canzona (or canzona.runtime.optimizer), PlanMismatchError and UnusedParameterWarning "
+    "from canzona.runtime.errors, predicted_state_bytes from canzona.runtime.accounting.",
+    DeprecationWarning, stacklevel=2)

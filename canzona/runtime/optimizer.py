@@ -55,8 +55,9 @@ from torch import Tensor, nn
 
 from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.plan import Plan
-from canzona.runtime import accounting, checkpoint, checks, update
+from canzona.runtime import accounting, checks, update
 from canzona.runtime.buffers import build_buffers
+from canzona.runtime.checkpoint import sharded as checkpoint
 from canzona.runtime.collectives import make_collective, wait_for
 from canzona.runtime.errors import NonFiniteSkipWarning, PlanMismatchError, UnusedParameterWarning
 from canzona.runtime.flight import FlightRecorder

@@ -97,7 +97,7 @@ def test_decision_only_for_dense_matrices_at_tp1():
     o_wide = share_options(pr, wide[0], hw, groups=("dp",), dp_sizes=(2,))[0]
     assert o_wide.comm_s > 0
     assert pair_decision(make_problem(spec, ParallelSizes(dp=4, tp=2)), hw, "all") == {}
-    from canzona.planner.cost import OptimizerSettings
+    from canzona.planner.settings import OptimizerSettings
 
     # Shampoo: whole block rows per piece (item 3), SOAP: never (blocking it would change it)
     pr_s = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="shampoo"))
@@ -184,7 +184,7 @@ def test_all_moves_pieces_apart_without_undoing_pairs_or_piling_up_load():
 
     spec, _ = inventory_of("qwen3-0.6b")
     for opt in ("muon", "shampoo"):
-        from canzona.planner.cost import OptimizerSettings
+        from canzona.planner.settings import OptimizerSettings
 
         pr = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name=opt))
         pairs = pair_decision(pr, load_hardware("h100"), "all")

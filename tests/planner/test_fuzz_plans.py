@@ -45,7 +45,6 @@ from tests.conftest import _as_version_1
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from canzona.planner.cost import OptimizerSettings
 from canzona.planner.errors import CanzonaError, PlanFileError
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.models import ModelConfig
@@ -54,6 +53,7 @@ from canzona.planner.pipeline import plan as make_plan
 from canzona.planner.plan import Plan
 from canzona.planner.plan.checks import check_plan
 from canzona.planner.plan.load import parse_plan
+from canzona.planner.settings import OptimizerSettings
 
 torch = pytest.importorskip("torch")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from canzona.planner.cost import load_hardware
 from canzona.planner.formulas import muon_flops, poly_flops
+from canzona.planner.hardware import load_hardware
 from canzona.planner.inventory import build_inventory
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.models import ModelConfig, get_preset

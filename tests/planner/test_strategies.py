@@ -10,12 +10,12 @@ import pytest
 
 from canzona.planner import ParallelSizes
 from canzona.planner.comm import ELEMENT_BYTES
-from canzona.planner.cost import OptimizerSettings
 from canzona.planner.hardware import load_hardware
 from canzona.planner.inventory import build_inventory
 from canzona.planner.models import get_preset
 from canzona.planner.plan.load import parse_plan
 from canzona.planner.planning import make_problem
+from canzona.planner.settings import OptimizerSettings
 from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload, simulate,
                                       split_forward_backward)
 from canzona.planner.baselines import layerwise_lpt, lpt_cost, megatron_layerwise

@@ -26,7 +26,7 @@ def _die(*_args, **_kwargs):
 
 def main(where: str, point: str) -> None:
     import canzona
-    import canzona.runtime.logical_checkpoint as LC
+    import canzona.runtime.checkpoint.files as LC
 
     torch.set_num_threads(1)
     model, opt = C.build()

@@ -23,7 +23,8 @@ import torch
 
 import canzona
 import dp_helpers as H
-from canzona.runtime.dp import CanzonaOptimizer, predicted_state_bytes
+from canzona.runtime.accounting import predicted_state_bytes
+from canzona.runtime.optimizer import CanzonaOptimizer
 from canzona.runtime.optim import AdamW, AdamWConfig, Muon, MuonConfig
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import canzona
 import dp_helpers as H
-from canzona.runtime.dp import CanzonaOptimizer
+from canzona.runtime.optimizer import CanzonaOptimizer
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ import torch
 
 import canzona
 import dp_helpers as H
-from canzona.runtime.dp import CanzonaOptimizer, UnusedParameterWarning
+from canzona.runtime.errors import UnusedParameterWarning
+from canzona.runtime.optimizer import CanzonaOptimizer
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import canzona
 import dp_helpers as H
 from canzona.planner import comm as comm_model
-from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
+from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.optimizer import CanzonaOptimizer
 
 pytestmark = pytest.mark.slow
 

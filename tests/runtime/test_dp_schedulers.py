@@ -19,7 +19,7 @@ import torch
 
 import canzona
 import dp_helpers as H
-from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
+from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import inventory
 from canzona.runtime.optim import (
     SOAP,
@@ -31,6 +31,7 @@ from canzona.runtime.optim import (
     Shampoo,
     ShampooConfig,
 )
+from canzona.runtime.optimizer import CanzonaOptimizer
 
 STEPS = 8
 LR = {"muon": 0.02, "shampoo": 0.01, "soap": 3e-3}

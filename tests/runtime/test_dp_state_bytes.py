@@ -18,7 +18,8 @@ from torch import nn
 
 import canzona
 import dp_helpers as H
-from canzona.runtime.dp import CanzonaOptimizer, predicted_state_bytes
+from canzona.runtime.accounting import predicted_state_bytes
+from canzona.runtime.optimizer import CanzonaOptimizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
-"""Where a rank's pieces sit in the canonical tensors (``runtime.logical``): every element of a
-flat range of a TP shard lands, through the boxes, where Megatron's rule puts it (partition dim,
-stride sub-blocks, vocabulary padding dropped); the shards of all TP ranks tile the canonical
-tensor exactly once."""
+"""Where a rank's pieces sit in the canonical tensors (``runtime.checkpoint.mapping``): every
+element of a flat range of a TP shard lands, through the boxes, where Megatron's rule puts it
+(partition dim, stride sub-blocks, vocabulary padding dropped); the shards of all TP ranks tile
+the canonical tensor exactly once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from canzona.runtime.logical import ParamView, Pieces, megatron_axis  # noqa: E402
+from canzona.runtime.checkpoint.mapping import ParamView, axis_of, megatron_axis  # noqa: E402
+from canzona.runtime.checkpoint.pieces import Pieces  # noqa: E402
 
 
 def _expected(dim, stride, tp, rank, local, logical_len):
@@ -78,8 +79,6 @@ def test_pieces_are_views_that_load_in_place():
 
 
 def test_vector_and_padded_vocabulary_at_tp1():
-    from canzona.runtime.logical import axis_of
-
     w = torch.nn.Parameter(torch.arange(128.0 * 4).view(128, 4))
     view = ParamView("emb", (100, 4), (128, 4), axis_of(w, (100, 4), 1, 0))
     (off, t), = view.pieces(w.detach().view(-1), 0, 512)

@@ -211,8 +211,9 @@ def test_stacked_experts_are_matrices_and_dp2_equals_one_process(world2, which):
 
 def test_a_stacked_expert_tensor_split_by_tp_is_refused():
     from canzona.planner import ParallelSizes, SizeError
-    from canzona.planner.cost import OptimizerSettings, build_tasks
+    from canzona.planner.cost import build_tasks
     from canzona.planner.inventory import ModelSpec, ParamSpec, route
+    from canzona.planner.settings import OptimizerSettings
 
     p = ParamSpec(name="layers.0.mlp.experts.down_proj", shape=(4, 32, 16), dtype="fp32",
                   kind="expert", layer=0, expert=None, tp_layout="row")

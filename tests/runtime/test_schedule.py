@@ -13,8 +13,9 @@ import canzona
 from canzona.planner import CanzonaError
 import dp_helpers as H
 from canzona.runtime import checks
-from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
+from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import inventory
+from canzona.runtime.optimizer import CanzonaOptimizer
 from canzona.runtime.schedule import build_schedule
 
 

@@ -34,10 +34,11 @@ field and the fix.
 from __future__ import annotations
 
 from .. import optimizers
-from ..cost import DTYPE_BYTES, OptimizerSettings, Task, TaskCost, task_cost
+from ..cost import DTYPE_BYTES, Task, TaskCost, task_cost
 from ..errors import PlanFileError
 from ..layout import ParallelSizes, padded_vocab
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
+from ..settings import OptimizerSettings
 from .inverse import read_problem
 from .messages import inconsistency, label, matches
 from .pair_checks import check_pairs

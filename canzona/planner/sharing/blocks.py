@@ -7,9 +7,10 @@ matrix's update there, with no exchange."""
 from __future__ import annotations
 
 from .. import optimizers
-from ..cost import STATE_BYTES, OptimizerSettings, load_hardware
-from ..hardware import HardwareProfile
+from ..cost import STATE_BYTES
+from ..hardware import HardwareProfile, load_hardware
 from ..planning import DPProblem
+from ..settings import OptimizerSettings
 from ..shards import ShardMap, shard_map
 from .pieces import profile_rate
 

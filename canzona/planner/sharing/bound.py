@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cost import load_hardware
-from ..hardware import HardwareProfile
+from ..hardware import HardwareProfile, load_hardware
 from ..planning import DPProblem, equal_cuts
 from ..tp.context import TPContext, index_work
 from .blocks import shard_block_decision

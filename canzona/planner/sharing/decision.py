@@ -9,9 +9,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..cost import load_hardware
 from ..errors import CanzonaWarning, OptionError
-from ..hardware import HardwareProfile
+from ..hardware import HardwareProfile, load_hardware
 from ..options import TP_SHARE
 from ..planning import DPProblem, PairShare
 from .blocks import block_pieces, block_row, piece_loads, shard_block_decision

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..comm import PER_ROOT
-from ..cost import OptimizerSettings
 from ..errors import CanzonaError
 from ..hardware import HardwareProfile, load_hardware
 from ..inventory import ModelSpec
@@ -23,6 +22,7 @@ from ..pipeline import inventory_of
 from ..plan import Plan
 from ..planning import DPProblem, make_problem
 from ..plan.inverse import read_problem
+from ..settings import OptimizerSettings
 from ..simulate import (StepSim, Workload, forward_backward_seconds, plan_hardware, simulate,
                         split_forward_backward)
 from .registry import CANZONA, CANZONA_GREEDY, REGISTRY, STRATEGIES

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..comm import all_to_all_busiest
-from ..cost import DTYPE_BYTES, load_hardware
+from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError, OversizedTaskWarning
 from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
-from ..hardware import LinkProfile
+from ..hardware import LinkProfile, load_hardware
 from ..planning import DPProblem, pair_owners
 from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
                       lockstep_seconds, shared_by_index)

@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 import canzona
 from canzona.planner import CanzonaError, optimizers
 from canzona.planner.settings import OptimizerSettings
-from canzona.runtime.dp import CanzonaOptimizer, PlanMismatchError
+from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.optim import registry
+from canzona.runtime.optimizer import CanzonaOptimizer
 
 SHAPES = [(64, 64), (96, 40), (40, 96), (33, 70)]
 #: Non-default plan settings, so that the recorded fields really reach the kernel.

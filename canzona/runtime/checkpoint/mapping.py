@@ -1,5 +1,4 @@
-"""Logical tensors: where the pieces a rank holds sit in the plan-independent (canonical) tensors,
-and the ``torch.distributed.checkpoint`` objects that save and load them.
+"""Where the pieces a rank holds under its plan sit in the plan-independent (canonical) tensors.
 
 The canonical tensor of a parameter is the one the single-device model holds (Megatron at tp 1):
 TP shards concatenated along the partition dim, each rank's shard taken as ``partition_stride``
@@ -8,14 +7,11 @@ more than two dims are viewed as 2-D (leading dims flattened): a stacked expert 
 is the canonical [E·m, n] (its tasks are row blocks of it). A rank's piece of a parameter — an
 element range of its local shard (ZeRO-1 slices cut flat buffers), or a whole shard — is at most
 three rectangles of the local 2-D view (a partial row, whole rows, a partial row), each split at
-the shard's sub-block boundaries into boxes of the canonical tensor. DCP stores every box as a
-chunk of one logical tensor and reads any other set of boxes back (its resharding): that is how
-a checkpoint saved under one plan loads under another.
+the shard's sub-block boundaries into boxes of the canonical tensor.
 
-``Pieces`` implements DCP's write-item protocol (``__create_write_items__``,
-``__create_chunk_list__``, ``__get_tensor_shard__``) for a set of boxes, which DTensor placements
-cannot express (element ranges are not boxes of the 2-D tensor); ``SavePlanner``/``LoadPlanner``
-find its boxes by offset.
+:class:`Axis` and :func:`axis_of` say how a TP shard sits in the canonical tensor,
+:class:`ParamView` cuts an element range into canonical boxes, and :class:`RankLayout` holds both
+for every parameter of an optimizer (this rank's own slices, its matrix tasks' canonical rows).
 """
 
 from __future__ import annotations
@@ -27,15 +23,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["Axis", "LoadPlanner", "ParamView", "Pieces", "SavePlanner", "axis_of", "view_2d"]
+from canzona.runtime.checks import plan_params
+from canzona.runtime.errors import CheckpointError
+from canzona.runtime.introspect import _is_dtensor, local_tensor
+from canzona.runtime.update import task_state
+
+__all__ = ["Axis", "ParamView", "RankLayout", "axis_of", "chunk_axis", "logical_key_shape",
+           "megatron_axis", "view_2d"]
 
 #: (local start, length, canonical start) along the split dim; lengths clipped to the logical
 #: extent (the vocabulary's padding rows map nowhere).
@@ -96,8 +91,6 @@ def axis_of(live: Tensor, logical_shape: Sequence[int], tp: int, rank: int) -> A
     """This rank's (or, with another ``rank``, TP rank ``rank``'s) axis of a live parameter:
     a sharded DTensor's placement, Megatron's ``tensor_model_parallel``/``partition_dim``/
     ``partition_stride``, else not split."""
-    from canzona.runtime.introspect import _is_dtensor, local_tensor
-
     logical = view_2d(logical_shape)
     local = view_2d(local_tensor(live).shape)
     if _is_dtensor(live):
@@ -191,64 +184,75 @@ def logical_key_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return view_2d(shape)
 
 
-class Pieces:
-    """Boxes of one logical tensor held by this rank, for DCP (save: their data; load: views
-    that DCP fills in place)."""
+class RankLayout:
+    """Per parameter, this rank's view of it in the canonical tensor (and, for TP-gathered
+    tasks, every TP rank's), and what this rank writes."""
 
-    def __init__(self, size: Sequence[int], boxes: Sequence[tuple[Sequence[int], Tensor]]) -> None:
-        self._size = torch.Size(size)
-        self.boxes = [(torch.Size(o), t) for o, t in boxes]
-        for o, t in self.boxes:
-            if len(o) != len(self._size) or t.dim() != len(self._size) or any(
-                    x < 0 or x + n > s for x, n, s in zip(o, t.shape, self._size)):
-                raise ValueError(f"box at {tuple(o)} of shape {tuple(t.shape)} is outside the "
-                                 f"logical tensor {tuple(self._size)}")
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.tp, self.tp_rank, self.dp_rank = opt._tp, opt._tp_rank, opt._rank
+        self.logical = {n: s for n, s, _ in plan_params(opt.plan)}
+        self.views: list[ParamView] = []
+        for name, live, local in zip(opt._names, opt._live, opt._params):
+            shape = self.logical.get(name, tuple(live.shape))
+            axis = axis_of(live, shape, self.tp, self.tp_rank)
+            self.views.append(ParamView(name, logical_key_shape(shape), view_2d(local.shape), axis))
 
-    def size(self) -> torch.Size:
-        return self._size
+    def axis(self, i: int, rank: int) -> Axis:
+        name = self.opt._names[i]
+        return axis_of(self.opt._live[i], self.logical.get(name, tuple(self.opt._live[i].shape)),
+                       self.tp, rank)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.boxes[0][1].dtype
+    def writes(self, i: int) -> bool:
+        """This TP rank writes parameter i's pieces (TP rank 0 for what TP replicates)."""
+        return self.views[i].axis.dim is not None or self.tp_rank == 0
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
-                              properties=TensorProperties.create_from_tensor(t),
-                              size=self._size))
-                for o, t in self.boxes]
+    def own(self, i: int) -> tuple[int, int, int]:
+        """(bucket, a, z): parameter i's elements [a, z) of its local shard in this rank's own
+        slice (a == z: none)."""
+        s = self.opt._schedule
+        b = s.param_bucket[i]
+        lo, hi = s.param_range[i]
+        c0, c1 = s.own_range(b)
+        a, z = max(lo, c0), min(hi, c1)
+        return b, a - lo, max(a, z) - lo
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.boxes]
+    def task_rows(self, t: Any) -> Tensor:
+        """Canonical rows (of the parameter's 2-D view) of a matrix task's rows."""
+        if hasattr(t, "segments"):  # a TP-gathered task: rows from every TP rank's shard
+            rows = []
+            if t.dim != 0:  # a row-parallel matrix: the rows are not split
+                off = t.segments[0][1] if t.dim is None else 0
+                return torch.arange(off, off + t.full_shape[0])
+            for r, ls, _, n in t.segments:
+                ax = self.axis(t.param, r)
+                if ax.dim is None:
+                    rows.append(torch.arange(ls, ls + n))
+                    continue
+                covered = 0
+                for bs, bn, cs in ax.blocks:  # the segment's rows, block by block
+                    x0, x1 = max(ls, bs), min(ls + n, bs + bn)
+                    if x0 < x1:
+                        rows.append(torch.arange(cs + x0 - bs, cs + x1 - bs))
+                        covered += x1 - x0
+                if covered != n:
+                    raise CheckpointError(f"'{t.name}': rows of TP rank {r}'s shard are padding "
+                                          "in the plan's layout; the plan is inconsistent.")
+            return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        ax = self.views[t.param].axis
+        if ax.dim is not None:
+            raise CheckpointError(f"'{t.name}' is a TP shard updated without its TP group; the "
+                                  "plan is inconsistent.")
+        return torch.arange(t.row0, t.row0 + t.shape[0])
 
-    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        for o, t in self.boxes:
-            if o == index.offset:
-                return t
-        raise ValueError(f"no box at {index.offset} of '{index.fqn}'")
-
-
-def _find(state_dict: dict[str, Any], index: MetadataIndex, fallback: Any) -> Any:
-    obj = state_dict.get(index.fqn)
-    return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else fallback(index)
-
-
-class SavePlanner(DefaultSavePlanner):
-    """DCP's default planner, finding :class:`Pieces` boxes by offset."""
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return _find(self.state_dict, index, super().lookup_object)
-
-
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, loading into :class:`Pieces` boxes (views of the live tensors)."""
-
-    def set_up_planner(self, state_dict: Any, metadata: Any = None,
-                       is_coordinator: bool = False) -> None:
-        pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        self.state_dict.update(pieces)  # the default planner's tensor walk drops unknown objects
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        return _find(self.state_dict, index, super().lookup_tensor)
+    def matrix_tasks(self) -> list[tuple[Any, dict[str, Tensor], bool]]:
+        """(task, its state, this rank writes it) of every task whose state this rank holds."""
+        opt = self.opt
+        out = []
+        for ts in opt._schedule.mine.matrix:
+            for t in ts:
+                out.append((t, task_state(t, opt._params, opt.state), self.tp_rank == 0))
+        for t in opt._micro.hosted:
+            st = opt.state[opt._params[t.param]]
+            out.append((t, st if t.part is None else st[t.part], True))
+        return out

@@ -1,9 +1,10 @@
-"""Sharded optimizer checkpoints: this rank's state under this plan.
+"""The sharded optimizer state dict: this rank's state under this plan.
 
-``state_dict()`` holds only tensors, numbers, strings, None, tuples, lists, dicts and dtypes, so
+``CanzonaOptimizer.state_dict()`` / ``load_state_dict()`` go through here. The state dict holds
+only tensors, numbers, strings, None, tuples, lists, dicts and dtypes, so
 ``torch.load(..., weights_only=True)`` reads it. It loads back only under the same plan (sha256)
-and DP rank; to resume under another plan or size use ``canzona.save_checkpoint`` /
-``canzona.load_checkpoint`` (``runtime.logical_checkpoint``: DCP with logical keys).
+and DP rank; a checkpoint that loads under another plan or size is ``canzona.save_checkpoint`` /
+``canzona.load_checkpoint`` (:mod:`canzona.runtime.checkpoint.files`: DCP with logical keys).
 """
 
 from __future__ import annotations

@@ -1,0 +1,337 @@
+"""The logical keys of a checkpoint that survives a change of plan, and the entries one rank saves
+or loads under them.
+
+Every key names a parameter, never a rank, bucket or plan; every value is a canonical tensor
+(:mod:`canzona.runtime.checkpoint.mapping`: what the single-device model holds, TP padding left
+out), saved as the boxes each rank holds and read back as the boxes each rank needs under *its*
+plan::
+
+    model.<name>                   the weights (DP rank 0 of each TP rank saves its shard)
+    optim.<name>.main              fp32 main copies (main_params="fp32"): each rank's own pieces
+    optim.<name>.exp_avg|exp_avg_sq|step        AdamW: each rank's element ranges (+ its step)
+    optim.<name>.momentum_buffer   Muon: each matrix task's rows, saved by its owner (a fused
+                                   matrix and its split parts are rows of the same tensor, so
+                                   Muon's momentum follows a change between them)
+    optim.<name>[#<part>].<key>    Shampoo/SOAP: per matrix task, its owner's whole state, rows
+                                   (and left statistics' columns) in canonical order; Shampoo's
+                                   blocks preconditioned shard by shard (tp > 1): each TP rank's
+                                   blocks under the matrix's block indices
+    optim.<name>[#<part>].rows     only where a state could not be put in canonical order
+                                   (Shampoo with several row blocks): the order it is in
+    optim.param_groups             the hyper-parameters (JSON)
+    model_buffers.<name>           the model's non-parameter state (rotary tables, …)
+    extra.<key>                    the caller's Stateful objects (scheduler, step, data position)
+
+:func:`entries` builds one rank's DCP state dict under these keys (saving: the data; loading:
+views to fill, and what must run once DCP has filled them).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from canzona.runtime.checkpoint.mapping import RankLayout
+from canzona.runtime.checkpoint.pieces import Pieces
+from canzona.runtime.errors import CheckpointError
+from canzona.runtime.introspect import local_tensor
+
+__all__ = ["FORMAT", "Entries", "entries"]
+
+#: Version of the key layout; ``canzona.json`` records it.
+FORMAT = 1
+
+
+def _runs(rows: Tensor) -> list[tuple[int, int, int]]:
+    """(task row, canonical row, length) of maximal runs of consecutive canonical rows."""
+    if rows.numel() == 0:
+        return []
+    breaks = torch.nonzero(rows[1:] - rows[:-1] != 1).flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), rows.numel()]
+    first = rows[starts].tolist()
+    return [(a, c, b - a) for a, b, c in zip(starts, ends, first)]
+
+
+def _permuted(x: Tensor, order: Tensor, role: str, inverse: bool = False) -> Tensor:
+    """``x`` with its task rows put in ``order`` (task row order[k] becomes row k), or back."""
+    if role == "fixed":
+        return x
+    idx = torch.argsort(order) if inverse else order
+    y = x.index_select(0, idx.to(x.device))
+    return y.index_select(1, idx.to(x.device)) if role == "both" else y
+
+
+def _task_key(t: Any) -> str:
+    return t.name  # "param" or "param#part"
+
+
+class Entries:
+    """The DCP state dict of this rank (save: the data; load: views to fill) and, for loading,
+    what must happen after DCP has filled them."""
+
+    def __init__(self) -> None:
+        self.sd: dict[str, Any] = {}
+        self.after: list[Any] = []  # callables run after a load
+        self.needs: dict[str, tuple[int, ...]] = {}  # key → logical shape (load checks)
+
+    def add_pieces(self, key: str, shape: tuple[int, ...], boxes: list) -> None:
+        if not boxes:
+            return
+        if key in self.sd:
+            self.sd[key].boxes.extend((torch.Size(o), t) for o, t in boxes)
+        else:
+            self.sd[key] = Pieces(shape, boxes)
+        self.needs[key] = tuple(shape)
+
+    def add_tensor(self, key: str, t: Tensor) -> None:
+        self.sd[key] = t
+        self.needs[key] = tuple(t.shape)
+
+
+def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = None,
+             group_rank: int = 0) -> Entries:
+    """This rank's entries. ``saved``: the checkpoint's DCP metadata (loading);
+    ``group_rank``: this rank in the saving group."""
+    L = RankLayout(opt)
+    E = Entries()
+    opt.wait_params()
+    weights = model is not None
+    # -- weights: DP rank 0 writes its TP shard; every rank reads its own -----------------------
+    if weights:
+        for i, (view, local) in enumerate(zip(L.views, opt._params)):
+            if saving and (L.dp_rank != 0 or not L.writes(i)):
+                continue
+            flat = local.detach().view(-1)
+            if not saving:
+                covered = sum(n for _, n, _ in view.axis.blocks)
+                if view.axis.dim is not None and covered < view.local[view.axis.dim]:
+                    flat.zero_()  # the vocabulary's TP padding: not in the checkpoint
+            E.add_pieces(f"model.{view.name}", view.logical, view.pieces(flat, 0, flat.numel()))
+        params = {id(p) for p in opt._live}
+        for key, value in model.state_dict(keep_vars=True).items():
+            if id(value) in params or not isinstance(value, Tensor):
+                continue
+            if saving and group_rank != 0:
+                continue  # replicated: the saving group's rank 0 writes it
+            E.add_tensor(f"model_buffers.{key}", local_tensor(value))
+    # -- fp32 main copies: each rank's own pieces -------------------------------------------------
+    for i, view in enumerate(L.views):
+        b, a, z = L.own(i)
+        main = opt._buffers[b].main
+        if main is None or a >= z or (saving and not L.writes(i)):
+            continue
+        s = opt._schedule
+        lo = s.param_range[i][0]
+        c0 = s.own_range(b)[0]
+        piece = main[lo + a - c0:lo + z - c0]
+        E.add_pieces(f"optim.{view.name}.main", view.logical, view.pieces(piece, a, z))
+    # -- AdamW: element ranges --------------------------------------------------------------------
+    for slices in opt._schedule.mine.adamw:
+        for sl in slices:
+            if saving and not L.writes(sl.param):
+                continue
+            view = L.views[sl.param]
+            st = opt.state[opt._params[sl.param]]
+            a, z = sl.offset, sl.offset + sl.hi - sl.lo
+            for key in ("exp_avg", "exp_avg_sq"):
+                E.add_pieces(f"optim.{view.name}.{key}", view.logical,
+                             view.pieces(st[key], a, z))
+            E.add_tensor(f"optim.{view.name}.step", st["step"])
+    # -- matrix tasks -----------------------------------------------------------------------------
+    kernel = opt._matrix
+    for t, st, writes in L.matrix_tasks():
+        if saving and not writes:
+            continue
+        view = L.views[t.param]
+        rows = L.task_rows(t)
+        if kernel.row_state_only:
+            for key, x in st.items():
+                boxes = [((c, 0) if len(view.logical) == 2 else (c,),
+                          x[i:i + n] if len(view.logical) == 2 else x[i:i + n].view(-1))
+                         for i, c, n in _runs(rows)]
+                E.add_pieces(f"optim.{view.name}.{key}", view.logical, boxes)
+            continue
+        if not hasattr(t, "segments") and t.part is None and len(view.logical) == 2 \
+                and t.shape[0] < view.logical[0]:
+            # Shampoo's blocks hosted apart (plan.dp_shared, tp = 1): this rank's block rows
+            _add_block_rows(E, t, st, view.logical, kernel, saving=saving)
+            continue
+        _add_task_state(E, t, st, rows, kernel, saving=saving, saved=saved)
+    # -- matrices the TP group shares: each TP rank holds Muon's momentum of its own shard,
+    #    element for element beside the weights, so it maps as the weights do -------------------
+    for x in opt._micro.shared:
+        view = L.views[x.param]
+        if x.blocks:  # Shampoo: this rank's shard's blocks are blocks of the matrix
+            _add_shard_blocks(E, x, opt.state[opt._params[x.param]], L, opt, saving=saving)
+            continue
+        at = x.row0 * x.local_shape[1]  # its rows of the shard, where a partner holds the rest
+        for key, val in opt.state[opt._params[x.param]].items():
+            flat = val.view(-1)
+            E.add_pieces(f"optim.{view.name}.{key}", view.logical,
+                         view.pieces(flat, at, at + flat.numel()))
+    # -- hyper-parameters -------------------------------------------------------------------------
+    if saving:
+        groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}
+                  for g in opt.param_groups]
+        E.sd["optim.param_groups"] = json.dumps(groups, sort_keys=True)
+    else:
+        E.sd["optim.param_groups"] = ""
+        E.after.append(lambda: _load_groups(opt, E.sd["optim.param_groups"]))
+    return E
+
+
+def _add_shard_blocks(E: Entries, x: Any, st: dict[str, Tensor], L: RankLayout, opt: Any, *,
+                      saving: bool) -> None:
+    """The Shampoo state of one TP rank's shard of a matrix its TP group preconditions shard by
+    shard, as the rank hosting the whole matrix would hold it (``_add_task_state``: the
+    planner's row order of the matrix, with that order's canonical rows under ``.rows`` where
+    it is not the canonical one): the shard's block (i, j) is the matrix's block whose rows
+    (columns, for a split along columns) the shard's segment there holds; its element-shaped
+    tensors (moments, momentum) are boxes of the matrix's; ``step`` is the same on every
+    shard."""
+    plan = opt.plan
+    block = opt._matrix.config.max_preconditioner_dim
+    lay = next(plan.tp.layouts[s.layout] for ix in plan.tp.indices for s in ix.shared
+               if s.id == x.id)
+    segs = [s for s in lay.segments if s[0] == opt._tp_rank]
+
+    def whole(i: int) -> int:  # the shard's block index along the split dim → the matrix's
+        at = i * block
+        for _, local, full, n in segs:
+            if local <= at < local + n and not (at - local) % block and not full % block:
+                return (full + at - local) // block
+        raise CheckpointError(f"'{x.name}': block {i} of TP rank {opt._tp_rank}'s shard is not "
+                              f"a block of the matrix (blocks of {block}); the plan is "
+                              f"inconsistent.")
+
+    base = f"optim.{_task_key(x)}"
+    whole_task = SimpleNamespace(name=x.name, param=x.param, dim=x.dim, full_shape=x.full_shape,
+                                 segments=tuple(sorted(lay.segments, key=lambda s: s[2])))
+    rows = L.task_rows(whole_task)
+    if not torch.equal(rows, torch.arange(len(rows))):
+        if saving:
+            E.sd[f"{base}.rows"] = rows
+        else:  # the saved state must be in this order (checked before the collective)
+            E.needs[f"{base}.rows"] = tuple(rows.shape)
+            E.sd[f"{base}.rows"] = torch.empty_like(rows)
+            E.after.append(_RowsCheck(x.name, E.sd, f"{base}.rows", rows, opt._matrix.name))
+    for key, val in st.items():
+        parts = key.split(".")
+        if key == "step":
+            E.add_tensor(f"{base}.step", val)
+        elif len(parts) == 3:  # L.i.j, R.i.j, L_root.i.j, R_root.i.j
+            i, j = int(parts[1]), int(parts[2])
+            i, j = (whole(i), j) if x.dim == 0 else (i, whole(j))
+            E.add_tensor(f"{base}.{parts[0]}.{i}.{j}", val)
+        else:  # the shard's segments, where they lie in the matrix
+            E.add_pieces(f"{base}.{key}", tuple(x.full_shape),
+                         [((full, 0), val[local:local + n]) if x.dim == 0
+                          else ((0, full), val[:, local:local + n]) for _, local, full, n in segs])
+
+
+def _add_block_rows(E: Entries, t: Any, st: dict[str, Tensor], logical: tuple[int, ...],
+                    kernel: Any, *, saving: bool) -> None:
+    """The state of a run of whole block rows of a Shampoo matrix (rows [row0, row0 + rows)),
+    under the keys the whole matrix's state has: block (i, j) of the run is block
+    (i + row0 / block, j) of the matrix, its row-shaped tensors (moments, momentum) are boxes
+    of the whole ones, and ``step`` (the same on every piece) is written by the first."""
+    block = kernel.config.max_preconditioner_dim
+    if t.row0 % block:
+        raise CheckpointError(f"'{t.name}': rows from {t.row0} are not whole block rows of "
+                              f"{block}; the plan is inconsistent.")
+    base, b0 = f"optim.{_task_key(t)}", t.row0 // block
+    for key, x in st.items():
+        parts = key.split(".")
+        if key == "step":
+            if saving and t.row0:
+                continue
+            E.add_tensor(f"{base}.step", x)
+        elif len(parts) == 3:  # L.i.j, R.i.j, L_root.i.j, R_root.i.j
+            E.add_tensor(f"{base}.{parts[0]}.{int(parts[1]) + b0}.{parts[2]}", x)
+        else:  # rows × cols, beside the weights' rows
+            E.add_pieces(f"{base}.{key}", logical, [((t.row0, 0), x)])
+
+
+def _add_task_state(E: Entries, t: Any, st: dict[str, Tensor], rows: Tensor, kernel: Any, *,
+                    saving: bool, saved: Any) -> None:
+    """A Shampoo/SOAP task's state: in canonical row order where the kernel's state can follow
+    a row permutation, else as it is with its row order recorded."""
+    base = f"optim.{_task_key(t)}"
+    order = torch.argsort(rows)
+    identity = bool(torch.equal(order, torch.arange(len(rows))))
+    roles = kernel.state_roles(tuple(t.full_shape if hasattr(t, "full_shape") else t.shape))
+    as_is = identity or roles is None
+    if saving:
+        for key, x in st.items():
+            E.sd[f"{base}.{key}"] = x if as_is else _permuted(x, order, roles[key]).contiguous()
+        if not identity and roles is None:
+            E.sd[f"{base}.rows"] = rows.clone()
+        return
+    has_rows = saved is not None and f"{base}.rows" in saved.state_dict_metadata
+    if as_is and not has_rows and (identity or roles is not None):
+        for key, x in st.items():
+            E.add_tensor(f"{base}.{key}", x)
+        return
+    if has_rows or roles is None:
+        # The saved order must be this task's (it is checked before the collective).
+        E.needs[f"{base}.rows"] = tuple(rows.shape)
+        E.sd[f"{base}.rows"] = torch.empty_like(rows)
+        E.after.append(_RowsCheck(t.name, E.sd, f"{base}.rows", rows, kernel.name))
+        for key, x in st.items():
+            E.add_tensor(f"{base}.{key}", x)
+        return
+    temps = {key: torch.empty_like(x) for key, x in st.items()}
+    for key, x in temps.items():
+        E.add_tensor(f"{base}.{key}", x)
+
+    def restore() -> None:
+        for key, x in st.items():
+            x.copy_(_permuted(temps[key], order, roles[key], inverse=True))
+
+    E.after.insert(0, restore)
+
+
+class _RowsCheck:
+    """After a load: the state's recorded row order is this task's (else nothing may run)."""
+
+    def __init__(self, name: str, sd: dict, key: str, rows: Tensor, kernel: str) -> None:
+        self.name, self.sd, self.key, self.rows, self.kernel = name, sd, key, rows, kernel
+
+    def __call__(self) -> None:
+        if not torch.equal(self.sd[self.key], self.rows):
+            raise CheckpointError(
+                f"{self.kernel} state of '{self.name}' was saved with its rows in another order "
+                "(another TP layout) and has several row blocks, which a permutation would mix: "
+                "resume with the TP size it was saved under, or a max_preconditioner_dim of at "
+                "least its rows.")
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, Tensor) and v.numel() == 1:
+        return v.item()
+    return str(v)
+
+
+def _load_groups(opt: Any, text: str) -> None:
+    groups = json.loads(text)
+    if len(groups) != len(opt.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(groups)} parameter groups, the optimizer "
+                              f"{len(opt.param_groups)}.")
+    for g, saved in zip(opt.param_groups, groups):
+        for k, v in saved.items():
+            if k == "params" or k not in g:
+                continue
+            live = g[k]
+            if isinstance(live, bool) or not isinstance(live, (int, float, tuple, list)):
+                continue  # strings and objects are the optimizer's construction, not its state
+            g[k] = tuple(v) if isinstance(live, tuple) else type(live)(v) if isinstance(
+                live, (int, float)) else v
