@@ -1,5 +1,6 @@
-"""Bytes: the optimizer state a plan predicts (``predicted_state_bytes``), the state an optimizer
-holds (``measured_state_bytes``) and the bytes its collectives send (``comm_bytes``)."""
+"""Bytes: the optimizer state a plan predicts (``predicted_state_bytes``; with the kernels in
+use, ``kernel_state_bytes``), the state an optimizer holds (``measured_state_bytes``) and the
+bytes its collectives send (``comm_bytes``)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,20 @@ def adamw_and_main_bytes(plan: Plan, d: int, matrix: set[str], main_params: str 
                 if k > 0 and s.name not in matrix:
                     total += STATE_BYTES * formulas.adamw_state_numel(k)
     return total
+
+
+def kernel_state_bytes(plan: Plan, rank: int, work: Any, matrix_names: set[str], kernel: Any,
+                       micro: Any, main_params: str | None) -> int:
+    """:func:`predicted_state_bytes` of DP rank ``rank`` with the state of each matrix task it
+    owns (``work``: its work order), hosts or shares over TP (``micro``: its
+    ``MicroGroupRunner``) taken from ``kernel``, the matrix kernel in use (exact also when its
+    options change Shampoo's state layout)."""
+    total = sum(STATE_BYTES * kernel.state_numel(t.shape) for ts in work.matrix for t in ts)
+    total += sum(STATE_BYTES * kernel.state_numel(t.full_shape)
+                 for t in micro.hosted)  # tp > 1: the full matrices hosted here
+    total += sum(STATE_BYTES * kernel.state_numel(x.local_shape)
+                 for x in micro.shared)  # and this rank's shard of the shared ones
+    return total + adamw_and_main_bytes(plan, rank, matrix_names, main_params)
 
 
 def measured_state_bytes(state: Mapping[Any, Mapping[str, Any]],

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from canzona.planner.inventory import EXPERT_PART, ModelSpec
 from canzona.planner.layout import padded_vocab
@@ -37,6 +37,21 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 # --- arguments and sizes -------------------------------------------------------------------------
+
+
+def checked_timeout(collective_timeout: Any) -> float | None:
+    """``collective_timeout`` as seconds (a number > 0), or None."""
+    if collective_timeout is not None and (isinstance(collective_timeout, bool) or not (
+            isinstance(collective_timeout, (int, float)) and collective_timeout > 0)):
+        raise ValueError(f"collective_timeout must be a number of seconds > 0 (or None), "
+                         f"got {collective_timeout!r}")
+    return None if collective_timeout is None else float(collective_timeout)
+
+
+def check_overlap_target(model: Any, overlap_param_gather: bool) -> None:
+    if overlap_param_gather and not isinstance(model, nn.Module):
+        raise ValueError("overlap_param_gather=True needs the nn.Module (its forward pre-hook "
+                         "waits for the parameters)")
 
 
 def check_main_params(main_params: Any) -> None:

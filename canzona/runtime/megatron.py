@@ -32,7 +32,8 @@ from canzona.planner.models import ModelConfig
 from canzona.planner.shards import shard_map
 from canzona.runtime.introspect import dtype_name, local_tensor, named_params
 
-__all__ = ["MEGATRON_SUM_GRADS", "find_gpt", "megatron_config", "megatron_spec", "megatron_tp"]
+__all__ = ["MEGATRON_SUM_GRADS", "find_gpt", "megatron_config", "megatron_spec",
+           "megatron_sum_grads", "megatron_tp"]
 
 #: Replicated parameters whose gradient each TP rank holds only in part under Megatron: the
 #: QK layernorms see only the rank's attention heads (Megatron's ``finalize_model_grads`` sums
@@ -74,6 +75,15 @@ def find_gpt(model: Any) -> tuple[str, nn.Module] | None:
             return None
         prefix, m = prefix + "module.", inner
     return None
+
+
+def megatron_sum_grads(model: Any) -> tuple[str, ...]:
+    """The QK-layernorm globs (any name prefix) for a Megatron-core GPTModel built with
+    ``qk_layernorm``, else none."""
+    found = find_gpt(model)
+    if found is None or not getattr(found[1].config, "qk_layernorm", False):
+        return ()
+    return MEGATRON_SUM_GRADS
 
 
 def megatron_config(gpt: nn.Module, *, vocab: int | None = None,

@@ -1,0 +1,204 @@
+"""The construction phases of :class:`~canzona.runtime.optimizer.CanzonaOptimizer`, a mixin:
+each phase checks what it needs, builds its room's objects (``checks``, ``schedule``,
+``buffers``, ``collectives``, ``gradients``, ``update``, ``pairs``, ``tp``, ``replicated``) and
+sets the attributes that later phases and ``step()`` read. ``CanzonaOptimizer.__init__`` runs
+them in order; the one collective (every rank agrees on the plan) comes after every check that
+needs none, so that all ranks fail together."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from canzona.planner.formulas import LOCKSTEP_CMAX
+from canzona.planner.plan import Plan
+from canzona.runtime import checks, replicated, update
+from canzona.runtime.buffers import build_buffers
+from canzona.runtime.collectives import make_collective
+from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.flight import FlightRecorder
+from canzona.runtime.gradients import GradientCollector
+from canzona.runtime.introspect import local_tensor, named_params
+from canzona.runtime.megatron import megatron_sum_grads
+from canzona.runtime.optim import AdamW, AdamWConfig
+from canzona.runtime.pairs import PairRunner
+from canzona.runtime.schedule import build_schedule
+from canzona.runtime.tp import MicroGroupRunner, build_shared_tasks, build_tp_groups
+
+__all__ = ["Construction"]
+
+
+class Construction:
+    """``CanzonaOptimizer``'s construction phases, in the order its ``__init__`` runs them."""
+
+    state: Any  # torch.optim.Optimizer's, set by _build_param_groups
+
+    def _check_arguments(self, plan: Plan, *, collective_timeout: float | None,
+                         device_mesh: Any, dp_group: Any, tp_group: Any,
+                         main_params: str | None, grad_sync: str) -> tuple[Any, Any]:
+        """The arguments and the plan's sizes, checked without a collective. Returns
+        ``(dp_group, tp_group)``, the ``device_mesh``'s when one is given."""
+        self._timeout = checks.checked_timeout(collective_timeout)
+        if device_mesh is not None:
+            dp_group, tp_group = checks.mesh_groups(device_mesh, dp_group, tp_group)
+        checks.check_main_params(main_params)
+        checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
+        return dp_group, tp_group
+
+    def _take_parameters(self, model: nn.Module | Any, plan: Plan) -> list[tuple[str, Tensor]]:
+        """The model's named parameters (checked against the parts the plan splits), and the
+        tensors canzona works on. Returns the ``(name, parameter)`` pairs."""
+        pairs = named_params(model)
+        checks.check_split_parts(plan, pairs)
+        self._names = [n for n, _ in pairs]
+        #: The model's parameters (hooks, ``.grad``, TP attributes) and the tensors canzona works
+        #: on: the same, except a DTensor's local shard for each DTensor parameter.
+        self._live: list[Tensor] = [p for _, p in pairs]
+        self._params: list[Tensor] = [local_tensor(p) for p in self._live]
+        return pairs
+
+    def _join_groups(self, plan: Plan, dp_group: Any, tp_group: Any) -> bool:
+        """This rank's DP and TP groups, their sizes and its ranks, checked against the plan.
+        Returns whether a DP process group is in use (False: one rank, or tp > 1 with dp = 1,
+        where the world is the TP group)."""
+        # None stands for the default group and is resolved by every collective: holding the
+        # default ProcessGroup object would keep it (and its backend's worker threads) alive
+        # after dist.destroy_process_group(), into interpreter shutdown.
+        self._group = dp_group
+        distributed = dp_group is not None or (dist.is_available() and dist.is_initialized())
+        if plan.inputs.tp > 1 and dp_group is None:
+            if plan.inputs.dp != 1:
+                raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} × tp="
+                                        f"{plan.inputs.tp}: pass dp_group= (the ranks with this "
+                                        "rank's TP rank) as well as tp_group=.")
+            distributed = False  # dp = 1: no DP collective; the world is the TP group
+        self._dp = dist.get_world_size(dp_group) if distributed else 1
+        self._rank = dist.get_rank(dp_group) if distributed else 0
+        self._closed = False
+        checks.check_group_size(plan, self._dp)
+        self._tp = plan.inputs.tp
+        self._tp_group = tp_group if self._tp > 1 else None
+        self._tp_rank = dist.get_rank(tp_group) if self._tp > 1 else 0
+        return distributed
+
+    def _agree_on_plan(self, plan: Plan, pairs: list[tuple[str, Tensor]]) -> None:
+        """Every rank agrees before it acts: the plan's hash and the model's fingerprint (and,
+        for DTensors, their local shards), in one collective over DP (and TP), so that a rank
+        that finds a problem and its peers all raise."""
+        local_pairs = list(zip(self._names, self._params))
+        global_check = functools.partial(checks.fingerprint_problem, plan, pairs)
+        local_check = functools.partial(checks.local_layout_problem, plan, local_pairs)
+        problem = global_check() if self._tp == 1 else local_check()
+        if problem is None and any(p is not q for p, q in zip(self._live, self._params)):
+            # DTensors: global shapes and layouts (fingerprint) and local shards, both checked
+            problem = local_check() if self._tp == 1 else global_check()
+        if self._tp == 1:
+            checks.agree(plan, problem, dp=self._dp, group=self._group, device=self._device())
+        else:
+            checks.agree_grid(plan, problem, dp=self._dp, dp_group=self._group, tp=self._tp,
+                              tp_group=self._tp_group, device=self._device())
+
+    def _build_kernels(self, plan: Plan, *, optimizer: str | None,
+                       matrix_options: dict[str, Any] | None, ns_dtype: torch.dtype,
+                       explicit: dict[str, Any], adamw: dict[str, Any]) -> None:
+        """The matrix kernel (its settings checked against the plan's) and AdamW's."""
+        self._spec, self._matrix, self._recorded = checks.build_matrix_kernel(
+            plan, optimizer=optimizer, options=matrix_options or {}, ns_dtype=ns_dtype,
+            explicit=explicit)
+        self._adamw = AdamW(AdamWConfig(lr=adamw["lr"], betas=tuple(adamw["betas"]),
+                                        eps=adamw["eps"], weight_decay=adamw["weight_decay"],
+                                        nonfinite=adamw["nonfinite"]))
+
+    def _build_schedule(self, plan: Plan) -> None:
+        """The plan, its digest and this rank's schedule, whose work order is checked to update
+        every element of every parameter exactly once."""
+        self.plan = plan
+        self._digest = checks.plan_digest(plan)
+        self._schedule = build_schedule(plan, self._names, self._rank)
+        checks.check_work_order(self._schedule, self._names)
+
+    def _keep_options(self, *, grad_sync: str, main_params: str | None, overlap_tp: bool,
+                      overlap_param_gather: bool) -> None:
+        self._external = grad_sync == "external"
+        self._main_params = main_params
+        self._overlap_tp = bool(overlap_tp)
+        self._overlap_gather = overlap_param_gather
+        self._warned_unused = False
+
+    def _lay_out_buckets(self, *, collective: str | None,
+                         flight_record: str | os.PathLike | None, distributed: bool) -> None:
+        """The flat buffers of every bucket (the parameters become views of them), one
+        collective object per bucket, the flight recorder they report to, and the gradient
+        collector that fills the buffers."""
+        self._buffers = build_buffers(self._schedule, self._params, self._names,
+                                      external=self._external, main_params=self._main_params)
+        self._collectives = [make_collective(b, self._rank, self._dp, buf,
+                                             reduce=not self._external, method=collective)
+                             for b, buf in zip(self._schedule.buckets, self._buffers)]
+        self._flight = None
+        if flight_record is not None:
+            self._flight = FlightRecorder(
+                flight_record, dist.get_rank() if distributed else 0,
+                labels={"dp_rank": self._rank, "tp_rank": self._tp_rank})
+        for c in self._collectives:
+            c.timeout_s, c.flight = self._timeout, self._flight
+        self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
+
+    def _init_owned_state(self) -> None:
+        """fp32 state for every matrix task and AdamW slice this rank owns."""
+        update.init_owned_state(self._schedule.mine, self._params, self.state, self._matrix,
+                                self._adamw, self._device())
+
+    def _set_up_shared_and_tp(self, plan: Plan) -> None:
+        """The runners of the matrices this rank shares with a DP partner (``plan.dp_shared``)
+        and of its TP micro-groups and TP-shared matrices (tp > 1), with their state."""
+        self._pairs = PairRunner(self._schedule.mine, dp_group=self._group, dp_rank=self._rank,
+                                 timeout_s=self._timeout, flight=self._flight)
+        own_start = [b.cuts[self._rank] for b in self._schedule.buckets]
+        self._micro = MicroGroupRunner(
+            build_tp_groups(plan, self._names, self._schedule.param_bucket,
+                            self._schedule.param_range, own_start, self._rank, self._tp_rank),
+            tp_rank=self._tp_rank, tp=self._tp, comm_dtype=plan.inputs.comm_dtype,
+            buffers=self._buffers, params=self._params,
+            shared=build_shared_tasks(plan, self._names, self._schedule.param_bucket,
+                                      self._schedule.param_range, own_start, self._rank),
+            shared_cap=LOCKSTEP_CMAX * plan.tp.cmax_bytes if plan.tp is not None else 0)
+        self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
+        self._micro.dp_group = self._group
+        self._micro.flight = self._flight
+        self._micro.init_state(self.state, self._matrix, self._device())
+
+    def _find_replicated_ranges(self, model: Any, tp_sum_grads: Sequence[str]) -> None:
+        """tp > 1: the ranges of this rank's own slices that hold parameters replicated over TP
+        (``runtime.replicated``): all of them, counted once by clipping, and those whose
+        gradients are partial per TP rank, summed over TP before the update."""
+        self._tp_duplicates = (replicated.duplicate_ranges(
+            self._schedule, self._live, (t.param for t in self._micro.tasks))
+            if self._tp > 1 else ())
+        self._sum_globs = tuple(tp_sum_grads) + megatron_sum_grads(model)
+        self._sp_ranges = (replicated.partial_grad_ranges(
+            self._schedule, self._names, self._live, self._sum_globs) if self._tp > 1 else [])
+
+    def _register_hooks(self, model: Any, overlap_param_gather: bool) -> None:
+        """A post-accumulate-grad hook per parameter that requires a gradient (unless the
+        gradients are reduced outside), and the forward pre-hook that waits for the parameters
+        under ``overlap_param_gather``."""
+        self._hooks: list[Any] = []
+        if not self._external:
+            for i, p in enumerate(self._live):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        functools.partial(self._on_grad, i)))  # type: ignore[attr-defined]
+        if overlap_param_gather:
+            self._hooks.append(model.register_forward_pre_hook(
+                lambda *_: self.wait_params()))  # type: ignore[attr-defined]
+
+    def _device(self) -> torch.device:
+        """Where this rank's parameters, and so its state, live."""
+        return self._params[0].device if self._params else torch.device("cpu")

@@ -1,0 +1,104 @@
+"""What every rank agrees about the averaged gradients of a step, after the reductions: which
+parameters got a gradient on any rank (``GradientCollector.received_anywhere``), which hold NaN
+or Inf on any rank, and what the non-finite policy then does with those, alike on every rank."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.runtime.buffers import BucketBuffers
+from canzona.runtime.collectives import wait_for
+from canzona.runtime.errors import NonFiniteSkipWarning
+from canzona.runtime.gradients import GradientCollector
+from canzona.runtime.optim._base import NonFiniteGradientError
+from canzona.runtime.schedule import WorkOrder
+
+
+def all_reduce_max(t: Tensor, *, dp: int, group: Any, tp: int, tp_group: Any, flight: Any,
+                   timeout_s: float | None, rank: int) -> None:
+    """MAX all-reduce of ``t`` over the DP group, then the TP group (each only when it has more
+    than one rank), each recorded in the flight table and waited for under ``timeout_s``."""
+    for size, g, name in ((dp, group, "DP"), (tp, tp_group, "TP")):
+        if size > 1:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g, async_op=True)
+            what = (f"the {name} all-reduce of the per-parameter gradient flags (after the "
+                    "reduce-scatters)")
+            if flight is not None:
+                flight.add(what, work)
+            wait_for(work, what, timeout_s, rank)
+
+
+def agree(grads: GradientCollector, buffers: Sequence[BucketBuffers], work: WorkOrder,
+          params: list[Tensor], reduce_max: Callable[[Tensor], None]) -> list[int]:
+    """Per parameter, whether any rank got a gradient for it (into ``grads.received_anywhere``),
+    and per bucket whether any rank's averaged slice holds NaN or Inf: one MAX all-reduce
+    (``reduce_max``) and one copy to the host. Only when a bucket is non-finite somewhere, a
+    second all-reduce names the parameters. Returns them (the same on every rank)."""
+    n = len(params)
+    device = params[0].device
+    finite = [torch.isfinite(b.own).all() for b in buffers if b.own.numel()]
+    bad_bucket = (~torch.stack(finite)).any().to(torch.int32).reshape(1) if finite else \
+        torch.zeros(1, dtype=torch.int32, device=device)
+    flags = torch.cat([grads.received.to(device), bad_bucket.to(device)])
+    reduce_max(flags)
+    flags = flags.cpu().tolist()
+    grads.received_anywhere = flags[:n]
+    if not flags[n]:
+        return []
+    bad = torch.zeros(n, dtype=torch.int32)
+    for bi, buf in enumerate(buffers):
+        for x in own_pieces(work, bi):
+            if not bool(torch.isfinite(buf.own[x.lo:x.hi]).all()):
+                bad[x.param] = 1
+    bad = bad.to(device)
+    reduce_max(bad)
+    return [i for i, f in enumerate(bad.cpu().tolist()) if f]
+
+
+def apply_policy(bad: list[int], *, grads: GradientCollector, buffers: Sequence[BucketBuffers],
+                 work: WorkOrder, names: list[str], matrix_params: Collection[int], matrix: Any,
+                 adamw: Any, reset: Callable[[], None]) -> None:
+    """The same decision on every rank for the parameters whose averaged gradient holds NaN
+    or Inf anywhere: under ``nonfinite="raise"`` (the kernels' default) every rank raises
+    ``NonFiniteGradientError`` naming them, before anything is updated (``reset`` drops the
+    gradients: the next step starts clean); under ``"skip"`` every rank leaves them alone this
+    step (their owners do not update them; the all-gathers send them unchanged)."""
+    if not bad:
+        return
+    matrix_set = set(matrix_params)
+
+    def policy(i: int) -> str:
+        kernel = matrix if i in matrix_set else adamw
+        return getattr(getattr(kernel, "config", None), "nonfinite", "raise")
+
+    raise_on = [i for i in bad if policy(i) == "raise"]
+    if raise_on:
+        reset()
+        raise NonFiniteGradientError([names[i] for i in raise_on])
+    received = list(grads.received_anywhere)
+    skipped = set(bad)
+    for i in bad:
+        received[i] = 0  # as if no rank had a gradient for it: nobody updates it
+    grads.received_anywhere = received
+    # Their slices count as zero (a global norm for clipping stays finite).
+    for bi, buf in enumerate(buffers):
+        for x in own_pieces(work, bi):
+            if x.param in skipped:
+                buf.own[x.lo:x.hi].zero_()
+    warnings.warn(f"skipped {len(bad)} parameter(s) with a non-finite gradient this step "
+                  f"(nonfinite='skip'): " + ", ".join(names[i] for i in bad),
+                  NonFiniteSkipWarning, stacklevel=3)
+
+
+def own_pieces(work: WorkOrder, bucket: int) -> list:
+    """This rank's pieces of bucket ``bucket``'s own slice: matrix tasks, AdamW slices and
+    TP-split shards (each with ``param``, ``lo``, ``hi``)."""
+    return [*(work.matrix[bucket] if bucket < len(work.matrix) else ()),
+            *(work.adamw[bucket] if bucket < len(work.adamw) else ()),
+            *(work.split[bucket] if bucket < len(work.split) else ())]
