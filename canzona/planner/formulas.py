@@ -225,7 +225,7 @@ def adamw_state_numel(numel: int) -> int:
     return 2 * numel + 1
 
 
-# --- shared Newton–Schulz in lockstep (issue 18) ------------------------------------------------
+# --- shared Newton–Schulz in lockstep ----------------------------------------------------------
 
 #: The Gram of a shared Newton–Schulz is symmetric, so its all-reduce carries only its upper
 #: part, cut in this many block rows (each block row ``[r0, r1)`` sends ``G[r0:r1, r0:]``; the

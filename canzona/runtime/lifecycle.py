@@ -41,7 +41,7 @@ class Lifecycle:
         finished work, which frees tensors and takes the GIL; gloo's threads outlive
         ``destroy_process_group()`` when the group object stays alive (torch 2.13 keeps the
         default group's), and one still doing so at interpreter shutdown aborts the process
-        ("terminate called without an active exception", issue 9).
+        ("terminate called without an active exception").
 
         Idempotent, and training may go on after it; call it (or :meth:`close`) before
         ``torch.distributed.destroy_process_group()``.

@@ -1,7 +1,7 @@
 """What a :class:`~canzona.runtime.optimizer.CanzonaOptimizer` reports about itself and saves, a
 mixin: the collective method of every bucket, the bytes its state, its collectives and its TP
 scratch take (``runtime.accounting``), and this rank's sharded state dict with the fp32 main
-copies (``runtime.checkpoint``)."""
+copies (``runtime.checkpoint.sharded``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TP sub-groups: k of a TP group's tp ranks share one matrix's Newton–Schulz, tp/k matrices side
-by side (issue 18, "where the k ranks are a TP sub-group"; the kernel, standalone — the planner
-and the optimizer do not place such pieces yet, ``planner.sharing.tp_sub_piece`` models them).
+by side (the kernel, standalone — the planner and the optimizer do not place such pieces yet,
+``planner.sharing.tp_sub_piece`` models them).
 
 Over the whole TP group (k = tp) a shared piece carries its Gram's collectives (≈ n²/2 elements
 per step) for an eighth of the matrix's work per GPU at tp = 8. Per rank the compute grows as
