@@ -420,8 +420,9 @@ class MicroGroupRunner:
     def _run_batch(self, batch: Sequence[SharedTask], group: Any,
                    state: MutableMapping[Tensor, Any], matrix: Any) -> None:
         """One lockstep batch of shared matrices (scratch within ``shared_cap``)."""
-        from canzona.runtime.optim.shared_ns import (PeerPair, TPPair, orientation,
-                                                     shared_newton_schulz_many)
+        from canzona.runtime.optim.orientation import orientation
+        from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+        from canzona.runtime.optim.transports import PeerPair, TPPair
 
         cfg = matrix.config
         todo, blocks, flips, groups = [], [], [], []
