@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from canzona.planner import formulas
 from canzona.runtime.optim.muon import DEFAULT_COEFFICIENTS, newton_schulz
-from canzona.runtime.optim.shared_ns import PeerPair, orientation, shared_newton_schulz
+from canzona.runtime.optim.orientation import orientation
+from canzona.runtime.optim.shared_ns import shared_newton_schulz
+from canzona.runtime.optim.transports import PeerPair
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 VARIANTS = ("alone", "shared", "split", "pair")

@@ -29,7 +29,8 @@ from canzona.runtime.megatron import megatron_sum_grads
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.pairs import PairRunner
 from canzona.runtime.schedule import build_schedule
-from canzona.runtime.tp import MicroGroupRunner, build_shared_tasks, build_tp_groups
+from canzona.runtime.tp import MicroGroupRunner
+from canzona.runtime.tp_tasks import build_shared_tasks, build_tp_groups
 
 __all__ = ["Construction"]
 

@@ -11,7 +11,7 @@ update up to summation order.
 
 No process group is created for a pair: the two ranks exchange their partial Grams (and
 polynomial blocks) with point-to-point messages on the DP group
-(:class:`~canzona.runtime.optim.shared_ns.PeerPair`; an exchange and a sum is a two-rank
+(:class:`~canzona.runtime.optim.transports.PeerPair`; an exchange and a sum is a two-rank
 all-reduce), so there is no communicator per pair on any rank, and any two DP indices can pair.
 A rank runs its pairs in the plan's phase order; the plan gives no rank two pairs in one phase,
 so partners meet in the same order and the pairs of a phase run side by side.
@@ -28,7 +28,8 @@ from torch import Tensor
 from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.collectives import wait_for
 from canzona.runtime.errors import PlanMismatchError
-from canzona.runtime.optim.shared_ns import PeerPair, pair_exchange
+from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+from canzona.runtime.optim.transports import PeerPair, pair_exchange
 from canzona.runtime.schedule import MatrixTask, WorkOrder
 
 __all__ = ["PairRunner", "pair_tasks"]
@@ -65,8 +66,6 @@ class PairRunner:
         """Per shared task id, this rank's rows of its Muon update (float32). Tasks whose
         parameter got no gradient, or a non-finite one that ``nonfinite="skip"`` skips
         (``received[i] == 0`` on every rank alike), are left out by both partners."""
-        from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
-
         todo = [t for t in self.tasks if received[t.param]]
         if not todo:
             return {}

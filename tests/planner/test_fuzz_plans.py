@@ -263,7 +263,7 @@ def runtime_preparation(plan: Plan) -> None:
     from canzona.runtime.checks import check_work_order, plan_params
     from canzona.runtime.errors import PlanMismatchError
     from canzona.runtime.schedule import build_schedule
-    from canzona.runtime.tp import build_shared_tasks, build_tp_groups
+    from canzona.runtime.tp_tasks import build_shared_tasks, build_tp_groups
 
     names = [name for name, _, _ in plan_params(plan)]
     try:

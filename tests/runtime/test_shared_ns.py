@@ -24,14 +24,9 @@ from dp_helpers import results, run_world
 
 from canzona.runtime.optim import Muon, MuonConfig
 from canzona.runtime.optim.muon import newton_schulz
-from canzona.runtime.optim.shared_ns import (
-    PeerPair,
-    TPPair,
-    dp_row_block,
-    orientation,
-    shared_newton_schulz,
-    tp_row_blocks,
-)
+from canzona.runtime.optim.orientation import dp_row_block, orientation, tp_row_blocks
+from canzona.runtime.optim.shared_ns import shared_newton_schulz
+from canzona.runtime.optim.transports import PeerPair, TPPair
 
 STEPS = 10
 TP = 2  # the TP group of the k > tp cases (4 ranks: two DP indices × two TP ranks)
@@ -260,7 +255,7 @@ def chunks_case(rank: int, world: int) -> dict:
     # each launch at step 0 (the packed buffer starts as zeros): its own chunk written, the
     # chunks after it not yet, and how many products (torch.mm: the Gram's chunks) ran before
     launches: list[tuple[int, bool, bool, int]] = []
-    plain, mm = shared_ns._all_reduce, torch.mm
+    plain, mm = shared_ns.all_reduce, torch.mm
     products = [0]
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -275,7 +270,7 @@ def chunks_case(rank: int, world: int) -> dict:
                              bool(base[at + t.numel():].eq(0).all()), products[0]))
         return plain(t, group)
 
-    shared_ns._all_reduce, torch.mm = spy, counted
+    shared_ns.all_reduce, torch.mm = spy, counted
 
     class Recorder:
         def __init__(self) -> None:
@@ -300,7 +295,7 @@ def chunks_case(rank: int, world: int) -> dict:
         out[kind + "/step0"] = [v for v in step0.values()]
         launches.clear()
         products[0] = 0
-    shared_ns._all_reduce, torch.mm = plain, mm
+    shared_ns.all_reduce, torch.mm = plain, mm
     return out
 
 
@@ -808,19 +803,19 @@ def test_gram_packing_round_trip(n):
     """The all-reduce carries the Gram's upper block rows; unpacked, a symmetric Gram is back
     bit for bit, and an asymmetric one keeps its diagonal blocks and mirrors the rest."""
     from canzona.planner.formulas import gram_blocks, gram_packed_numel
-    from canzona.runtime.optim.shared_ns import _pack_gram, _unpack_gram
+    from canzona.runtime.optim.gram_packing import pack_gram, unpack_gram
 
     x = torch.randn(3 * n, n, generator=torch.Generator().manual_seed(n))
     g = x.mT @ x
     sym = torch.triu(g) + torch.triu(g, 1).mT
     packed = torch.empty(gram_packed_numel(n))
-    _pack_gram(sym, packed)
+    pack_gram(sym, packed)
     back = torch.full((n, n), float("nan"))
-    _unpack_gram(packed, back)
+    unpack_gram(packed, back)
     assert torch.equal(back, sym)
     asym = torch.randn(n, n)
-    _pack_gram(asym, packed)
-    _unpack_gram(packed, back)
+    pack_gram(asym, packed)
+    unpack_gram(packed, back)
     for r0, r1 in gram_blocks(n):
         assert torch.equal(back[r0:r1, r0:], asym[r0:r1, r0:])
         assert torch.equal(back[r1:, r0:r1], asym[r0:r1, r1:].mT)
@@ -831,7 +826,7 @@ def test_split_polynomial_upper_parts_cover_p(n, k):
     """Each rank's packed upper parts of P (two block rows), gathered and unpacked, are
     bG + cG² (to float64 rounding of the same products), every element computed once."""
     from canzona.planner.formulas import poly_blocks, poly_packed_numel
-    from canzona.runtime.optim.shared_ns import _poly_views, _unpack_poly
+    from canzona.runtime.optim.gram_packing import poly_views, unpack_poly
 
     x = torch.randn(2 * n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
     g = x.mT @ x
@@ -841,13 +836,13 @@ def test_split_polynomial_upper_parts_cover_p(n, k):
     gathered = torch.zeros(k * size, dtype=torch.float64)
     rows = []
     for r in range(k):
-        for r0, r1, v in _poly_views(gathered[r * size:(r + 1) * size], n, k, r):
+        for r0, r1, v in poly_views(gathered[r * size:(r + 1) * size], n, k, r):
             torch.addmm(g[r0:r1, r0:], g[r0:r1], g[:, r0:], beta=b, alpha=c, out=v)
             rows += range(r0, r1)
     assert sorted(rows) == list(range(n))  # every block row on exactly one rank
     assert all(sum((r1 - r0) * (n - r0) for r0, r1 in mine) <= size for mine in poly_blocks(n, k))
     poly = torch.full((n, n), float("nan"), dtype=torch.float64)
-    _unpack_poly(gathered, poly, k)
+    unpack_poly(gathered, poly, k)
     torch.testing.assert_close(poly, b * g + c * g @ g, rtol=1e-12, atol=1e-9)
 
 

@@ -187,7 +187,7 @@ def block_decision(problem: DPProblem, mode: ShareMode | str = "auto") -> dict[i
 def tp_pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",
                      mode: ShareMode | str = "auto") -> dict[int, PairShare]:
     """At tp > 1 (Muon): the tall column-parallel matrices a TP group would share with the same
-    TP ranks at a partner DP index (k = 2·tp, ``runtime.optim.shared_ns.TPPair``): ``auto``,
+    TP ranks at a partner DP index (k = 2·tp, ``runtime.optim.transports.TPPair``): ``auto``,
     those the bound shares so (:func:`sharing_bound` over TP groups and TP pairs); otherwise
     every eligible one, with or without the polynomial split (:func:`chosen`). Each priced by
     ``prices.price_tp_pair``. The DP problem (``with_pairs``), the per-GPU objective

@@ -16,7 +16,7 @@ iteration). The sharing groups:
   column-parallel matrix whose piece over its TP group alone outweighs a GPU's share
   (llama3-70b's fused gate/up at tp 8): each TP shard's ZeRO-1 cut moves to a row boundary
   between the two DP indices; the Gram is reduce-scattered over TP, its 1/tp chunks summed
-  across the pair, all-gathered over TP (``runtime.optim.shared_ns.TPPair``: the kernel). The
+  across the pair, all-gathered over TP (``runtime.optim.transports.TPPair``: the kernel). The
   planner places them on fixed partner indices (2s, 2s + 1) where that lowers its objective
   (``decision.tp_pair_decision``, ``candidates.tp_bundle_candidate``;
   ``TPOptions.share = "pairs"``: every one), the runtime's TP lockstep runs them;

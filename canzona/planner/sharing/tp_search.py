@@ -61,7 +61,7 @@ class TPPairSearch(Search):
     # -- costs -------------------------------------------------------------------------------
     def _lock(self, whole: list[int], halves: list[int]) -> tuple[float, float]:
         """An index's lockstep: its pair's halves first, then its own shared pieces, in task
-        order (``runtime.tp``): (the batches holding a half, the others)."""
+        order (``runtime.tp_shared``): (the batches holding a half, the others)."""
         lock = Lockstep(self.cap)
         for i in halves:
             x = self.half[i]

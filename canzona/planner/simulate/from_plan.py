@@ -157,7 +157,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                     sizes.append(lockstep_bytes(-(-m // k), n, k, x.split_poly,
                                                 ELEMENT_BYTES[matrix_dtype]))
                     half.append(x.partner is not None)
-                # the runtime runs the halves first, then the own matrices (``runtime.tp``):
+                # the runtime runs the halves first, then the own matrices (``runtime.tp_shared``):
                 # the batches holding a half end together on both partners
                 order = sorted(range(len(pieces)), key=lambda j: not half[j])
                 secs = [0.0, 0.0]

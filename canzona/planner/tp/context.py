@@ -314,8 +314,8 @@ def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
 
 def index_halves(problem: DPProblem, cuts: Cuts) -> tuple[list[Lockstep], list[set[int]]]:
     """At tp > 1, per DP index its whole lockstep: its halves of the tasks it shares with a
-    partner index first (``runtime.tp``), then the tasks its TP group shares; and its partners
-    (:func:`pair_pieces`)."""
+    partner index first (``runtime.tp_shared``), then the tasks its TP group shares; and its
+    partners (:func:`pair_pieces`)."""
     pieces, partners = pair_pieces(problem, cuts)
     out = index_lockstep(problem, cuts)
     for d, xs in enumerate(pieces):

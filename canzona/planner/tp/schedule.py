@@ -305,9 +305,9 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
 
 
 def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[float, float]:
-    """Seconds of one index's shared tasks as the runtime runs them (``runtime.tp``): the halves
-    it shares with a partner index first, then its TP group's own matrices, in batches whose
-    scratch fits 2 · ``cap`` (C_max), each batch in lockstep (:func:`lockstep_seconds`; a
+    """Seconds of one index's shared tasks as the runtime runs them (``runtime.tp_shared``): the
+    halves it shares with a partner index first, then its TP group's own matrices, in batches
+    whose scratch fits 2 · ``cap`` (C_max), each batch in lockstep (:func:`lockstep_seconds`; a
     half holds its rows of 2·tp). Returns (the batches holding a half, the others): partners
     finish the first together."""
     tp = pr.sizes.tp
