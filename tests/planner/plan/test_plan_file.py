@@ -175,7 +175,7 @@ def test_parse_plan_checks_the_formulas_too(good):
 def test_old_plans_inspect_with_their_config():
     """Every committed file of an older schema version reports through ``inspect`` with the tiny
     model's config beside it (its fingerprint matches; a version-1 file reports as converted)."""
-    old = Path(__file__).resolve().parents[2] / "plans" / "old"
+    old = Path(__file__).resolve().parents[3] / "plans" / "old"
     files = sorted(old.glob("*.plan.json"))
     assert len(files) == SCHEMA_VERSION - 1
     for f in files:

@@ -23,7 +23,7 @@ from canzona.planner.strategies import (DESCRIPTIONS, EXACT, REGISTRY, STRATEGIE
                                         baseline_rows, compare, compare_plan, compare_problem,
                                         strategy_workload)
 
-PLANS = sorted((Path(__file__).parents[2] / "plans").glob("*.plan.json"))
+PLANS = sorted((Path(__file__).parents[3] / "plans").glob("*.plan.json"))
 
 
 @lru_cache(maxsize=None)

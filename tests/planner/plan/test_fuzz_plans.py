@@ -57,7 +57,7 @@ from canzona.planner.settings import OptimizerSettings
 
 torch = pytest.importorskip("torch")
 
-PLANS = Path(__file__).resolve().parents[2] / "plans"
+PLANS = Path(__file__).resolve().parents[3] / "plans"
 SOURCE = "<fuzzed>"
 FUZZ = settings(max_examples=300, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -382,7 +382,7 @@ def test_texts_that_are_not_plans():
 
 # --- the runtime at world size 1: refuse, or step exactly as the unmutated plan does ------------
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 from dp_helpers import TinyGPT, batch, loss_fn  # noqa: E402
 
 import canzona  # noqa: E402

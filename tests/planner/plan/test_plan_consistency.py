@@ -22,7 +22,7 @@ from canzona.planner.plan.load import load_plan, parse_plan
 from canzona.planner.plan.build import baseline_plan
 from canzona.planner.planning import make_problem
 
-PLANS = Path(__file__).resolve().parents[2] / "plans"
+PLANS = Path(__file__).resolve().parents[3] / "plans"
 
 
 def _make(model: str, dp: int, tp: int, ep: int = 1, cost: str = "flops", **settings) -> Plan:

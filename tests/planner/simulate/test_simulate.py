@@ -20,7 +20,7 @@ from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload,
                                       split_forward_backward, workload_from_plan)
 from canzona.planner.simulate.from_plan import _a2a
 
-PLANS = sorted((Path(__file__).parents[2] / "plans").glob("*.plan.json"))
+PLANS = sorted((Path(__file__).parents[3] / "plans").glob("*.plan.json"))
 SMALL = next(p for p in PLANS if p.name == "qwen3-1.7b-dp16-tp8-muon.plan.json")
 BIG = next(p for p in PLANS if p.name == "qwen3-32b-dp32-tp8-muon.plan.json")
 
