@@ -36,7 +36,8 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.ln(x)))) + self.proj(self.qkv(x)[..., :x.shape[-1]])
+        return (x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+                + self.proj(self.qkv(x)[..., :x.shape[-1]]))
 
 
 class Model(nn.Module):
@@ -110,7 +111,8 @@ def main() -> None:
           f"   ratio {out['save_ratio']:.2f}")
     print(f"  load: logical {med['dcp_load']:.3f} s   per-rank torch.load {med['torch_load']:.3f} s"
           f"   ratio {out['load_ratio']:.2f}")
-    print(f"  size: logical {size['logical'] / 2**20:.1f} MiB   per-rank {size['per_rank'] / 2**20:.1f} MiB")
+    print(f"  size: logical {size['logical'] / 2**20:.1f} MiB"
+          f"   per-rank {size['per_rank'] / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

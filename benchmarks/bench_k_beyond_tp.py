@@ -58,8 +58,8 @@ def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int, float
                   and o.split_poly), None)
         if o is None:
             raise SystemExit(f"{t.name}: no {group} option")
-        piece = (kind, o.piece_flops / rate, o.comm_s, lockstep_bytes(-(-m // o.k), n, o.k, True, 2),
-                 o.hidden_s)
+        piece = (kind, o.piece_flops / rate, o.comm_s,
+                 lockstep_bytes(-(-m // o.k), n, o.k, True, 2), o.hidden_s)
         out += [piece] * (o.k // problem.sizes.tp)
     return out
 
@@ -219,7 +219,8 @@ def _patterns(types: list, count: dict, dp: int, cap: int, hi: float,
         solver.parameters.max_time_in_seconds = 60
         status = solver.Solve(m)
         if status == cp_model.UNKNOWN:
-            raise SystemExit("CP-SAT decided nothing within 60 s: no figure rather than a wrong one")
+            raise SystemExit("CP-SAT decided nothing within 60 s: "
+                             "no figure rather than a wrong one")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         return {f"{ty[0]} {ty[1]}": solver.Value(y) for ty, y in zip(types, took)

@@ -15,8 +15,9 @@ hits them alike; the best time of the repetitions is reported, and "noise" is th
 median/best ratio of the case. "CPU share" compares a fixed probe matmul timed between the
 repetitions (median) with its best time in the session: well below 100 % means other processes
 were competing for the cores and the row's absolute figures (less so its ratios) are depressed.
-The plain-matmul reference is the best of a measurement at the start and one at the end. Achieved FLOP/s use ``canzona.planner.formulas.muon_flops`` and are
-compared with a plain 2048³ matmul in the same dtype on the same machine.
+The plain-matmul reference is the best of a measurement at the start and one at the end. Achieved
+FLOP/s use ``canzona.planner.formulas.muon_flops`` and are compared with a plain 2048³ matmul in
+the same dtype on the same machine.
 
 Usage::
 
@@ -49,7 +50,8 @@ README = Path(__file__).resolve().parent / "README.md"
 NOTES = """\
 Reading the table: *speed-up* is loop time / batched time for the whole `Muon.direction` (momentum,
 non-finite check, cast, Newton–Schulz); *NS only* is the same ratio for the bare iteration. This CPU
-has AVX-512 but no native bfloat16 (no AVX512-BF16/AMX): bf16 matmuls run at a fraction of fp32's rate
+has AVX-512 but no native bfloat16 (no AVX512-BF16/AMX): bf16 matmuls run at a fraction of \
+fp32's rate
 and are conversion-bound, batched or not. In fp32 one 128×384 Newton–Schulz already runs at a good
 share of the machine's matmul rate, so stacking gains less; in our runs the 1.5× aim for the small
 case was reached in bf16 and not in fp32 (about 1.3×). For 512×1536 one matmul already fills both
@@ -95,7 +97,8 @@ def bench_case(count: int, m: int, n: int, dtype: torch.dtype, repeats: int) -> 
         "batched": lambda: opt.direction(grads, states_b),
         "loop": lambda: [opt.direction([g], [s]) for g, s in zip(grads, states_l)],
         "ns_batched": lambda: newton_schulz(stack, cfg.schedule, eps=cfg.eps, dtype=dtype),
-        "ns_loop": lambda: [newton_schulz(x, cfg.schedule, eps=cfg.eps, dtype=dtype) for x in stack],
+        "ns_loop": lambda: [newton_schulz(x, cfg.schedule, eps=cfg.eps, dtype=dtype)
+                            for x in stack],
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up
@@ -177,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--quick", action="store_true", help="2 repetitions (smoke test)")
-    parser.add_argument("--write-readme", action="store_true", help=f"rewrite '{SECTION}' of {README.name}")
+    parser.add_argument("--write-readme", action="store_true",
+                        help=f"rewrite '{SECTION}' of {README.name}")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,14 +9,14 @@ Per configuration, three plans: **canzona-greedy** (the paper: α-greedy DP cuts
 last again with ``--objective max-load`` (the compute alone, where the default step-time also
 weighs the bucket collectives the placement changes). Then Shampoo at tp 1:
 whole matrices against block rows hosted by two DP ranks, and at tp > 1 hosted against
-preconditioned shard by shard (where every shard is whole blocks). For each: the busiest GPU's load over the mean
-useful work per GPU (every task's single-device cost once; a shared task's Gram all-reduces, which
-each rank waits for in turn, count in the busiest GPU's load), the bounds (the atomic LB, the bound
-with sharing over TP groups, a TP group with a second DP index, and DP pairs/quads,
-``planner.sharing``), and the simulated optimizer
-step's compute path (compute + exposed TP gather/scatter of the critical rank, ``canzona
-simulate``, no backward to hide the DP collectives behind, so they are left out: they are the same
-buckets in all three). Ratios: greedy / shared of that path.
+preconditioned shard by shard (where every shard is whole blocks). For each: the busiest GPU's load
+over the mean useful work per GPU (every task's single-device cost once; a shared task's Gram
+all-reduces, which each rank waits for in turn, count in the busiest GPU's load), the bounds (the
+atomic LB, the bound with sharing over TP groups, a TP group with a second DP index, and DP
+pairs/quads, ``planner.sharing``), and the simulated optimizer step's compute path (compute +
+exposed TP gather/scatter of the critical rank, ``canzona simulate``, no backward to hide the DP
+collectives behind, so they are left out: they are the same buckets in all three). Ratios: greedy /
+shared of that path.
 """
 
 from __future__ import annotations
@@ -128,8 +128,10 @@ def main() -> None:
         r = c["rows"]
         if "canzona --share auto --objective max-load" not in r:
             continue
-        cells = [f"{x['max_over_useful_mean']:6.3f} {x['path_ms']:6.1f} {x['dp_collectives_ms']:7.1f} ms"
-                 for x in (r["canzona --share auto"], r["canzona --share auto --objective max-load"])]
+        cells = [f"{x['max_over_useful_mean']:6.3f} {x['path_ms']:6.1f} "
+                 f"{x['dp_collectives_ms']:7.1f} ms"
+                 for x in (r["canzona --share auto"],
+                           r["canzona --share auto --objective max-load"])]
         name = f"{c['model']} dp{c['dp']} tp{c['tp']}"
         print(f"{name:26} step-time {cells[0]} | max-load {cells[1]}")
     print("\nShampoo, tp 1: whole matrices against block rows hosted by two DP ranks (--share "
@@ -150,7 +152,8 @@ def main() -> None:
         off, every, auto, ml = (c["rows"][k] for k in ("off", "all", "auto", "all max-load"))
         name = f"{c['model']} dp{c['dp']} tp{c['tp']}"
         print(f"{name:22} hosted {off['max_over_useful_mean']:6.3f} {off['path_ms']:6.2f} "
-              f"{off['dp_collectives_ms']:6.1f} | shard blocks {every['max_over_useful_mean']:6.3f} "
+              f"{off['dp_collectives_ms']:6.1f} | shard blocks "
+              f"{every['max_over_useful_mean']:6.3f} "
               f"{every['path_ms']:6.2f} {every['dp_collectives_ms']:6.1f} ({every['shared']:3d}) | "
               f"max-load {ml['max_over_useful_mean']:6.3f} {ml['path_ms']:6.2f} "
               f"{ml['dp_collectives_ms']:6.1f} | auto keeps "

@@ -187,7 +187,8 @@ def _worker(rank: int, port: int, out: str, hidden: int, layers: int, rounds: in
                 t0 = time.perf_counter()
                 dup.step(grads)
             elif name == "comm-only":
-                micro = opts["canzona"]._micro  # the runner alone, with a kernel that computes nothing
+                # the runner alone, with a kernel that computes nothing
+                micro = opts["canzona"]._micro
                 dist.barrier(tp_group)
                 t0 = time.perf_counter()
                 micro.run(group=tp_group, state=collections.defaultdict(dict), matrix=_CommOnly(),
@@ -251,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{r0['matrices']} matrices, C_max {cmax * 2**20 / 1024:.0f} KiB → micro-groups per DP "
         f"index {r0['groups']}; Muon (fp32 Newton–Schulz), fp32 gather/scatter.",
         "",
-        "| strategy | step (median) | vs duplicated | bytes sent / rank / step | collective calls |",
+        "| strategy | step (median) | vs duplicated | bytes sent / rank / step "
+        "| collective calls |",
         "|---|---:|---:|---:|---:|",
-        f"| duplicated (all-gather, every rank computes every matrix) | {med['duplicated'] * 1e3:.1f} ms "
+        "| duplicated (all-gather, every rank computes every matrix) "
+        f"| {med['duplicated'] * 1e3:.1f} ms "
         f"| 1.00× | {r0['dup_bytes'] / 2**20:.2f} MiB | {r0['dup_calls']} |",
     ]
     for k, label in (("canzona-seq", "canzona, overlap off"), ("canzona", "canzona, overlap on")):

@@ -48,7 +48,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads)
+                   .permute(2, 0, 3, 1, 4))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
@@ -69,7 +70,8 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def progressions(gen: torch.Generator, batch: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def progressions(gen: torch.Generator, batch: int, seq: int,
+                 vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Arithmetic progressions mod vocab (random start, stride 1-4): the stride can be read from
     two tokens, so the loss falls from ln(vocab) towards 0."""
     start = torch.randint(0, vocab, (batch, 1), generator=gen)

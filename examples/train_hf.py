@@ -4,11 +4,12 @@ loop on the same batches), CPU, gloo:
     torchrun --standalone --nproc-per-node 2 examples/train_hf.py [--loop trainer|manual]
              [--model qwen3|qwen3-moe] [--steps 8] [--accum 1] [--json]
 
-The Trainer gets the optimizer through ``optimizers=(opt, scheduler)``; ``canzona.hf.CanzonaTrainer``
-keeps the model out of DDP (canzona reduce-scatters the gradients itself), sets the Trainer's own
-clipping aside (``max_grad_norm=0``: it would clip local, unreduced gradients) and clips the global
-norm with ``opt.clip_grad_norm_``. ``--loop manual`` runs canzona's usual loop on the batches the
-Trainer's data loader gives this rank: per step the two print the same loss and gradient norm.
+The Trainer gets the optimizer through ``optimizers=(opt, scheduler)``;
+``canzona.hf.CanzonaTrainer`` keeps the model out of DDP (canzona reduce-scatters the gradients
+itself), sets the Trainer's own clipping aside (``max_grad_norm=0``: it would clip local, unreduced
+gradients) and clips the global norm with ``opt.clip_grad_norm_``. ``--loop manual`` runs canzona's
+usual loop on the batches the Trainer's data loader gives this rank: per step the two print the same
+loss and gradient norm.
 """
 
 from __future__ import annotations

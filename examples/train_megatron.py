@@ -69,7 +69,8 @@ def build_gpt(args, tp: int, cuda: bool):
     gpt = GPTModel(config=config, transformer_layer_spec=spec,
                    vocab_size=padded_vocab(args.vocab, tp), max_sequence_length=args.seq,
                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
-    if args.bf16:  # every parameter bf16, as Megatron's get_model wraps it; canzona keeps fp32 mains
+    # every parameter bf16, as Megatron's get_model wraps it; canzona keeps fp32 mains
+    if args.bf16:
         from megatron.core.transformer.module import Float16Module
 
         return Float16Module(config, gpt), gpt
@@ -120,7 +121,8 @@ def train(args, dp: int, rank: int, cuda: bool) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    torch.manual_seed(1234)  # the same initial weights on every rank, as Megatron's _set_random_seed
+    # the same initial weights on every rank, as Megatron's _set_random_seed
+    torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)
     model, gpt = build_gpt(args, args.tp, cuda)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -42,7 +42,8 @@ def test_trainer_equals_the_hand_written_loop():
         for key in ("loss", "grad_norm"):
             assert abs(t[key] - m[key]) <= 1e-5 * abs(m[key]), (key, t, m)
     # the optimizer did something: the loss moves and the norm is a real (global) norm
-    assert len({round(r["loss"], 6) for r in manual}) > 1 and all(r["grad_norm"] > 0 for r in manual)
+    assert (len({round(r["loss"], 6) for r in manual}) > 1
+            and all(r["grad_norm"] > 0 for r in manual))
 
 
 def test_canzona_trainer_refuses_what_would_be_wrong(tmp_path):

@@ -18,10 +18,12 @@ def test_plan_writes_tp_section_and_inspect_shows_it(tmp_path):
     assert all(t.host is not None for t in p.tasks if t.optimizer == "matrix")
     r = run("inspect", out, "--top", 0)
     assert r.exit_code == 0, r.output
-    assert "TP micro-groups" in r.output and "canzona-greedy" in r.output and "compute |" in r.output
+    assert ("TP micro-groups" in r.output and "canzona-greedy" in r.output
+            and "compute |" in r.output)
     r = run("inspect", out, "--json")
     rep = json.loads(r.output)
-    assert {b["name"] for b in rep["tp_schedule"]["baselines"]} == {"sc", "canzona-greedy", "canzona"}
+    assert ({b["name"] for b in rep["tp_schedule"]["baselines"]}
+            == {"sc", "canzona-greedy", "canzona"})
     assert len(rep["tp_schedule"]["gpu_load"]) == 2 and len(rep["tp_schedule"]["gpu_load"][0]) == 4
 
 

@@ -1,10 +1,10 @@
 """``canzona.plan_model`` reads a live Megatron-core GPTModel through its TransformerConfig
 (issue 16, item 2): the plan equals the one made offline from the matching config under Megatron
 names (same fingerprint, buffers and tasks) at dp 1-2 × tp 1-2, for Llama-style (tied),
-Qwen3-style and Qwen3-MoE (ep 1) models, bf16 under ``Float16Module`` and float32; a bare bf16 GPTModel (float32 norms)
-records each parameter's own dtype; the TP size is the model's; bad input is refused in one line
-naming the setting. The offline plan (the tokenizer's vocabulary) applies to the live model whose
-vocabulary Megatron padded, at tp 1 too.
+Qwen3-style and Qwen3-MoE (ep 1) models, bf16 under ``Float16Module`` and float32; a bare bf16
+GPTModel (float32 norms) records each parameter's own dtype; the TP size is the model's; bad input
+is refused in one line naming the setting. The offline plan (the tokenizer's vocabulary) applies to
+the live model whose vocabulary Megatron padded, at tp 1 too.
 
 One process: the ``fake`` process group lets rank 0 of a dp·tp world build the models.
 """
@@ -61,7 +61,8 @@ def _same_plan(a, b) -> None:
         assert a.tp.layouts == b.tp.layouts and a.tp.indices == b.tp.indices
 
 
-@pytest.mark.parametrize("model,dtype,sizes", list(itertools.product(MODELS, ("bf16", "fp32"), SIZES)),
+@pytest.mark.parametrize("model,dtype,sizes",
+                         list(itertools.product(MODELS, ("bf16", "fp32"), SIZES)),
                          ids=lambda x: str(x))
 def test_plan_model_equals_offline_plan(model, dtype, sizes):
     dp, tp = sizes
@@ -176,8 +177,9 @@ def test_offline_plan_applies_to_the_padded_vocabulary_at_tp1():
         assert gpt.vocab_size == 896
         opt = canzona.CanzonaOptimizer(gpt, good, ns_dtype=torch.float32)
         opt.close()
-        with pytest.raises(PlanMismatchError, match=r"'embedding\.word_embeddings\.weight' has "
-                                                    r"shape \[1500, 48\] in the plan but \[896, 48\]"):
+        with pytest.raises(PlanMismatchError,
+                           match=r"'embedding\.word_embeddings\.weight' has "
+                                 r"shape \[1500, 48\] in the plan but \[896, 48\]"):
             canzona.CanzonaOptimizer(gpt, bad)
 
 
@@ -190,7 +192,8 @@ def test_tp_attributes_must_be_the_configs():
     with megatron_world(1, 2):
         _, gpt = gpt_model(MODELS["qwen3"], 2)
         gpt.decoder.layers[1].mlp.linear_fc1.weight.partition_stride = 1
-        with pytest.raises(ModelError, match=r"layers\.1\.mlp\.linear_fc1\.weight' has "
-                                             r"tensor_model_parallel, partition_dim, partition_stride "
-                                             r"= \(True, 0, 1\) .* 'gate_up' layout \(True, 0, 2\)"):
+        with pytest.raises(ModelError,
+                           match=r"layers\.1\.mlp\.linear_fc1\.weight' has "
+                                 r"tensor_model_parallel, partition_dim, partition_stride "
+                                 r"= \(True, 0, 1\) .* 'gate_up' layout \(True, 0, 2\)"):
             canzona.plan_model(gpt, dp=1)

@@ -46,13 +46,15 @@ def test_split_parts_become_tasks(q32):
 def test_cost_vector(q32):
     sizes = ParallelSizes(dp=4, tp=4)
     s = OptimizerSettings()
-    t = next(t for t in build_tasks(q32, s, sizes) if t.param.endswith("layers.0.mlp.linear_fc2.weight"))
+    t = next(t for t in build_tasks(q32, s, sizes)
+             if t.param.endswith("layers.0.mlp.linear_fc2.weight"))
     c = task_cost(t, s, sizes)
     assert c.state_bytes == 5120 * 25600 * 4  # Muon momentum, fp32
     assert c.tp_comm_bytes == 2 * (5120 * 25600 * 3 // 4) * 2  # gather + scatter of 3/4, bf16
     emb = build_tasks(q32, s, sizes)[0]
     ce = task_cost(emb, s, sizes)
-    assert emb.optimizer == "adamw" and ce.tp_comm_bytes == 0 and ce.state_bytes == 2 * emb.numel * 4 + 4
+    assert (emb.optimizer == "adamw" and ce.tp_comm_bytes == 0
+            and ce.state_bytes == 2 * emb.numel * 4 + 4)
     assert task_cost(t, s, ParallelSizes(dp=4, tp=1)).tp_comm_bytes == 0
 
 

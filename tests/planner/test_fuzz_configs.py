@@ -44,7 +44,8 @@ def _outcome(path: Path):
         return exc
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(KEYS), value=st.sampled_from(BAD_VALUES), drop=st.booleans())
 def test_mutated_config_loads_or_names_the_key(tmp_path, key, value, drop):
     cfg = dict(VALID)

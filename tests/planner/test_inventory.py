@@ -37,7 +37,8 @@ def test_logical_shapes_and_parts(q32):
     assert fc1.shape == (51200, 5120) and fc1.tp_stride == 2 and fc1.tp_dim == 0
     assert q32["decoder.layers.3.self_attention.linear_proj.weight"].tp_dim == 1
     assert q32["decoder.layers.3.input_layernorm.weight"].tp_dim is None
-    assert fc1.hf_names == ("model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight")
+    assert fc1.hf_names == ("model.layers.3.mlp.gate_proj.weight",
+                            "model.layers.3.mlp.up_proj.weight")
 
 
 def test_megatron_routing(q32):
@@ -87,9 +88,11 @@ def test_graph_structure(q32):
     assert g.edges["layer:7", "decoder.layers.7.mlp.linear_fc2.weight"]["rel"] == "member"
     parts = [v for _, v, d in g.out_edges("decoder.layers.7.self_attention.linear_qkv.weight",
                                           data=True) if d["rel"] == "part"]
-    assert sorted(parts) == [f"decoder.layers.7.self_attention.linear_qkv.weight#{x}" for x in "kqv"]
+    assert sorted(parts) == [f"decoder.layers.7.self_attention.linear_qkv.weight#{x}"
+                             for x in "kqv"]
     # Param numel over the graph adds up to the model total.
-    assert sum(d["numel"] for _, d in g.nodes(data=True) if d["type"] == "param") == q32.total_params
+    assert sum(d["numel"] for _, d in g.nodes(data=True)
+               if d["type"] == "param") == q32.total_params
 
 
 def test_graph_expert_membership():

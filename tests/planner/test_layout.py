@@ -82,7 +82,8 @@ def test_default_bucket_size():
 
 
 def test_expert_buffers_per_ep_rank_over_edp():
-    lay = build_layout(build_inventory(get_preset("qwen3-30b-a3b")), ParallelSizes(dp=16, tp=2, ep=8))
+    lay = build_layout(build_inventory(get_preset("qwen3-30b-a3b")),
+                       ParallelSizes(dp=16, tp=2, ep=8))
     dense = [b for b in lay.buffers if not b.expert]
     experts = [b for b in lay.buffers if b.expert]
     assert len(dense) == 1 and dense[0].dp_size == 16

@@ -58,7 +58,8 @@ def test_hf_config_qwen3_matches_preset(tmp_path):
     cfg = load_hf_config(_hf(tmp_path, **QWEN3_32B_HF))
     assert build_inventory(cfg).total_params == EXACT["qwen3-32b"]
     # Same inventory as the preset, so the same fingerprint.
-    assert build_inventory(cfg).fingerprint() == build_inventory(get_preset("qwen3-32b")).fingerprint()
+    assert (build_inventory(cfg).fingerprint()
+            == build_inventory(get_preset("qwen3-32b")).fingerprint())
 
 
 def test_hf_config_qwen3_moe(tmp_path):
@@ -79,7 +80,8 @@ def test_hf_config_llama_defaults_head_dim(tmp_path):
 
 
 def test_hf_config_unsupported_architecture_lists_supported(tmp_path):
-    with pytest.raises(ModelError, match=r"unsupported model_type 'mistral'.*qwen3, qwen3_moe, llama"):
+    with pytest.raises(ModelError,
+                       match=r"unsupported model_type 'mistral'.*qwen3, qwen3_moe, llama"):
         load_hf_config(_hf(tmp_path, model_type="mistral", hidden_size=8))
 
 

@@ -185,8 +185,8 @@ def test_cpsat_keeps_the_secondary_balances_of_auto():
         ev = evaluate(sol.problem, sol.cuts)
         return [max(v) / (sum(v) / len(v)) for v in (ev.state_bytes, ev.rs_bytes)]
 
-    pr = make_problem(build_inventory(SMALL), ParallelSizes(4, 1), OptimizerSettings(name="shampoo"),
-                      bucket_size=200_000)
+    pr = make_problem(build_inventory(SMALL), ParallelSizes(4, 1),
+                      OptimizerSettings(name="shampoo"), bucket_size=200_000)
     auto = balance(solve(pr, DPOptions(objective="max-load")))
     cpsat = balance(solve(pr, DPOptions(solver="cpsat", time_limit_s=1.0, objective="max-load")))
     assert all(c <= max(1.10, a) + 1e-9 for c, a in zip(cpsat, auto)), (cpsat, auto)

@@ -217,7 +217,8 @@ def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int 
                                    adamw_weight_decay=0.01, grad_sync=grad_sync,
                                    overlap_param_gather=overlap_param_gather,
                                    collective=collective,
-                                   matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None)
+                                   matrix_options=(SHAMPOO_OPTIONS if optimizer == "shampoo"
+                                                   else None))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     mine = rows(rank, world)
     norms = []
@@ -287,7 +288,8 @@ def train_reference(world: int, *, optimizer: str = "muon", accum: int = 1,
             x, y = batch(step, micro, world)
             if sharded:
                 for r in range(world):
-                    (loss_fn(model, x[rows(r, world)], y[rows(r, world)]) / (accum * world)).backward()
+                    (loss_fn(model, x[rows(r, world)], y[rows(r, world)])
+                     / (accum * world)).backward()
             else:
                 (loss_fn(model, x, y) / accum).backward()
         if clip is not None:

@@ -92,7 +92,8 @@ def full_loss(cfg, w: dict[str, torch.Tensor], idx, target) -> torch.Tensor:
         q, k, v = qkv.split([Hq * hd, G * hd, G * hd], -1)
         q = _rms(q.view(b, t, Hq, hd), w[pre + "self_attention.q_layernorm.weight"])
         k = _rms(k.view(b, t, G, hd), w[pre + "self_attention.k_layernorm.weight"])
-        x = x + _attention(q, k, v.view(b, t, G, hd)) @ w[pre + "self_attention.linear_proj.weight"].T
+        x = x + (_attention(q, k, v.view(b, t, G, hd))
+                 @ w[pre + "self_attention.linear_proj.weight"].T)
         h = _rms(x, w[pre + "pre_mlp_layernorm.weight"])
         gate, up = (h @ w[pre + "mlp.linear_fc1.weight"].T).chunk(2, -1)
         x = x + (F.silu(gate) * up) @ w[pre + "mlp.linear_fc2.weight"].T

@@ -194,7 +194,8 @@ def test_bf16_without_main_params_trains(world2):
     # steps), far more than the fp32-main run's rounding of its parameters to bf16
     fp32_ref = {k: v.float() for k, v in reference()["params"].items()}
     drift = H.rel_err({k: v.float() for k, v in got[0]["params"].items()}, fp32_ref)
-    rounding = H.rel_err({k: v.float() for k, v in result(world2, "main_fp32")[0]["params"].items()},
+    rounding = H.rel_err({k: v.float()
+                          for k, v in result(world2, "main_fp32")[0]["params"].items()},
                          fp32_ref)
     assert drift > 10 * rounding and drift < 0.1, (drift, rounding)
 
@@ -206,7 +207,8 @@ def test_bf16_without_main_params_trains(world2):
 def test_main_params_bad_value(bad):
     model = _bf16_model()
     plan = canzona.plan_model(model, dp=1)
-    with pytest.raises(ValueError, match=r"main_params = .* is not allowed; choose None .* or 'fp32'"):
+    with pytest.raises(ValueError,
+                       match=r"main_params = .* is not allowed; choose None .* or 'fp32'"):
         CanzonaOptimizer(model, plan, main_params=bad)
     with pytest.raises(ValueError, match="main_params"):
         predicted_state_bytes(plan, 0, main_params=bad)

@@ -144,5 +144,6 @@ def test_an_unused_parameter_is_reported_once(world2):
         assert len(res["warnings"]) == 1
         message = res["warnings"][0]
         assert "'spare.weight' received no gradient" in message
-        assert f"bucket 0 and every later one ({res['buckets']} of {res['buckets']} buckets" in message
+        assert (f"bucket 0 and every later one ({res['buckets']} of {res['buckets']} buckets"
+                in message)
         assert "requires_grad_(False)" in message

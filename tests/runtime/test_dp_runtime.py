@@ -285,7 +285,8 @@ result = H.results
 # --- exactness --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["muon", "accum", "clip", "shampoo", "soap", "external", "overlap"])
+@pytest.mark.parametrize("case", ["muon", "accum", "clip", "shampoo", "soap", "external",
+                                  "overlap"])
 def test_dp2_matches_one_process(world2, case):
     got = result(world2, case)
     ref = reference(2, case)
@@ -347,11 +348,14 @@ def test_state_dict_round_trip(world2):
 def test_error_paths(world2):
     r0, r1 = result(world2, "errors")
     for res in (r0, r1):
-        assert "'blocks.1.fc1.weight' has shape [96, 32] in the plan but [64, 32]" in res["fingerprint"] \
-            or "'blocks.1.fc1.weight' has shape [64, 32] in the plan but [96, 32]" in res["fingerprint"]
+        assert ("'blocks.1.fc1.weight' has shape [96, 32] in the plan but [64, 32]"
+                in res["fingerprint"]
+                or "'blocks.1.fc1.weight' has shape [64, 32] in the plan but [96, 32]"
+                in res["fingerprint"])
         assert "different plans" in res["plans"]
         assert "optimizer='shampoo' disagrees with the plan" in res["optimizer"]
-        assert "ns_steps=4 disagrees with the plan, which was made with ns_steps=5" in res["ns_steps"]
+        assert ("ns_steps=4 disagrees with the plan, which was made with ns_steps=5"
+                in res["ns_steps"])
         assert "cuts matrix" in res["split"]
     assert "'blocks.1.fc1.weight'" in r1["fingerprint_one_rank"]
     assert "DP rank(s) [1]" in r0["fingerprint_one_rank"]

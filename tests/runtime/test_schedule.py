@@ -1,6 +1,6 @@
 """The runtime's records and checks on one process: bucket boundaries as the runtime receives
-them, the work order's coverage, the plan's collective methods, the fingerprint's dtype, keyword-only
-arguments."""
+them, the work order's coverage, the plan's collective methods, the fingerprint's dtype,
+keyword-only arguments."""
 
 from __future__ import annotations
 

@@ -438,7 +438,7 @@ def test_mutated_module_plan_steps_identically_or_is_refused(module_plans, data)
         assert torch.equal(got[name], ref), (name, [e[:2] for e in edits])
 
 
-# --- regressions: defects the fuzzing found --------------------------------------------------------
+# --- regressions: defects the fuzzing found -------------------------------------------------------
 
 
 def _tiny_module_plan(opt: str = "muon") -> tuple[dict, int]:
@@ -457,8 +457,9 @@ def test_transposed_matrix_task_is_refused_before_any_update():
         data, k = _tiny_module_plan(opt)
         data["tasks"][k]["shape"] = data["tasks"][k]["shape"][::-1]
         plan = parse_plan(json.dumps(data))  # still self-consistent for the planner
-        with pytest.raises(PlanMismatchError, match=r"contradicts its own fingerprint.*"
-                                                    r"give shape \[32, 96\].*\[96, 32\].*regenerate"):
+        with pytest.raises(PlanMismatchError,
+                           match=r"contradicts its own fingerprint.*"
+                                 r"give shape \[32, 96\].*\[96, 32\].*regenerate"):
             canzona.CanzonaOptimizer(TinyGPT(spare=False), plan)
 
 

@@ -353,7 +353,7 @@ def test_random_edits_load_or_fail_in_one_line(tmp_path, plans):
     assert failed > 100
 
 
-# --- defect 7: plan files get 0666 & ~umask ---------------------------------------------------------
+# --- defect 7: plan files get 0666 & ~umask -------------------------------------------------------
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")

@@ -10,7 +10,9 @@ from canzona.runtime.optim import AdamW, AdamWConfig
 
 
 @pytest.mark.parametrize(
-    "cfg", [AdamWConfig(), AdamWConfig(lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)], ids=["default", "custom"]
+    "cfg",
+    [AdamWConfig(), AdamWConfig(lr=0.01, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)],
+    ids=["default", "custom"],
 )
 def test_20_steps_bitwise_equal_to_torch_adamw(cfg):
     gen = torch.Generator().manual_seed(0)
@@ -18,7 +20,9 @@ def test_20_steps_bitwise_equal_to_torch_adamw(cfg):
     init = [torch.randn(s, generator=gen) for s in shapes]
     ref = [p.clone().requires_grad_() for p in init]
     ours = [p.clone() for p in init]
-    ref_opt = torch.optim.AdamW(ref, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    ref_opt = torch.optim.AdamW(
+        ref, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
     opt = AdamW(cfg)
     states = [opt.init_state(p.shape) for p in ours]
     for _ in range(20):

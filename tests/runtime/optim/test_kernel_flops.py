@@ -23,7 +23,11 @@ def _counted(fn) -> int:
 @pytest.mark.parametrize("shape", [(32, 48), (48, 32), (40, 40)])
 @pytest.mark.parametrize("ns_coefficients", ["default", "quintic"])
 def test_muon_flops_equal_counted_matmuls(shape, ns_coefficients):
-    cfg = MuonConfig() if ns_coefficients == "default" else MuonConfig(ns_coefficients="quintic", ns_steps=10)
+    cfg = (
+        MuonConfig()
+        if ns_coefficients == "default"
+        else MuonConfig(ns_coefficients="quintic", ns_steps=10)
+    )
     opt = Muon(cfg)
     grads = [torch.randn(shape) for _ in range(3)]
     states = [opt.init_state(shape) for _ in grads]
@@ -48,7 +52,9 @@ def test_shampoo_flops_equal_counted_matmuls(shape, dim):
     cfg = ShampooConfig(max_preconditioner_dim=dim, precondition_frequency=10, momentum=0.9)
     opt = Shampoo(cfg)
     state = opt.init_state(shape)
-    per_step = formulas.shampoo_flops(*shape, max_preconditioner_dim=dim, precondition_frequency=10, amortised=False)
+    per_step = formulas.shampoo_flops(
+        *shape, max_preconditioner_dim=dim, precondition_frequency=10, amortised=False
+    )
     assert opt.flops(shape, amortised=False) == per_step
     # Step 1 recomputes the roots (eigh is not counted, its Q·diag·Qᵀ product is).
     step1 = _counted(lambda: opt.direction([torch.randn(shape)], [state]))
@@ -65,7 +71,9 @@ def test_soap_flops_equal_counted_matmuls(shape):
     state = opt.init_state(shape)
     m, n = shape
     sides = [k for k in shape if k <= dim]
-    per_step = formulas.soap_flops(m, n, max_precond_dim=dim, precondition_frequency=freq, amortised=False)
+    per_step = formulas.soap_flops(
+        m, n, max_precond_dim=dim, precondition_frequency=freq, amortised=False
+    )
     assert opt.flops(shape, amortised=False) == per_step
 
     def one_step() -> int:
@@ -82,7 +90,16 @@ def test_soap_flops_equal_counted_matmuls(shape):
 class _ElementwiseFlops(TorchDispatchMode):
     """Counts elementwise FLOPs on tensors of a given size, by aten op."""
 
-    WEIGHTS = {"mul": 1, "div": 1, "add": 1, "sub": 1, "sqrt": 1, "lerp": 3, "addcmul": 3, "addcdiv": 3}
+    WEIGHTS = {
+        "mul": 1,
+        "div": 1,
+        "add": 1,
+        "sub": 1,
+        "sqrt": 1,
+        "lerp": 3,
+        "addcmul": 3,
+        "addcdiv": 3,
+    }
     # The non-finite guard (isfinite = x == x and |x| != inf) is a check, not optimizer arithmetic.
     GUARD = {"abs"}
 
@@ -116,7 +133,9 @@ def test_adamw_flops_equal_elementwise_work():
 OPTIMIZERS = {
     "muon": lambda: Muon(),
     "shampoo": lambda: Shampoo(ShampooConfig(max_preconditioner_dim=16)),
-    "shampoo-momentum-plain": lambda: Shampoo(ShampooConfig(max_preconditioner_dim=16, momentum=0.9, grafting=None, betas=(0.0, 1.0))),
+    "shampoo-momentum-plain": lambda: Shampoo(
+        ShampooConfig(max_preconditioner_dim=16, momentum=0.9, grafting=None, betas=(0.0, 1.0))
+    ),
     "soap": lambda: SOAP(SOAPConfig(max_precond_dim=30)),
     "adamw": lambda: AdamW(),
 }
@@ -138,7 +157,9 @@ def test_state_numel_equals_allocated_state(kind, shape):
 def test_state_numel_formulas_match_configs():
     m, n = 40, 24
     assert Muon().state_numel((m, n)) == formulas.muon_state_numel(m, n) == m * n
-    assert SOAP(SOAPConfig(max_precond_dim=30)).state_numel((m, n)) == formulas.soap_state_numel(m, n, max_precond_dim=30)
+    assert SOAP(SOAPConfig(max_precond_dim=30)).state_numel((m, n)) == formulas.soap_state_numel(
+        m, n, max_precond_dim=30
+    )
     assert AdamW().state_numel((m, n)) == formulas.adamw_state_numel(m * n)
     # The default keyword values of shampoo_state_numel describe ShampooConfig's defaults.
     assert Shampoo().state_numel((m, n)) == formulas.shampoo_state_numel(m, n)

@@ -10,7 +10,9 @@ from canzona.runtime.optim import SOAP, AdamW, Muon, Shampoo, ShampooConfig, SOA
 
 MATRIX = {
     "muon": lambda: Muon(),
-    "shampoo": lambda: Shampoo(ShampooConfig(max_preconditioner_dim=16, momentum=0.9, weight_decay=0.1)),
+    "shampoo": lambda: Shampoo(
+        ShampooConfig(max_preconditioner_dim=16, momentum=0.9, weight_decay=0.1)
+    ),
     "soap": lambda: SOAP(SOAPConfig(max_precond_dim=30)),
 }
 

@@ -47,7 +47,16 @@ def _run_pair(config: MuonConfig, shapes, steps: int = 20, seed: int = 0):
 def test_defaults_equal_torch_muon():
     sig = inspect.signature(torch.optim.Muon).parameters
     cfg = MuonConfig()
-    for name in ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"):
+    for name in (
+        "lr",
+        "weight_decay",
+        "momentum",
+        "nesterov",
+        "ns_coefficients",
+        "eps",
+        "ns_steps",
+        "adjust_lr_fn",
+    ):
         assert getattr(cfg, name) == sig[name].default, name
     assert cfg.ns_dtype == torch.bfloat16
 
@@ -151,7 +160,9 @@ def test_mixed_shapes_are_grouped_in_order():
 def test_quintic_schedule_cycles_and_checks_steps():
     cfg = MuonConfig(ns_coefficients="quintic", ns_steps=10)
     assert cfg.schedule == QUINTIC_COEFFICIENTS * 2
-    assert MuonConfig(ns_coefficients=((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)), ns_steps=4).schedule[3] == (4.0, 5.0, 6.0)
+    assert MuonConfig(
+        ns_coefficients=((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)), ns_steps=4
+    ).schedule[3] == (4.0, 5.0, 6.0)
     with pytest.raises(ValueError, match="ns_steps = 3.*multiple of 5"):
         MuonConfig(ns_coefficients="quintic", ns_steps=3)
 

@@ -53,7 +53,9 @@ def _same(a, b) -> bool:
 
 
 def _same_states(a, b) -> bool:
-    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 KINDS = ["muon", "shampoo", "soap", "adamw"]

@@ -31,7 +31,9 @@ def test_inverse_root_is_a_fourth_root_of_the_inverse():
 def test_each_block_equals_dense_float64_preconditioned_grad(betas):
     # 80×48 with blocks ≤ 32: rows 32, 32, 16 × columns 32, 16 (remainder blocks included).
     shape, dim, eps = (80, 48), 32, 1e-12
-    cfg = ShampooConfig(betas=betas, eps=eps, max_preconditioner_dim=dim, precondition_frequency=1, grafting=None)
+    cfg = ShampooConfig(
+        betas=betas, eps=eps, max_preconditioner_dim=dim, precondition_frequency=1, grafting=None
+    )
     opt = Shampoo(cfg)
     state = opt.init_state(shape, torch.float64)
     gen = torch.Generator().manual_seed(1)
@@ -49,7 +51,9 @@ def test_each_block_equals_dense_float64_preconditioned_grad(betas):
             L = sum(w * g @ g.T for w, g in zip(w2, gs)) / c2
             R = sum(w * g.T @ g for w, g in zip(w2, gs)) / c2
             if beta1 > 0:
-                m = sum((1 - beta1) * beta1 ** (t - 1 - s) * g for s, g in enumerate(gs)) / (1 - beta1**t)
+                m = sum((1 - beta1) * beta1 ** (t - 1 - s) * g for s, g in enumerate(gs)) / (
+                    1 - beta1**t
+                )
             else:
                 m = gs[-1]
             expected = _root_by_svd(L, eps) @ m @ _root_by_svd(R, eps)
@@ -59,7 +63,13 @@ def test_each_block_equals_dense_float64_preconditioned_grad(betas):
 @pytest.mark.parametrize(
     "cfg",
     [
-        ShampooConfig(max_preconditioner_dim=16, precondition_frequency=2, momentum=0.5, nesterov=True, weight_decay=0.1),
+        ShampooConfig(
+            max_preconditioner_dim=16,
+            precondition_frequency=2,
+            momentum=0.5,
+            nesterov=True,
+            weight_decay=0.1,
+        ),
         ShampooConfig(max_preconditioner_dim=16, betas=(0.0, 0.95), grafting=None),
     ],
     ids=["grafted-momentum", "plain-ema"],
@@ -80,7 +90,9 @@ def test_blocked_equals_unblocked_on_every_block(cfg):
     for _ in range(7):
         grad = torch.randn(shape, generator=gen)
         blocked.step([whole_param], [grad], [whole_state], lr=0.01)
-        unblocked.step(parts, [grad[r, c].contiguous() for _, _, r, c in tiles], part_states, lr=0.01)
+        unblocked.step(
+            parts, [grad[r, c].contiguous() for _, _, r, c in tiles], part_states, lr=0.01
+        )
     for (_, _, r, c), part in zip(tiles, parts):
         assert rel_err(whole_param[r, c] - start[r, c], part - start[r, c]) <= 2e-6
     assert rel_err(whole_param, start) > 1e-3

@@ -42,7 +42,9 @@ def _reference(params, cfg: SOAPConfig):
     "cfg",
     [
         SOAPConfig(precondition_frequency=3, max_precond_dim=45),  # 6 basis refreshes in 20 steps
-        SOAPConfig(lr=1e-2, betas=(0.9, 0.99), shampoo_beta=0.9, weight_decay=0.1, max_precond_dim=45),
+        SOAPConfig(
+            lr=1e-2, betas=(0.9, 0.99), shampoo_beta=0.9, weight_decay=0.1, max_precond_dim=45
+        ),
     ],
     ids=["f3", "f10-custom-betas"],
 )
