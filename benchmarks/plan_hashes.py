@@ -4,7 +4,7 @@
     python benchmarks/plan_hashes.py --record   # rewrite the record (only for an intended change)
     python benchmarks/plan_hashes.py --only qwen3-0.6b   # check the cases of some models only
 
-A refactoring of the planner must leave every plan byte-identical (issue 10). The record holds,
+A refactoring of the planner must leave every plan byte-identical. The record holds,
 for each case, the sha256 of the plan's canonical JSON (``Plan.to_json()``, what ``save_plan``
 writes):
 
