@@ -1,4 +1,4 @@
-"""What the simulator predicts at the paper's scale and beyond (issue 14's figures).
+"""What the simulator predicts at the paper's scale and beyond.
 
     python benchmarks/bench_compare.py --paper                # the paper's configuration
     python benchmarks/bench_compare.py --scaling              # dp × tp × model sweep, PNG

@@ -1,4 +1,4 @@
-"""More ranks than the TP group (issue 18, k > tp), and fewer: what sharing the heaviest matrix over
+"""More ranks than the TP group (k > tp), and fewer: what sharing the heaviest matrix over
 a TP group and a second DP index (``TPPair``, k = 2·tp), and the lighter ones over TP sub-groups
 (``sharing.tp_sub_piece``), could give at scale, before the planner places them (torch-free,
 modelled, layout-free).

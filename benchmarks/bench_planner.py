@@ -1,4 +1,4 @@
-"""Plan quality and planner time over the dense Qwen3 sweep (issue 3's figures).
+"""Plan quality and planner time over the dense Qwen3 sweep.
 
     python benchmarks/bench_planner.py                  # print the table
     python benchmarks/bench_planner.py --write-readme   # also rewrite the "## Planner (DP

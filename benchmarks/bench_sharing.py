@@ -1,4 +1,4 @@
-"""Beyond whole matrices (issue 18): plans whose TP groups share the heaviest Muon matrices against
+"""Beyond whole matrices: plans whose TP groups share the heaviest Muon matrices against
 whole-matrix plans, side by side on one model and cluster (torch-free, modelled).
 
     python benchmarks/bench_sharing.py [--hardware h800] [--json]

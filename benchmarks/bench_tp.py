@@ -1,4 +1,4 @@
-"""TP micro-group figures (issue 4): per-GPU balance against LB_gpu, C_max, planning time.
+"""TP micro-group figures: per-GPU balance against LB_gpu, C_max, planning time.
 
     python benchmarks/bench_tp.py                  # print
     python benchmarks/bench_tp.py --write-readme   # also rewrite "## TP micro-groups" in

@@ -55,7 +55,7 @@ def test_compare_a_saved_plan_and_a_given_forward_backward():
 def test_compare_share_plans_the_canzona_row_with_sharing():
     """``--share``: the canzona row's plan shares matrices (as ``canzona plan --share``), the
     paper's greedy stays whole; at qwen3-32b dp32 tp8 the sharing plan's compute is under half
-    the greedy's (issue 18)."""
+    the greedy's."""
     args = ("compare", "--model", "qwen3-32b", "--dp", 32, "--tp", 8, "--hardware", "h800",
             "--strategies", "canzona-greedy,canzona", "--json")
     whole, shared = (json.loads(run(*args, *extra).stdout) for extra in ((), ("--share", "auto")))

@@ -1,4 +1,4 @@
-"""The first hour of a new user (issue 9): charts, messages, --json, units, progress, --help."""
+"""The first hour of a new user: charts, messages, --json, units, progress, --help."""
 
 import contextlib
 import io

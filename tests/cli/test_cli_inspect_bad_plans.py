@@ -1,5 +1,5 @@
-"""`canzona inspect` on plan files edited by hand: one error line, exit 1, never a traceback
-(issue 9, defect 2)."""
+"""`canzona inspect` on plan files edited by hand: one error line, exit 1, never a
+traceback."""
 
 from __future__ import annotations
 

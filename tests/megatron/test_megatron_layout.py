@@ -1,4 +1,4 @@
-"""canzona's emulated Megatron layout equals megatron-core's own (issue 16, item 1).
+"""canzona's emulated Megatron layout equals megatron-core's own.
 
 For Llama-style (RMSNorm, GQA, gated SwiGLU, untied embeddings) and Qwen3-style (QK-norm,
 head_dim ≠ hidden/heads, tied and untied) GPTModels built by megatron-core 0.16 with the local layer

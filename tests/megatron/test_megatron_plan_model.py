@@ -1,6 +1,6 @@
-"""``canzona.plan_model`` reads a live Megatron-core GPTModel through its TransformerConfig
-(issue 16, item 2): the plan equals the one made offline from the matching config under Megatron
-names (same fingerprint, buffers and tasks) at dp 1-2 × tp 1-2, for Llama-style (tied),
+"""``canzona.plan_model`` reads a live Megatron-core GPTModel through its TransformerConfig:
+the plan equals the one made offline from the matching config under Megatron names (same
+fingerprint, buffers and tasks) at dp 1-2 × tp 1-2, for Llama-style (tied),
 Qwen3-style and Qwen3-MoE (ep 1) models, bf16 under ``Float16Module`` and float32; a bare bf16
 GPTModel (float32 norms) records each parameter's own dtype; the TP size is the model's; bad input
 is refused in one line naming the setting. The offline plan (the tokenizer's vocabulary) applies to

@@ -1,6 +1,6 @@
-"""Megatron-core GPTModels trained by canzona in place of Megatron's DDP and distributed optimizer
-(issue 16, item 2): at dp 2, tp 2 and dp 2 × tp 2 (also with every matrix shared by its TP
-group, issue 18), 10 steps of a Qwen3-style model (QK layernorm,
+"""Megatron-core GPTModels trained by canzona in place of Megatron's DDP and distributed optimizer:
+at dp 2, tp 2 and dp 2 × tp 2 (also with every matrix shared by its TP group), 10 steps of a
+Qwen3-style model (QK layernorm,
 GQA, fused QKV and gate/up, vocabulary-parallel embedding and output layer) equal the tp = 1
 single-process run (Muon kernel with float32 Newton–Schulz, torch AdamW) within 1e-5, losses and
 weights. The tp 2 run uses the plan made offline from the config (Megatron names, no renaming);

@@ -1,4 +1,4 @@
-"""Bad model configs (issue 15, item 4): missing fields, wrong types, wrong architectures, absurd
+"""Bad model configs: missing fields, wrong types, wrong architectures, absurd
 or inconsistent sizes — through ``load_hf_config`` and through ``canzona plan --config``: one
 ``ModelError`` line naming the key (the CLI: exit status 1, no traceback, no file written), or a
 config that plans. Hypothesis mutates a valid Qwen3 config; fixed cases pin the messages."""

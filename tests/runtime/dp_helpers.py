@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, C
         dist.destroy_process_group()
     # The cases build optimizers without close() (the shutdown the README asks of trainers), and
     # torch 2.13 keeps the default group, so gloo's threads may outlive it into interpreter
-    # shutdown and abort the rank (issue 9). The results are saved: leave without that shutdown.
+    # shutdown and abort the rank. The results are saved: leave without that shutdown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,4 +1,4 @@
-"""Checkpoints with logical keys (``canzona.save_checkpoint`` / ``load_checkpoint``, issue 15):
+"""Checkpoints with logical keys (``canzona.save_checkpoint`` / ``load_checkpoint``):
 resuming under the same plan continues bit-identically; under another plan (dp 2 → dp 4, reorder
 on → off, dp 2 × tp 2 → dp 4 × tp 1 and back) it equals the uninterrupted run within 1e-5
 (float32 Newton–Schulz); what a plan cannot take over is refused on every rank before anything

@@ -1,5 +1,5 @@
-"""A rank that stops calling ``step()`` makes the others fail early and catchably (issue 15, part
-of item 3): with ``collective_timeout`` a waiting rank raises ``CollectiveTimeoutError`` naming
+"""A rank that stops calling ``step()`` makes the others fail early and catchably: with
+``collective_timeout`` a waiting rank raises ``CollectiveTimeoutError`` naming
 the collective (and its bucket or micro-group) within about that many seconds (gloo), instead of
 hanging for the process group's timeout. Its own spawn: the group is not usable afterwards.
 

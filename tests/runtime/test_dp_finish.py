@@ -1,4 +1,4 @@
-"""``finish()`` / ``close()`` / the with-block, and what the optimizer keeps alive (issue 9).
+"""``finish()`` / ``close()`` / the with-block, and what the optimizer keeps alive.
 
 The example trainer aborted at exit ("terminate called without an active exception") because
 gloo's worker threads outlived ``destroy_process_group()`` (torch 2.13 keeps the default group

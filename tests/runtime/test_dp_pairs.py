@@ -1,4 +1,4 @@
-"""Muon matrices shared by two DP ranks (issue 18, DP pairs; gloo, tp = 1, dp = 4), against
+"""Muon matrices shared by two DP ranks (DP pairs; gloo, tp = 1, dp = 4), against
 one process updating the whole matrices.
 
 A shared matrix's bucket is cut inside it at a row boundary: each of the two DP ranks holds a

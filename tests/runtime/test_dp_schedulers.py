@@ -1,4 +1,4 @@
-"""torch.optim conventions of CanzonaOptimizer (issue 9): stock schedulers drive it.
+"""torch.optim conventions of CanzonaOptimizer: stock schedulers drive it.
 
 ``defaults`` and the param groups hold the hyper-parameters the kernels use (the matrix group:
 every field of the kernel's config, as torch.optim.Muon; the AdamW group: lr, betas, eps,

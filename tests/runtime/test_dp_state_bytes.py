@@ -1,4 +1,4 @@
-"""``state_bytes()`` (measured tensors) equals ``predicted_state_bytes()`` exactly (issue 9).
+"""``state_bytes()`` (measured tensors) equals ``predicted_state_bytes()`` exactly.
 
 The plan's ``dp_state_bytes`` shares the one-element step counter of an AdamW tensor among the
 pieces ZeRO-1 cuts it into, by element count, while each rank holding a piece keeps a whole fp32

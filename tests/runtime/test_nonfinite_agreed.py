@@ -1,4 +1,4 @@
-"""A non-finite gradient on one rank is decided the same on every rank (issue 15, part 3): the
+"""A non-finite gradient on one rank is decided the same on every rank: the
 "got a gradient" all-reduce also carries per-parameter non-finite flags, so under
 ``nonfinite="raise"`` every rank raises ``NonFiniteGradientError`` naming the parameter before
 anything is updated (no rank is left waiting in an all-gather), and under ``"skip"`` every rank

@@ -1,4 +1,4 @@
-"""Shared Newton–Schulz (issue 18, item 1): a matrix's Muon update computed by 2 gloo ranks, each
+"""Shared Newton–Schulz: a matrix's Muon update computed by 2 gloo ranks, each
 holding a row block of the long-dimension-oriented matrix, equals canzona's single-device Muon
 (``Muon.direction``/``apply`` on the whole matrix) within 1e-5 relative over 10 steps, float32
 Newton–Schulz, with and without the polynomial split: tall, wide (transposed), square, fused

@@ -1,4 +1,4 @@
-"""DTensor TP (issue 12 (a)): a model parallelised by ``parallelize_module`` on a (dp, tp)
+"""DTensor TP: a model parallelised by ``parallelize_module`` on a (dp, tp)
 DeviceMesh, planned by ``canzona.plan_model(model, dp=, tp=)`` and run by ``CanzonaOptimizer(...,
 device_mesh=)``, against one process training the unsharded model (Muon per matrix, AdamW on the
 rest). One spawn of 4 gloo ranks: dp 2 × tp 2, then dp 1 × tp 4.

@@ -29,7 +29,7 @@ CASES4 = {
     "muon_no_overlap": dict(optimizer="muon", overlap_tp=False),  # bit-compared with "muon"
     "muon_sequence_parallel": dict(optimizer="muon", sequence_parallel=True, steps=5),
     "muon_bf16_main_fp32": dict(optimizer="muon", bf16=True, steps=5),
-    # issue 18: every matrix shared by its TP group (shared Newton–Schulz over the shards, no
+    # every matrix shared by its TP group (shared Newton–Schulz over the shards, no
     # gather), without and with the polynomial split; with a state_dict round trip; bf16. The
     # lockstep batches hold 2·C_max: with C_max 1 MiB an index's 4 matrices run as one batch,
     # with 0.05 MiB one by one.

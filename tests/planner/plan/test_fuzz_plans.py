@@ -1,4 +1,4 @@
-"""Bad plans, fuzzed (issue 15, item 4): hypothesis mutates valid plans at the JSON level and
+"""Bad plans, fuzzed: hypothesis mutates valid plans at the JSON level and
 loading either gives a plan that validates or fails in canzona's own words; a plan that loads
 never crashes the runtime's preparation and never changes what a step computes.
 

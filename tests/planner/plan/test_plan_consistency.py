@@ -1,4 +1,4 @@
-"""Plans that parse but contradict themselves fail to load in one line (issue 9, defect 2), and plan
+"""Plans that parse but contradict themselves fail to load in one line, and plan
 files get the permissions of any new file under the umask (defect 7)."""
 
 from __future__ import annotations

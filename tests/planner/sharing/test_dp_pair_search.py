@@ -1,4 +1,4 @@
-"""DP pairs as bundles (issue 18, tp = 1; ``canzona.planner.sharing``'s DP pair search): DP
+"""DP pairs as bundles (tp = 1; ``canzona.planner.sharing``'s DP pair search): DP
 indices paired up front, each pair sharing several Muon matrices in one lockstep so that their
 exchanges hide behind each other's compute. qwen3-8b at dp 64 on the H800 profile: the
 whole-matrix plan sits at 1.054× the mean (fc1 0.856 + proj 0.198 is the best bin), and so does

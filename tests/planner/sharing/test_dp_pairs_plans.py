@@ -1,4 +1,4 @@
-"""Plans whose DP pairs share Muon matrices (issue 18, tp = 1: ``TPOptions.share`` at tp 1):
+"""Plans whose DP pairs share Muon matrices (tp = 1: ``TPOptions.share`` at tp 1):
 the decision, the loads against the plan without pairs, the schema (version 4 only for plans
 with pairs; every other plan byte for byte as before), determinism, the simulator, ``inspect``
 and the checks of an edited file."""

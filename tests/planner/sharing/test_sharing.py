@@ -1,4 +1,4 @@
-"""The bound beyond whole matrices (issue 18, items 2 and 4, the planner's analysis): which Muon
+"""The bound beyond whole matrices (the planner's analysis): which Muon
 tasks a few ranks would share, over which group, and the per-GPU bound with sharing beside the
 atomic LB = max(mean, largest task)."""
 

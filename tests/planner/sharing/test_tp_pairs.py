@@ -1,4 +1,4 @@
-"""k = 2·tp in the DP problem (issue 18): a tall column-parallel Muon matrix whose TP shards are
+"""k = 2·tp in the DP problem: a tall column-parallel Muon matrix whose TP shards are
 each cut at one row between two DP indices (``sharing.tp_pair_decision``, ``with_pairs`` at
 tp > 1) and the per-GPU objective that counts each half on its index and makes partners finish
 their locksteps together (``tp.context``), the placement on fixed partners

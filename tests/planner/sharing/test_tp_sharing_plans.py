@@ -1,4 +1,4 @@
-"""Plans whose TP groups share the heaviest Muon matrices (issue 18, item 2: ``TPOptions.share``):
+"""Plans whose TP groups share the heaviest Muon matrices (``TPOptions.share``):
 the decision, the per-GPU loads and bounds, the simulated step, the schema (version 3 only for
 plans that share; every other plan byte for byte as before) and the checks of an edited file."""
 
