@@ -17,7 +17,7 @@ communication model, ``canzona.planner.comm``, which counts each method's bytes 
     local       dp = 1: the reduce is a copy, the gather nothing
 
 ``per_root`` calls are issued per backend: on NCCL inside ``_coalescing_manager`` (one fused
-launch; written for CUDA, not run here), on gloo as async calls, one handle each.
+launch; ``benchmarks/gpu_check.py`` runs it at one rank), on gloo as async calls, one handle each.
 
 Every call is asynchronous (``async_op=True``) and works on gloo and NCCL. Scratch is allocated
 once at construction and reused: a bucket's next launch always follows the wait of its previous
@@ -96,8 +96,8 @@ class BucketCollective:
     def finish_reduce(self) -> None:
         """Wait, then leave the averaged gradient of this rank's slice in ``buffers.own``."""
         self.wait_reduce()
+        self._unpack_reduce()
         if self.dp > 1:
-            self._unpack_reduce()
             self.buffers.own.div_(self.dp)
 
     # -- all-gather --------------------------------------------------------------------------------
@@ -355,9 +355,12 @@ _METHODS = {c.method: c for c in (EqualCollective, PaddedCollective, PerRootColl
 
 
 def make_collective(bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, *,
-                    reduce: bool, method: str | None = None) -> BucketCollective:
+                    reduce: bool, method: str | None = None,
+                    distributed: bool = True) -> BucketCollective:
     """The bucket's collective object: ``method`` if given (``equal`` only for equal slices),
-    else the schedule's, or ``local`` when dp = 1."""
+    else the schedule's. At dp = 1 ``local`` (a copy), unless ``method`` is named and a process
+    group exists (``distributed``): the named method then runs over the one-rank group, which
+    is how one device exercises a collective path (``benchmarks/gpu_check.py``)."""
     name = method or bucket.method
     if name not in _METHODS:
         raise ValueError(f"collective = {method!r} is not a method; choose one of: "
@@ -366,5 +369,6 @@ def make_collective(bucket: Bucket, rank: int, dp: int, buffers: BucketBuffers, 
         raise ValueError(f"collective = '{comm.EQUAL}' cannot move bucket {bucket.index}'s "
                          f"unequal slices {list(bucket.sizes)}; choose one of: "
                          f"{', '.join(m for m in METHODS if m != comm.EQUAL)}")
-    cls = LocalCollective if dp == 1 else _METHODS[name]
+    one_rank = dp == 1 and (method is None or not distributed)
+    cls = LocalCollective if one_rank else _METHODS[name]
     return cls(bucket, rank, dp, buffers, reduce=reduce)

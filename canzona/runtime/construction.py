@@ -140,7 +140,8 @@ class Construction:
         self._buffers = build_buffers(self._schedule, self._params, self._names,
                                       external=self._external, main_params=self._main_params)
         self._collectives = [make_collective(b, self._rank, self._dp, buf,
-                                             reduce=not self._external, method=collective)
+                                             reduce=not self._external, method=collective,
+                                             distributed=distributed)
                              for b, buf in zip(self._schedule.buckets, self._buffers)]
         self._flight = None
         if flight_record is not None:

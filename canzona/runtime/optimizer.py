@@ -133,7 +133,8 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         collective: the DP collective method of every bucket instead of the one the plan records
             per bucket: ``padded``, ``per_root`` (one reduce and one broadcast per owner),
             ``all_reduce``, ``all_to_all``, or ``equal`` (equal slices only). The results are
-            the same.
+            the same. At dp = 1 a named method runs over the one-rank process group where one
+            is initialised (None: a copy, no collective).
         collective_timeout: seconds any one of canzona's collectives may wait before
             ``CollectiveTimeoutError`` names it (its bucket or micro-group) on this rank: a peer
             that died, hangs or stopped calling ``step()`` then fails every other rank early and

@@ -154,6 +154,7 @@ def shared_newton_schulz(
     split_polynomial: bool = False,
     timeout_s: float | None = None,
     what: str = "",
+    gram_at_one: bool = False,
 ) -> Tensor:
     """This rank's rows of the Newton–Schulz orthogonalisation of a matrix shared by ``group``.
 
@@ -174,6 +175,9 @@ def shared_newton_schulz(
         timeout_s: Seconds a collective may take before ``CollectiveTimeoutError``
             (``None``: the group's own timeout).
         what: Names the matrix in timeout errors.
+        gram_at_one: With k = 1, run the shared form anyway (the one rank all-reduces its own
+            Gram over ``group``, which must be an initialised process group): how one device
+            measures this kernel and runs its collectives (``benchmarks/gpu_check.py``).
 
     Returns:
         ``[rows, n]`` in ``dtype`` (contiguous): this rank's rows of the orthogonalised matrix,
@@ -181,14 +185,15 @@ def shared_newton_schulz(
     """
     schedule = _checked("shared_newton_schulz", [block], coefficients, steps, eps)
     k = group_size(group)
-    if k == 1:
+    if k == 1 and not gram_at_one:
         return newton_schulz(block, schedule, eps=eps, dtype=dtype)
     if group_rank(group) < 0:
         raise ValueError("shared_newton_schulz: this rank is not a member of `group`")
     # One implementation: the lockstep loop of shared_newton_schulz_many with one matrix.
     return shared_newton_schulz_many([block], group=group, coefficients=schedule, steps=steps,
                                      eps=eps, dtype=dtype, split_polynomial=split_polynomial,
-                                     timeout_s=timeout_s, what=[what])[0]
+                                     timeout_s=timeout_s, what=[what],
+                                     gram_at_one=gram_at_one)[0]
 
 
 @dataclass(slots=True)
@@ -226,6 +231,7 @@ def shared_newton_schulz_many(
     timeout_s: float | None = None,
     what: Sequence[str] = (),
     flight: Any = None,
+    gram_at_one: bool = False,
 ) -> list[Tensor]:
     """:func:`shared_newton_schulz` of several matrices shared by the same ``group``, in lockstep,
     so that each one's collectives run while the others compute.
@@ -250,7 +256,8 @@ def shared_newton_schulz_many(
             matrix (matrices shared by different ranks in one lockstep: a TP group's own and
             those it shares with a partner DP index, :class:`TPPair`). The ranks of each group
             pass its matrices in the same relative order.
-        coefficients, steps, eps, dtype, timeout_s: As :func:`shared_newton_schulz`;
+        coefficients, steps, eps, dtype, timeout_s, gram_at_one: As
+            :func:`shared_newton_schulz`;
             every rank of ``group`` passes the same matrices (same n, in the same order).
 
     Returns:
@@ -271,14 +278,15 @@ def shared_newton_schulz_many(
         return []
     schedule = _checked("shared_newton_schulz_many", blocks, coefficients, steps, eps)
     ks = [group_size(g) for g in groups]
+    alone = [k == 1 and not gram_at_one for k in ks]
     out: list[Tensor | None] = [None] * len(blocks)
-    for j, k in enumerate(ks):
-        if k == 1:  # the single-device kernel (no collective)
+    for j, direct in enumerate(alone):
+        if direct:  # the single-device kernel (no collective)
             out[j] = newton_schulz(blocks[j], schedule, eps=eps, dtype=dtype)
-    me = dist.get_rank() if any(k > 1 for k in ks) else 0
+    me = dist.get_rank() if not all(alone) else 0
     tasks = []
-    for b, sp, w, grp, k in zip(blocks, splits, names, groups, ks):
-        if k == 1:
+    for b, sp, w, grp, k, direct in zip(blocks, splits, names, groups, ks, alone):
+        if direct:
             continue
         r = group_rank(grp)
         if r < 0:
