@@ -54,7 +54,6 @@ import argparse
 import collections
 import datetime
 import json
-import math
 import os
 import platform
 import socket
@@ -79,7 +78,7 @@ import canzona  # noqa: E402
 from canzona.planner import build_inventory, formulas  # noqa: E402
 from canzona.planner.hardware import load_hardware  # noqa: E402
 from canzona.planner.models import get_preset  # noqa: E402
-from canzona.runtime.collectives import wait_for  # noqa: E402
+from canzona.runtime.waits import wait_for  # noqa: E402
 from canzona.runtime.optim import Muon, MuonConfig, newton_schulz  # noqa: E402
 from canzona.runtime.optim.shared_ns import (  # noqa: E402
     shared_newton_schulz, shared_newton_schulz_many)
@@ -332,7 +331,7 @@ def section_newton_schulz(s: Setting) -> dict[str, Any]:
             p.grad = g.clone()
         theirs = torch.optim.Muon(params, lr=1e-3)
         torch_step = s.timed(theirs.step)
-        del theirs, params, states
+        del theirs, params
         rows.append({
             "model": model, "shape": [m, n], "in_model": count, "stack": s.stack,
             "gflop": flops / 1e9, "ns_batched_ms": ns["best_s"] * 1e3,

@@ -3,7 +3,7 @@
 A bucket of S elements over a group of R ranks is cut into slices s_0 … s_{R-1} (rank r owns
 s_r). Its reduce (gradients, in the grad dtype) leaves each owner the sum of its slice; its
 gather (parameters, in the parameter dtype) gives every rank every slice. The methods (the
-runtime's :mod:`canzona.runtime.collectives`, one spelling everywhere)::
+runtime's :mod:`canzona.runtime.storage.collectives`, one spelling everywhere)::
 
     equal       one ring reduce-scatter / all-gather; every slice is S/R
     padded      the same on slices padded to the largest, m = max s_r: R·m elements
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile, LinkProfile
 
 #: The bucket collective methods, by the names plans, the plan schema and the runtime's
-#: collectives (``canzona.runtime.collectives``) use; this is their one spelling.
+#: collectives (``canzona.runtime.storage.collectives``) use; this is their one spelling.
 EQUAL, PADDED, PER_ROOT, ALL_REDUCE, ALL_TO_ALL = (
     "equal", "padded", "per_root", "all_reduce", "all_to_all")
 #: Every method, in the order ties are broken (the stock collectives first).

@@ -1,6 +1,6 @@
 """The construction phases of :class:`~canzona.runtime.optimizer.CanzonaOptimizer`, a mixin:
 each phase checks what it needs, builds its room's objects (``checks``, ``schedule``,
-``buffers``, ``collectives``, ``gradients``, ``update``, ``pairs``, ``tp``, ``replicated``) and
+``storage``, ``update``, ``pairs``, ``tp``, ``replicated``) and
 sets the attributes that later phases and ``step()`` read. ``CanzonaOptimizer.__init__`` runs
 them in order; the one collective (every rank agrees on the plan) comes after every check that
 needs none, so that all ranks fail together."""
@@ -19,16 +19,14 @@ from torch import Tensor, nn
 from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.plan import Plan
 from canzona.runtime import checks, replicated, update
-from canzona.runtime.buffers import build_buffers
-from canzona.runtime.collectives import make_collective
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
-from canzona.runtime.gradients import GradientCollector
 from canzona.runtime.introspect import local_tensor, named_params
 from canzona.runtime.megatron import megatron_sum_grads
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.pairs import PairRunner
 from canzona.runtime.schedule import build_schedule
+from canzona.runtime.storage import Zero1Buckets
 from canzona.runtime.tp import MicroGroupRunner
 from canzona.runtime.tp_tasks import build_shared_tasks, build_tp_groups
 
@@ -132,25 +130,21 @@ class Construction:
         self._overlap_gather = overlap_param_gather
         self._warned_unused = False
 
-    def _lay_out_buckets(self, *, collective: str | None,
+    def _lay_out_storage(self, *, collective: str | None,
                          flight_record: str | os.PathLike | None, distributed: bool) -> None:
-        """The flat buffers of every bucket (the parameters become views of them), one
-        collective object per bucket, the flight recorder they report to, and the gradient
-        collector that fills the buffers."""
-        self._buffers = build_buffers(self._schedule, self._params, self._names,
-                                      external=self._external, main_params=self._main_params)
-        self._collectives = [make_collective(b, self._rank, self._dp, buf,
-                                             reduce=not self._external, method=collective,
-                                             distributed=distributed)
-                             for b, buf in zip(self._schedule.buckets, self._buffers)]
+        """The flight recorder every collective reports to, and the storage: where the
+        parameters' bytes and gradients live and how they move (``runtime.storage``; the plan's
+        ZeRO-1 buckets over the DP group, the parameters become views of their buffers)."""
         self._flight = None
         if flight_record is not None:
             self._flight = FlightRecorder(
                 flight_record, dist.get_rank() if distributed else 0,
                 labels={"dp_rank": self._rank, "tp_rank": self._tp_rank})
-        for c in self._collectives:
-            c.timeout_s, c.flight = self._timeout, self._flight
-        self._grads = GradientCollector(self._schedule, self._live, self._names, self._buffers)
+        self._storage = Zero1Buckets(
+            self._schedule, self._params, self._live, self._names, rank=self._rank,
+            size=self._dp, group=self._group, external=self._external,
+            main_params=self._main_params, method=collective, distributed=distributed,
+            timeout_s=self._timeout, flight=self._flight)
 
     def _init_owned_state(self) -> None:
         """fp32 state for every matrix task and AdamW slice this rank owns."""
@@ -167,7 +161,7 @@ class Construction:
             build_tp_groups(plan, self._names, self._schedule.param_bucket,
                             self._schedule.param_range, own_start, self._rank, self._tp_rank),
             tp_rank=self._tp_rank, tp=self._tp, comm_dtype=plan.inputs.comm_dtype,
-            buffers=self._buffers, params=self._params,
+            buffers=self._storage.buffers, params=self._params,
             shared=build_shared_tasks(plan, self._names, self._schedule.param_bucket,
                                       self._schedule.param_range, own_start, self._rank),
             shared_cap=LOCKSTEP_CMAX * plan.tp.cmax_bytes if plan.tp is not None else 0)

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.buffers import BucketBuffers
-from canzona.runtime.collectives import wait_for
 from canzona.runtime.errors import NonFiniteSkipWarning
-from canzona.runtime.gradients import GradientCollector
 from canzona.runtime.optim._base import NonFiniteGradientError
 from canzona.runtime.schedule import WorkOrder
+from canzona.runtime.storage.buffers import BucketBuffers
+from canzona.runtime.storage.gradients import GradientCollector
+from canzona.runtime.waits import wait_for
 
 
 def all_reduce_max(t: Tensor, *, dp: int, group: Any, tp: int, tp_group: Any, flight: Any,

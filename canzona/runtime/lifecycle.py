@@ -26,8 +26,7 @@ class Lifecycle:
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers of the last step (a no-op when none is running)."""
-        for c in self._collectives:
-            c.finish_gather()
+        self._storage.wait_gathers()
 
     def finish(self) -> None:
         """Wait for every collective this optimizer has started and drop their handles.
@@ -46,9 +45,7 @@ class Lifecycle:
         Idempotent, and training may go on after it; call it (or :meth:`close`) before
         ``torch.distributed.destroy_process_group()``.
         """
-        self.wait_params()
-        for c in self._collectives:
-            c.wait_reduce()  # the reduced slice is unpacked by the next finish_reduce
+        self._storage.finish()
         device = self._device()
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
@@ -73,8 +70,7 @@ class Lifecycle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for c in self._collectives:
-            c.drop()
+        self._storage.release()
         self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
         self._pairs.groups = {}  # nor by the DP pairs' peers
         self._micro.dp_group = None  # nor by the TP pairs' (tp > 1)

@@ -23,12 +23,14 @@ bucket returns the updated parameters to everyone. Both collectives have variabl
            └──────────┴──────┴─────┴─────────┘
 
 The rooms: ``schedule`` (the plan as frozen records and every rank's work order), ``checks``
-(everything verified before acting), ``buffers`` (flat per-bucket tensors), ``gradients``
-(hooks, completion, ``no_sync``, clipping), ``collectives`` (one object per bucket, its method
-and scratch), ``flags`` (what the ranks agree about the reduced gradients), ``replicated`` (the
-ranges of parameters replicated over TP), ``update`` (the owned updates), ``pairs`` and ``tp``
-(matrices shared by DP pairs, TP micro-groups), ``groups`` (param groups), ``accounting``
-(bytes), ``checkpoint`` (state dicts). This module owns the ``torch.optim`` surface of
+(everything verified before acting), ``storage`` (where the parameters' bytes and gradients
+live and how they are reduced and gathered: the :class:`~canzona.runtime.storage.Storage` seam,
+today the plan's ZeRO-1 buckets), ``flags`` (what the ranks agree about the reduced
+gradients), ``replicated`` (the ranges of parameters replicated over TP), ``update`` (the owned
+updates), ``pairs`` and ``tp`` (matrices shared by DP pairs, TP micro-groups), ``groups``
+(param groups), ``accounting`` (bytes), ``checkpoint`` (state dicts). The optimizer composes
+the storage with the compute rooms (``docs/architecture.md``, *The storage seam*). This module
+owns the ``torch.optim`` surface of
 :class:`CanzonaOptimizer`: its ``__init__`` runs the construction phases
 (``runtime.construction``) in order and :meth:`CanzonaOptimizer.step` runs the step's labelled
 phases: wait for the reductions, the matrix directions, the TP micro-groups, apply and
@@ -52,7 +54,7 @@ from canzona.planner.plan import Plan
 from canzona.runtime import checks, flags, replicated, update
 from canzona.runtime.construction import Construction
 from canzona.runtime.errors import UnusedParameterWarning
-from canzona.runtime.gradients import clip_owned, held_back_message
+from canzona.runtime.storage.gradients import clip_owned
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.lifecycle import Lifecycle
 from canzona.runtime.reporting import Reporting
@@ -217,7 +219,7 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         self._build_param_groups()
 
         # -- buffers, collectives, state, hooks -----------------------------------------------
-        self._lay_out_buckets(collective=collective, flight_record=flight_record,
+        self._lay_out_storage(collective=collective, flight_record=flight_record,
                               distributed=distributed)
         self._init_owned_state()
         self._set_up_shared_and_tp(plan)
@@ -261,27 +263,22 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
     def _wait_reductions(self) -> None:
         """Phases 1-2: every bucket reduced and averaged into its ``own`` slice, and which
         parameters got a gradient on any rank (``GradientCollector.received_anywhere``)."""
-        grads = self._grads
-        if grads.reduced:
+        storage = self._storage
+        if storage.grads.reduced:
             return
         if self._external:
-            grads.read_external()
-            replicated.sum_partial_grads(self._buffers, self._sp_ranges, self._tp_group)
-            self._agree_flags()
-            grads.reduced = True
-            return
-        self._warn_if_held_back()
-        # Phase 1: launch what backward did not (buckets holding parameters without gradients),
-        # in order.
-        grads.complete_all()
-        self._launch_ready_reductions()
-        # Phase 2: wait for the reduce-scatters (most finished during backward) and average;
-        # then one small all-reduce of the "got a gradient" and "non-finite" flags.
-        for c in self._collectives:
-            c.finish_reduce()
-        replicated.sum_partial_grads(self._buffers, self._sp_ranges, self._tp_group)
+            storage.read_external()
+        else:
+            self._warn_if_held_back()
+            # Phase 1: launch what backward did not (buckets holding parameters without
+            # gradients), in order; phase 2: wait for the reductions (most finished during
+            # backward) and average.
+            storage.reduce()
+        # Then the partial gradients of TP-replicated parameters summed over TP, and one small
+        # all-reduce of the "got a gradient" and "non-finite" flags.
+        replicated.sum_partial_grads(storage.buffers, self._sp_ranges, self._tp_group)
         self._agree_flags()
-        grads.reduced = True
+        storage.grads.reduced = True
 
     def _agree_flags(self) -> None:
         """Per parameter, whether any rank got a gradient for it, and which averaged gradients
@@ -291,9 +288,10 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         reduce_max = functools.partial(
             flags.all_reduce_max, dp=self._dp, group=self._group, tp=self._tp,
             tp_group=self._tp_group, flight=self._flight, timeout_s=self._timeout, rank=self._rank)
-        bad = flags.agree(self._grads, self._buffers, self._schedule.mine, self._params,
+        storage = self._storage
+        bad = flags.agree(storage.grads, storage.buffers, self._schedule.mine, self._params,
                           reduce_max)
-        flags.apply_policy(bad, grads=self._grads, buffers=self._buffers,
+        flags.apply_policy(bad, grads=storage.grads, buffers=storage.buffers,
                            work=self._schedule.mine, names=self._names,
                            matrix_params=self._schedule.matrix_params, matrix=self._matrix,
                            adamw=self._adamw, reset=self._start_next_iteration)
@@ -303,11 +301,10 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         # Matrices shared with another DP rank (plan.dp_shared) first, phase by phase: every
         # rank starts its pairs at once (after its whole matrices, a partner with more of them
         # would keep the other waiting, and the waits would chain along the pairs).
-        out = self._pairs.directions(self._buffers, self._params, self.state, self._matrix,
-                                     self._grads.received_anywhere)
-        out.update(update.matrix_directions(self._schedule.mine, self._buffers, self._params,
-                                            self.state, self._matrix,
-                                            self._grads.received_anywhere))
+        buffers, received = self._storage.buffers, self._storage.grads.received_anywhere
+        out = self._pairs.directions(buffers, self._params, self.state, self._matrix, received)
+        out.update(update.matrix_directions(self._schedule.mine, buffers, self._params,
+                                            self.state, self._matrix, received))
         return out
 
     def _run_tp_microgroups(self) -> None:
@@ -316,56 +313,51 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         tasks hosted here, then the scatter of the updates and their application to this rank's
         shards (``runtime.tp``)."""
         self._micro.run(group=self._tp_group, state=self.state, matrix=self._matrix,
-                        received=self._grads.received_anywhere, overlap=self._overlap_tp)
+                        received=self._storage.grads.received_anywhere,
+                        overlap=self._overlap_tp)
 
     def _apply_updates_and_gather(self, directions: dict[int, Tensor]) -> None:
         """Phase 4, bucket by bucket in order: apply the directions, AdamW on the owned elements,
         launch the bucket's all-gather (it runs while the next bucket is updated). Then, unless
         ``overlap_param_gather``, wait: the parameters are whole again everywhere."""
-        mine, received = self._schedule.mine, self._grads.received_anywhere
-        for bi, (buf, c) in enumerate(zip(self._buffers, self._collectives)):
+        storage = self._storage
+        mine, received = self._schedule.mine, storage.grads.received_anywhere
+        for bi, buf in enumerate(storage.buffers):
             update.apply_bucket(bi, mine, buf, self._params, self.state, self._matrix,
                                 self._adamw, directions, received)
-            c.launch_gather(self._group)
+            storage.gather(bi)
         if not self._overlap_gather:
             self.wait_params()
 
     def _start_next_iteration(self) -> None:
-        for buf in self._buffers:
-            buf.grads.zero_()
-        self._grads.reset()
+        self._storage.reset()
 
     # -- gradients ------------------------------------------------------------------------------
 
     def _on_grad(self, i: int, p: Tensor) -> None:
         """Post-accumulate-grad hook of parameter ``i``."""
-        if self._grads.accumulate(i, p):
-            self._launch_ready_reductions()
-
-    def _launch_ready_reductions(self) -> None:
-        for bi in self._grads.take_ready():
-            self._collectives[bi].launch_reduce(self._group)
+        self._storage.collect(i, p)
 
     def _warn_if_held_back(self) -> None:
         """Once per optimizer: a parameter without gradient kept buckets from overlapping."""
-        if self._warned_unused or self._dp == 1:
+        if self._warned_unused:
             return
-        held = self._grads.held_back()
+        held = self._storage.held_back()
         if held is None:
             return
-        warnings.warn(held_back_message(self._schedule, self._buffers, *held),
-                      UnusedParameterWarning, stacklevel=2)
+        warnings.warn(held, UnusedParameterWarning, stacklevel=2)
         self._warned_unused = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside accumulate locally and reduce nothing; the
         next backward outside completes the buckets and reduces them once."""
-        old, self._grads.sync = self._grads.sync, False
+        grads = self._storage.grads
+        old, grads.sync = grads.sync, False
         try:
             yield
         finally:
-            self._grads.sync = old
+            grads.sync = old
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -382,8 +374,8 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"norm_type = {norm_type!r} is not supported; use 2.0 or inf")
         self._wait_reductions()
-        return clip_owned([b.own for b in self._buffers], max_norm, norm_type, dp=self._dp,
-                          group=self._group, tp=self._tp, tp_group=self._tp_group,
+        return clip_owned(self._storage.owned_grads, max_norm, norm_type, dp=self._dp,
+                          group=self._storage.group, tp=self._tp, tp_group=self._tp_group,
                           duplicates=self._tp_duplicates)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -394,10 +386,8 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
                     p.grad = None
                 else:
                     p.grad.zero_()
-        if self._grads.pending:
-            for c in self._collectives:
-                c.wait_reduce()
-            self._start_next_iteration()
+        if self._storage.grads.pending:
+            self._storage.discard()
 
     # -- hyper-parameters -----------------------------------------------------------------------
 

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from canzona.runtime.buffers import BucketBuffers
-from canzona.runtime.collectives import wait_for
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
 from canzona.runtime.optim.transports import PeerPair, pair_exchange
 from canzona.runtime.schedule import MatrixTask, WorkOrder
+from canzona.runtime.storage.buffers import BucketBuffers
+from canzona.runtime.waits import wait_for
 
 __all__ = ["PairRunner", "pair_tasks"]
 

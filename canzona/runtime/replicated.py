@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.introspect import is_tp_split
 from canzona.runtime.schedule import Schedule
+from canzona.runtime.storage.buffers import BucketBuffers
 
 
 def partial_grad_ranges(schedule: Schedule, names: list[str], live: list[Tensor],

@@ -23,7 +23,7 @@ class Reporting:
     def collective_methods(self) -> tuple[str, ...]:
         """Per bucket, in launch order, the collective method it uses (``equal``, ``padded``,
         ``all_to_all``, ``per_root``, ``all_reduce``; ``local`` when dp = 1)."""
-        return tuple(c.method for c in self._collectives)
+        return self._storage.methods
 
     def tp_scratch_bytes(self) -> int:
         """Most bytes of gathered full matrices this rank's TP pipeline holds at once (two
@@ -35,7 +35,7 @@ class Reporting:
         """Bytes of optimizer state on this rank (every tensor, step counters included, and the
         fp32 main copies under ``main_params="fp32"``): :func:`predicted_state_bytes` of the plan.
         """
-        return accounting.measured_state_bytes(self.state, (b.main for b in self._buffers))
+        return accounting.measured_state_bytes(self.state, self._storage.main_copies)
 
     def predicted_state_bytes(self) -> int:
         """``state_bytes()`` predicted from the plan's geometry and this optimizer's kernels:
@@ -51,25 +51,25 @@ class Reporting:
         """Take the fp32 main copies again from the (bf16/fp16) parameters, e.g. after
         ``model.load_state_dict`` (a no-op without ``main_params="fp32"``)."""
         self.wait_params()
-        for buf in self._buffers:
+        for buf in self._storage.buffers:
             if buf.main is not None:
                 buf.main.copy_(buf.own_params)
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes this rank sends per step in the reduce-scatters and all-gathers (the methods the
         constructor chose; padding included)."""
-        buckets = self._schedule.buckets
+        buckets, buffers = self._schedule.buckets, self._storage.buffers
         return accounting.comm_bytes(
-            [c.method for c in self._collectives], [b.sizes for b in buckets], self._rank,
-            grad_bytes=[4 if self._external else buf.grads.element_size() for buf in self._buffers],
-            param_bytes=[buf.params.element_size() for buf in self._buffers],
+            list(self._storage.methods), [b.sizes for b in buckets], self._rank,
+            grad_bytes=[4 if self._external else buf.grads.element_size() for buf in buffers],
+            param_bytes=[buf.params.element_size() for buf in buffers],
             external=self._external)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's (sharded) state: per parameter index its owned task or slice state, the
         param groups' hyper-parameters, and the plan it belongs to."""
         self.wait_params()
-        main = [b.main for b in self._buffers] if self._main_params is not None else None
+        main = self._storage.main_copies if self._main_params is not None else None
         return sharded.build_state_dict(self._params, self.state, self.param_groups,
                                            digest=self._digest, rank=self._rank, main=main)
 
@@ -78,5 +78,5 @@ class Reporting:
         sharded.check_owner(state_dict, digest=self._digest, rank=self._rank)
         # fp32 main copies: the saved ones, else (saved without them) from the parameters.
         if not sharded.load_into(state_dict, self._params, self.state, self.param_groups,
-                                    [b.main for b in self._buffers]):
+                                    self._storage.main_copies):
             self.reload_main_params()

@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.buffers import BucketBuffers
-from canzona.runtime.collectives import wait_for
 from canzona.runtime.optim import NonFiniteGradientError
+from canzona.runtime.storage.buffers import BucketBuffers
 from canzona.runtime.tp_shared import SharedLockstep
 from canzona.runtime.tp_tasks import SharedTask, TPGroup, TPTask
+from canzona.runtime.waits import wait_for
 
 __all__ = ["COMM_DTYPES", "MicroGroupRunner"]
 

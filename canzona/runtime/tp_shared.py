@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from canzona.planner.formulas import lockstep_batches, lockstep_bytes
-from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.optim.orientation import orientation
 from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
 from canzona.runtime.optim.transports import PeerPair, TPPair
+from canzona.runtime.storage.buffers import BucketBuffers
 from canzona.runtime.tp_tasks import SharedTask
 
 __all__ = ["SharedLockstep"]

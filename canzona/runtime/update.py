@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.schedule import MatrixTask, WorkOrder
+from canzona.runtime.storage.buffers import BucketBuffers
 
 
 def init_owned_state(work: WorkOrder, params: list[Tensor], state: MutableMapping[Tensor, Any],

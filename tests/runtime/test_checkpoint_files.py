@@ -64,7 +64,7 @@ def test_checkpoint_without_main_copies_takes_them_from_the_weights(tmp_path, on
     model, opt = C.build(seed=3, dtype=torch.bfloat16, main_params="fp32")
     canzona.load_checkpoint(path, model, opt)
     assert _equal(C.params(model), C.params(saved_model))
-    for buf in opt._buffers:
+    for buf in opt._storage.buffers:
         if buf.main is not None:
             assert torch.equal(buf.main, buf.own_params.float())
 

@@ -109,7 +109,7 @@ class _Slow:
 def test_several_stages_share_one_timeout():
     # a TPPair sum is three stages (TP reduce-scatter, partner exchange, TP all-gather), each a
     # handle: the timeout is for them all, each stage waits only for what the ones before it left
-    from canzona.runtime.collectives import wait_within
+    from canzona.runtime.waits import wait_within
     from canzona.runtime.optim.transports import _Then
 
     stages = [_Slow(0.2), _Slow(0.2), _Slow(0.2)]

@@ -72,7 +72,7 @@ def test_equal_refuses_unequal_slices():
 def test_the_runtime_collectives_are_the_planners_methods():
     """One spelling of the methods: the runtime has one collective class per name in
     ``comm.METHODS`` and lists them in the planner's order."""
-    from canzona.runtime import collectives
+    from canzona.runtime.storage import collectives
 
     assert collectives.METHODS == comm.METHODS
     assert tuple(collectives._METHODS) == comm.METHODS

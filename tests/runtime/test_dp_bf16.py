@@ -57,7 +57,7 @@ def _train(rank: int, world: int, *, main_params: str | None) -> dict:
     opt.wait_params()
     # this rank's fp32 main copies, as {name: (flat start, flat end, values)}
     main = {}
-    for b, buf in zip(opt._schedule.buckets, opt._buffers):
+    for b, buf in zip(opt._schedule.buckets, opt._storage.buffers):
         if buf.main is None:
             continue
         c0, c1 = b.cuts[rank], b.cuts[rank + 1]
@@ -230,14 +230,15 @@ def test_single_process_state_dict_and_reload():
     model2.load_state_dict(model.state_dict())
     opt2 = CanzonaOptimizer(model2, plan, lr=H.LR, ns_dtype=torch.float32, main_params="fp32")
     opt2.load_state_dict(sd)
-    assert all(torch.equal(a.main, b.main) for a, b in zip(opt._buffers, opt2._buffers))
+    assert all(torch.equal(a.main, b.main)
+               for a, b in zip(opt._storage.buffers, opt2._storage.buffers))
     assert opt2.state_bytes() == opt2.predicted_state_bytes() == opt.state_bytes()
     # reload takes the (rounded) parameters: the main copies then equal them exactly
     opt2.reload_main_params()
-    assert all(torch.equal(b.main, b.params.float()) for b in opt2._buffers)
+    assert all(torch.equal(b.main, b.params.float()) for b in opt2._storage.buffers)
     # an fp32 model needs no main copies
     m32 = H.TinyGPT()
     p32 = canzona.plan_model(m32, dp=1)
     o32 = CanzonaOptimizer(m32, p32, main_params="fp32")
-    assert all(b.main is None for b in o32._buffers)
+    assert all(b.main is None for b in o32._storage.buffers)
     assert o32.state_bytes() == o32.predicted_state_bytes() == p32.metrics.dp_state_bytes[0]

@@ -48,9 +48,9 @@ def _overlap(rank: int, world: int) -> dict:
     held_default = _groups_held(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)  # as H.train_reference
     _train(model, opt, rank, world, steps=3, sched=sched)
-    pending = sum(c.gathering for c in opt._collectives)
+    pending = sum(c.gathering for c in opt._storage.collectives)
     opt.finish()
-    after = sum(c.gathering for c in opt._collectives)
+    after = sum(c.gathering for c in opt._storage.collectives)
     opt.finish()  # idempotent
     params = H.params_of(model)
     # training goes on after finish()

@@ -29,7 +29,7 @@ STEPS = 3
 def _launched(opt) -> list[bool]:
     """Per bucket: its reduce-scatter was launched since the last step (or is running)."""
     return [done or c.reduce_work is not None
-            for done, c in zip(opt._grads.launched, opt._collectives)]
+            for done, c in zip(opt._storage.grads.launched, opt._storage.collectives)]
 
 
 def _unused_warnings(caught) -> list[str]:

@@ -124,7 +124,8 @@ def _tiny_loss(model: torch.nn.Module, rank: int, world: int) -> torch.Tensor:
     return H.loss_fn(model, x[mine], y[mine])
 
 
-#: The torch.distributed calls of canzona.runtime.collectives and what each one's payload is.
+#: The torch.distributed calls of canzona.runtime.storage.collectives and what each one's
+#: payload is.
 _SPIED = ("all_to_all_single", "reduce", "broadcast", "all_reduce")
 
 
@@ -143,9 +144,9 @@ def _payload(op: str, args: tuple, kw: dict) -> dict:
 
 
 class _DistSpy:
-    """Stands in for ``torch.distributed`` inside ``canzona.runtime.collectives`` only: records
-    the payload of every collective that module launches (tagged with the bucket and phase being
-    launched), then makes the real call."""
+    """Stands in for ``torch.distributed`` inside ``canzona.runtime.storage.collectives`` only:
+    records the payload of every collective that module launches (tagged with the bucket and
+    phase being launched), then makes the real call."""
 
     def __init__(self, real, log: list, where: list) -> None:
         self._real, self._log, self._where = real, log, where
@@ -163,16 +164,16 @@ class _DistSpy:
 
 
 def _spied_step(model, plan, method, loss_of, rank: int, world: int) -> dict:
-    """One optimizer step with every collective of ``canzona.runtime.collectives`` recorded;
+    """One optimizer step with every collective of ``canzona.runtime.storage.collectives`` recorded;
     each bucket's reduced (averaged) gradient slice and gathered parameter buffer kept."""
-    from canzona.runtime import collectives as C
+    from canzona.runtime.storage import collectives as C
 
     opt = CanzonaOptimizer(model, plan, lr=0.02, ns_dtype=torch.float32, collective=method)
     log: list = []
     where = [None, None]
     spy = _DistSpy(dist, log, where)
     own: dict[int, torch.Tensor] = {}
-    for k, c in enumerate(opt._collectives):
+    for k, c in enumerate(opt._storage.collectives):
         def tagged(fn, phase, k=k):
             def start(group):
                 where[:] = [k, phase]
@@ -201,8 +202,8 @@ def _spied_step(model, plan, method, loss_of, rank: int, world: int) -> dict:
         C.dist, C._reduce_scatter, C._all_gather = saved
     opt.finish()
     return {"calls": log, "methods": opt.collective_methods,
-            "own": [own[k] for k in range(len(opt._collectives))],
-            "params": [c.buffers.params.clone() for c in opt._collectives]}
+            "own": [own[k] for k in range(len(opt._storage.collectives))],
+            "params": [c.buffers.params.clone() for c in opt._storage.collectives]}
 
 
 #: Methods forced on every bucket in the payload case (None: each bucket's plan method).

@@ -122,7 +122,7 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
     # -- fp32 main copies: each rank's own pieces -------------------------------------------------
     for i, view in enumerate(L.views):
         b, a, z = L.own(i)
-        main = opt._buffers[b].main
+        main = opt._storage.buffers[b].main
         if main is None or a >= z or (saving and not L.writes(i)):
             continue
         s = opt._schedule

@@ -95,7 +95,7 @@ Non-finite input gives non-finite output, as on one device.
 **Contract.** Every rank of ``group`` calls with the same n, dtype, coefficients, steps, eps and
 ``split_polynomial`` (a mismatch fails in gloo or hangs in NCCL, as any collective does); any
 number of rows ≥ 0 per rank. The collectives are asynchronous and waited for through
-:func:`canzona.runtime.collectives.wait_for` (``timeout_s`` → ``CollectiveTimeoutError`` naming
+:func:`canzona.runtime.waits.wait_for` (``timeout_s`` → ``CollectiveTimeoutError`` naming
 ``what``), so on CUDA/NCCL the current stream is ordered after the communicator's stream and the
 same code runs on CPU (gloo) and GPU. The process group is the k sharing ranks; groups are
 created once by the caller (adjacent DP indices in pairs or quads, or a TP sub-group), never
@@ -117,7 +117,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.planner.formulas import poly_packed_numel
-from canzona.runtime.collectives import _Works, wait_for
 from canzona.runtime.optim.gram_packing import (
     chunk_layout,
     gram_views,
@@ -139,6 +138,7 @@ from canzona.runtime.optim.transports import (
     group_rank,
     group_size,
 )
+from canzona.runtime.waits import Works, wait_for
 
 __all__ = ["shared_newton_schulz", "shared_newton_schulz_many"]
 
@@ -334,7 +334,7 @@ def shared_newton_schulz_many(
             works.append(launch(all_reduce(t.packed[p0:p1], t.group),
                                 f"the Gram all-reduce (step {step}, chunk {c + 1} of "
                                 f"{len(t.chunks)}) of {t.label}")[0])
-        t.work = (_Works(works), f"the Gram all-reduce (step {step}) of {t.label}")
+        t.work = (Works(works), f"the Gram all-reduce (step {step}) of {t.label}")
 
     def wait(t: _Task) -> None:
         work, name = t.work

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from canzona.runtime.collectives import wait_for
 from canzona.runtime.optim.muon import DEFAULT_COEFFICIENTS, Coefficients
 from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+from canzona.runtime.waits import wait_for
 
 __all__ = ["SubGroups", "sub_group_newton_schulz", "sub_group_return", "sub_group_rows",
            "tp_sub_groups"]

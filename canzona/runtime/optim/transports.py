@@ -1,6 +1,6 @@
 """How the ranks of a shared Newton–Schulz reach each other: the asynchronous sum and all-gather
 over each kind of sharing group, each returned as one async handle (``wait(timeout)``,
-``is_completed()``) that :func:`canzona.runtime.collectives.wait_for` waits for.
+``is_completed()``) that :func:`canzona.runtime.waits.wait_for` waits for.
 
 * A process group (the k ranks, created once by the caller): the stock ``all_reduce`` and tensor
   all-gather.
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.collectives import wait_within
+from canzona.runtime.waits import wait_within
 
 __all__ = ["PeerPair", "TPPair", "all_gather", "all_reduce", "gather_slot", "group_rank",
            "group_size", "pair_exchange"]

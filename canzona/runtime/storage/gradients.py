@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.buffers import BucketBuffers
 from canzona.runtime.introspect import local_grad
 from canzona.runtime.schedule import Schedule
+from canzona.runtime.storage.buffers import BucketBuffers
 
 
 class GradientCollector:
