@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .objective import MAX_LOAD, Objective, StepTime
-from .options import SOLVERS, STEP_TIME_GAP_PP, DPOptions  # noqa: F401
+from .options import STEP_TIME_GAP_PP, DPOptions
 from .planning import DPProblem, evaluate
 from .tp.context import TPContext, index_gpu_max, lb_gpu
 from .tp.joint import joint_refine, lockstep_assign

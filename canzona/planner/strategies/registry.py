@@ -22,12 +22,11 @@ from ..hardware import HardwareProfile, LinkProfile
 from ..options import DPOptions, TPOptions
 from ..pipeline import plan_problem
 from ..plan import Plan
-from ..planning import DPProblem
+from ..planning import Cuts, DPProblem
 from ..simulate import Workload
 from ..tp import TPContext
 from ..tp import baselines as tpb
 from ..tp.baselines import TPBaselineInputs, TPBaselineRow
-from ..tp.context import Cuts
 from ..tp.schedule import TPSchedule
 from . import workloads as wl
 from .workloads import Built, WorkloadInputs

@@ -38,8 +38,9 @@ by :mod:`canzona.planner.plan.tp_section`.
 above the DP package (it runs the DP greedy) and is imported on its own.
 """
 
-from .context import (MIB, TP_SOLVERS, Cuts, TPContext, TPOptions, index_gpu_max, index_work,
-                      lb_gpu, lpt_bins, lpt_makespan)
+from ..options import MIB, TP_SOLVERS, TPOptions
+from ..planning import Cuts
+from .context import TPContext, index_gpu_max, index_work, lb_gpu, lpt_bins, lpt_makespan
 from .joint import joint_refine
 from .schedule import IndexSchedule, MicroGroup, TPSchedule, gpu_loads, schedule_index, schedule_tp
 

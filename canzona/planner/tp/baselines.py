@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..dp.greedy import greedy
-from ..planning import DPProblem
-from .context import Cuts, TPContext, index_work, lb_gpu
+from ..planning import Cuts, DPProblem
+from .context import TPContext, index_work, lb_gpu
 from .schedule import TPSchedule, gpu_loads
 
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError
 from ..formulas import lockstep_bytes
-from ..options import MIB, TP_SOLVERS, TPOptions  # noqa: F401  (re-exported by tp)
-from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of  # noqa: F401
+from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of
 from ..shards import ShardMap, shard_map
 
 

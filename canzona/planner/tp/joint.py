@@ -5,8 +5,8 @@ from __future__ import annotations
 import heapq
 
 from ..objective import MAX_LOAD, Objective
-from ..planning import DPProblem, owner_of
-from .context import (Cuts, Lockstep, Piece, TPContext, index_gpu_max, index_work, lb_gpu,
+from ..planning import Cuts, DPProblem, owner_of
+from .context import (Lockstep, Piece, TPContext, index_gpu_max, index_work, lb_gpu,
                       lockstep_piece, lpt_bins, lpt_makespan, shared_by_index)
 
 

@@ -14,9 +14,9 @@ from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError, OversizedTaskWarning
 from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import LinkProfile, load_hardware
-from ..planning import DPProblem, pair_owners
-from .context import (Cuts, TPContext, TPOptions, coupled, index_work, lockstep_scratch,
-                      lockstep_seconds, shared_by_index)
+from ..options import TPOptions
+from ..planning import Cuts, DPProblem, coupled, pair_owners
+from .context import TPContext, index_work, lockstep_scratch, lockstep_seconds, shared_by_index
 
 # --- schedule records -----------------------------------------------------------------------------
 
