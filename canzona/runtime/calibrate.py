@@ -2,9 +2,9 @@
 
 ``calibrate()`` times, on the current device (CUDA when available, else the CPU):
 
-* matmul throughput per dtype (fp32, bf16) over a few square and rectangular shapes — the best
-  achieved FLOP/s is the profile's ``peak_flops`` (with ``compute_efficiency`` = 1: measured rates
-  are already achieved rates);
+* matmul throughput per dtype (fp32, bf16) over a few square and rectangular shapes, up to
+  8192³ on CUDA — the best achieved FLOP/s is the profile's ``peak_flops`` (with
+  ``compute_efficiency`` = 1: measured rates are already achieved rates);
 * Muon's Newton–Schulz (``canzona.runtime.optim.muon.newton_schulz``, the kernel the runtime runs)
   per shape, as achieved FLOP/s of ``canzona.planner.formulas.muon_flops``; and ``eigh`` / QR
   seconds per size (Shampoo's and SOAP's work) — both kept in ``calibration``;
@@ -66,6 +66,10 @@ def _best(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 def _matmul_rates(device: torch.device, quick: bool, reps: int) -> dict[str, float]:
     shapes = [(256, 256, 256), (512, 128, 512)] if quick else \
         [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 4096), (1024, 4096, 1024)]
+    if device.type == "cuda" and not quick:
+        # a large GPU reaches its rate only on large products (an H200: 8192³ runs at about
+        # 1.5× what 2048³ does); the matrices canzona orthogonalise are of this size
+        shapes += [(4096, 4096, 4096), (8192, 8192, 8192)]
     rates = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         best = 0.0
