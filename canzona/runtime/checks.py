@@ -54,6 +54,16 @@ def check_overlap_target(model: Any, overlap_param_gather: bool) -> None:
                          "waits for the parameters)")
 
 
+def check_not_ddp(model: Any, grad_sync: str) -> None:
+    """A ``DistributedDataParallel`` model already averages its gradients: canzona reducing them
+    again would be wrong, so it takes them as they are or not at all."""
+    if grad_sync != "external" and isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("the model is wrapped in DistributedDataParallel, which already averages "
+                         "the gradients: pass grad_sync='external' to use DDP's averaged .grad, "
+                         "or give canzona the unwrapped model (model.module) and drop DDP, as "
+                         "canzona reduces the gradients itself")
+
+
 def check_main_params(main_params: Any) -> None:
     if main_params not in MAIN_PARAMS:
         raise ValueError(f"main_params = {main_params!r} is not allowed; choose None (update the "

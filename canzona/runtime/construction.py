@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.plan import Plan
-from canzona.runtime import checks, replicated, update
+from canzona.runtime import checks, replicated, update, weights
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.introspect import local_tensor, named_params
@@ -50,9 +50,12 @@ class Construction:
         checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
         return dp_group, tp_group
 
-    def _take_parameters(self, model: nn.Module | Any, plan: Plan) -> list[tuple[str, Tensor]]:
-        """The model's named parameters (checked against the parts the plan splits), and the
-        tensors canzona works on. Returns the ``(name, parameter)`` pairs."""
+    def _take_parameters(self, model: nn.Module | Any, plan: Plan,
+                         grad_sync: str) -> list[tuple[str, Tensor]]:
+        """The model's named parameters (checked against the parts the plan splits; a DDP
+        wrapper only with ``grad_sync="external"``), and the tensors canzona works on. Returns
+        the ``(name, parameter)`` pairs."""
+        checks.check_not_ddp(model, grad_sync)
         pairs = named_params(model)
         checks.check_split_parts(plan, pairs)
         self._names = [n for n, _ in pairs]
@@ -102,6 +105,16 @@ class Construction:
         else:
             checks.agree_grid(plan, problem, dp=self._dp, dp_group=self._group, tp=self._tp,
                               tp_group=self._tp_group, device=self._device())
+
+    def _agree_on_weights(self, sync_init: bool) -> None:
+        """Every DP rank starts from the same weights: checked (one all-reduce of a digest per
+        parameter), or DP rank 0's broadcast to the others with ``sync_init``
+        (``runtime.weights``)."""
+        if sync_init:
+            weights.broadcast_weights(self._params, size=self._dp, group=self._group)
+        else:
+            weights.agree_weights(self._params, self._names, size=self._dp, group=self._group,
+                                  device=self._device())
 
     def _build_kernels(self, plan: Plan, *, optimizer: str | None,
                        matrix_options: dict[str, Any] | None, ns_dtype: torch.dtype,

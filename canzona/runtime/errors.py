@@ -5,7 +5,7 @@ from __future__ import annotations
 from canzona.planner.errors import CanzonaError, CanzonaWarning
 
 __all__ = ["CheckpointError", "CollectiveTimeoutError", "NonFiniteSkipWarning", "PlanMismatchError",
-           "UnusedParameterWarning"]
+           "UnevenBackwardError", "UnusedParameterWarning", "WeightsDifferError"]
 
 
 class PlanMismatchError(CanzonaError):
@@ -33,3 +33,17 @@ class CheckpointError(CanzonaError):
     """A checkpoint cannot be saved or loaded as asked: missing or incomplete, of another model
     or kernel, or state that cannot follow the change of plan (the message says which and the
     fix). Raised on every rank before anything is loaded."""
+
+
+class UnevenBackwardError(RuntimeError):
+    """Some DP ranks produced gradients for a step and others none (a rank skipped
+    ``loss.backward()``): averaging would halve every gradient without a word. Raised on every
+    rank, naming the ranks without gradients, before anything is updated; the step's gradients
+    are dropped."""
+
+
+class WeightsDifferError(PlanMismatchError):
+    """The DP ranks hold different weights at construction (seeded differently): they would
+    train on until the first all-gather overwrote them. Raised on every rank, naming the first
+    parameter that differs; ``CanzonaOptimizer(sync_init=True)`` broadcasts DP rank 0's
+    weights instead."""

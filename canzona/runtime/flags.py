@@ -1,6 +1,8 @@
 """What every rank agrees about the averaged gradients of a step, after the reductions: which
-parameters got a gradient on any rank (``GradientCollector.received_anywhere``), which hold NaN
-or Inf on any rank, and what the non-finite policy then does with those, alike on every rank."""
+parameters got a gradient on any rank (``GradientCollector.received_anywhere``), which DP ranks
+produced no gradient at all while others did (a skipped backward: every rank raises), which
+hold NaN or Inf on any rank, and what the non-finite policy then does with those, alike on
+every rank."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.errors import NonFiniteSkipWarning
+from canzona.runtime.errors import NonFiniteSkipWarning, UnevenBackwardError
 from canzona.runtime.optim._base import NonFiniteGradientError
 from canzona.runtime.schedule import WorkOrder
 from canzona.runtime.storage.buffers import BucketBuffers
@@ -35,22 +37,30 @@ def all_reduce_max(t: Tensor, *, dp: int, group: Any, tp: int, tp_group: Any, fl
 
 
 def agree(grads: GradientCollector, buffers: Sequence[BucketBuffers], work: WorkOrder,
-          params: list[Tensor], reduce_max: Callable[[Tensor], None]) -> list[int]:
+          params: list[Tensor], reduce_max: Callable[[Tensor], None], *, rank: int,
+          size: int) -> tuple[list[int], list[int]]:
     """Per parameter, whether any rank got a gradient for it (into ``grads.received_anywhere``),
-    and per bucket whether any rank's averaged slice holds NaN or Inf: one MAX all-reduce
-    (``reduce_max``) and one copy to the host. Only when a bucket is non-finite somewhere, a
-    second all-reduce names the parameters. Returns them (the same on every rank)."""
+    per DP rank whether it got any gradient (this rank ``rank`` of ``size``), and per bucket
+    whether any rank's averaged slice holds NaN or Inf: one MAX all-reduce (``reduce_max``) and
+    one copy to the host. Only when a bucket is non-finite somewhere, a second all-reduce names
+    the parameters. Returns (the non-finite parameters, the DP ranks that got no gradient while
+    others did), the same on every rank."""
     n = len(params)
     device = params[0].device
     finite = [torch.isfinite(b.own).all() for b in buffers if b.own.numel()]
     bad_bucket = (~torch.stack(finite)).any().to(torch.int32).reshape(1) if finite else \
         torch.zeros(1, dtype=torch.int32, device=device)
-    flags = torch.cat([grads.received.to(device), bad_bucket.to(device)])
+    had = torch.zeros(size, dtype=torch.int32)
+    had[rank] = int(bool(grads.received.any()))
+    flags = torch.cat([grads.received, had]).to(device)
+    flags = torch.cat([flags, bad_bucket.to(device)])
     reduce_max(flags)
     flags = flags.cpu().tolist()
     grads.received_anywhere = flags[:n]
-    if not flags[n]:
-        return []
+    ranks = flags[n:n + size]
+    missing = [r for r, x in enumerate(ranks) if not x] if any(ranks) else []
+    if missing or not flags[n + size]:
+        return [], missing
     bad = torch.zeros(n, dtype=torch.int32)
     for bi, buf in enumerate(buffers):
         for x in own_pieces(work, bi):
@@ -58,17 +68,29 @@ def agree(grads: GradientCollector, buffers: Sequence[BucketBuffers], work: Work
                 bad[x.param] = 1
     bad = bad.to(device)
     reduce_max(bad)
-    return [i for i, f in enumerate(bad.cpu().tolist()) if f]
+    return [i for i, f in enumerate(bad.cpu().tolist()) if f], []
 
 
-def apply_policy(bad: list[int], *, grads: GradientCollector, buffers: Sequence[BucketBuffers],
-                 work: WorkOrder, names: list[str], matrix_params: Collection[int], matrix: Any,
-                 adamw: Any, reset: Callable[[], None]) -> None:
-    """The same decision on every rank for the parameters whose averaged gradient holds NaN
-    or Inf anywhere: under ``nonfinite="raise"`` (the kernels' default) every rank raises
-    ``NonFiniteGradientError`` naming them, before anything is updated (``reset`` drops the
-    gradients: the next step starts clean); under ``"skip"`` every rank leaves them alone this
-    step (their owners do not update them; the all-gathers send them unchanged)."""
+def apply_policy(agreed: tuple[list[int], list[int]], *, grads: GradientCollector,
+                 buffers: Sequence[BucketBuffers], work: WorkOrder, names: list[str],
+                 matrix_params: Collection[int], matrix: Any, adamw: Any,
+                 reset: Callable[[], None]) -> None:
+    """The same decision on every rank from what :func:`agree` found. DP ranks without any
+    gradient while others had some: every rank raises ``UnevenBackwardError`` naming them.
+    Parameters whose averaged gradient holds NaN or Inf anywhere: under ``nonfinite="raise"``
+    (the kernels' default) every rank raises ``NonFiniteGradientError`` naming them; under
+    ``"skip"`` every rank leaves them alone this step (their owners do not update them; the
+    all-gathers send them unchanged). Both raise before anything is updated, after ``reset``
+    drops the gradients, so the next step starts clean."""
+    bad, missing = agreed
+    if missing:
+        reset()
+        shown = ", ".join(map(str, missing[:16])) + (", …" if len(missing) > 16 else "")
+        raise UnevenBackwardError(
+            f"DP rank(s) {shown} produced no gradient this step while the others did, so the "
+            "average would scale every gradient down: call loss.backward() on every rank before "
+            "step() (a rank without data backpropagates a zero loss, e.g. "
+            "(model(x).sum() * 0).backward()). The step's gradients were dropped.")
     if not bad:
         return
     matrix_set = set(matrix_params)

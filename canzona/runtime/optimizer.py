@@ -158,11 +158,16 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         overlap_tp: tp > 1: gather the next micro-group while this one is computed and scatter
             while the next is (default). False waits for each collective at once (to measure
             what the overlap saves; results are identical).
+        sync_init: broadcast DP rank 0's weights to the other DP ranks at construction. False
+            (default): check that every DP rank holds the same weights (one all-reduce of a
+            digest per parameter) and raise ``WeightsDifferError`` if not.
 
     Raises:
         PlanMismatchError: the plan does not match the live parameters (naming the first differing
             parameter), ranks hold different plans, a setting disagrees with the plan, the group
             size differs from the plan's dp, or the plan splits a matrix or needs tp > 1.
+        WeightsDifferError: the DP ranks hold different weights (and ``sync_init`` is False).
+        ValueError: a ``DistributedDataParallel`` model with ``grad_sync="reduce_scatter"``.
         TypeError: an argument after ``plan`` given by position.
     """
 
@@ -194,17 +199,19 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         collective: str | None = None,
         collective_timeout: float | None = None,
         flight_record: str | os.PathLike | None = None,
+        sync_init: bool = False,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
         dp_group, tp_group = self._check_arguments(
             plan, collective_timeout=collective_timeout, device_mesh=device_mesh,
             dp_group=dp_group, tp_group=tp_group, main_params=main_params, grad_sync=grad_sync)
-        pairs = self._take_parameters(model, plan)
+        pairs = self._take_parameters(model, plan, grad_sync)
         distributed = self._join_groups(plan, dp_group, tp_group)
         checks.check_overlap_target(model, overlap_param_gather)
 
-        # -- every rank agrees before it acts (plan hash + fingerprint, one collective) --------
+        # -- every rank agrees before it acts: the plan (hash + fingerprint), then the weights -
         self._agree_on_plan(plan, pairs)
+        self._agree_on_weights(sync_init)
 
         # -- kernels, schedule, param groups --------------------------------------------------
         self._build_kernels(
@@ -243,7 +250,11 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """Reduce (if backward has not finished it), update the owned parts, all-gather."""
+        """Reduce (if backward has not finished it), update the owned parts, all-gather.
+
+        Raises (on every rank alike, before anything is updated): ``UnevenBackwardError`` when
+        some DP ranks produced gradients and others none; ``NonFiniteGradientError`` for a
+        NaN/Inf averaged gradient under ``nonfinite="raise"``."""
         self._check_open("step")
         loss = None
         if closure is not None:
@@ -289,9 +300,9 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
             flags.all_reduce_max, dp=self._dp, group=self._group, tp=self._tp,
             tp_group=self._tp_group, flight=self._flight, timeout_s=self._timeout, rank=self._rank)
         storage = self._storage
-        bad = flags.agree(storage.grads, storage.buffers, self._schedule.mine, self._params,
-                          reduce_max)
-        flags.apply_policy(bad, grads=storage.grads, buffers=storage.buffers,
+        agreed = flags.agree(storage.grads, storage.buffers, self._schedule.mine, self._params,
+                             reduce_max, rank=self._rank, size=self._dp)
+        flags.apply_policy(agreed, grads=storage.grads, buffers=storage.buffers,
                            work=self._schedule.mine, names=self._names,
                            matrix_params=self._schedule.matrix_params, matrix=self._matrix,
                            adamw=self._adamw, reset=self._start_next_iteration)
