@@ -24,6 +24,7 @@ from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.introspect import local_tensor, named_params
 from canzona.runtime.megatron import megatron_sum_grads
 from canzona.runtime.optim import AdamW, AdamWConfig
+from canzona.runtime.optim._base import SettingError
 from canzona.runtime.pairs import PairRunner
 from canzona.runtime.schedule import build_schedule
 from canzona.runtime.storage import Zero1Buckets
@@ -31,6 +32,12 @@ from canzona.runtime.tp import MicroGroupRunner
 from canzona.runtime.tp_tasks import build_shared_tasks, build_tp_groups
 
 __all__ = ["Construction"]
+
+
+def _named(where: str, exc: SettingError) -> ValueError:
+    """``exc`` naming the constructor argument ``where`` (``lr=``, ``adamw_betas[0]``, …)."""
+    sep = "" if where.endswith("=") else " = "
+    return ValueError(f"{where}{sep}{exc.detail} ({exc.owner}.{exc.field})")
 
 
 class Construction:
@@ -119,13 +126,27 @@ class Construction:
     def _build_kernels(self, plan: Plan, *, optimizer: str | None,
                        matrix_options: dict[str, Any] | None, ns_dtype: torch.dtype,
                        explicit: dict[str, Any], adamw: dict[str, Any]) -> None:
-        """The matrix kernel (its settings checked against the plan's) and AdamW's."""
-        self._spec, self._matrix, self._recorded = checks.build_matrix_kernel(
-            plan, optimizer=optimizer, options=matrix_options or {}, ns_dtype=ns_dtype,
-            explicit=explicit)
-        self._adamw = AdamW(AdamWConfig(lr=adamw["lr"], betas=tuple(adamw["betas"]),
-                                        eps=adamw["eps"], weight_decay=adamw["weight_decay"],
-                                        nonfinite=adamw["nonfinite"]))
+        """The matrix kernel (its settings checked against the plan's) and AdamW's. A setting
+        out of range names the argument it came from (``lr=``, ``matrix_options['eps']``,
+        ``adamw_betas[0]``, …)."""
+        try:
+            self._spec, self._matrix, self._recorded = checks.build_matrix_kernel(
+                plan, optimizer=optimizer, options=matrix_options or {}, ns_dtype=ns_dtype,
+                explicit=explicit)
+        except SettingError as exc:
+            name, _, index = exc.field.partition("[")
+            given = explicit.get(name) is not None
+            where = (f"{name}=" if given and not index else f"{name}[{index}" if given
+                     else f"matrix_options[{name!r}]" + (f"[{index}" if index else ""))
+            raise _named(where, exc) from None
+        try:
+            self._adamw = AdamW(AdamWConfig(lr=adamw["lr"], betas=tuple(adamw["betas"]),
+                                            eps=adamw["eps"], weight_decay=adamw["weight_decay"],
+                                            nonfinite=adamw["nonfinite"]))
+        except SettingError as exc:
+            name, _, index = exc.field.partition("[")
+            where = f"adamw_{name}" + (f"[{index}" if index else "=")
+            raise _named(where, exc) from None
 
     def _build_schedule(self, plan: Plan) -> None:
         """The plan, its digest and this rank's schedule, whose work order is checked to update

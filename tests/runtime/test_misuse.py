@@ -108,3 +108,20 @@ def test_ranks_with_different_weights_raise_or_sync(world2):
         assert "sync_init=True" in res["error"]
     for res in H.results(world2, "seeds_synced"):
         assert res["error"] == "" and res["same"] and res["rank0"]
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"lr": -0.02}, "lr=-0.02 is out of range"),
+    ({"momentum": 1.5}, "momentum=1.5 is out of range"),
+    ({"adamw_lr": -1.0}, "adamw_lr=-1.0 is out of range"),
+    ({"adamw_betas": (1.5, 0.9)}, "adamw_betas[0] = 1.5 is out of range"),
+    ({"matrix_options": {"eps": -1.0}}, "matrix_options['eps'] = -1.0 is out of range"),
+    ({"adamw_nonfinite": "ignore"}, "adamw_nonfinite='ignore' is not allowed"),
+])
+def test_a_setting_out_of_range_names_the_argument(kw, named):
+    """The error names the constructor's argument, not only the kernel config's field."""
+    model = H.TinyGPT()
+    plan = canzona.plan_model(model, dp=1, bucket_size=3000)
+    with pytest.raises(ValueError) as info:
+        CanzonaOptimizer(model, plan, **kw)
+    assert str(info.value).startswith(named), str(info.value)

@@ -30,6 +30,7 @@ __all__ = [
     "MatrixOptimizer",
     "NonFiniteGradientError",
     "NonFinitePolicy",
+    "SettingError",
     "check_finite",
     "check_range",
 ]
@@ -47,6 +48,16 @@ class NonFiniteGradientError(FloatingPointError):
             + ", ".join(self.names)
             + "; nothing was updated (set nonfinite='skip' to skip such parameters instead)"
         )
+
+
+class SettingError(ValueError):
+    """A kernel config field out of its range or choices: ``owner`` (the config class), ``field``
+    (``lr``, ``betas[0]``, …) and ``detail`` (the value and what is allowed), so that a caller
+    can name its own argument instead of the field."""
+
+    def __init__(self, owner: str, field: str, detail: str) -> None:
+        self.owner, self.field, self.detail = owner, field, detail
+        super().__init__(f"{owner}.{field} = {detail}")
 
 
 def check_range(
@@ -70,20 +81,19 @@ def check_range(
         ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok_type or (not integer and not math.isfinite(value)):  # type: ignore[arg-type]
         kind = "an int" if integer else "a finite number"
-        raise ValueError(f"{owner}.{field} = {value!r} must be {kind} in {allowed}")
+        raise SettingError(owner, field, f"{value!r} must be {kind} in {allowed}")
     v = float(value)  # type: ignore[arg-type]
     if lo is not None and (v < lo or (lo_open and v == lo)):
-        raise ValueError(f"{owner}.{field} = {value!r} is out of range; allowed {allowed}")
+        raise SettingError(owner, field, f"{value!r} is out of range; allowed {allowed}")
     if hi is not None and (v > hi or (hi_open and v == hi)):
-        raise ValueError(f"{owner}.{field} = {value!r} is out of range; allowed {allowed}")
+        raise SettingError(owner, field, f"{value!r} is out of range; allowed {allowed}")
 
 
 def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
     """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
     if value not in choices:
-        raise ValueError(
-            f"{owner}.{field} = {value!r} is not allowed; choose one of {list(choices)}"
-        )
+        raise SettingError(owner, field,
+                           f"{value!r} is not allowed; choose one of {list(choices)}")
 
 
 def param_names(names: Sequence[str] | None, count: int) -> list[str]:

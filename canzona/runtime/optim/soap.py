@@ -33,6 +33,7 @@ from canzona.planner import formulas
 from canzona.runtime.optim._base import (
     MatrixOptimizer,
     NonFinitePolicy,
+    SettingError,
     check_choice,
     check_matrix_grads,
     check_range,
@@ -78,7 +79,7 @@ class SOAPConfig:
         owner = "SOAPConfig"
         check_range(owner, "lr", self.lr, 0.0)
         if not isinstance(self.betas, tuple) or len(self.betas) != 2:
-            raise ValueError(f"{owner}.betas = {self.betas!r} must be a pair (beta1, beta2)")
+            raise SettingError(owner, "betas", f"{self.betas!r} must be a pair (beta1, beta2)")
         check_range(owner, "betas[0]", self.betas[0], 0.0, 1.0, hi_open=True)
         check_range(owner, "betas[1]", self.betas[1], 0.0, 1.0, hi_open=True)
         if self.shampoo_beta is not None:
