@@ -1,10 +1,9 @@
 """examples/train_gpt.py end to end under torchrun (2 gloo ranks), as the README runs it.
 
-Issue 9: the example ended about one run in four with "terminate called without an active
-exception" (SIGABRT, torchrun's ChildFailedError) after all its steps. Two runs (Muon with
-gradient accumulation, SOAP without) must each exit 0 with a falling loss (the abort was
-measured at 6 in 22 runs before the fix and 0 in 120 after; the runs by hand before a release
-repeat it more often). About 5 s a run, almost all of it process start-up.
+An example that tears down with collectives still running can end with "terminate called
+without an active exception" (SIGABRT, torchrun's ChildFailedError) after all its steps. Two
+runs (Muon with gradient accumulation, SOAP without) must each exit 0 with a falling loss; the
+runs by hand before a release repeat it more often. About 5 s a run, almost all of it process start-up.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_inspect_names_a_converted_plan(plan_file, tmp_path, as_version_1):
 
 
 def test_inspect_prints_the_atomic_and_the_sharing_bound(plan_file):
-    """Issue 18, item 4: the atomic LB beside the bound with shared Newton–Schulz."""
+    """The atomic LB beside the bound with shared Newton–Schulz."""
     r = run("inspect", plan_file)
     assert r.exit_code == 0, r.output
     out = " ".join(r.stdout.split())

@@ -116,7 +116,7 @@ def test_roots_recomputed_only_every_precondition_frequency_steps():
 
 
 def test_block_rows_apart_are_the_whole_kernel_bit_for_bit():
-    """Issue 18, item 3: a matrix's runs of whole block rows preconditioned as matrices of their
+    """A matrix's runs of whole block rows preconditioned as matrices of their
     own (what two DP ranks do when the plan hosts a Shampoo matrix's blocks apart) give exactly
     the whole matrix's update: blocks, their statistics and grafting are independent."""
     import torch
