@@ -3,7 +3,8 @@
 An example that tears down with collectives still running can end with "terminate called
 without an active exception" (SIGABRT, torchrun's ChildFailedError) after all its steps. Two
 runs (Muon with gradient accumulation, SOAP without) must each exit 0 with a falling loss; the
-runs by hand before a release repeat it more often. About 5 s a run, almost all of it process start-up.
+runs by hand before a release repeat it more often. About 5 s a run, almost all of it process
+start-up.
 """
 
 from __future__ import annotations

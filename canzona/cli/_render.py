@@ -379,7 +379,7 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
             + ("" if x.get("padding") is None
                else f" (padding {x['padding']:.1%} of the matrix elements)")
             for x in report["baselines"])
-            + " (README: Reading the reports). max sent: bytes one rank sends per "
+            + " (docs/reports.md). max sent: bytes one rank sends per "
             "iteration; collectives: predicted on the plan's link.", highlight=False,
             style="dim", markup=False)
     pairs_view(report.get("dp_pairs"))
@@ -576,8 +576,9 @@ def tp_view(plan: Plan, tp_rep: dict) -> None:
                   load(min(grp.rank_load), cm), f"{out:,} el")
     console.print(g)
     console.print(f"modelled timeline, not measured (hardware profile '{escape(tp.hardware)}': "
-                  "its peak FLOP/s × efficiency and intra-node bus bandwidth, see README; "
-                  "gather of group i+1 overlaps compute of group i):", highlight=False)
+                  "its peak FLOP/s × efficiency and intra-node bus bandwidth, see "
+                  "docs/cost-model.md; gather of group i+1 overlaps compute of group i):",
+                  highlight=False)
     for line in _gantt(ix):
         console.print(line, highlight=False, markup=False)
     if tp_rep.get("baselines"):

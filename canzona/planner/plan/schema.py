@@ -57,7 +57,8 @@ class _Frozen(BaseModel):
 class SolverOptions(_Frozen):
     """How the DP partition (and TP schedule) were solved; recorded so a plan can be reproduced."""
 
-    strategy: str = Field(description="zero1 | asc | canzona-greedy | canzona (see README).")
+    strategy: str = Field(
+        description="zero1 | asc | canzona-greedy | canzona (see docs/compare.md).")
     solver: str = Field(default="none", description="greedy | cpsat | none.")
     alpha: float = Field(default=1.0, ge=0.0, le=1.0)
     time_limit_s: float | None = Field(default=None, gt=0)
