@@ -86,8 +86,7 @@ def paper_steps(res: dict) -> tuple[float, float]:
     """The layer-wise and canzona optimizer steps of setting (b) in the paper's accounting: the
     exposed gradient reduction belongs to forward/backward, not to the optimizer step."""
     lw, cz = res["b"].run("layerwise"), res["b"].run("canzona")
-    return (lw.step_s - lw.sim.breakdown()["dp_reduce"],
-            cz.step_s - cz.sim.breakdown()["dp_reduce"])
+    return lw.sim.reduced_step_s, cz.sim.reduced_step_s
 
 
 def paper_tables(res: dict, hardware: str) -> str:

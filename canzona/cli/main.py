@@ -353,12 +353,23 @@ def simulate(
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="the profile the plan records",
         help="Hardware profile: h800, h100, cpu, or a profile file (.json).")] = None,
-    backward: Annotated[float, typer.Option(
-        "--backward", min=0.0, help="Backward duration in seconds; the bucket reduce-scatters "
-                                    "hide behind it (0: nothing hidden).")] = 0.0,
+    mfu: Annotated[float, typer.Option(
+        "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
+                      "(0, 1], as canzona compare.")] = 0.4,
+    seq: Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")] = 4096,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", min=1, show_default="dp · seq (one sequence per DP rank)",
+        help="Global batch in tokens.")] = None,
+    forward_backward: Annotated[Optional[float], typer.Option(
+        "--forward-backward", min=0.0, show_default="from --mfu",
+        help="Forward + backward seconds (a measured value), instead of --mfu; backward is two "
+             "thirds of it.")] = None,
+    backward: Annotated[Optional[float], typer.Option(
+        "--backward", min=0.0, show_default="two thirds of forward/backward",
+        help="Backward seconds alone (0: nothing hides the reduce-scatters); forward is half "
+             "of it.")] = None,
     overlap_param_gather: Annotated[bool, typer.Option(
-        "--overlap-param-gather", help="All-gathers run into the next forward (taken as half "
-                                       "of --backward).")] = False,
+        "--overlap-param-gather", help="All-gathers run into the next forward.")] = False,
     top: Annotated[int, typer.Option("--top", min=0, help="How many ranks to list.")] = 5,
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
@@ -367,26 +378,41 @@ def simulate(
                        "matplotlib).")] = None,
 ) -> None:
     """Predict a plan's optimizer step on a cluster: compute, TP gather/scatter, DP reduce and
-    all-gather, what overlaps what, and the critical rank."""
-    from canzona.planner.simulate import plan_hardware, simulate_plan
+    all-gather, what overlaps what, and the critical rank. Behind the same forward/backward as
+    canzona compare (6·N_active·tokens at --mfu) unless told."""
+    from canzona.planner.simulate import (plan_forward_backward, plan_hardware, simulate_plan,
+                                          split_forward_backward)
     from canzona.planner.plan.load import load_plan
 
     from . import _simulate_render, plots
 
+    if not 0 < mfu <= 1:
+        raise CanzonaError(f"--mfu must be in (0, 1], got {mfu:g}.")
+    if backward is not None and forward_backward is not None:
+        raise CanzonaError("give --backward or --forward-backward, not both.")
     p = load_plan(plan_file)
     hw = plan_hardware(p, hardware)
+    if backward is not None:
+        fwd, bwd, how = backward / 2, backward, "backward given (--backward)"
+    else:
+        if forward_backward is None:
+            forward_backward, how = plan_forward_backward(p, hw, tokens=tokens, seq=seq,
+                                                          mfu=mfu)
+        else:
+            how = "forward/backward given (--forward-backward)"
+        fwd, bwd = split_forward_backward(forward_backward)
     chart = None
     if plot is not None:
         chart = plots.resolve_chart(plot, plan_file.name.removesuffix(".json")
                                     .removesuffix(".plan") + "-timeline")
-    sim = simulate_plan(p, hw, backward_s=backward, overlap_param_gather=overlap_param_gather,
-                        forward_s=backward / 2)
+    sim = simulate_plan(p, hw, backward_s=bwd, overlap_param_gather=overlap_param_gather,
+                        forward_s=fwd)
     if chart is not None:
         plots.plot_timeline(sim, chart)
     if as_json:
-        _render.json_out(_simulate_render.simulate_json(sim, hw, str(plan_file)))
+        _render.json_out(_simulate_render.simulate_json(sim, hw, str(plan_file), how=how))
     else:
-        _simulate_render.simulate_view(sim, hw, top=top)
+        _simulate_render.simulate_view(sim, hw, top=top, how=how)
     if chart is not None:
         _render.wrote_charts([chart], as_json=as_json, labels=("timeline",))
 

@@ -67,9 +67,11 @@ Deterministic: no randomness, fixed iteration orders, floats rounded to nanoseco
 from .engine import (ADAMW_BYTES_PER_ELEMENT, ROUND, BucketWork, GroupWork, RankSim, RankWork,
                      Stage, StepSim, Workload, forward_backward_seconds, iteration_time,
                      simulate, split_forward_backward)
-from .from_plan import plan_hardware, simulate_plan, workload_from_plan
+from .from_plan import (DEFAULT_MFU, DEFAULT_SEQ, active_params, plan_forward_backward,
+                        plan_hardware, simulate_plan, simulate_plan_behind, workload_from_plan)
 
-__all__ = ["ADAMW_BYTES_PER_ELEMENT", "ROUND", "BucketWork", "GroupWork", "RankSim", "RankWork",
-           "Stage", "StepSim", "Workload", "forward_backward_seconds", "iteration_time",
-           "plan_hardware", "simulate", "simulate_plan", "split_forward_backward",
-           "workload_from_plan"]
+__all__ = ["ADAMW_BYTES_PER_ELEMENT", "DEFAULT_MFU", "DEFAULT_SEQ", "ROUND", "BucketWork",
+           "GroupWork", "RankSim", "RankWork", "Stage", "StepSim", "Workload", "active_params",
+           "forward_backward_seconds", "iteration_time", "plan_forward_backward",
+           "plan_hardware", "simulate", "simulate_plan", "simulate_plan_behind",
+           "split_forward_backward", "workload_from_plan"]

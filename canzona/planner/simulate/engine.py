@@ -198,6 +198,12 @@ class StepSim:
         """End of backward → parameters ready on every rank."""
         return self.params_ready - self.backward_s
 
+    @property
+    def reduced_step_s(self) -> float:
+        """The step as the paper counts it: from the gradients reduced to the parameters ready
+        (the reduction's exposed part counts in backward, not in the optimizer step)."""
+        return self.step_s - self.breakdown()["dp_reduce"]
+
     def breakdown(self) -> dict[str, float]:
         """The critical path, summing to :attr:`step_s`."""
         c = self.ranks[self.critical_rank]

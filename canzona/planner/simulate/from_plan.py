@@ -11,12 +11,14 @@ from ..comm import ELEMENT_BYTES, all_to_all_busiest, bucket_comm, buffer_slices
 from ..errors import CanzonaError
 from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
+from ..inventory import ModelSpec
 from ..plan import Plan
+from ..plan.inverse import rebuild_model
 from ..planning import coupled
 from ..sharing import pair_link, pair_timeline, shared_piece, tp_pair_piece
 from ..tp.context import Run, lockstep_seconds
 from .engine import (ADAMW_BYTES_PER_ELEMENT, BucketWork, GroupWork, RankWork, StepSim,
-                     Workload, simulate)
+                     Workload, forward_backward_seconds, simulate, split_forward_backward)
 
 
 def _a2a(matrix: Sequence[Sequence[int]], elem_bytes: int,
@@ -228,3 +230,48 @@ def simulate_plan(plan: Plan, hw: HardwareProfile, *, backward_s: float = 0.0,
     work = workload_from_plan(plan, hw, matrix_dtype=matrix_dtype, adamw_dtype=adamw_dtype)
     return simulate(work, backward_s=backward_s, overlap_param_gather=overlap_param_gather,
                     forward_s=forward_s)
+
+
+def active_params(spec: ModelSpec) -> float:
+    """Parameters one token's forward and backward multiply by: every parameter but the input
+    embedding's lookup table (when untied), MoE experts scaled by top-k / experts."""
+    cfg = spec.config
+    frac = (cfg.experts_per_token / cfg.num_experts) if cfg is not None and cfg.is_moe else 1.0
+    tied = cfg.tied_embeddings if cfg is not None else False
+    n = 0.0
+    for p in spec.params:
+        if p.kind == "embedding" and not tied:
+            continue
+        n += p.numel * (frac if p.is_expert else 1.0)
+    return n
+
+
+#: One sequence of this many tokens per DP rank: the forward/backward model's default batch.
+DEFAULT_SEQ = 4096
+#: The model FLOP utilisation of forward and backward the step is simulated behind.
+DEFAULT_MFU = 0.4
+
+
+def plan_forward_backward(plan: Plan, hw: HardwareProfile, *, tokens: int | None = None,
+                          seq: int = DEFAULT_SEQ, mfu: float = DEFAULT_MFU) -> tuple[float, str]:
+    """Forward + backward of one iteration of ``plan``'s model, as ``canzona compare`` takes it:
+    ``6 · N_active · tokens`` at ``mfu`` of the profile's bf16 peak over ``dp · tp`` GPUs
+    (``tokens`` default ``dp · seq``). Returns the seconds and one line saying how they were
+    found; a live module's plan (its model not rebuildable) counts all its parameters active."""
+    inp = plan.inputs
+    tokens = tokens if tokens is not None else inp.dp * seq
+    spec = rebuild_model(plan) if inp.model_source != "hf_config" else None
+    n = active_params(spec) if spec is not None else float(plan.total_params)
+    what = "active" if spec is not None else "all (the model is not rebuilt from the plan)"
+    seconds = forward_backward_seconds(n, tokens, hw, world=inp.dp * inp.tp, mfu=mfu)
+    return seconds, (f"6 · {n / 1e9:.2f} B parameters ({what}) · {tokens:,} tokens at MFU "
+                     f"{mfu:g} of {hw.name}'s bf16 peak")
+
+
+def simulate_plan_behind(plan: Plan, hw: HardwareProfile, *, forward_backward_s: float,
+                         overlap_param_gather: bool = False) -> StepSim:
+    """:func:`simulate_plan` behind one iteration's forward/backward (backward two thirds of it,
+    as ``canzona compare`` runs every strategy)."""
+    fwd, bwd = split_forward_backward(forward_backward_s)
+    return simulate_plan(plan, hw, backward_s=bwd, forward_s=fwd,
+                         overlap_param_gather=overlap_param_gather)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from ..comm import PER_ROOT
 from ..errors import CanzonaError
 from ..hardware import HardwareProfile, load_hardware
-from ..inventory import ModelSpec
 from ..layout import ParallelSizes
 from ..options import MIB, DPOptions, TPOptions
 from ..pipeline import inventory_of
@@ -23,27 +22,12 @@ from ..plan import Plan
 from ..planning import DPProblem, make_problem
 from ..plan.inverse import read_problem
 from ..settings import OptimizerSettings
-from ..simulate import (StepSim, Workload, forward_backward_seconds, plan_hardware, simulate,
-                        split_forward_backward)
+from ..simulate import (StepSim, Workload, active_params, forward_backward_seconds,
+                        plan_hardware, simulate, split_forward_backward)
 from .registry import CANZONA, CANZONA_GREEDY, REGISTRY, STRATEGIES
 from .workloads import WorkloadInputs
 
-__all__ = ["StrategyRun", "Comparison", "active_params", "compare", "compare_problem",
-           "compare_plan"]
-
-
-def active_params(spec: ModelSpec) -> float:
-    """Parameters one token's forward and backward multiply by: every parameter but the input
-    embedding's lookup table (when untied), MoE experts scaled by top-k / experts."""
-    cfg = spec.config
-    frac = (cfg.experts_per_token / cfg.num_experts) if cfg is not None and cfg.is_moe else 1.0
-    tied = cfg.tied_embeddings if cfg is not None else False
-    n = 0.0
-    for p in spec.params:
-        if p.kind == "embedding" and not tied:
-            continue
-        n += p.numel * (frac if p.is_expert else 1.0)
-    return n
+__all__ = ["StrategyRun", "Comparison", "compare", "compare_problem", "compare_plan"]
 
 
 # --- the comparison -------------------------------------------------------------------------------
@@ -127,7 +111,9 @@ class Comparison:
             if not stages:
                 d.pop("ranks")
             return {"strategy": r.name, "exact": r.exact,
-                    "step_s": round(r.step_s, 9), "iteration_s": round(r.iteration_s, 9),
+                    "step_s": round(r.step_s, 9),
+                    "reduced_step_s": round(r.sim.reduced_step_s, 9),
+                    "iteration_s": round(r.iteration_s, 9),
                     "sent_bytes": r.sent_bytes,
                     "dp_flops_max_over_mean": round(r.flops_balance, 6),
                     "dp_state_max_over_mean": round(r.state_balance, 6), "simulation": d}

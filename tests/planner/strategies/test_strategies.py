@@ -19,9 +19,9 @@ from canzona.planner.settings import OptimizerSettings
 from canzona.planner.simulate import (BucketWork, GroupWork, RankWork, Workload, simulate,
                                       split_forward_backward)
 from canzona.planner.baselines import layerwise_lpt, lpt_cost, megatron_layerwise
-from canzona.planner.strategies import (DESCRIPTIONS, EXACT, REGISTRY, STRATEGIES, active_params,
-                                        baseline_rows, compare, compare_plan, compare_problem,
-                                        strategy_workload)
+from canzona.planner.simulate import active_params
+from canzona.planner.strategies import (DESCRIPTIONS, EXACT, REGISTRY, STRATEGIES, baseline_rows,
+                                        compare, compare_plan, compare_problem, strategy_workload)
 
 PLANS = sorted((Path(__file__).parents[3] / "plans").glob("*.plan.json"))
 

@@ -1,0 +1,44 @@
+"""``canzona simulate`` runs a plan behind the same forward/backward as ``canzona compare``
+(6·N_active·tokens at the MFU), so both print the same step for the same plan, and both print
+the step from the gradients reduced on (the paper's accounting) beside the whole step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import run
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sim") / "p.plan.json"
+    r = run("plan", "--model", "qwen3-0.6b", "--dp", 4, "--tp", 2, "-o", str(path))
+    assert r.exit_code == 0, r.output
+    return path
+
+
+def test_simulate_and_compare_give_the_same_steps(plan_file):
+    sim = json.loads(run("simulate", str(plan_file), "--json").stdout)
+    comp = json.loads(run("compare", "--plan", str(plan_file), "--json").stdout)
+    row = next(r for r in comp["strategies"] if r["strategy"] == "canzona")
+    assert sim["step_s"] == pytest.approx(row["step_s"], rel=1e-6)
+    assert sim["reduced_step_s"] == pytest.approx(row["reduced_step_s"], rel=1e-6)
+    assert sim["forward_backward"]["backward_s"] == pytest.approx(
+        comp["forward_backward_s"] * 2 / 3, rel=1e-6)
+    assert 0 < sim["reduced_step_s"] <= sim["step_s"]
+
+
+def test_backward_zero_hides_nothing_and_the_human_report_labels_both(plan_file):
+    hidden = json.loads(run("simulate", str(plan_file), "--json").stdout)
+    bare = json.loads(run("simulate", str(plan_file), "--backward", 0, "--json").stdout)
+    assert bare["step_s"] > hidden["step_s"]  # nothing hides the reduce-scatters
+    text = run("simulate", str(plan_file)).stdout
+    assert "whole" in text and "after the gradients are reduced" in text
+    assert "MFU 0.4" in text
+
+
+def test_backward_and_forward_backward_together_are_refused(plan_file):
+    r = run("simulate", str(plan_file), "--backward", 1, "--forward-backward", 2)
+    assert r.exit_code == 1 and "not both" in r.output
