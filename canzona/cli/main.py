@@ -391,6 +391,22 @@ def simulate(
         _render.wrote_charts([chart], as_json=as_json, labels=("timeline",))
 
 
+#: How ``compare`` documents an option that a plan given with ``--plan`` records.
+FROM_PLAN = " With --plan: the plan's (a different value is refused)."
+
+
+def _agree_with_plan(plan_file: Path, given: dict[str, tuple[object, object]]) -> None:
+    """Refuse an option given beside ``--plan`` that contradicts the plan (``given``: per option
+    name, the value given, None if none, and the plan's)."""
+    for name, (value, planned) in given.items():
+        if value is not None and value != planned:
+            shown = "none (one bucket per buffer)" if planned is None else planned
+            raise CanzonaError(
+                f"--{name} {value} contradicts the plan {plan_file}, made with {name} {shown}; "
+                f"compare --plan takes it from the plan: drop --{name}, or make a plan with "
+                f"'canzona plan ... --{name} {value}'.")
+
+
 @command
 def compare(
     model: ModelOpt = None,
@@ -398,11 +414,16 @@ def compare(
     plan_file: Annotated[Optional[Path], typer.Option(
         "--plan", help="Compare this plan (as the canzona row) instead of planning "
                        "--model/--config.")] = None,
-    dp: DpOpt = 1,
-    tp: TpOpt = 1,
-    ep: EpOpt = 1,
-    optimizer: Annotated[str, typer.Option(
-        "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
+    dp: Annotated[Optional[int], typer.Option(
+        "--dp", show_default="1, or the plan's", help=f"Data-parallel size.{FROM_PLAN}")] = None,
+    tp: Annotated[Optional[int], typer.Option(
+        "--tp", show_default="1, or the plan's", help=f"Tensor-parallel size.{FROM_PLAN}")] = None,
+    ep: Annotated[Optional[int], typer.Option(
+        "--ep", show_default="1, or the plan's",
+        help=f"Expert-parallel size (MoE models).{FROM_PLAN}")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(
+        "--optimizer", show_default="muon, or the plan's",
+        help=f"Matrix optimizer: {', '.join(optimizers.names())}.{FROM_PLAN}")] = None,
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="h100, or the profile --plan records",
         help="Hardware profile: h800, h100, cpu, or a profile file (.json); canzona's plans "
@@ -423,7 +444,9 @@ def compare(
     overlap_param_gather: Annotated[bool, typer.Option(
         "--overlap-param-gather", help="ZeRO-1 all-gathers run into the next forward (the "
                                        "layer-wise optimizer's own all-gather cannot).")] = False,
-    bucket_size: BucketSizeOpt = None,
+    bucket_size: Annotated[Optional[int], typer.Option(
+        "--bucket-size", show_default="Megatron's max(40M, 1M·dp), or the plan's",
+        help=f"Elements per bucket.{FROM_PLAN}")] = None,
     share: Annotated[str, typer.Option(
         "--share", help="The canzona row's plan shares Muon matrices (as canzona plan "
                         "--share: off, auto, all, all-split); the other rows stay whole.")] = "off",
@@ -462,6 +485,7 @@ def compare(
         from canzona.planner.plan.load import load_plan
         title = plan_file.name
     else:
+        dp, tp, ep = (1 if v is None else v for v in (dp, tp, ep))
         cfg = resolve_model(model, config)
         title = f"{cfg.name} dp={dp} tp={tp}"
     chart = None
@@ -473,10 +497,15 @@ def compare(
     with _render.progress(f"comparing {title}") as say:
         if plan_file is not None:
             p = load_plan(plan_file)
+            _agree_with_plan(plan_file, {
+                "dp": (dp, p.inputs.dp), "tp": (tp, p.inputs.tp), "ep": (ep, p.inputs.ep),
+                "optimizer": (optimizer and _choice(optimizer, optimizers.names(), "--optimizer"),
+                              p.inputs.optimizer.name),
+                "bucket-size": (bucket_size, p.inputs.bucket_size)})
             comp = compare_plan(p, hardware, config=config, progress=say, **kw)
         else:
             settings = OptimizerSettings(
-                name=_choice(optimizer, optimizers.names(),  # type: ignore[arg-type]
+                name=_choice(optimizer or "muon", optimizers.names(),  # type: ignore[arg-type]
                              "--optimizer"))
             hw_name = (hardware or "h100").strip()
             comp = run_compare(model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings,

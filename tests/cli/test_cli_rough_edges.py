@@ -69,3 +69,25 @@ def test_old_plans_still_load():
     for path in sorted(OLD.glob("*.plan.json")):
         r = run("inspect", path, "--config", OLD / "tiny-config.json", "--json")
         assert r.exit_code == 0, r.output
+
+
+# --- compare --plan refuses sizes and options the plan contradicts -----------------------------
+
+
+V4 = OLD / "tiny-dp4-tp1-v4.plan.json"  # dp 4, tp 1, ep 1, muon, bucket size 20000
+
+
+@pytest.mark.parametrize("option,value,planned", [("--dp", 8, "dp 4"), ("--tp", 2, "tp 1"),
+                                                  ("--ep", 2, "ep 1"),
+                                                  ("--optimizer", "soap", "optimizer muon"),
+                                                  ("--bucket-size", 5, "bucket-size 20000")])
+def test_compare_plan_refuses_an_option_the_plan_contradicts(option, value, planned):
+    r = run("compare", "--plan", V4, "--config", OLD / "tiny-config.json", option, value)
+    error_line(r, f"{option} {value}", planned, str(V4))
+
+
+def test_compare_plan_accepts_the_plans_own_values():
+    r = run("compare", "--plan", V4, "--config", OLD / "tiny-config.json", "--dp", 4, "--tp", 1,
+            "--optimizer", "Muon", "--bucket-size", 20000, "--strategies", "canzona", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["dp"] == 4
