@@ -225,6 +225,41 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
 
 
+def plan_json(plan: Plan, path: Path, wall_s: float) -> dict:
+    """What ``canzona plan --json`` prints: the figures of :func:`plan_summary`, as numbers."""
+    inp, m, c = plan.inputs, plan.metrics, plan.comm
+
+    def balance(vals: tuple[int, ...]) -> dict:
+        mx, mean = max_mean(vals)
+        return {"max": mx, "mean": mean, "max_over_mean": mx / mean if mean else None}
+
+    out = {
+        "model": inp.model, "dp": inp.dp, "tp": inp.tp, "ep": inp.ep,
+        "optimizer": inp.optimizer.name, "cost_model": inp.cost_model,
+        "solver": inp.solver.solver, "alpha": inp.solver.alpha,
+        "per_dp_index": {"load": balance(m.dp_load), "flops": balance(m.dp_flops),
+                         "state_bytes": balance(m.dp_state_bytes),
+                         "reduce_scatter_bytes": balance(m.dp_reduce_scatter_bytes)},
+        "gap_to_bound": m.gap_to_bound, "certified_bound": m.certified_bound,
+        "lower_bound": m.lower_bound, "split_matrices": m.split_matrices,
+        "dp_shared": len(plan.dp_shared), "solver_status": m.solver_status,
+        "collectives": {"hardware": c.hardware, "hardware_version": c.hardware_version,
+                        "link": c.link, "predicted_s": c.predicted_s, "zero1_s": c.zero1_s,
+                        "max_sent_bytes": c.max_sent_bytes,
+                        "zero1_max_sent_bytes": c.zero1_max_sent_bytes,
+                        "methods": dict(c.methods)},
+        "tp_per_gpu": None, "wall_s": wall_s, "output": str(path),
+    }
+    if plan.tp is not None:
+        t = plan.tp.metrics
+        out["tp_per_gpu"] = {"max": t.max_gpu_load, "mean": t.mean_gpu_load,
+                             "max_over_mean": t.max_over_mean, "lb_gpu": t.lb_gpu,
+                             "gap_to_lb_gpu": t.gap_to_lb_gpu, "micro_groups": t.micro_groups,
+                             "peak_gathered_bytes": t.peak_gathered_bytes,
+                             "cmax_bytes": plan.tp.cmax_bytes}
+    return out
+
+
 def _paired(plan) -> str:  # noqa: ANN001
     """After the count of matrices split across DP ranks (ZeRO-1 fragments): the ones two DP
     ranks share by design (``plan.dp_shared``), which it does not count."""

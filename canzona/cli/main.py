@@ -270,7 +270,9 @@ def plan(
                         "model.")] = "megatron",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
-        help="Plan file (written atomically).")] = None,
+        help="Plan file (written atomically); an existing folder: that default name inside "
+             "it.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the
     plan."""
@@ -294,7 +296,8 @@ def plan(
         split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
     name = resolve_model(model, config).name
-    out = output or Path(default_plan_name(name, sizes, settings.name))
+    default = default_plan_name(name, sizes, settings.name)
+    out = output / default if output is not None and output.is_dir() else output or Path(default)
     _check_output(out)
     with _render.progress(f"planning {name} dp={dp} tp={tp}") as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
@@ -303,7 +306,10 @@ def plan(
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)
-    _render.plan_summary(result, out, wall)
+    if as_json:
+        _render.json_out(_render.plan_json(result, out, wall))
+    else:
+        _render.plan_summary(result, out, wall)
 
 
 @command

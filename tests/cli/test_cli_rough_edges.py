@@ -91,3 +91,32 @@ def test_compare_plan_accepts_the_plans_own_values():
             "--optimizer", "Muon", "--bucket-size", 20000, "--strategies", "canzona", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["dp"] == 4
+
+
+# --- plan --json, plan -o FOLDER ---------------------------------------------------------------
+
+
+def test_plan_json_is_the_summary_as_numbers(tmp_path):
+    from canzona.planner.plan.load import load_plan
+
+    out = tmp_path / "p.plan.json"
+    r = run("plan", "--model", "qwen3-0.6b", "--dp", 4, "--tp", 2, "-o", out, "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)  # stdout is the JSON alone
+    p = load_plan(out)
+    assert (d["model"], d["dp"], d["tp"], d["ep"], d["optimizer"]) == ("qwen3-0.6b", 4, 2, 1,
+                                                                        "muon")
+    assert d["output"] == str(out)
+    assert d["gap_to_bound"] == p.metrics.gap_to_bound
+    assert d["certified_bound"] == p.metrics.certified_bound
+    assert d["solver_status"] == p.metrics.solver_status
+    assert d["per_dp_index"]["flops"]["max"] == max(p.metrics.dp_flops)
+    assert d["tp_per_gpu"]["gap_to_lb_gpu"] == p.tp.metrics.gap_to_lb_gpu
+    assert d["collectives"]["predicted_s"] == p.comm.predicted_s
+
+
+def test_plan_output_folder_gets_the_default_name(tmp_path):
+    r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "-o", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "qwen3-0.6b-dp2-tp1-muon.plan.json").is_file()
+    assert str(tmp_path / "qwen3-0.6b-dp2-tp1-muon.plan.json") in r.stdout.replace("\n", "")
