@@ -10,6 +10,7 @@ status 1, in one place (:func:`command`).
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import time
 import warnings
@@ -34,11 +35,26 @@ def _tidy_params(params: list) -> list:
     return params
 
 
+#: click's (or typer's own click's) error for a missing option value or argument.
+_MissingParameter = importlib.import_module(typer.BadParameter.__module__).MissingParameter
+
+
 class _Command(TyperCommand):
-    """A command whose help shows flags bare and arguments as ``PLAN_FILE``, not ``{plan_file}``."""
+    """A command whose help shows flags bare and arguments as ``PLAN_FILE``, not ``{plan_file}``,
+    and whose option values that do not parse (``--dp four``) are one error line and exit 1, as
+    canzona's other input errors are."""
 
     def get_params(self, ctx: Any) -> list:
         return _tidy_params(super().get_params(ctx))
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter as exc:
+            if isinstance(exc, _MissingParameter):
+                raise  # a usage error: typer's box shows the usage
+            _render.error(f"{exc.format_message()} (see 'canzona {ctx.info_name} --help')")
+            raise typer.Exit(1) from None
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

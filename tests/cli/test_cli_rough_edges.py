@@ -120,3 +120,32 @@ def test_plan_output_folder_gets_the_default_name(tmp_path):
     assert r.exit_code == 0, r.output
     assert (tmp_path / "qwen3-0.6b-dp2-tp1-muon.plan.json").is_file()
     assert str(tmp_path / "qwen3-0.6b-dp2-tp1-muon.plan.json") in r.stdout.replace("\n", "")
+
+
+# --- a number that does not parse is canzona's one error line, exit 1 --------------------------
+
+
+@pytest.mark.parametrize("args,option", [
+    (("plan", "--model", "qwen3-0.6b", "--dp", "four"), "--dp"),
+    (("plan", "--model", "qwen3-0.6b", "--alpha", "half"), "--alpha"),
+    (("layout", "--model", "qwen3-0.6b", "--tp", "2.5"), "--tp"),
+    (("compare", "--model", "qwen3-0.6b", "--mfu", "high"), "--mfu"),
+    (("compare", "--model", "qwen3-0.6b", "--seq", "0"), "--seq"),
+    (("inspect", V4, "--top", "-1"), "--top"),
+    (("simulate", V4, "--backward", "soon"), "--backward"),
+    (("calibrate", "--quick", "--name", "x", "-o", "/nonexistent/h.json", "--json", "--help"),
+     None),
+])
+def test_bad_number_is_one_error_line(args, option):
+    r = run(*args)
+    if option is None:  # --help still wins
+        assert r.exit_code == 0 and "Usage" in r.stdout, r.output
+        return
+    error_line(r, option, f"canzona {args[0]} --help")
+
+
+def test_help_and_usage_errors_keep_typers_form():
+    for cmd in ("plan", "inspect", "simulate", "compare", "layout", "models", "calibrate"):
+        r = run(cmd, "--help")
+        assert r.exit_code == 0 and "Usage" in r.stdout, r.output
+    assert run("inspect").exit_code == 2  # a missing argument: usage, exit 2
