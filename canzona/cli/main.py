@@ -23,6 +23,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from canzona import __version__
 from canzona.planner import CanzonaError, CanzonaWarning, optimizers
+from canzona.planner.hardware import hardware_names
 
 from . import _render
 
@@ -91,6 +92,8 @@ BucketSizeOpt = Annotated[Optional[int], typer.Option(
 NoOverlapOpt = Annotated[bool, typer.Option(
     "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+#: The ``--hardware`` choices, in the library's order (:func:`hardware_names`).
+HARDWARE_CHOICES = f"{', '.join(hardware_names())}, or a profile file (.json)"
 
 
 #: The library's option fields as this CLI spells them (errors name the flag to change).
@@ -278,7 +281,7 @@ def plan(
                             "only).")] = "step-time",
     hardware: Annotated[str, typer.Option(
         "--hardware", help="Hardware profile of the communication model and the TP timeline: "
-                           "h100, h800, cpu, or a profile file (.json).")] = "h100",
+                           f"{HARDWARE_CHOICES}.")] = "h100",
     names: Annotated[str, typer.Option(
         "--names", help="Parameter names of the plan: megatron (Megatron-core's: fused QKV and "
                         "gate/up, per-expert weights) or hf (the transformers model's own: "
@@ -374,7 +377,7 @@ def simulate(
                                               metavar="PLAN_FILE", show_default=False)],
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="the profile the plan records",
-        help="Hardware profile: h800, h100, cpu, or a profile file (.json).")] = None,
+        help=f"Hardware profile: {HARDWARE_CHOICES}.")] = None,
     backward: Annotated[float, typer.Option(
         "--backward", min=0.0, help="Backward duration in seconds; the bucket reduce-scatters "
                                     "hide behind it (0: nothing hidden).")] = 0.0,
@@ -448,7 +451,7 @@ def compare(
         help=f"Matrix optimizer: {', '.join(optimizers.names())}.{FROM_PLAN}")] = None,
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="h100, or the profile --plan records",
-        help="Hardware profile: h800, h100, cpu, or a profile file (.json); canzona's plans "
+        help=f"Hardware profile: {HARDWARE_CHOICES}; canzona's plans "
              "choose their collectives for it.")] = None,
     strategies: Annotated[str, typer.Option(
         "--strategies", help="Comma-separated: sc, zero1, layerwise, layerwise-lpt, "

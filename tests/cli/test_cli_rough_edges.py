@@ -149,3 +149,25 @@ def test_help_and_usage_errors_keep_typers_form():
         r = run(cmd, "--help")
         assert r.exit_code == 0 and "Usage" in r.stdout, r.output
     assert run("inspect").exit_code == 2  # a missing argument: usage, exit 2
+
+
+# --- the --hardware choices, in one order ------------------------------------------------------
+
+
+def test_every_hardware_option_lists_the_choices_in_the_librarys_order():
+    import typer
+
+    from canzona.cli.main import app
+    from canzona.planner.hardware import hardware_names
+
+    order = ", ".join(hardware_names())
+    group = typer.main.get_command(app)
+    seen = []
+    for name, cmd in group.commands.items():
+        for p in cmd.params:
+            if "--hardware" in getattr(p, "opts", ()):
+                seen.append(name)
+                assert order + ", or a profile file" in p.help, (name, p.help)
+    assert sorted(seen) == ["compare", "plan", "simulate"]
+    r = run("plan", "--model", "qwen3-0.6b", "--hardware", "tpu")
+    error_line(r, f"one of: {order}")
