@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import canzona
-from canzona.planner.plan import save_plan
 
 
 class Block(nn.Module):
@@ -118,7 +117,7 @@ def main() -> None:
     plan = canzona.load_plan(args.plan) if args.plan else canzona.plan_model(
         model, dp=world, optimizer=args.optimizer, bucket_size=1_000_000, share=args.share)
     if args.save_plan and rank == 0:
-        save_plan(plan, args.save_plan)
+        canzona.save_plan(plan, args.save_plan)
     lr = args.lr if args.optimizer == "muon" else 3e-3
     opt = canzona.CanzonaOptimizer(model, plan, lr=lr, adamw_lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(

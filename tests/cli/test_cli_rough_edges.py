@@ -171,3 +171,20 @@ def test_every_hardware_option_lists_the_choices_in_the_librarys_order():
     assert sorted(seen) == ["compare", "plan", "simulate"]
     r = run("plan", "--model", "qwen3-0.6b", "--hardware", "tpu")
     error_line(r, f"one of: {order}")
+
+
+# --- canzona.save_plan beside canzona.load_plan ------------------------------------------------
+
+
+def test_top_level_save_plan_writes_what_load_plan_reads(tmp_path):
+    import canzona
+
+    assert "save_plan" in canzona.__all__ and "save_plan" in dir(canzona)
+    plan = canzona.load_plan(OLD / "tiny-dp4-tp1-v4.plan.json")
+    out = canzona.save_plan(plan, tmp_path / "again.plan.json")
+    assert out.read_text() == (OLD / "tiny-dp4-tp1-v4.plan.json").read_text()
+
+
+def test_examples_use_the_top_level_plan_names():
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        assert "from canzona.planner.plan import" not in path.read_text(), path.name
