@@ -69,15 +69,23 @@ class _Elapsed:
         return Text(f"{self.title}: {self.phase}… {time.perf_counter() - self.t0:.0f} s")
 
 
+#: Seconds a block runs, off a terminal, before its stages are printed as lines (short runs, and
+#: the errors of bad input, print nothing more).
+PLAIN_DELAY_S = 5.0
+
+
 @contextmanager
 def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None]]:
     """A transient spinner on stderr, shown only if the block runs longer than ``delay_s``.
 
-    Yields the ``progress`` callback the solvers call with phase names. Nothing is printed when
-    stderr is not a terminal (logs and pipes stay clean).
+    Yields the ``progress`` callback the solvers call with phase names. When stderr is not a
+    terminal (a log, a pipe), a block that runs longer than :data:`PLAIN_DELAY_S` prints its
+    stage then, and every later one, as a plain line on stderr (stdout, ``--json``'s, stays
+    clean).
     """
     if not err_console.is_terminal:
-        yield lambda _phase: None
+        with _plain_progress(title, PLAIN_DELAY_S) as say:
+            yield say
         return
     text = _Elapsed(title)
     lock = threading.Lock()
@@ -103,6 +111,40 @@ def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None
             state["done"] = True
             if state["status"] is not None:
                 state["status"].stop()
+
+
+@contextmanager
+def _plain_progress(title: str, delay_s: float) -> Iterator[Callable[[str], None]]:
+    """:func:`progress` off a terminal: ``TITLE: STAGE (N s)`` lines on stderr, from ``delay_s``
+    on."""
+    t0 = time.perf_counter()
+    lock = threading.Lock()
+    state: dict = {"phase": "starting", "shown": False, "done": False}
+
+    def line() -> None:
+        info(f"{title}: {state['phase']} ({time.perf_counter() - t0:.0f} s)")
+
+    def start() -> None:
+        with lock:
+            if not state["done"]:
+                state["shown"] = True
+                line()
+
+    def say(phase: str) -> None:
+        with lock:
+            state["phase"] = phase
+            if state["shown"] and not state["done"]:
+                line()
+
+    timer = threading.Timer(delay_s, start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield say
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
 
 
 # --- canzona models, canzona layout ----------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect as pyinspect
 import os
 import time
 import warnings
@@ -137,7 +138,15 @@ def command(fn: Callable) -> Callable:
                     else:
                         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
-    return app.command(cls=_Command)(wrapper)
+    return app.command(cls=_Command, help=_unwrapped(fn.__doc__))(wrapper)
+
+
+def _unwrapped(doc: str | None) -> str | None:
+    """A docstring as help text: its paragraphs each one line, for the terminal to wrap (typer
+    keeps a docstring's line breaks, which break its lines mid-phrase at any other width)."""
+    if doc is None:
+        return None
+    return "\n\n".join(" ".join(par.split()) for par in pyinspect.cleandoc(doc).split("\n\n"))
 
 
 def _version(value: bool) -> None:

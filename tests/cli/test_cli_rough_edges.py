@@ -188,3 +188,37 @@ def test_top_level_save_plan_writes_what_load_plan_reads(tmp_path):
 def test_examples_use_the_top_level_plan_names():
     for path in sorted((ROOT / "examples").glob("*.py")):
         assert "from canzona.planner.plan import" not in path.read_text(), path.name
+
+
+# --- help fills its lines; progress off a terminal ---------------------------------------------
+
+
+def test_command_help_is_unwrapped_for_the_terminal_to_wrap():
+    import re
+
+    import typer
+
+    from canzona.cli.main import app
+
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        assert not re.search(r"(?<!\n)\n(?!\n)", cmd.help or ""), (name, cmd.help)
+    r = run("--help")
+    assert r.exit_code == 0
+    rows = [x.strip("│ ") for x in r.stdout.splitlines() if x.startswith("│")]
+    # A description's row ends at the box or at the end of its sentence, never mid-phrase.
+    for row, nxt in zip(rows, rows[1:]):
+        if nxt.startswith(" ") or nxt.split(" ", 1)[0] not in group.commands:
+            assert len(row) > 45 or row.endswith("."), (row, nxt)
+
+
+def test_plan_prints_its_stages_on_stderr_off_a_terminal(tmp_path, monkeypatch):
+    from canzona.cli import _render
+
+    monkeypatch.setattr(_render, "PLAIN_DELAY_S", 0.0)
+    r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "-o", tmp_path / "p.json", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["dp"] == 2  # stdout: the JSON alone
+    stages = [x for x in r.stderr.splitlines() if x.startswith("planning qwen3-0.6b dp=2 tp=1: ")]
+    assert any("writing the plan" in x for x in stages), r.stderr
+    assert len(stages) >= 2, r.stderr
