@@ -13,10 +13,11 @@ The data are synthetic arithmetic progressions, so the loss visibly falls within
 
 Checkpoints survive a change of plan: ``--checkpoint DIR`` saves (every ``--save-every`` steps and
 at the end) with ``canzona.save_checkpoint``; ``--resume DIR`` continues from one, also under
-another number of ranks::
+another number of ranks (a folder outside the clone: the example writes only where told)::
 
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --checkpoint ck --stop-at 50
-    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --resume ck
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py \\
+        --checkpoint /tmp/canzona-ck --stop-at 50
+    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --resume /tmp/canzona-ck
 """
 
 from __future__ import annotations

@@ -222,3 +222,20 @@ def test_plan_prints_its_stages_on_stderr_off_a_terminal(tmp_path, monkeypatch):
     stages = [x for x in r.stderr.splitlines() if x.startswith("planning qwen3-0.6b dp=2 tp=1: ")]
     assert any("writing the plan" in x for x in stages), r.stderr
     assert len(stages) >= 2, r.stderr
+
+
+# --- following the README writes nothing into the clone ----------------------------------------
+
+
+def test_readme_and_example_checkpoint_commands_write_outside_the_clone():
+    import re
+
+    texts = {p.name: p.read_text() for p in [ROOT / "README.md", *(ROOT / "examples").glob("*.py")]}
+    found = 0
+    for name, text in texts.items():
+        for opt, value in re.findall(r"(--checkpoint|--resume)\s+([^\s`\\]+)", text):
+            if value.isupper() or value.startswith("DIR"):  # a placeholder (--checkpoint DIR)
+                continue
+            found += 1
+            assert value.startswith("/tmp/"), (name, opt, value)
+    assert found >= 2
