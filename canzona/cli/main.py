@@ -50,13 +50,27 @@ class _Command(TyperCommand):
         return _tidy_params(super().get_params(ctx))
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        given = list(args)  # the parser consumes ``args``
         try:
             return super().parse_args(ctx, args)
         except typer.BadParameter as exc:
             if isinstance(exc, _MissingParameter):
                 raise  # a usage error: typer's box shows the usage
-            _render.error(f"{exc.format_message()} (see 'canzona {ctx.info_name} --help')")
+            _render.error(f"{_bad_value(exc, given)} (see 'canzona {ctx.info_name} --help').")
             raise typer.Exit(1) from None
+
+
+def _bad_value(exc: Any, args: list[str]) -> str:
+    """``--dp 'four': Input should be a valid integer…``: the option, the value given and why it
+    is refused (click's own message where the option cannot be found in ``args``)."""
+    opts = tuple(getattr(exc.param, "opts", ()) or ())
+    for k, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and k + 1 < len(args):
+                return f"{opt} {args[k + 1]!r}: {exc.message.rstrip('.')}"
+            if arg.startswith(opt + "="):
+                return f"{opt} {arg[len(opt) + 1:]!r}: {exc.message.rstrip('.')}"
+    return exc.format_message().rstrip(".")
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

@@ -141,7 +141,7 @@ def test_bad_number_is_one_error_line(args, option):
     if option is None:  # --help still wins
         assert r.exit_code == 0 and "Usage" in r.stdout, r.output
         return
-    error_line(r, option, f"canzona {args[0]} --help")
+    error_line(r, f"{option} '{args[-1]}': ", f"canzona {args[0]} --help")
 
 
 def test_help_and_usage_errors_keep_typers_form():
