@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="part A: the planner sweep")
     ap.add_argument("--measure", action="store_true", help="part B: gloo, DP = 2")
     ap.add_argument("--hardware", nargs="+", default=["h800"],
-                    help="profile(s) for part A (h800, h100, cpu or a file; default h800)")
+                    help="profile(s) for part A (cpu, h100, h800 or a file; default h800)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--markdown", action="store_true", help="print Markdown tables (README)")
     ap.add_argument("--dim", type=int, default=256)

@@ -5,6 +5,7 @@ The planner (``canzona.planner``) is torch-free; the runtime (``canzona.runtime`
 ``import canzona`` and ``import canzona.planner`` never import torch.
 
     plan = canzona.plan_model(model, dp=2)               # or canzona.load_plan("plan.json")
+    canzona.save_plan(plan, "plan.json")                 # atomically; torch-free, as load_plan
     opt = canzona.CanzonaOptimizer(model, plan, lr=0.02)
 """
 
@@ -15,13 +16,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 __all__ = ["CanzonaOptimizer", "__version__", "dcp_state", "load_checkpoint", "load_plan",
-           "plan_model", "save_checkpoint"]
+           "plan_model", "save_checkpoint", "save_plan"]
 
 # name → (module, attribute), imported on first access (PEP 562).
 _LAZY = {
     "CanzonaOptimizer": ("canzona.runtime.optimizer", "CanzonaOptimizer"),
     "plan_model": ("canzona._facade", "plan_model"),
     "load_plan": ("canzona.planner.plan.load", "load_plan"),
+    "save_plan": ("canzona.planner.plan.schema", "save_plan"),
     "save_checkpoint": ("canzona.runtime.checkpoint.files", "save_checkpoint"),
     "load_checkpoint": ("canzona.runtime.checkpoint.files", "load_checkpoint"),
     "dcp_state": ("canzona.runtime.checkpoint.dcp", "dcp_state"),

@@ -68,7 +68,7 @@ def plan_model(
         objective: ``step-time`` (the compute, then the predicted collectives) or ``max-load``
             (``DPOptions.objective``).
         hardware: the profile whose communication model picks each bucket's collective method
-            (``h100``, ``h800``, ``cpu`` or a profile file; ``TPOptions.hardware``).
+            (``cpu``, ``h100``, ``h800`` or a profile file; ``TPOptions.hardware``).
         vocab: Megatron-core models only: the tokenizer's vocabulary before Megatron's padding
             (default: the model's padded ``vocab_size``); recorded as the logical vocabulary, as
             a plan made offline from the matching config records it.

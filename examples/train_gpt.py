@@ -13,10 +13,11 @@ The data are synthetic arithmetic progressions, so the loss visibly falls within
 
 Checkpoints survive a change of plan: ``--checkpoint DIR`` saves (every ``--save-every`` steps and
 at the end) with ``canzona.save_checkpoint``; ``--resume DIR`` continues from one, also under
-another number of ranks::
+another number of ranks (a folder outside the clone: the example writes only where told)::
 
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --checkpoint ck --stop-at 50
-    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --resume ck
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py \\
+        --checkpoint /tmp/canzona-ck --stop-at 50
+    torchrun --standalone --nproc-per-node 1 examples/train_gpt.py --resume /tmp/canzona-ck
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import canzona
-from canzona.planner.plan import save_plan
 
 
 class Block(nn.Module):
@@ -118,7 +118,7 @@ def main() -> None:
     plan = canzona.load_plan(args.plan) if args.plan else canzona.plan_model(
         model, dp=world, optimizer=args.optimizer, bucket_size=1_000_000, share=args.share)
     if args.save_plan and rank == 0:
-        save_plan(plan, args.save_plan)
+        canzona.save_plan(plan, args.save_plan)
     lr = args.lr if args.optimizer == "muon" else 3e-3
     opt = canzona.CanzonaOptimizer(model, plan, lr=lr, adamw_lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(

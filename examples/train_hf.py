@@ -8,14 +8,15 @@ The Trainer gets the optimizer through ``optimizers=(opt, scheduler)``;
 ``canzona.hf.CanzonaTrainer`` keeps the model out of DDP (canzona reduce-scatters the gradients
 itself), sets the Trainer's own clipping aside (``max_grad_norm=0``: it would clip local, unreduced
 gradients) and clips the global norm with ``opt.clip_grad_norm_``. ``--loop manual`` runs canzona's
-usual loop on the batches the Trainer's data loader gives this rank: per step the two print the same
-loss and gradient norm.
+usual loop on the batches the Trainer's data loader gives this rank, epoch after epoch as the
+Trainer takes them: the two print the same steps, once each, with the same loss and gradient norm.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def build(which: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import PrinterCallback, TrainerCallback, TrainingArguments
 
     from canzona.hf import CanzonaTrainer
 
@@ -91,17 +92,18 @@ def main() -> None:
 
     trainer = CanzonaTrainer(model=model, args=args, train_dataset=Tokens(),
                              optimizers=(opt, sched), clip_grad_norm=CLIP, callbacks=[Record()])
+    trainer.remove_callback(PrinterCallback)  # the rows below are the one record of each step
     if a.loop == "trainer":
         trainer.train()
     else:  # canzona's loop on the batches the Trainer's loader gives this rank
-        batches = iter(trainer.get_train_dataloader())
+        groups = _update_steps(trainer.get_train_dataloader(), a.accum)
         for step in range(1, a.steps + 1):
+            group = next(groups)
             total = torch.zeros(())
-            for micro in range(a.accum):
-                b = next(batches)
-                ctx = opt.no_sync() if micro < a.accum - 1 else _Null()
+            for micro, b in enumerate(group):
+                ctx = opt.no_sync() if micro < len(group) - 1 else _Null()
                 with ctx:
-                    loss = model(**b).loss / a.accum
+                    loss = model(**b).loss / len(group)
                     loss.backward()
                 total += loss.detach()
             norm = float(opt.clip_grad_norm_(CLIP))
@@ -117,6 +119,22 @@ def main() -> None:
                   flush=True)
     opt.close()
     dist.destroy_process_group()
+
+
+def _update_steps(loader, accum: int) -> Iterator[list]:  # noqa: ANN001
+    """The micro-batches of each optimizer step, as the Trainer takes them from ``loader``: epoch
+    after epoch, each reshuffled by its number as the Trainer does (``set_epoch``), ``accum`` at a
+    time, the last step of an epoch with the rest when ``accum`` does not divide it."""
+    epoch = 0
+    while True:
+        inner = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+        for sampler in (loader, inner):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+        batches, n = iter(loader), len(loader)
+        for first in range(0, n, accum):
+            yield [next(batches) for _ in range(min(accum, n - first))]
+        epoch += 1
 
 
 class _Null:

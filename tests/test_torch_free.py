@@ -38,10 +38,10 @@ CODE = textwrap.dedent("""
 
     # The top-level package: its names, the torch-free ones usable.
     import canzona
-    assert callable(canzona.load_plan)
+    assert callable(canzona.load_plan) and callable(canzona.save_plan)
     assert sorted(canzona.__all__) == ["CanzonaOptimizer", "__version__", "dcp_state",
                                        "load_checkpoint", "load_plan", "plan_model",
-                                       "save_checkpoint"]
+                                       "save_checkpoint", "save_plan"]
     assert not [m for m in sys.modules if (m == "torch" or m.startswith("torch."))
                 and sys.modules[m] is not None]
 

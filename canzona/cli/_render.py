@@ -69,15 +69,23 @@ class _Elapsed:
         return Text(f"{self.title}: {self.phase}… {time.perf_counter() - self.t0:.0f} s")
 
 
+#: Seconds a block runs, off a terminal, before its stages are printed as lines (short runs, and
+#: the errors of bad input, print nothing more).
+PLAIN_DELAY_S = 5.0
+
+
 @contextmanager
 def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None]]:
     """A transient spinner on stderr, shown only if the block runs longer than ``delay_s``.
 
-    Yields the ``progress`` callback the solvers call with phase names. Nothing is printed when
-    stderr is not a terminal (logs and pipes stay clean).
+    Yields the ``progress`` callback the solvers call with phase names. When stderr is not a
+    terminal (a log, a pipe), a block that runs longer than :data:`PLAIN_DELAY_S` prints its
+    stage then, and every later one, as a plain line on stderr (stdout, ``--json``'s, stays
+    clean).
     """
     if not err_console.is_terminal:
-        yield lambda _phase: None
+        with _plain_progress(title, PLAIN_DELAY_S) as say:
+            yield say
         return
     text = _Elapsed(title)
     lock = threading.Lock()
@@ -103,6 +111,40 @@ def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None
             state["done"] = True
             if state["status"] is not None:
                 state["status"].stop()
+
+
+@contextmanager
+def _plain_progress(title: str, delay_s: float) -> Iterator[Callable[[str], None]]:
+    """:func:`progress` off a terminal: ``TITLE: STAGE (N s)`` lines on stderr, from ``delay_s``
+    on."""
+    t0 = time.perf_counter()
+    lock = threading.Lock()
+    state: dict = {"phase": "starting", "shown": False, "done": False}
+
+    def line() -> None:
+        info(f"{title}: {state['phase']} ({time.perf_counter() - t0:.0f} s)")
+
+    def start() -> None:
+        with lock:
+            if not state["done"]:
+                state["shown"] = True
+                line()
+
+    def say(phase: str) -> None:
+        with lock:
+            state["phase"] = phase
+            if state["shown"] and not state["done"]:
+                line()
+
+    timer = threading.Timer(delay_s, start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield say
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
 
 
 # --- canzona models, canzona layout ----------------------------------------------------------
@@ -223,6 +265,41 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     pairs_view(pairs_dict(plan))
     tp_summary(plan)
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
+
+
+def plan_json(plan: Plan, path: Path, wall_s: float) -> dict:
+    """What ``canzona plan --json`` prints: the figures of :func:`plan_summary`, as numbers."""
+    inp, m, c = plan.inputs, plan.metrics, plan.comm
+
+    def balance(vals: tuple[int, ...]) -> dict:
+        mx, mean = max_mean(vals)
+        return {"max": mx, "mean": mean, "max_over_mean": mx / mean if mean else None}
+
+    out = {
+        "model": inp.model, "dp": inp.dp, "tp": inp.tp, "ep": inp.ep,
+        "optimizer": inp.optimizer.name, "cost_model": inp.cost_model,
+        "solver": inp.solver.solver, "alpha": inp.solver.alpha,
+        "per_dp_index": {"load": balance(m.dp_load), "flops": balance(m.dp_flops),
+                         "state_bytes": balance(m.dp_state_bytes),
+                         "reduce_scatter_bytes": balance(m.dp_reduce_scatter_bytes)},
+        "gap_to_bound": m.gap_to_bound, "certified_bound": m.certified_bound,
+        "lower_bound": m.lower_bound, "split_matrices": m.split_matrices,
+        "dp_shared": len(plan.dp_shared), "solver_status": m.solver_status,
+        "collectives": {"hardware": c.hardware, "hardware_version": c.hardware_version,
+                        "link": c.link, "predicted_s": c.predicted_s, "zero1_s": c.zero1_s,
+                        "max_sent_bytes": c.max_sent_bytes,
+                        "zero1_max_sent_bytes": c.zero1_max_sent_bytes,
+                        "methods": dict(c.methods)},
+        "tp_per_gpu": None, "wall_s": wall_s, "output": str(path),
+    }
+    if plan.tp is not None:
+        t = plan.tp.metrics
+        out["tp_per_gpu"] = {"max": t.max_gpu_load, "mean": t.mean_gpu_load,
+                             "max_over_mean": t.max_over_mean, "lb_gpu": t.lb_gpu,
+                             "gap_to_lb_gpu": t.gap_to_lb_gpu, "micro_groups": t.micro_groups,
+                             "peak_gathered_bytes": t.peak_gathered_bytes,
+                             "cmax_bytes": plan.tp.cmax_bytes}
+    return out
 
 
 def _paired(plan) -> str:  # noqa: ANN001

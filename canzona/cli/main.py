@@ -10,6 +10,8 @@ status 1, in one place (:func:`command`).
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect as pyinspect
 import os
 import time
 import warnings
@@ -22,6 +24,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from canzona import __version__
 from canzona.planner import CanzonaError, CanzonaWarning, optimizers
+from canzona.planner.hardware import hardware_names
 
 from . import _render
 
@@ -34,11 +37,27 @@ def _tidy_params(params: list) -> list:
     return params
 
 
+#: click's (or typer's own click's) error for a missing option value or argument.
+_MissingParameter = importlib.import_module(typer.BadParameter.__module__).MissingParameter
+
+
 class _Command(TyperCommand):
-    """A command whose help shows flags bare and arguments as ``PLAN_FILE``, not ``{plan_file}``."""
+    """A command whose help shows flags bare and arguments as ``PLAN_FILE``, not ``{plan_file}``,
+    and whose option values that do not parse (``--dp four``) are one error line and exit 1, as
+    canzona's other input errors are."""
 
     def get_params(self, ctx: Any) -> list:
         return _tidy_params(super().get_params(ctx))
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        given = list(args)  # the parser consumes ``args``
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter as exc:
+            if isinstance(exc, _MissingParameter):
+                raise  # a usage error: typer's box shows the usage
+            _render.error(f"{_bad_value(exc, given)} (see 'canzona {ctx.info_name} --help').")
+            raise typer.Exit(1) from None
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -47,6 +66,19 @@ class _Command(TyperCommand):
                 name = (p.metavar or p.name or "").upper()
                 pieces.append(name if p.required else f"[{name}]")
         return pieces
+
+
+def _bad_value(exc: Any, args: list[str]) -> str:
+    """``--dp 'four': Input should be a valid integer…``: the option, the value given and why it
+    is refused (click's own message where the option cannot be found in ``args``)."""
+    opts = tuple(getattr(exc.param, "opts", ()) or ())
+    for k, arg in enumerate(args):
+        for opt in opts:
+            if arg == opt and k + 1 < len(args):
+                return f"{opt} {args[k + 1]!r}: {exc.message.rstrip('.')}"
+            if arg.startswith(opt + "="):
+                return f"{opt} {arg[len(opt) + 1:]!r}: {exc.message.rstrip('.')}"
+    return exc.format_message().rstrip(".")
 
 
 class _Group(TyperGroup):
@@ -75,6 +107,8 @@ BucketSizeOpt = Annotated[Optional[int], typer.Option(
 NoOverlapOpt = Annotated[bool, typer.Option(
     "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+#: The ``--hardware`` choices, in the library's order (:func:`hardware_names`).
+HARDWARE_CHOICES = f"{', '.join(hardware_names())}, or a profile file (.json)"
 
 
 #: The library's option fields as this CLI spells them (errors name the flag to change).
@@ -118,7 +152,15 @@ def command(fn: Callable) -> Callable:
                     else:
                         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
-    return app.command(cls=_Command)(wrapper)
+    return app.command(cls=_Command, help=_unwrapped(fn.__doc__))(wrapper)
+
+
+def _unwrapped(doc: str | None) -> str | None:
+    """A docstring as help text: its paragraphs each one line, for the terminal to wrap (typer
+    keeps a docstring's line breaks, which break its lines mid-phrase at any other width)."""
+    if doc is None:
+        return None
+    return "\n\n".join(" ".join(par.split()) for par in pyinspect.cleandoc(doc).split("\n\n"))
 
 
 def _version(value: bool) -> None:
@@ -262,7 +304,7 @@ def plan(
                             "only).")] = "step-time",
     hardware: Annotated[str, typer.Option(
         "--hardware", help="Hardware profile of the communication model and the TP timeline: "
-                           "h100, h800, cpu, or a profile file (.json).")] = "h100",
+                           f"{HARDWARE_CHOICES}.")] = "h100",
     names: Annotated[str, typer.Option(
         "--names", help="Parameter names of the plan: megatron (Megatron-core's: fused QKV and "
                         "gate/up, per-expert weights) or hf (the transformers model's own: "
@@ -270,7 +312,9 @@ def plan(
                         "model.")] = "megatron",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
-        help="Plan file (written atomically).")] = None,
+        help="Plan file (written atomically); an existing folder: that default name inside "
+             "it.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the
     plan."""
@@ -294,7 +338,8 @@ def plan(
         split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
     name = resolve_model(model, config).name
-    out = output or Path(default_plan_name(name, sizes, settings.name))
+    default = default_plan_name(name, sizes, settings.name)
+    out = output / default if output is not None and output.is_dir() else output or Path(default)
     _check_output(out)
     with _render.progress(f"planning {name} dp={dp} tp={tp}") as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
@@ -303,7 +348,10 @@ def plan(
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)
-    _render.plan_summary(result, out, wall)
+    if as_json:
+        _render.json_out(_render.plan_json(result, out, wall))
+    else:
+        _render.plan_summary(result, out, wall)
 
 
 @command
@@ -352,7 +400,7 @@ def simulate(
                                               metavar="PLAN_FILE", show_default=False)],
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="the profile the plan records",
-        help="Hardware profile: h800, h100, cpu, or a profile file (.json).")] = None,
+        help=f"Hardware profile: {HARDWARE_CHOICES}.")] = None,
     mfu: Annotated[float, typer.Option(
         "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
                       "(0, 1], as canzona compare.")] = 0.4,
@@ -417,6 +465,22 @@ def simulate(
         _render.wrote_charts([chart], as_json=as_json, labels=("timeline",))
 
 
+#: How ``compare`` documents an option that a plan given with ``--plan`` records.
+FROM_PLAN = " With --plan: the plan's (a different value is refused)."
+
+
+def _agree_with_plan(plan_file: Path, given: dict[str, tuple[object, object]]) -> None:
+    """Refuse an option given beside ``--plan`` that contradicts the plan (``given``: per option
+    name, the value given, None if none, and the plan's)."""
+    for name, (value, planned) in given.items():
+        if value is not None and value != planned:
+            shown = "none (one bucket per buffer)" if planned is None else planned
+            raise CanzonaError(
+                f"--{name} {value} contradicts the plan {plan_file}, made with {name} {shown}; "
+                f"compare --plan takes it from the plan: drop --{name}, or make a plan with "
+                f"'canzona plan ... --{name} {value}'.")
+
+
 @command
 def compare(
     model: ModelOpt = None,
@@ -424,14 +488,19 @@ def compare(
     plan_file: Annotated[Optional[Path], typer.Option(
         "--plan", help="Compare this plan (as the canzona row) instead of planning "
                        "--model/--config.")] = None,
-    dp: DpOpt = 1,
-    tp: TpOpt = 1,
-    ep: EpOpt = 1,
-    optimizer: Annotated[str, typer.Option(
-        "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
+    dp: Annotated[Optional[int], typer.Option(
+        "--dp", show_default="1, or the plan's", help=f"Data-parallel size.{FROM_PLAN}")] = None,
+    tp: Annotated[Optional[int], typer.Option(
+        "--tp", show_default="1, or the plan's", help=f"Tensor-parallel size.{FROM_PLAN}")] = None,
+    ep: Annotated[Optional[int], typer.Option(
+        "--ep", show_default="1, or the plan's",
+        help=f"Expert-parallel size (MoE models).{FROM_PLAN}")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(
+        "--optimizer", show_default="muon, or the plan's",
+        help=f"Matrix optimizer: {', '.join(optimizers.names())}.{FROM_PLAN}")] = None,
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="h100, or the profile --plan records",
-        help="Hardware profile: h800, h100, cpu, or a profile file (.json); canzona's plans "
+        help=f"Hardware profile: {HARDWARE_CHOICES}; canzona's plans "
              "choose their collectives for it.")] = None,
     strategies: Annotated[str, typer.Option(
         "--strategies", help="Comma-separated: sc, zero1, layerwise, layerwise-lpt, "
@@ -449,7 +518,9 @@ def compare(
     overlap_param_gather: Annotated[bool, typer.Option(
         "--overlap-param-gather", help="ZeRO-1 all-gathers run into the next forward (the "
                                        "layer-wise optimizer's own all-gather cannot).")] = False,
-    bucket_size: BucketSizeOpt = None,
+    bucket_size: Annotated[Optional[int], typer.Option(
+        "--bucket-size", show_default="Megatron's max(40M, 1M·dp), or the plan's",
+        help=f"Elements per bucket.{FROM_PLAN}")] = None,
     share: Annotated[str, typer.Option(
         "--share", help="The canzona row's plan shares Muon matrices (as canzona plan "
                         "--share: off, auto, all, all-split); the other rows stay whole.")] = "off",
@@ -488,6 +559,7 @@ def compare(
         from canzona.planner.plan.load import load_plan
         title = plan_file.name
     else:
+        dp, tp, ep = (1 if v is None else v for v in (dp, tp, ep))
         cfg = resolve_model(model, config)
         title = f"{cfg.name} dp={dp} tp={tp}"
     chart = None
@@ -499,10 +571,15 @@ def compare(
     with _render.progress(f"comparing {title}") as say:
         if plan_file is not None:
             p = load_plan(plan_file)
+            _agree_with_plan(plan_file, {
+                "dp": (dp, p.inputs.dp), "tp": (tp, p.inputs.tp), "ep": (ep, p.inputs.ep),
+                "optimizer": (optimizer and _choice(optimizer, optimizers.names(), "--optimizer"),
+                              p.inputs.optimizer.name),
+                "bucket-size": (bucket_size, p.inputs.bucket_size)})
             comp = compare_plan(p, hardware, config=config, progress=say, **kw)
         else:
             settings = OptimizerSettings(
-                name=_choice(optimizer, optimizers.names(),  # type: ignore[arg-type]
+                name=_choice(optimizer or "muon", optimizers.names(),  # type: ignore[arg-type]
                              "--optimizer"))
             hw_name = (hardware or "h100").strip()
             comp = run_compare(model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings,

@@ -76,8 +76,8 @@ def hardware_names() -> list[str]:
 
 
 def load_hardware(name: str | Path) -> HardwareProfile:
-    """A built-in profile by name (``h100``, ``h800``, ``cpu``) or a profile file's path (what
-    ``canzona calibrate`` writes).
+    """A built-in profile by name (:func:`hardware_names`: ``cpu``, ``h100``, ``h800``) or a
+    profile file's path (what ``canzona calibrate`` writes).
 
     Raises:
         CanzonaError: unknown name, unreadable file, or a file that is not a valid profile.

@@ -83,7 +83,7 @@ def test_error_paths_are_one_line(args, needle):
 
 
 def test_usage_error_exit_code():
-    r = run("layout", "--dp", "many")
+    r = run("layout", "--dpp", "2")  # an unknown option is a usage error (a bad value is not)
     assert r.exit_code == 2
 
 

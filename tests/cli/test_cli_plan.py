@@ -131,6 +131,7 @@ def test_plan_errors_are_one_line(tmp_path, args, needles):
 def test_plan_unwritable_output(tmp_path):
     one_error_line(run("plan", "-m", "qwen3-0.6b", "--dp", 4, "-o", tmp_path / "nope" / "p.json"),
                    "does not exist")
+    (tmp_path / "qwen3-0.6b-dp4-tp1-muon.plan.json").mkdir()  # -o FOLDER: the default name in it
     one_error_line(run("plan", "-m", "qwen3-0.6b", "--dp", 4, "-o", tmp_path), "folder")
 
 

@@ -32,7 +32,7 @@ from .. import comm as comm_model
 from ..errors import PlanFileError
 from ..hardware import DEFAULT_HARDWARE, load_hardware
 from .comm_section import comm_section
-from .messages import one_line
+from .messages import REGENERATE, version_error
 from .schema import BASE_VERSION, DP_PAIR_VERSION, SCHEMA_VERSION, TP_SHARE_VERSION, BufferPlan
 
 #: A converter: a version-n file's data (and its name, for errors) → version n + 1's data.
@@ -49,13 +49,12 @@ def _v1_to_v2(data: dict, source: str) -> dict:
         buffers = [BufferPlan.model_validate({**buf, "buckets": [
             {**b, "method": comm_model.PADDED} for b in buf["buckets"]]}) for buf in out["buffers"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise PlanFileError(one_line(f"{source}: malformed plan (schema version 1, converting "
-                                     f"to {SCHEMA_VERSION}): {exc}.")) from None
+        raise unreadable(source, 1, f"malformed plan, cannot convert it to version "
+                                    f"{SCHEMA_VERSION}: {exc}") from None
     for name, value in (("dp", dp), ("tp", tp), ("ep", ep)):
         if value < 1:
             where = f"inputs.{name}" if name == "ep" else f"rank_layout.{name}"
-            raise PlanFileError(f"{source}: malformed plan (schema version 1): {where} is "
-                                f"{value}, must be ≥ 1; regenerate it with 'canzona plan'.")
+            raise unreadable(source, 1, f"malformed plan: {where} is {value}, must be ≥ 1")
     hw = load_hardware(DEFAULT_HARDWARE)
     try:  # the comm section from the buckets' slices, which must fit the rank layout
         _, link = comm_model.plan_link(hw, dp, tp)
@@ -65,10 +64,10 @@ def _v1_to_v2(data: dict, source: str) -> dict:
                    for s in slices]
         comm = comm_section(slices, methods, hw, dp=dp, tp=tp, converted_from=1)
     except (IndexError, KeyError, TypeError, ValueError) as exc:
-        raise PlanFileError(one_line(
-            f"{source}: malformed plan (schema version 1, converting to {SCHEMA_VERSION}): its "
-            f"buckets do not fit rank_layout (dp {dp}, tp {tp}, ep {ep}): "
-            f"{type(exc).__name__}: {exc}; regenerate it with 'canzona plan'.")) from None
+        raise unreadable(source, 1, f"malformed plan, cannot convert it to version "
+                                    f"{SCHEMA_VERSION}: its buckets do not fit rank_layout (dp "
+                                    f"{dp}, tp {tp}, ep {ep}): {type(exc).__name__}: {exc}"
+                         ) from None
     it = iter(methods)
     out["buffers"] = [{**buf, "buckets": [{**b, "method": next(it)} for b in buf["buckets"]]}
                       for buf in out["buffers"]]
@@ -96,13 +95,22 @@ UPGRADES: dict[int, Converter] = {
 OLDEST_VERSION = min(UPGRADES)
 
 
+def unreadable(source: str, found: object, problem: str, fix: str = REGENERATE) -> PlanFileError:
+    """A plan file this canzona cannot read as it is, in one line: ``problem``, the file's schema
+    version (``found``), the versions read (:data:`OLDEST_VERSION` to ``SCHEMA_VERSION``) and
+    ``fix`` (by default: regenerate it with ``canzona plan``)."""
+    return version_error(source, found, problem, fix, oldest=OLDEST_VERSION,
+                         newest=SCHEMA_VERSION)
+
+
 def upgrade(data: dict, source: str) -> dict:
     """``data`` of a file of schema version ``data["schema_version"]`` (from
     :data:`OLDEST_VERSION` to ``SCHEMA_VERSION``, checked by the caller) in the current schema:
     the converters of :data:`UPGRADES` from that version on, in sequence.
 
     Raises:
-        PlanFileError: a converter found the data malformed (one line).
+        PlanFileError: a converter found the data malformed (one line naming the file's version,
+            the versions read and the fix).
     """
     for n in range(data["schema_version"], SCHEMA_VERSION):
         data = UPGRADES[n](data, source)

@@ -28,11 +28,14 @@ from pydantic import ValidationError
 
 from ..errors import PlanFileError
 from .checks import check_plan
-from .convert import OLDEST_VERSION, upgrade
-from .messages import one_line
+from .convert import OLDEST_VERSION, unreadable, upgrade
 from .schema import SCHEMA_VERSION, Plan, gc_paused
 
 __all__ = ["load_plan", "parse_plan"]
+
+#: The fix named for a plan newer than this canzona reads.
+UPGRADE = ("upgrade canzona (python -m pip install -U canzona) or re-plan with this one's "
+           "'canzona plan'")
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -61,13 +64,14 @@ def parse_plan(text: str, source: str = "<plan>") -> Plan:
         PlanFileError: one line naming ``source``, the problem (and versions) and the fix.
     """
     with gc_paused():  # no cycles are made here; the collector would walk the whole plan
-        plan = _validate(_read(text, source), source)
+        data, found = _read(text, source)
+        plan = _validate(data, found, source)
         check_plan(plan, source)
         return plan
 
 
-def _read(text: str, source: str) -> dict:
-    """The JSON of a plan file, brought to the current schema version."""
+def _read(text: str, source: str) -> tuple[dict, int]:
+    """The JSON of a plan file, brought to the current schema version, and the file's version."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -80,26 +84,23 @@ def _read(text: str, source: str) -> dict:
         raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
     found = data["schema_version"]
     if not isinstance(found, int) or isinstance(found, bool):
-        raise PlanFileError(f"{source}: schema_version must be an integer, found {found!r}.")
+        raise unreadable(source, repr(found), "schema_version must be an integer")
     if found > SCHEMA_VERSION:
-        raise PlanFileError(f"{source}: plan schema version {found} is newer than this canzona "
-                            f"reads (version {SCHEMA_VERSION}); upgrade canzona.")
+        raise unreadable(source, found, "a plan newer than this canzona reads", UPGRADE)
     if found < OLDEST_VERSION:
-        what = "does not exist" if found < 1 else "is older than this canzona reads"
-        raise PlanFileError(f"{source}: plan schema version {found} {what} (versions "
-                            f"{OLDEST_VERSION} to {SCHEMA_VERSION}); regenerate it with "
-                            f"'canzona plan'.")
-    return upgrade(data, source)
+        what = "no plan schema version" if found < 1 else "a plan older than this canzona reads"
+        raise unreadable(source, found, what)
+    return upgrade(data, source), found
 
 
-def _validate(data: dict, source: str) -> Plan:
-    """The schema's validation of ``data``: its first problem, in one line."""
+def _validate(data: dict, found: int, source: str) -> Plan:
+    """The schema's validation of ``data`` (of a file of schema version ``found``): its first
+    problem, in one line."""
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "<root>"
         more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise PlanFileError(one_line(f"{source}: malformed plan (schema version "
-                                     f"{SCHEMA_VERSION}): field '{loc}': {err['msg']}"
-                                     f"{more}.")) from None
+        raise unreadable(source, found, f"malformed plan: field '{loc}': {err['msg']}{more}"
+                         ) from None

@@ -17,6 +17,14 @@ def one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
+def version_error(source: str, found: object, problem: str, fix: str = REGENERATE,
+                  *, oldest: int, newest: int) -> PlanFileError:
+    """The one-line error for a plan this canzona cannot read as it is: the file's schema version
+    (``found``), the versions read (``oldest`` to ``newest``) and the fix."""
+    return PlanFileError(one_line(f"{source}: {problem} (file schema version {found}; this "
+                                  f"canzona reads version {oldest} to version {newest}); {fix}."))
+
+
 def inconsistency(source: str, field: str, problem: str, fix: str = REGENERATE) -> PlanFileError:
     """The one-line error for a plan that parses but contradicts itself."""
     return PlanFileError(one_line(f"{source}: inconsistent plan: field '{field}': {problem}; "
