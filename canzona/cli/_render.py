@@ -26,7 +26,7 @@ from canzona.planner import optimizers
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
 from canzona.planner.report import (busiest_index, max_mean, oversized_groups, pairs_dict,
-                                    peak_within_cmax, useful_mean)
+                                    peak_within_cmax, predicted_step, useful_mean)
 
 from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
@@ -232,6 +232,7 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     """The short summary ``canzona plan`` prints after writing ``path``."""
     inp, m = plan.inputs, plan.metrics
     console.print(plan_header(plan), highlight=False)
+    step_view(predicted_step(plan))
     t = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
     for col in (dp_scope(plan), "max", "mean", "max/mean"):
         t.add_column(col, justify="left" if col == dp_scope(plan) else "right")
@@ -267,6 +268,22 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
 
 
+def step_view(st: dict) -> None:
+    """The predicted step first: what a plan is for."""
+    console.print(
+        f"predicted optimizer step [bold]{seconds(st['step_s'])}[/] "
+        f"({seconds(st['reduced_step_s'])} after the gradients are reduced), iteration "
+        f"{seconds(st['iteration_s'])} on {escape(st['hardware'])}, behind a forward/backward "
+        f"of {seconds(st['forward_backward_s'])} (6·N_active·tokens at MFU 0.4, as simulate and "
+        "compare)", highlight=False)
+    parts = ", ".join(f"{_PART[k]} {seconds(v)}" for k, v in st["parts_s"].items())
+    console.print(f"decided by {escape(st['decides'])} ({parts})", highlight=False)
+
+
+_PART = {"compute": "compute", "tp_gather_scatter": "TP", "dp_reduce": "DP reduce",
+         "dp_gather": "DP all-gather"}
+
+
 def plan_json(plan: Plan, path: Path, wall_s: float) -> dict:
     """What ``canzona plan --json`` prints: the figures of :func:`plan_summary`, as numbers."""
     inp, m, c = plan.inputs, plan.metrics, plan.comm
@@ -291,6 +308,7 @@ def plan_json(plan: Plan, path: Path, wall_s: float) -> dict:
                         "zero1_max_sent_bytes": c.zero1_max_sent_bytes,
                         "methods": dict(c.methods)},
         "tp_per_gpu": None, "wall_s": wall_s, "output": str(path),
+        "predicted": predicted_step(plan),
     }
     if plan.tp is not None:
         t = plan.tp.metrics

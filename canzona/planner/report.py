@@ -22,6 +22,7 @@ from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.comm_section import plan_summary
 from .plan.inverse import read_problem
+from .simulate import plan_forward_backward, plan_hardware, simulate_plan_behind
 from .strategies import baseline_rows, tp_baseline_rows
 from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
                       sharing_bound)
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
            "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",
-           "task_name", "tp_dict"]
+           "predicted_step", "task_name", "tp_dict"]
 
 
 # --- small metrics shared by the reports and their renderers ---------------------------------
@@ -395,3 +396,30 @@ def tp_dict(plan: Plan, rows: list[TPBaselineRow] | None) -> dict | None:
              "max_over_mean": round(r.max_over_mean, 6), "gap_to_lb_gpu": round(r.gap_to_lb_gpu, 6)}
             for r in rows],
     }
+
+
+#: What decides the step, by the largest part of the critical rank's step.
+_DECIDES = {
+    "compute": "the busiest GPU's compute: its balance (per GPU at tp > 1) decides the step",
+    "tp_gather_scatter": "the TP gathers and scatters of the busiest TP group",
+    "dp_reduce": "the DP reduce-scatters not hidden by backward: the bucket collectives decide "
+                 "the step, the compute balance only its smaller part",
+    "dp_gather": "the DP all-gathers: the bucket collectives decide the step, the compute "
+                 "balance only its smaller part",
+}
+
+
+def predicted_step(plan: Plan) -> dict:
+    """The plan's optimizer step as ``canzona simulate`` and ``canzona compare`` predict it on
+    the profile the plan records, behind their forward/backward model: the whole step, the step
+    from the gradients reduced on (the paper's accounting), the iteration, the critical rank's
+    parts and which of them decides the step."""
+    hw = plan_hardware(plan)
+    fb, how = plan_forward_backward(plan, hw)
+    sim = simulate_plan_behind(plan, hw, forward_backward_s=fb)
+    parts = sim.breakdown()
+    top = max(parts, key=lambda k: parts[k])
+    return {"hardware": f"{hw.name} v{hw.version}", "step_s": sim.step_s,
+            "reduced_step_s": sim.reduced_step_s, "iteration_s": fb + sim.step_s,
+            "forward_backward_s": fb, "forward_backward": how, "parts_s": parts,
+            "decided_by": top, "decides": _DECIDES[top]}

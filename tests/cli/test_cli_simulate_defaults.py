@@ -42,3 +42,18 @@ def test_backward_zero_hides_nothing_and_the_human_report_labels_both(plan_file)
 def test_backward_and_forward_backward_together_are_refused(plan_file):
     r = run("simulate", str(plan_file), "--backward", 1, "--forward-backward", 2)
     assert r.exit_code == 1 and "not both" in r.output
+
+
+def test_plan_prints_the_predicted_step_first_and_simulate_agrees(tmp_path):
+    path = tmp_path / "q.plan.json"
+    r = run("plan", "--model", "qwen3-0.6b", "--dp", 4, "--tp", 2, "-o", str(path), "--json")
+    assert r.exit_code == 0, r.output
+    predicted = json.loads(r.stdout)["predicted"]
+    sim = json.loads(run("simulate", str(path), "--json").stdout)
+    assert predicted["step_s"] == pytest.approx(sim["step_s"], rel=1e-12)
+    assert predicted["reduced_step_s"] == pytest.approx(sim["reduced_step_s"], rel=1e-12)
+    assert predicted["decided_by"] == max(predicted["parts_s"], key=predicted["parts_s"].get)
+    text = run("plan", "--model", "qwen3-0.6b", "--dp", 4, "--tp", 2, "-o",
+               str(tmp_path / "again.json")).stdout.splitlines()
+    assert text[1].startswith("predicted optimizer step")
+    assert any(line.startswith("decided by") for line in text[2:5])
