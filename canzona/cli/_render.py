@@ -399,10 +399,50 @@ def comm_view(c: dict, *, top: int = 10) -> None:
                   "rank sends (reduce + gather).", style="dim", highlight=False)
 
 
-def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
+#: Up to this many DP indices the per-index tables list every one; above, their distribution
+#: and the busiest few (``canzona inspect --ranks all`` lists every one).
+RANKS_LISTED = 16
+#: The busiest indices listed beside a distribution.
+RANKS_TOP = 5
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def spark(values: list[float], bins: int = 12) -> str:
+    """A histogram of ``values`` in ``bins`` equal bins from min to max, one block each."""
+    lo, hi = min(values), max(values)
+    if hi <= lo:
+        return _BLOCKS[-1] + " (all equal)"
+    counts = [0] * bins
+    for v in values:
+        counts[min(bins - 1, int((v - lo) / (hi - lo) * bins))] += 1
+    top = max(counts)
+    return "".join(_BLOCKS[0 if c == 0 else max(1, round(8 * c / top))] for c in counts)
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def distribution_view(title: str, rows: list[tuple[str, list[float], Callable[[float], str]]],
+                      ) -> None:
+    """min / median / max / max over mean and a histogram of each row's values."""
+    t = Table(title=title)
+    for col in ("", "min", "median", "max", "max/mean", "histogram (min → max)"):
+        t.add_column(col, justify="left" if col in ("", "histogram (min → max)") else "right")
+    for label, vals, fmt in rows:
+        mean = sum(vals) / len(vals)
+        t.add_row(label, fmt(min(vals)), fmt(_median(vals)), fmt(max(vals)),
+                  f"{max(vals) / mean:.3f}" if mean else "-", spark(vals))
+    console.print(t)
+
+
+def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10, ranks: str = "auto") -> None:
     """The rich report of ``canzona inspect`` (``top_buckets``: how many of the most costly
-    buckets to list)."""
-    from canzona.planner.strategies import CANZONA, DESCRIPTIONS
+    buckets to list; ``ranks``: ``all`` lists every DP index, ``auto`` lists them up to
+    :data:`RANKS_LISTED` and above gives their distribution and the busiest few)."""
+    from canzona.planner.strategies import CANZONA
 
     inp, m = plan.inputs, plan.metrics
     r = report["metrics"]
@@ -410,6 +450,7 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
     console.print(
         plan_header(plan) + f"  ({inp.model_source}; strategy {inp.solver.strategy}, "
         f"status {m.solver_status})", highlight=False)
+    step_view(predicted_step(plan))
     console.print(
         f"{dp_scope(plan)}: max load {load(r['max_load'], cm)}, mean {load(r['mean_load'], cm)}; "
         f"max/mean {r['max_over_mean']:.4f}; matrices split across DP ranks: "
@@ -420,17 +461,30 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
         f"{r['gap_to_lower_bound']:.2%};  gap to the certified bound "
         f"{load(m.certified_bound, cm)}: [bold]{m.gap_to_bound:.2%}[/]", highlight=False)
 
-    ranks = report["ranks"]
-    tops = {k: max(x[k] for x in ranks) for k in ("flops", "sent_bytes")}
+    every = report["ranks"]
     scope = dp_scope(plan)
-    t = Table(title=f"{scope[0].upper()}{scope[1:]} (bars relative to the busiest; bytes sent "
-                    "and collectives per iteration)")
+    listed = every
+    if ranks != "all" and len(every) > RANKS_LISTED:
+        distribution_view(
+            f"{scope[0].upper()}{scope[1:]}: the distribution over {len(every)} indices "
+            "(--ranks all lists every one)",
+            [("matrices", [x["matrices"] for x in every], lambda v: f"{v:.0f}"),
+             ("optimizer FLOPs", [x["flops"] for x in every], human_flops),
+             ("state", [x["state_bytes"] for x in every], human_bytes),
+             ("reduce-scatter", [x["reduce_scatter_bytes"] for x in every], human_bytes),
+             ("bytes sent", [x["sent_bytes"] for x in every], human_bytes),
+             ("collectives", [x["collective_s"] for x in every], seconds)])
+        listed = sorted(every, key=lambda x: (-x["load"], x["dp_index"]))[:RANKS_TOP]
+    tops = {k: max(x[k] for x in every) for k in ("flops", "sent_bytes")}
+    shown = "" if listed is every else f"the {len(listed)} busiest; "
+    t = Table(title=f"{scope[0].upper()}{scope[1:]} ({shown}bars relative to the busiest; bytes "
+                    "sent and collectives per iteration)")
     for col, just in (("d", "right"), ("matrices", "right"), ("optimizer FLOPs", "left"),
                       ("", "right"), ("state", "right"), ("reduce-scatter", "right"),
                       ("bytes sent", "left"), (" ", "right"), ("collectives", "right")):
         width = len(col) if len(col) < 15 else None  # no "reduce-scatt…"
         t.add_column(col, justify=just, min_width=width)  # type: ignore[arg-type]
-    for x in ranks:
+    for x in listed:
         busiest = x["load"] == r["max_load"]
         t.add_row(
             f"[bold]{x['dp_index']}[/]" if busiest else str(x["dp_index"]), str(x["matrices"]),
@@ -469,13 +523,13 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10) -> None:
                       "-" if x["collective_s"] is None else seconds(x["collective_s"]),
                       style=style)
         console.print(b)
-        console.print("; ".join(
-            f"{x['name']}: {DESCRIPTIONS.get(x['name'], '')}"
-            + ("" if x.get("padding") is None
-               else f" (padding {x['padding']:.1%} of the matrix elements)")
-            for x in report["baselines"])
-            + " (docs/reports.md). max sent: bytes one rank sends per "
-            "iteration; collectives: predicted on the plan's link.", highlight=False,
+        padded = [x for x in report["baselines"] if x.get("padding") is not None]
+        console.print(
+            "zero1 is not the exact optimizer (it orthogonalises fragments); "
+            + "".join(f"{x['name']} pads {x['padding']:.1%} of the matrix elements; "
+                      for x in padded)
+            + "the strategies: docs/compare.md or canzona compare. max sent: bytes one rank "
+            "sends per iteration; collectives: predicted on the plan's link.", highlight=False,
             style="dim", markup=False)
     pairs_view(report.get("dp_pairs"))
     sharing_view(report.get("sharing"))
@@ -639,8 +693,8 @@ def _gantt(ix, width: int = 60) -> list[str]:
             "compute |" + "".join(comp) + f"| {end * 1e3:.2f} ms"]
 
 
-def tp_view(plan: Plan, tp_rep: dict) -> None:
-    """The TP section of ``canzona inspect``."""
+def tp_view(plan: Plan, tp_rep: dict, *, ranks: str = "auto") -> None:
+    """The TP section of ``canzona inspect`` (``ranks`` as :func:`inspect_view`'s)."""
     from canzona.planner.strategies import CANZONA
 
     tp, m = plan.tp, plan.tp.metrics  # type: ignore[union-attr]
@@ -649,13 +703,22 @@ def tp_view(plan: Plan, tp_rep: dict) -> None:
     tp_summary(plan)
     grid = m.gpu_load
     top = max(max(r) for r in grid) or 1
-    t = Table(title="Per-GPU load (rows: DP index d, columns: TP rank t; % of the busiest GPU)")
+    busiest_d = busiest_index(grid)
+    rows = list(enumerate(grid))
+    which = "rows: DP index d"
+    if ranks != "all" and len(grid) > RANKS_LISTED:
+        distribution_view(f"Per-GPU load over {len(grid) * len(grid[0])} GPUs (--ranks all lists "
+                          "every TP group)",
+                          [("load", [float(x) for r in grid for x in r],
+                            lambda v: load(v, cm))])
+        rows = sorted(rows, key=lambda dr: (-max(dr[1]), dr[0]))[:RANKS_TOP]
+        which = f"rows: the {len(rows)} busiest DP indices d"
+    t = Table(title=f"Per-GPU load ({which}, columns: TP rank t; % of the busiest GPU)")
     t.add_column("d", justify="right")
     for k in range(len(grid[0])):
         t.add_column(f"t{k}", justify="right")
     t.add_column("all-to-all (busiest rank)", justify="right")
-    busiest_d = busiest_index(grid)
-    for d, r in enumerate(grid):
+    for d, r in rows:
         cells = [(f"[bold]{x / top:.0%}[/]" if x == top else f"{x / top:.0%}") for x in r]
         t.add_row(str(d), *cells, human_bytes(max(m.all_to_all_bytes[d])))
     console.print(t)

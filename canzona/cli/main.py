@@ -362,10 +362,13 @@ def inspect(
         "--config", "-c", help="The Hugging Face config.json the plan was made from "
                                "(plans made with --config only).")] = None,
     top: Annotated[int, typer.Option("--top", help="How many of the heaviest tasks to list.",
-                                     min=0)] = 10,
+                                     min=0)] = 5,
     top_buckets: Annotated[int, typer.Option(
         "--top-buckets", min=0, help="How many of the most costly buckets (predicted collective "
-                                     "time) to list; --json lists every bucket.")] = 10,
+                                     "time) to list; --json lists every bucket.")] = 5,
+    ranks: Annotated[str, typer.Option(
+        "--ranks", help="auto: every DP index up to 16, above that their distribution and the "
+                        "5 busiest; all: every DP index (and TP group).")] = "auto",
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a per-DP-index chart to this file (.png, .pdf, .svg, …; a folder: "
@@ -379,6 +382,7 @@ def inspect(
 
     from . import plots
 
+    ranks = _choice(ranks, ("auto", "all"), "--ranks")
     with _render.progress(f"inspecting {plan_file.name}") as say:
         say("reading the plan")
         p = load_plan(plan_file)
@@ -388,9 +392,9 @@ def inspect(
     if as_json:
         _render.json_out(report)
     else:
-        _render.inspect_view(p, report, top_buckets=top_buckets)
+        _render.inspect_view(p, report, top_buckets=top_buckets, ranks=ranks)
         if report["tp_schedule"] is not None:
-            _render.tp_view(p, report["tp_schedule"])
+            _render.tp_view(p, report["tp_schedule"], ranks=ranks)
     _render.wrote_charts(charts, as_json=as_json)
 
 

@@ -85,12 +85,20 @@ def _save(fig, path: Path) -> None:
         raise CanzonaError(f"cannot write chart to '{path}': {exc.strerror or exc}.") from None
 
 
+#: Up to this many DP indices a chart draws a bar per index; above, sorted curves and
+#: histograms, so that a chart stays readable (and under 3,000 px wide) at any scale.
+MARKS_PER_RANK = 64
+
+
 def plot_plan(plan: Plan, path: Path) -> None:
-    """A per-DP-index chart (FLOPs, optimizer state, reduce-scatter bytes)."""
+    """A per-DP-index chart (FLOPs, optimizer state, reduce-scatter bytes): a bar per index up
+    to :data:`MARKS_PER_RANK` indices, above that each series sorted (busiest first) as a curve."""
     Figure, FigureCanvasAgg = _figure_classes()
     inp, m = plan.inputs, plan.metrics
     d = list(range(inp.dp))
-    fig = Figure(figsize=(max(6.0, 0.18 * inp.dp + 3), 7.5), layout="constrained")
+    sorted_curves = inp.dp > MARKS_PER_RANK
+    width = 10.0 if sorted_curves else max(6.0, 0.18 * inp.dp + 3)
+    fig = Figure(figsize=(width, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(3, 1, sharex=True)
     series = ((m.dp_flops, "optimizer FLOPs / step", 1e12, "TFLOP"),
@@ -98,7 +106,10 @@ def plot_plan(plan: Plan, path: Path) -> None:
               (m.dp_reduce_scatter_bytes, "reduce-scatter grads", 2.0 ** 30, "GiB"))
     for ax, (vals, label, scale, unit) in zip(axes, series):
         ys = [v / scale for v in vals]
-        ax.bar(d, ys, color="#4878a8")
+        if sorted_curves:
+            ax.fill_between(d, sorted(ys, reverse=True), step="post", color="#4878a8")
+        else:
+            ax.bar(d, ys, color="#4878a8")
         mean = sum(ys) / len(ys)
         ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"mean {mean:.4g}")
         if label.startswith("optimizer FLOPs") and inp.cost_model == "flops":
@@ -107,8 +118,9 @@ def plot_plan(plan: Plan, path: Path) -> None:
         ax.set_ylabel(f"{label}\n({unit})")
         ax.set_ylim(0, max(ys + [mean]) * 1.3 or 1.0)  # headroom for the legend
         ax.legend(loc="upper left", ncol=2, fontsize="small")
-    axes[-1].set_xlabel("DP index" + (
-        "" if inp.tp == 1 else f" (each bar: its {inp.tp} TP ranks summed)"))
+    axes[-1].set_xlabel(("DP indices, each series sorted busiest first" if sorted_curves
+                         else "DP index") + (
+        "" if inp.tp == 1 else f" (each index: its {inp.tp} TP ranks summed)"))
     fig.suptitle(f"{inp.model} dp={inp.dp} tp={inp.tp} {inp.optimizer.name}: "
                  f"{inp.solver.strategy}, gap to bound {m.gap_to_bound:.2%}")
     _save(fig, path)
@@ -122,10 +134,16 @@ def plot_tp(plan: Plan, path: Path) -> None:
     fig = Figure(figsize=(10, 7), layout="constrained")
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(2, 1, height_ratios=[2, 1])
-    im = ax1.imshow([[x / m.lb_gpu for x in r] for r in grid], aspect="auto", cmap="viridis")
-    fig.colorbar(im, ax=ax1, label="load / LB_gpu")
-    ax1.set_xlabel("TP rank t")
-    ax1.set_ylabel("DP index d")
+    if len(grid) > MARKS_PER_RANK:  # a histogram of the GPUs' loads, not a cell per GPU
+        ax1.hist([x / m.lb_gpu for r in grid for x in r], bins=40, color="#4878a8")
+        ax1.set_xlabel("load / LB_gpu")
+        ax1.set_ylabel(f"GPUs (of {len(grid) * len(grid[0])})")
+    else:
+        im = ax1.imshow([[x / m.lb_gpu for x in r] for r in grid], aspect="auto",
+                        cmap="viridis")
+        fig.colorbar(im, ax=ax1, label="load / LB_gpu")
+        ax1.set_xlabel("TP rank t")
+        ax1.set_ylabel("DP index d")
     ax1.set_title(f"per-GPU load: max/LB_gpu {1 + m.gap_to_lb_gpu:.3f}, max/mean "
                   f"{m.max_over_mean:.3f}")
     d = busiest_index(grid)

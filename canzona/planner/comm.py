@@ -247,8 +247,10 @@ class CommSummary:
         out = [0.0] * self.dp
         for line in self.lines:
             c = getattr(line, attr)
+            per_rank = ((c.seconds,) * len(line.slices.dp_indices) if what == "seconds"
+                        else c.sent)  # one tuple per line: ``sent`` builds it anew each time
             for r, d in enumerate(line.slices.dp_indices):
-                out[d] += c.seconds if what == "seconds" else c.sent[r]
+                out[d] += per_rank[r]
         return tuple(out)
 
     @property
