@@ -47,15 +47,19 @@ def _paper_constants() -> dict[str, float]:
 
 
 def _plan() -> dict[str, float]:
-    from canzona.planner import ParallelSizes, TPOptions
+    from canzona.planner import OptimizerSettings, ParallelSizes, TPOptions
     from canzona.planner.pipeline import plan
     from canzona.planner.report import useful_mean
 
+    split = OptimizerSettings(name="muon", split_qkv=True, split_gate_up=True)
+    variants = {"off": ("muon", TPOptions(share="off")), "auto": ("muon", TPOptions(share="auto")),
+                "auto-h800": ("muon", TPOptions(share="auto", hardware="h800")),
+                "split": (split, TPOptions())}
     out = {}
-    for share in ("off", "auto"):
-        p = plan("qwen3-32b", ParallelSizes(dp=32, tp=8), "muon", tp_options=TPOptions(share=share))
+    for key, (settings, options) in variants.items():
+        p = plan("qwen3-32b", ParallelSizes(dp=32, tp=8), settings, tp_options=options)
         assert p.tp is not None
-        out[share] = p.tp.metrics.max_gpu_load / useful_mean(p)
+        out[key] = p.tp.metrics.max_gpu_load / useful_mean(p)
     return out
 
 

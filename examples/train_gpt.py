@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py            # CPU, gloo
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --optimizer soap --accum 2
-    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --share all   # DP pairs
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --share all --dim 256  # DP pairs
 
 No DDP wrapper: canzona reduces the gradients itself (bucketed, asynchronous reduce-scatters
 started by backward hooks), updates the matrices this rank owns and all-gathers the parameters.
