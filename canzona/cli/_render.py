@@ -450,7 +450,7 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10, ranks: str 
     console.print(
         plan_header(plan) + f"  ({inp.model_source}; strategy {inp.solver.strategy}, "
         f"status {m.solver_status})", highlight=False)
-    step_view(predicted_step(plan))
+    step_view(report["predicted"])
     console.print(
         f"{dp_scope(plan)}: max load {load(r['max_load'], cm)}, mean {load(r['mean_load'], cm)}; "
         f"max/mean {r['max_over_mean']:.4f}; matrices split across DP ranks: "

@@ -244,6 +244,8 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     if problem is not None:
         say("sharing bound")
         report["sharing"] = sharing_bound(problem, hardware=plan.comm.hardware).to_dict()
+    say("the predicted step")
+    report["predicted"] = predicted_step(plan)
     return report
 
 

@@ -57,3 +57,18 @@ def test_plan_prints_the_predicted_step_first_and_simulate_agrees(tmp_path):
                str(tmp_path / "again.json")).stdout.splitlines()
     assert text[1].startswith("predicted optimizer step")
     assert any(line.startswith("decided by") for line in text[2:5])
+
+
+def test_every_command_gives_the_step_under_one_name(plan_file):
+    got = {
+        "plan": json.loads(run("plan", "--model", "qwen3-0.6b", "--dp", 4, "--tp", 2, "-o",
+                               str(plan_file.parent / "again.json"), "--json").stdout)["predicted"],
+        "inspect": json.loads(run("inspect", str(plan_file), "--json").stdout)["predicted"],
+        "simulate": json.loads(run("simulate", str(plan_file), "--json").stdout),
+        "compare": next(r for r in json.loads(run("compare", "--plan", str(plan_file),
+                                                  "--json").stdout)["strategies"]
+                        if r["strategy"] == "canzona"),
+    }
+    for key in ("step_s", "reduced_step_s"):
+        values = {name: d[key] for name, d in got.items()}
+        assert max(values.values()) == pytest.approx(min(values.values()), rel=1e-6), values
