@@ -31,6 +31,7 @@ from canzona.planner.report import (busiest_index, max_mean, oversized_groups, p
 from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
 if TYPE_CHECKING:
+    from canzona.planner.hardware import HardwareProfile
     from canzona.planner.plan import Plan
 
 console = Console(width=None if sys.stdout.isatty() else 120)
@@ -228,11 +229,13 @@ def plan_header(plan: Plan) -> str:
             f"α={inp.solver.alpha:g}")
 
 
-def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
-    """The short summary ``canzona plan`` prints after writing ``path``."""
+def plan_summary(plan: Plan, path: Path, wall_s: float,
+                 hw: HardwareProfile | None = None) -> None:
+    """The short summary ``canzona plan`` prints after writing ``path`` (``hw``: the profile it
+    was planned for)."""
     inp, m = plan.inputs, plan.metrics
     console.print(plan_header(plan), highlight=False)
-    step_view(predicted_step(plan))
+    step_view(predicted_step(plan, hw), plan)
     t = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
     for col in (dp_scope(plan), "max", "mean", "max/mean"):
         t.add_column(col, justify="left" if col == dp_scope(plan) else "right")
@@ -268,8 +271,14 @@ def plan_summary(plan: Plan, path: Path, wall_s: float) -> None:
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
 
 
-def step_view(st: dict) -> None:
-    """The predicted step first: what a plan is for."""
+def step_view(st: dict | None, plan: Plan) -> None:
+    """The predicted step first: what a plan is for (or how to get it, for a plan made with a
+    profile file)."""
+    if st is None:
+        console.print(f"predicted optimizer step: the plan's hardware profile "
+                      f"'{escape(plan.comm.hardware)}' is not built in; canzona simulate PLAN "
+                      "--hardware FILE.json predicts it", highlight=False)
+        return
     console.print(
         f"predicted optimizer step [bold]{seconds(st['step_s'])}[/] "
         f"({seconds(st['reduced_step_s'])} after the gradients are reduced), iteration "
@@ -284,7 +293,7 @@ _PART = {"compute": "compute", "tp_gather_scatter": "TP", "dp_reduce": "DP reduc
          "dp_gather": "DP all-gather"}
 
 
-def plan_json(plan: Plan, path: Path, wall_s: float) -> dict:
+def plan_json(plan: Plan, path: Path, wall_s: float, hw: HardwareProfile | None = None) -> dict:
     """What ``canzona plan --json`` prints: the figures of :func:`plan_summary`, as numbers."""
     inp, m, c = plan.inputs, plan.metrics, plan.comm
 
@@ -308,7 +317,7 @@ def plan_json(plan: Plan, path: Path, wall_s: float) -> dict:
                         "zero1_max_sent_bytes": c.zero1_max_sent_bytes,
                         "methods": dict(c.methods)},
         "tp_per_gpu": None, "wall_s": wall_s, "output": str(path),
-        "predicted": predicted_step(plan),
+        "predicted": predicted_step(plan, hw),
     }
     if plan.tp is not None:
         t = plan.tp.metrics
@@ -450,7 +459,7 @@ def inspect_view(plan: Plan, report: dict, *, top_buckets: int = 10, ranks: str 
     console.print(
         plan_header(plan) + f"  ({inp.model_source}; strategy {inp.solver.strategy}, "
         f"status {m.solver_status})", highlight=False)
-    step_view(report["predicted"])
+    step_view(report["predicted"], plan)
     console.print(
         f"{dp_scope(plan)}: max load {load(r['max_load'], cm)}, mean {load(r['mean_load'], cm)}; "
         f"max/mean {r['max_over_mean']:.4f}; matrices split across DP ranks: "

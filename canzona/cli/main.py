@@ -348,10 +348,13 @@ def plan(
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)
+    from canzona.planner.hardware import load_hardware
+
+    hw = load_hardware(tp_options.hardware)
     if as_json:
-        _render.json_out(_render.plan_json(result, out, wall))
+        _render.json_out(_render.plan_json(result, out, wall, hw))
     else:
-        _render.plan_summary(result, out, wall)
+        _render.plan_summary(result, out, wall, hw)
 
 
 @command

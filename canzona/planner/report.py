@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from .comm import CommSummary
 from .errors import CanzonaError
-from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, hardware_names, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
@@ -241,7 +241,8 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     report["tp_schedule"] = tp_dict(plan, tp_rows)
     report["dp_pairs"] = pairs_dict(plan)
     report["sharing"] = None
-    if problem is not None:
+    recorded = plan.comm.hardware.lower() in hardware_names()  # else a profile file's name
+    if problem is not None and recorded:
         say("sharing bound")
         report["sharing"] = sharing_bound(problem, hardware=plan.comm.hardware).to_dict()
     say("the predicted step")
@@ -411,12 +412,17 @@ _DECIDES = {
 }
 
 
-def predicted_step(plan: Plan) -> dict:
+def predicted_step(plan: Plan, hw: HardwareProfile | None = None) -> dict | None:
     """The plan's optimizer step as ``canzona simulate`` and ``canzona compare`` predict it on
-    the profile the plan records, behind their forward/backward model: the whole step, the step
-    from the gradients reduced on (the paper's accounting), the iteration, the critical rank's
-    parts and which of them decides the step."""
-    hw = plan_hardware(plan)
+    ``hw`` (default: the profile the plan records), behind their forward/backward model: the
+    whole step, the step from the gradients reduced on (the paper's accounting), the iteration,
+    the critical rank's parts and which of them decides the step. None when ``hw`` is not given
+    and the recorded profile is not built in (a profile file the plan names by its name only)."""
+    if hw is None:
+        try:
+            hw = plan_hardware(plan)
+        except CanzonaError:
+            return None
     fb, how = plan_forward_backward(plan, hw)
     sim = simulate_plan_behind(plan, hw, forward_backward_s=fb)
     parts = sim.breakdown()

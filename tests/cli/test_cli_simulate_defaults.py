@@ -72,3 +72,22 @@ def test_every_command_gives_the_step_under_one_name(plan_file):
     for key in ("step_s", "reduced_step_s"):
         values = {name: d[key] for name, d in got.items()}
         assert max(values.values()) == pytest.approx(min(values.values()), rel=1e-6), values
+
+
+def test_a_plan_made_with_a_profile_file_is_planned_and_inspected(tmp_path):
+    """The plan records the file's profile by name only: plan predicts the step with the file
+    it was given; inspect says how to predict it, and reports the rest."""
+    from canzona.planner.hardware import load_hardware
+
+    box = load_hardware("h800").model_copy(update={"name": "this-box"})
+    profile = tmp_path / "box.json"
+    profile.write_text(box.model_dump_json())
+    path = tmp_path / "p.json"
+    r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "--hardware", str(profile), "-o",
+            str(path))
+    assert r.exit_code == 0, r.output
+    assert "predicted optimizer step" in r.stdout and "on this-box" in r.stdout
+    r = run("inspect", str(path))
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())  # the terminal's line breaks aside
+    assert "'this-box' is not built in" in text and "--hardware FILE.json" in text
