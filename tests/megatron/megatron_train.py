@@ -107,7 +107,7 @@ def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
     return model(x, pos, causal_attention_mask(x.shape[1]), labels=y).mean()
 
 
-def train_canzona(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
+def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
                   steps: int = STEPS, share: str = "off") -> dict:
     """Rank ``rank`` of a dp × tp Megatron world: a GPTModel trained by CanzonaOptimizer.
 

@@ -62,7 +62,7 @@ CASES2 = {
 
 
 def _case(rank, world, *, dp, tp, **kw):
-    return T.train_canzona(rank, world, dp=dp, tp=tp, **kw)
+    return T.train_tp(rank, world, dp=dp, tp=tp, **kw)
 
 
 def _forward(rank, world, *, dp, tp, optimizer):
