@@ -279,16 +279,13 @@ def reference(world: int, case: str) -> dict:
     return H.train_reference(world, **REFERENCE[case])
 
 
-result = H.results
-
-
 # --- exactness --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", ["muon", "accum", "clip", "shampoo", "soap", "external",
                                   "overlap"])
 def test_dp2_matches_one_process(world2, case):
-    got = result(world2, case)
+    got = H.results(world2, case)
     ref = reference(2, case)
     for r, res in enumerate(got):
         err = H.max_rel_err(res["params"], ref["params"])
@@ -300,7 +297,7 @@ def test_dp2_matches_one_process(world2, case):
 
 @pytest.mark.parametrize("case", ["muon", "accum_clip", "shampoo"])
 def test_dp4_matches_one_process(world4, case):
-    got = result(world4, case)
+    got = H.results(world4, case)
     ref = reference(4, case)
     for r, res in enumerate(got):
         err = H.max_rel_err(res["params"], ref["params"])
@@ -308,7 +305,7 @@ def test_dp4_matches_one_process(world4, case):
 
 
 def test_clipping_is_active_and_norms_agree(world2):
-    got = result(world2, "clip")
+    got = H.results(world2, "clip")
     ref = reference(2, "clip")
     assert min(ref["norms"]) > 0.2  # the clip binds at every step
     for res in got:
@@ -317,7 +314,7 @@ def test_clipping_is_active_and_norms_agree(world2):
 
 def test_unused_parameter_is_not_updated(world2):
     spare = H.TinyGPT().spare.weight.detach()
-    for res in result(world2, "muon"):
+    for res in H.results(world2, "muon"):
         assert torch.equal(res["params"]["spare.weight"], spare)
 
 
@@ -326,12 +323,12 @@ def test_unused_parameter_is_not_updated(world2):
 
 @pytest.mark.parametrize("case", ["muon", "shampoo", "soap"])
 def test_state_bytes_match_plan(world2, case):
-    for r, res in enumerate(result(world2, case)):
+    for r, res in enumerate(H.results(world2, case)):
         assert res["state_bytes"] == res["plan"].metrics.dp_state_bytes[r]
 
 
 def test_state_bytes_match_plan_dp4(world4):
-    for r, res in enumerate(result(world4, "muon")):
+    for r, res in enumerate(H.results(world4, "muon")):
         assert res["state_bytes"] == res["plan"].metrics.dp_state_bytes[r]
 
 
@@ -339,14 +336,14 @@ def test_state_bytes_match_plan_dp4(world4):
 
 
 def test_state_dict_round_trip(world2):
-    for res in result(world2, "state_dict"):
+    for res in H.results(world2, "state_dict"):
         assert res["same"] and res["nonempty"]
         assert res["lr"] == pytest.approx(0.02 * H.lr_factor(3))
         assert "saved by DP rank" in res["wrong_rank"]
 
 
 def test_error_paths(world2):
-    r0, r1 = result(world2, "errors")
+    r0, r1 = H.results(world2, "errors")
     for res in (r0, r1):
         assert ("'blocks.1.fc1.weight' has shape [96, 32] in the plan but [64, 32]"
                 in res["fingerprint"]
@@ -399,7 +396,7 @@ def test_every_collective_method_gives_the_same_training(world2, world4, method)
         if world == 4 and method not in METHODS4:
             continue
         ref = _method_reference(world)
-        for res in result(ranks, f"method_{method}"):
+        for res in H.results(ranks, f"method_{method}"):
             assert set(res["methods"]) == {method}
             assert H.max_rel_err(res["params"], ref["params"]) <= 1e-5
             assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
@@ -455,7 +452,7 @@ def test_collective_payloads_are_the_plan_slices(world2, world4):
     slices are equal — and no other."""
     seen_methods = set()
     for world, ranks in ((2, world2), (4, world4)):
-        for rank, res in enumerate(result(ranks, "payloads")):
+        for rank, res in enumerate(H.results(ranks, "payloads")):
             assert "cannot move bucket" in res["equal_refused"]
             for kind in ("tiny", "stack"):
                 sizes = _plan_sizes(res[kind, "plan"])
@@ -485,7 +482,7 @@ def test_every_method_reduces_and_gathers_the_same_values(world2, world4):
     dp 2, to 1e-6 at dp 4 (the sums' order differs); the gathered parameters are bitwise the
     same on every rank."""
     for world, ranks in ((2, world2), (4, world4)):
-        got = result(ranks, "payloads")
+        got = H.results(ranks, "payloads")
         for kind, ref_method in (("tiny", "padded"), ("stack", None)):
             for method in PAYLOAD_METHODS:
                 for rank, res in enumerate(got):
