@@ -108,7 +108,7 @@ def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
-                  steps: int = STEPS, share: str = "off") -> dict:
+                   steps: int = STEPS, share: str = "off") -> dict:
     """Rank ``rank`` of a dp × tp Megatron world: a GPTModel trained by CanzonaOptimizer.
 
     ``plan_from``: ``model`` (``canzona.plan_model`` of the live model, the tokenizer's

@@ -212,10 +212,10 @@ def plan_settings(optimizer: str) -> dict:
 
 
 def train_dp(rank: int, world: int, *, optimizer: str = "muon", accum: int = 1,
-                  clip: float | None = None, grad_sync: str = "reduce_scatter",
-                  bucket_size: int = 3000, steps: int = STEPS, plan=None,
-                  overlap_param_gather: bool = False, spare: bool = True,
-                  collective: str | None = None):
+             clip: float | None = None, grad_sync: str = "reduce_scatter",
+             bucket_size: int = 3000, steps: int = STEPS, plan=None,
+             overlap_param_gather: bool = False, spare: bool = True,
+             collective: str | None = None):
     """Train TinyGPT with CanzonaOptimizer over DP on this rank's share of each batch (the
     counterpart of :func:`train_reference`)."""
     import canzona

@@ -191,9 +191,8 @@ def test_bf16_without_main_params_trains(world2):
     # steps), far more than the fp32-main run's rounding of its parameters to bf16
     fp32_ref = {k: v.float() for k, v in reference()["params"].items()}
     drift = H.max_rel_err({k: v.float() for k, v in got[0]["params"].items()}, fp32_ref)
-    rounding = H.max_rel_err({k: v.float()
-                          for k, v in H.results(world2, "main_fp32")[0]["params"].items()},
-                         fp32_ref)
+    main_fp32 = H.results(world2, "main_fp32")[0]["params"]
+    rounding = H.max_rel_err({k: v.float() for k, v in main_fp32.items()}, fp32_ref)
     assert drift > 10 * rounding and drift < 0.1, (drift, rounding)
 
 

@@ -135,11 +135,11 @@ def groups(dp: int, tp: int):
 
 
 def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
-                  split: bool = False, accum: int = 1, clip: float | None = None,
-                  steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
-                  sequence_parallel: bool = False, bf16: bool = False,
-                  share: str = "off", cmax_mib: float = 0.05, plan=None,
-                  block: int | None = None) -> dict:
+             split: bool = False, accum: int = 1, clip: float | None = None,
+             steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
+             sequence_parallel: bool = False, bf16: bool = False,
+             share: str = "off", cmax_mib: float = 0.05, plan=None,
+             block: int | None = None) -> dict:
     """Train the TP shards with CanzonaOptimizer over dp × tp (the counterpart of
     :func:`reference`); return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
