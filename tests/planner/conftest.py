@@ -1,6 +1,11 @@
-"""Fixtures the planner tests share."""
+"""Fixtures the planner tests share, and the import path of planner_helpers."""
+
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # planner_helpers, for the test modules
 
 from canzona.planner import build_inventory, get_preset
 
