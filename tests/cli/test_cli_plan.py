@@ -25,8 +25,9 @@ QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
 
 
 @pytest.fixture(scope="module")
-def plan_file(tmp_path_factory):
-    """One plan made with the default solver, shared by the inspect tests."""
+def plan_and_stdout(tmp_path_factory):
+    """One plan made with the default solver and what ``canzona plan`` printed, shared by the
+    inspect tests."""
     path = tmp_path_factory.mktemp("plans") / "p.json"
     r = run("plan", "--model", "qwen3-0.6b", "--dp", 8, "--tp", 2, "-o", path)
     assert r.exit_code == 0, r.output
@@ -36,8 +37,8 @@ def plan_file(tmp_path_factory):
 # --- canzona plan -----------------------------------------------------------------------------
 
 
-def test_plan_writes_a_loadable_plan_whose_loads_add_up(plan_file):
-    path, out = plan_file
+def test_plan_writes_a_loadable_plan_whose_loads_add_up(plan_and_stdout):
+    path, out = plan_and_stdout
     p = load_plan(path)
     assert p.inputs.model == "qwen3-0.6b" and (p.inputs.dp, p.inputs.tp) == (8, 2)
     assert p.inputs.solver.solver == "auto" and p.inputs.solver.alpha == 1.0
@@ -156,8 +157,8 @@ def test_plan_help_states_the_defaults():
 # --- canzona inspect --------------------------------------------------------------------------
 
 
-def test_inspect_report(plan_file):
-    path, _ = plan_file
+def test_inspect_report(plan_and_stdout):
+    path, _ = plan_and_stdout
     r = run("inspect", path)
     assert r.exit_code == 0, r.output
     for needle in ("Per DP index", "Heaviest", "gap to the certified bound", "zero1", "asc",
@@ -166,8 +167,8 @@ def test_inspect_report(plan_file):
         assert needle in r.output, needle
 
 
-def test_inspect_json(plan_file):
-    path, _ = plan_file
+def test_inspect_json(plan_and_stdout):
+    path, _ = plan_and_stdout
     r = run("inspect", path, "--json", "--top", 3)
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
@@ -183,8 +184,8 @@ def test_inspect_json(plan_file):
     assert data == inspect_report(p, top=3)  # the command prints the library's report as it is
 
 
-def test_inspect_plot_writes_a_png(plan_file, tmp_path):
-    path, _ = plan_file
+def test_inspect_plot_writes_a_png(plan_and_stdout, tmp_path):
+    path, _ = plan_and_stdout
     png = tmp_path / "chart.png"
     r = run("inspect", path, "--plot", png)
     assert r.exit_code == 0, r.output
@@ -201,24 +202,24 @@ def test_inspect_missing_and_malformed_files(tmp_path):
     one_error_line(run("inspect", bad), "not a canzona plan")
 
 
-def test_inspect_newer_schema_version(plan_file, tmp_path):
-    data = json.loads(plan_file[0].read_text())
+def test_inspect_newer_schema_version(plan_and_stdout, tmp_path):
+    data = json.loads(plan_and_stdout[0].read_text())
     data["schema_version"] = SCHEMA_VERSION + 1
     newer = tmp_path / "newer.json"
     newer.write_text(json.dumps(data))
     one_error_line(run("inspect", newer), "newer", "upgrade canzona")
 
 
-def test_inspect_malformed_field(plan_file, tmp_path):
-    data = json.loads(plan_file[0].read_text())
+def test_inspect_malformed_field(plan_and_stdout, tmp_path):
+    data = json.loads(plan_and_stdout[0].read_text())
     data["metrics"]["dp_load"] = "lots"
     bad = tmp_path / "field.json"
     bad.write_text(json.dumps(data))
     one_error_line(run("inspect", bad), "metrics.dp_load")
 
 
-def test_inspect_fingerprint_mismatch(plan_file, tmp_path):
-    data = json.loads(plan_file[0].read_text())
+def test_inspect_fingerprint_mismatch(plan_and_stdout, tmp_path):
+    data = json.loads(plan_and_stdout[0].read_text())
     data["fingerprint"] = "sha256:" + "0" * 64
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))

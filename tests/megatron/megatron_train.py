@@ -107,8 +107,8 @@ def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
     return model(x, pos, causal_attention_mask(x.shape[1]), labels=y).mean()
 
 
-def train_canzona(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
-                  steps: int = STEPS, share: str = "off") -> dict:
+def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
+                   steps: int = STEPS, share: str = "off") -> dict:
     """Rank ``rank`` of a dp × tp Megatron world: a GPTModel trained by CanzonaOptimizer.
 
     ``plan_from``: ``model`` (``canzona.plan_model`` of the live model, the tokenizer's

@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
     def init(name: str) -> str:
         return f"file://{tmp / name}"
 
-    train, ref = M.train_canzona, M.reference
+    train, ref = M.train_megatron, M.reference
     phases = [
         ("side", {0: functools.partial(train, 0, dp=1, tp=2, init=init("tp2"), plan_from="config"),
                   1: functools.partial(train, 1, dp=1, tp=2, init=init("tp2"), plan_from="config"),

@@ -9,11 +9,6 @@ from canzona.planner import formulas
 from canzona.planner.errors import CanzonaError
 
 
-@pytest.fixture(scope="module")
-def q32():
-    return build_inventory(get_preset("qwen3-32b"))
-
-
 def test_qwen3_32b_muon_bound(q32):
     """§8: total ≈ 3.5 PFLOP, mean per GPU (256) ≈ 13.8 TFLOP, fc1 ≈ 28 TFLOP, max/mean ≥ 2.04."""
     sizes = ParallelSizes(dp=32, tp=8)

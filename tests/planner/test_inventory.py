@@ -6,11 +6,6 @@ from canzona.planner import ModelError, build_inventory, get_preset
 from canzona.planner.inventory import megatron_route
 
 
-@pytest.fixture(scope="module")
-def q32():
-    return build_inventory(get_preset("qwen3-32b"))
-
-
 def test_megatron_registration_order(q32):
     names = [p.name for p in q32.params[:9]]
     assert names == [

@@ -1,7 +1,10 @@
+"""Fixtures and import path of the runtime tests."""
+
 import sys
 from pathlib import Path
 
-# dp_helpers must be importable by name in the spawned ranks too (they unpickle its functions).
+# The helper modules here (dp_helpers, tp_helpers, megatron_forward) are imported by name from
+# every folder under tests/runtime and in the spawned ranks too (they unpickle their functions).
 sys.path.insert(0, str(Path(__file__).parent))
 
 

@@ -6,6 +6,7 @@ world size (each rank writes its results to a file); the references run in the t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -97,10 +98,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, Callable]]) -> None:
+def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30) -> None:
+    """This spawned rank joins the ``world``-rank gloo group on ``127.0.0.1:port`` (one intra-op
+    thread per rank); ``timeout_s``: the group's collective timeout."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, Callable]]) -> None:
+    init_gloo(rank, world, port)
     results = {}
     path = os.path.join(out, f"rank{rank}.pt")
     try:
@@ -158,7 +166,9 @@ def results(ranks: list[dict], case: str) -> list:
     return out
 
 
-def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative error ‖a[k] − b[k]‖ / ‖b[k]‖ over the tensors of two dicts with the
+    same keys (``b`` the reference); :func:`optim_helpers.rel_err` is the one-tensor form."""
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in a)
 
@@ -181,7 +191,8 @@ SHAMPOO_OPTIONS = {"eps": 1e-4}
 MATRIX_LR = {"muon": 0.02, "shampoo": 0.01, "soap": 3e-3}
 
 
-def _matrix_kernel(optimizer: str, lr: float):
+def matrix_kernel(optimizer: str, lr: float):
+    """The matrix kernel the references step (the test settings of each optimizer)."""
     from canzona.runtime.optim import SOAP, Muon, MuonConfig, Shampoo, ShampooConfig, SOAPConfig
 
     if optimizer == "muon":
@@ -200,12 +211,13 @@ def plan_settings(optimizer: str) -> dict:
     return {}
 
 
-def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int = 1,
-                  clip: float | None = None, grad_sync: str = "reduce_scatter",
-                  bucket_size: int = 3000, steps: int = STEPS, plan=None,
-                  overlap_param_gather: bool = False, spare: bool = True,
-                  collective: str | None = None):
-    """Train TinyGPT with CanzonaOptimizer on this rank's share of each batch."""
+def train_dp(rank: int, world: int, *, optimizer: str = "muon", accum: int = 1,
+             clip: float | None = None, grad_sync: str = "reduce_scatter",
+             bucket_size: int = 3000, steps: int = STEPS, plan=None,
+             overlap_param_gather: bool = False, spare: bool = True,
+             collective: str | None = None):
+    """Train TinyGPT with CanzonaOptimizer over DP on this rank's share of each batch (the
+    counterpart of :func:`train_reference`)."""
     import canzona
 
     model = TinyGPT(spare=spare)
@@ -226,8 +238,8 @@ def train_canzona(rank: int, world: int, *, optimizer: str = "muon", accum: int 
         for micro in range(accum):
             x, y = batch(step, micro, world)
             last = micro == accum - 1
-            ctx = opt.no_sync() if not last and grad_sync != "external" else _null()
-            with ctx:
+            sync = last or grad_sync == "external"
+            with contextlib.nullcontext() if sync else opt.no_sync():
                 (loss_fn(model, x[mine], y[mine]) / accum).backward()
         if grad_sync == "external":
             for p in model.parameters():
@@ -252,14 +264,6 @@ def _state_layout(opt) -> dict:
     return out
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def train_reference(world: int, *, optimizer: str = "muon", accum: int = 1,
                     clip: float | None = None, steps: int = STEPS, sharded: bool = False,
                     spare: bool = True) -> dict:
@@ -278,7 +282,7 @@ def train_reference(world: int, *, optimizer: str = "muon", accum: int = 1,
     named = list(model.named_parameters())
     mats = [p for n, p in named if route[n] == "matrix"]
     others = [p for n, p in named if route[n] != "matrix"]
-    kernel = _matrix_kernel(optimizer, MATRIX_LR[optimizer])
+    kernel = matrix_kernel(optimizer, MATRIX_LR[optimizer])
     states = [kernel.init_state(p.shape) for p in mats]
     adamw = torch.optim.AdamW(others, lr=ADAMW_LR, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(adamw, lr_factor)

@@ -17,18 +17,15 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from dp_helpers import ADAMW_LR, LR, TinyGPT, batch, free_port, loss_fn, rows
+from dp_helpers import ADAMW_LR, LR, TinyGPT, batch, free_port, init_gloo, loss_fn, rows
 
 TIMEOUT_S = 0.5
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # the group's own timeout is long: only collective_timeout can end the wait early
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    init_gloo(rank, world, port, timeout_s=120)
     import canzona
     from canzona.runtime.errors import CollectiveTimeoutError
 

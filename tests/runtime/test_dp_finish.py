@@ -107,9 +107,6 @@ def world2(tmp_path_factory):
     return H.run_world(2, list(CASES.items()), str(tmp_path_factory.mktemp("finish")))
 
 
-result = H.results
-
-
 @functools.cache
 def _reference() -> dict:
     torch.set_num_threads(1)
@@ -117,26 +114,26 @@ def _reference() -> dict:
 
 
 def test_finish_completes_the_overlapped_all_gathers(world2):
-    got = result(world2, "overlap")
+    got = H.results(world2, "overlap")
     for res in got:
         assert res["pending"] > 0 and res["after"] == 0
-        assert H.rel_err(res["params"], _reference()["params"]) <= 1e-5
+        assert H.max_rel_err(res["params"], _reference()["params"]) <= 1e-5
     assert all(torch.equal(got[0]["params"][k], got[1]["params"][k]) for k in got[0]["params"])
 
 
 def test_the_default_group_is_not_held(world2):
-    for res in result(world2, "overlap"):
+    for res in H.results(world2, "overlap"):
         assert res["held_default"] == []
 
 
 def test_close(world2):
-    for res in result(world2, "overlap"):
+    for res in H.results(world2, "overlap"):
         assert "the optimizer is closed" in res["step_after_close"]
         assert res["grads"] and res["state_dict_ok"] and res["bytes_ok"]
 
 
 def test_explicit_group_released_on_close_and_with_block(world2):
-    for res in result(world2, "explicit_group"):
+    for res in H.results(world2, "explicit_group"):
         assert res["held"] == ["_group"]
         assert res["closed"] and res["released"] == []
         assert res["propagated"] and res["closed2"] and res["hooks2"] == 0

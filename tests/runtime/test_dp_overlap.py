@@ -100,9 +100,6 @@ def world2(tmp_path_factory):
     return H.run_world(2, list(CASES.items()), str(tmp_path_factory.mktemp("overlap")))
 
 
-result = H.results
-
-
 @functools.cache
 def _reference() -> dict:
     torch.set_num_threads(1)
@@ -110,36 +107,36 @@ def _reference() -> dict:
 
 
 def test_no_sync_launches_nothing(world2):
-    for res in result(world2, "accumulate"):
+    for res in H.results(world2, "accumulate"):
         assert len(res["methods"]) > 1
         assert res["inside"] == [[False] * len(res["methods"])] * STEPS
 
 
 def test_every_bucket_reduces_during_backward(world2):
-    for res in result(world2, "accumulate"):
+    for res in H.results(world2, "accumulate"):
         assert res["after"] == [[True] * len(res["methods"])] * STEPS
 
 
 def test_accumulation_with_overlap_matches_one_process(world2):
-    got = result(world2, "accumulate")
+    got = H.results(world2, "accumulate")
     for r, res in enumerate(got):
-        err = H.rel_err(res["params"], _reference()["params"])
+        err = H.max_rel_err(res["params"], _reference()["params"])
         assert err <= 1e-5, f"rank {r}: relative error {err:.3g}"
 
 
 def test_a_gradient_after_its_bucket_was_reduced_is_refused(world2):
-    for res in result(world2, "accumulate"):
+    for res in H.results(world2, "accumulate"):
         assert "arrived after its bucket was reduced" in res["late"]
         assert "opt.no_sync()" in res["late"]
 
 
 def test_no_warning_when_every_parameter_gets_a_gradient(world2):
-    for res in result(world2, "accumulate"):
+    for res in H.results(world2, "accumulate"):
         assert res["warnings"] == []
 
 
 def test_an_unused_parameter_is_reported_once(world2):
-    for res in result(world2, "unused"):
+    for res in H.results(world2, "unused"):
         assert not res["launched_in_backward"]  # spare sits in the first bucket
         assert len(res["warnings"]) == 1
         message = res["warnings"][0]

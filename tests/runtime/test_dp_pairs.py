@@ -158,7 +158,7 @@ SAME_MATH = ("roundtrip", "share", "plan")
 
 
 def _case(rank, world, **kw):
-    out = T.train_canzona(rank, world, dp=DP, tp=1, **kw)
+    out = T.train_tp(rank, world, dp=DP, tp=1, **kw)
     plan = out.pop("plan")
     out["pairs"] = [(plan.tasks[x.id].param, tuple(x.owners), x.split_poly)
                     for x in plan.dp_shared]

@@ -230,13 +230,13 @@ def _payloads(rank: int, world: int) -> dict:
 
 
 CASES = {
-    "muon": H.train_canzona,
-    "accum": functools.partial(H.train_canzona, accum=2),
-    "clip": functools.partial(H.train_canzona, clip=0.2),
-    "shampoo": functools.partial(H.train_canzona, optimizer="shampoo"),
-    "soap": functools.partial(H.train_canzona, optimizer="soap"),
-    "external": functools.partial(H.train_canzona, grad_sync="external"),
-    "overlap": functools.partial(H.train_canzona, overlap_param_gather=True),
+    "muon": H.train_dp,
+    "accum": functools.partial(H.train_dp, accum=2),
+    "clip": functools.partial(H.train_dp, clip=0.2),
+    "shampoo": functools.partial(H.train_dp, optimizer="shampoo"),
+    "soap": functools.partial(H.train_dp, optimizer="soap"),
+    "external": functools.partial(H.train_dp, grad_sync="external"),
+    "overlap": functools.partial(H.train_dp, overlap_param_gather=True),
     "errors": _errors,
     "state_dict": _state_dict,
     "payloads": _payloads,
@@ -244,18 +244,18 @@ CASES = {
 #: Every collective method forced on every bucket (the default picks per bucket).
 METHODS = ("padded", "per_root", "all_reduce", "all_to_all")
 METHOD_RUN = {"accum": 2, "clip": 0.2, "steps": 4}
-CASES.update({f"method_{m}": functools.partial(H.train_canzona, collective=m, **METHOD_RUN)
+CASES.update({f"method_{m}": functools.partial(H.train_dp, collective=m, **METHOD_RUN)
               for m in METHODS})
 CASES4 = {
-    "muon": H.train_canzona,
-    "accum_clip": functools.partial(H.train_canzona, accum=2, clip=0.2),
-    "shampoo": functools.partial(H.train_canzona, optimizer="shampoo"),
+    "muon": H.train_dp,
+    "accum_clip": functools.partial(H.train_dp, accum=2, clip=0.2),
+    "shampoo": functools.partial(H.train_dp, optimizer="shampoo"),
     "payloads": _payloads,
 }
 #: At dp 4 the methods this model's plan does not pick (its buckets move by padded, per_root and
 #: equal in the dp 4 cases above; the "payloads" case checks every method's calls).
 METHODS4 = ("all_reduce", "all_to_all")
-CASES4.update({f"method_{m}": functools.partial(H.train_canzona, collective=m, **METHOD_RUN)
+CASES4.update({f"method_{m}": functools.partial(H.train_dp, collective=m, **METHOD_RUN)
                for m in METHODS4})
 REFERENCE = {
     "muon": {}, "accum": {"accum": 2}, "clip": {"clip": 0.2}, "shampoo": {"optimizer": "shampoo"},
@@ -280,19 +280,16 @@ def reference(world: int, case: str) -> dict:
     return H.train_reference(world, **REFERENCE[case])
 
 
-result = H.results
-
-
 # --- exactness --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", ["muon", "accum", "clip", "shampoo", "soap", "external",
                                   "overlap"])
 def test_dp2_matches_one_process(world2, case):
-    got = result(world2, case)
+    got = H.results(world2, case)
     ref = reference(2, case)
     for r, res in enumerate(got):
-        err = H.rel_err(res["params"], ref["params"])
+        err = H.max_rel_err(res["params"], ref["params"])
         assert err <= 1e-5, f"rank {r}: relative error {err:.3g}"
     # every rank ends with bitwise the same parameters
     for res in got[1:]:
@@ -301,15 +298,15 @@ def test_dp2_matches_one_process(world2, case):
 
 @pytest.mark.parametrize("case", ["muon", "accum_clip", "shampoo"])
 def test_dp4_matches_one_process(world4, case):
-    got = result(world4, case)
+    got = H.results(world4, case)
     ref = reference(4, case)
     for r, res in enumerate(got):
-        err = H.rel_err(res["params"], ref["params"])
+        err = H.max_rel_err(res["params"], ref["params"])
         assert err <= 1e-5, f"rank {r}: relative error {err:.3g}"
 
 
 def test_clipping_is_active_and_norms_agree(world2):
-    got = result(world2, "clip")
+    got = H.results(world2, "clip")
     ref = reference(2, "clip")
     assert min(ref["norms"]) > 0.2  # the clip binds at every step
     for res in got:
@@ -318,7 +315,7 @@ def test_clipping_is_active_and_norms_agree(world2):
 
 def test_unused_parameter_is_not_updated(world2):
     spare = H.TinyGPT().spare.weight.detach()
-    for res in result(world2, "muon"):
+    for res in H.results(world2, "muon"):
         assert torch.equal(res["params"]["spare.weight"], spare)
 
 
@@ -327,12 +324,12 @@ def test_unused_parameter_is_not_updated(world2):
 
 @pytest.mark.parametrize("case", ["muon", "shampoo", "soap"])
 def test_state_bytes_match_plan(world2, case):
-    for r, res in enumerate(result(world2, case)):
+    for r, res in enumerate(H.results(world2, case)):
         assert res["state_bytes"] == res["plan"].metrics.dp_state_bytes[r]
 
 
 def test_state_bytes_match_plan_dp4(world4):
-    for r, res in enumerate(result(world4, "muon")):
+    for r, res in enumerate(H.results(world4, "muon")):
         assert res["state_bytes"] == res["plan"].metrics.dp_state_bytes[r]
 
 
@@ -340,14 +337,14 @@ def test_state_bytes_match_plan_dp4(world4):
 
 
 def test_state_dict_round_trip(world2):
-    for res in result(world2, "state_dict"):
+    for res in H.results(world2, "state_dict"):
         assert res["same"] and res["nonempty"]
         assert res["lr"] == pytest.approx(0.02 * H.lr_factor(3))
         assert "saved by DP rank" in res["wrong_rank"]
 
 
 def test_error_paths(world2):
-    r0, r1 = result(world2, "errors")
+    r0, r1 = H.results(world2, "errors")
     for res in (r0, r1):
         assert ("'blocks.1.fc1.weight' has shape [96, 32] in the plan but [64, 32]"
                 in res["fingerprint"]
@@ -368,9 +365,9 @@ def test_error_paths(world2):
 def test_single_process_without_process_group():
     assert not dist.is_initialized()
     torch.set_num_threads(1)
-    got = H.train_canzona(0, 1, steps=3)
+    got = H.train_dp(0, 1, steps=3)
     ref = H.train_reference(1, steps=3)
-    assert H.rel_err(got["params"], ref["params"]) <= 1e-5
+    assert H.max_rel_err(got["params"], ref["params"]) <= 1e-5
 
 
 def test_refuses_tp_plans_without_groups_and_wrong_dp():
@@ -400,9 +397,9 @@ def test_every_collective_method_gives_the_same_training(world2, world4, method)
         if world == 4 and method not in METHODS4:
             continue
         ref = _method_reference(world)
-        for res in result(ranks, f"method_{method}"):
+        for res in H.results(ranks, f"method_{method}"):
             assert set(res["methods"]) == {method}
-            assert H.rel_err(res["params"], ref["params"]) <= 1e-5
+            assert H.max_rel_err(res["params"], ref["params"]) <= 1e-5
             assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
 
 
@@ -456,7 +453,7 @@ def test_collective_payloads_are_the_plan_slices(world2, world4):
     slices are equal — and no other."""
     seen_methods = set()
     for world, ranks in ((2, world2), (4, world4)):
-        for rank, res in enumerate(result(ranks, "payloads")):
+        for rank, res in enumerate(H.results(ranks, "payloads")):
             assert "cannot move bucket" in res["equal_refused"]
             for kind in ("tiny", "stack"):
                 sizes = _plan_sizes(res[kind, "plan"])
@@ -486,7 +483,7 @@ def test_every_method_reduces_and_gathers_the_same_values(world2, world4):
     dp 2, to 1e-6 at dp 4 (the sums' order differs); the gathered parameters are bitwise the
     same on every rank."""
     for world, ranks in ((2, world2), (4, world4)):
-        got = result(ranks, "payloads")
+        got = H.results(ranks, "payloads")
         for kind, ref_method in (("tiny", "padded"), ("stack", None)):
             for method in PAYLOAD_METHODS:
                 for rank, res in enumerate(got):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.runtime import dp_helpers as H
+import dp_helpers as H
 
 DIM, HEADS, FFN, VOCAB, SEQ, LAYERS = 32, 4, 64, 48, 8, 2
 BATCH, STEPS, LR, ADAMW_LR, CLIP = 8, 4, 0.02, 3e-3, 0.5

@@ -62,7 +62,7 @@ CASES2 = {
 
 
 def _case(rank, world, *, dp, tp, **kw):
-    return T.train_canzona(rank, world, dp=dp, tp=tp, **kw)
+    return T.train_tp(rank, world, dp=dp, tp=tp, **kw)
 
 
 def _forward(rank, world, *, dp, tp, optimizer):
@@ -276,7 +276,7 @@ def world2(tmp_path_factory):
 
 
 def test_logical_checkpoints_cross_tp_pairs(world4):
-    got = _results(world4, "pairs_checkpoint")
+    got = H.results(world4, "pairs_checkpoint")
     hosted = set()
     for res in got:
         assert res["halves"], "the plan shares fc1 with the partner index"
@@ -287,7 +287,7 @@ def test_logical_checkpoints_cross_tp_pairs(world4):
 
 
 def test_logical_checkpoints_cross_sharing(world2):
-    got = _results(world2, "shared_checkpoint")
+    got = H.results(world2, "shared_checkpoint")
     hosted = set()
     for res in got:
         assert res["to_hosted"] and all(res["to_hosted"].values()), res["to_hosted"]
@@ -301,16 +301,13 @@ def test_logical_checkpoints_cross_shampoos_shard_blocks(world2):
     """A Shampoo state saved with the blocks preconditioned shard by shard resumes with them
     hosted whole, and back: the same parameters as without the switch (the two plans compute
     the same blocks; the hosted plan's gather sums nothing, so within 1e-5)."""
-    got = _results(world2, "shampoo_checkpoint")
+    got = H.results(world2, "shampoo_checkpoint")
     for res in got:
         assert res["shared"] == (8, 0)  # every matrix shared, then every one hosted
         for name, want in res["straight"].items():
             for key in ("to_hosted", "to_shared"):
                 err = ((res[key][name] - want).norm() / want.norm()).item()
                 assert err <= 1e-5, f"{key} {name}: relative error {err:.3g}"
-
-
-_results = H.results
 
 
 def _check(got, ref, tol=1e-5):
@@ -328,7 +325,7 @@ def _check(got, ref, tol=1e-5):
 @pytest.mark.parametrize("case", list(CASES4))
 def test_dp2_tp2_equals_one_process(world4, case):
     kw = {k: v for k, v in CASES4[case].items() if k not in SAME_MATH}  # same math as without
-    got = _results(world4, case)
+    got = H.results(world4, case)
     ref = T.reference(2, **kw)
     # bf16 parameters: a shared Newton–Schulz sums in another order, and an update 1e-7 away
     # rounds some elements to the neighbouring bf16 value (4e-3 of that element): measured
@@ -354,12 +351,12 @@ def test_the_tp_pairs_plan_shares_fc1_over_both_tp_groups():
 
 @pytest.mark.parametrize("case", list(CASES2))
 def test_dp1_tp2_equals_one_process(world2, case):
-    got = _results(world2, case)
+    got = H.results(world2, case)
     _check(got, T.reference(1, **{k: v for k, v in CASES2[case].items() if k not in SAME_MATH}))
 
 
 def test_refusals_before_any_collective(world2):
-    got = _results(world2, "refusals")
+    got = H.results(world2, "refusals")
     assert "TP shard 'decoder.layers.0.self_attention.linear_qkv.weight' should be [64, 64]" \
         in got[1]["layout"]
     assert "does not match the model on TP rank(s) [1]" in got[0]["layout"]
@@ -370,7 +367,7 @@ def test_refusals_before_any_collective(world2):
 
 
 def test_scratch_within_two_micro_groups_of_the_plan(world4):
-    for res in _results(world4, "muon"):
+    for res in H.results(world4, "muon"):
         plan = res["plan"]
         ix = plan.tp.indices[res["dp_rank"]]
         hosted = sorted((sum(t.gathered_bytes for t in g.tasks if t.host == res["tp_rank"])
@@ -381,7 +378,7 @@ def test_scratch_within_two_micro_groups_of_the_plan(world4):
 
 
 def test_overlap_off_gives_the_same_bits(world4):
-    on, off = _results(world4, "muon"), _results(world4, "muon_no_overlap")
+    on, off = H.results(world4, "muon"), H.results(world4, "muon_no_overlap")
     for a, b in zip(on, off):
         assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
 
@@ -390,7 +387,7 @@ def test_overlap_off_gives_the_same_bits(world4):
                                   "muon_shared", "muon_shared_bf16", "shampoo_shard_blocks",
                                   "muon_tp_pairs", "muon_tp_pairs_bf16"])
 def test_state_bytes_equal_the_prediction(world4, case):
-    got = _results(world4, case)
+    got = H.results(world4, case)
     for res in got:
         st = res["state"]
         assert st["measured"] == st["predicted"] == st["from_plan"], (res["tp_rank"], st)
@@ -405,7 +402,7 @@ def test_megatron_forward_dp2_tp2_equals_one_process(world4, optimizer):
     """A real TP forward (vocabulary-parallel embedding and output, fused QKV per KV group, GQA,
     [gate_r; up_r]) and backward on the shards: the gradients differ from one device's only by
     the all-reduces' summation order, so the bound is 1e-5 after 5 steps."""
-    got = _results(world4, f"forward_{optimizer}")
+    got = H.results(world4, f"forward_{optimizer}")
     ref = T.reference_forward(2, optimizer)
     # each DP rank's losses, step by step, are one process's on that rank's batches
     for rank, res in enumerate(got):
@@ -416,8 +413,8 @@ def test_megatron_forward_dp2_tp2_equals_one_process(world4, optimizer):
 def test_shampoo_shards_are_preconditioned_where_they_lie(world4):
     """The Shampoo plan shares every matrix (its shards are whole blocks of 16): no micro-group,
     no gather; the hosted plan of the same blocks gathers them."""
-    shard = _results(world4, "shampoo_shard_blocks")[0]["plan"]
-    hosted = _results(world4, "shampoo_hosted_blocks")[0]["plan"]
+    shard = H.results(world4, "shampoo_shard_blocks")[0]["plan"]
+    hosted = H.results(world4, "shampoo_hosted_blocks")[0]["plan"]
     assert shard.inputs.optimizer.max_preconditioner_dim == 16
     for ix in shard.tp.indices:
         assert not ix.groups and all(not x.split_poly for x in ix.shared)
@@ -432,7 +429,7 @@ def test_shared_runs_batch_by_cmax(world4):
     from canzona.planner.formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 
     for case, together in (("muon_shared", True), ("muon_shared_split", False)):
-        plan = _results(world4, case)[0]["plan"]
+        plan = H.results(world4, case)[0]["plan"]
         for ix in plan.tp.indices:
             assert ix.shared and not ix.groups  # every matrix shared, none hosted
             sizes = [lockstep_bytes(max(plan.tasks[x.id].shape) // 2, min(plan.tasks[x.id].shape),

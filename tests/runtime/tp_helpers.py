@@ -11,6 +11,7 @@ reduce-scatter over DP, micro-groups over TP, all-gather over DP.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
@@ -133,13 +134,14 @@ def groups(dp: int, tp: int):
     return dp_group, tp_group
 
 
-def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
-                  split: bool = False, accum: int = 1, clip: float | None = None,
-                  steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
-                  sequence_parallel: bool = False, bf16: bool = False,
-                  share: str = "off", cmax_mib: float = 0.05, plan=None,
-                  block: int | None = None) -> dict:
-    """Train the TP shards with CanzonaOptimizer; return the logical parameters at the end.
+def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon",
+             split: bool = False, accum: int = 1, clip: float | None = None,
+             steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
+             sequence_parallel: bool = False, bf16: bool = False,
+             share: str = "off", cmax_mib: float = 0.05, plan=None,
+             block: int | None = None) -> dict:
+    """Train the TP shards with CanzonaOptimizer over dp × tp (the counterpart of
+    :func:`reference`); return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
     instead of ``plan_for``'s (a zero-argument callable making it)."""
     import canzona
@@ -178,8 +180,7 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
             shards = [(_partial(local_of(p, g, tp, tp_rank), tp_rank, step, p.name)
                        if w.sequence_parallel else local_of(p, g, tp, tp_rank)).to(low)
                       for p, g, (_, w) in zip(ps, grads, local)]
-            ctx = opt.no_sync() if micro < accum - 1 else _null()
-            with ctx:
+            with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 torch.autograd.backward([w for _, w in local], shards)
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
@@ -199,14 +200,6 @@ def train_canzona(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "
     opt.close()
     return {"params": out, "norms": norms, "dp_rank": dp_rank, "tp_rank": tp_rank,
             "scratch": opt.tp_scratch_bytes(), "plan": plan, "state": state}
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
@@ -235,7 +228,7 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
     ps = spec().params
     low = torch.bfloat16 if bf16 else torch.float32
     full = {n: t.to(low).float().requires_grad_(True) for n, t in initial_full().items()}
-    kernel = H._matrix_kernel(optimizer, LR[optimizer])
+    kernel = H.matrix_kernel(optimizer, LR[optimizer])
     if block is not None:
         import dataclasses
 
@@ -335,7 +328,7 @@ def reference_forward(dp: int, optimizer: str = "muon", steps: int = FORWARD_STE
     try:
         ps = spec().params
         full = {n: t.clone().requires_grad_(True) for n, t in initial_full().items()}
-        kernel = H._matrix_kernel(optimizer, LR[optimizer])
+        kernel = H.matrix_kernel(optimizer, LR[optimizer])
         mats = [p.name for p in ps if p.optimizer == "matrix"]
         states = [kernel.init_state(full[n].shape) for n in mats]
         adamw = torch.optim.AdamW([full[p.name] for p in ps if p.optimizer != "matrix"],

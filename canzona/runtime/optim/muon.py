@@ -11,7 +11,7 @@ Scalable for LLM Training" (arXiv 2502.16982) for ``adjust_lr_fn="match_rms_adam
   matrix shape, so it can be applied shard by shard.
 
 With the default ``ns_dtype`` the result is bitwise equal to ``torch.optim.Muon`` on the CPU
-(``tests/runtime/optim/test_muon.py``). ``ns_coefficients="quintic"`` selects the per-step
+(``tests/runtime/optim/test_muon_kernel.py``). ``ns_coefficients="quintic"`` selects the per-step
 coefficient schedule used by Megatron-LM / NVIDIA Emerging-Optimizers (``coefficient_type=
 "quintic"``), from modded-nanogpt and Cesista's coefficient search
 (https://leloykun.github.io/ponder/muon-opt-coeffs/); it cycles every 5 steps.

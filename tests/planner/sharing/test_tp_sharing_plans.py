@@ -33,12 +33,12 @@ def _plan(model: str, dp: int, tp: int, share: str, hardware: str = "h800"):
 
 
 @pytest.fixture(scope="module")
-def q32():
+def q32_plans():
     return {s: _plan("qwen3-32b", 32, 8, s) for s in ("off", "auto")}
 
 
-def test_auto_shares_the_heavy_mlp_matrices_and_hosts_the_rest(q32):
-    p = q32["auto"]
+def test_auto_shares_the_heavy_mlp_matrices_and_hosts_the_rest(q32_plans):
+    p = q32_plans["auto"]
     shared = {x.id for ix in p.tp.indices for x in ix.shared}
     kinds = {kind_of(p.tasks[i].param) for i in shared}
     assert "mlp.linear_fc1" in kinds and len(shared) >= 64
@@ -65,12 +65,12 @@ def test_auto_keeps_the_lighter_of_its_candidates():
         assert auto.tp.metrics.max_gpu_load <= split.tp.metrics.max_gpu_load
 
 
-def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32):
-    off, auto = q32["off"].tp.metrics, q32["auto"].tp.metrics
+def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32_plans):
+    off, auto = q32_plans["off"].tp.metrics, q32_plans["auto"].tp.metrics
     assert off.max_over_mean == pytest.approx(2.04, abs=0.01)  # the atomic floor
     assert auto.max_gpu_load < off.max_gpu_load
     hw = load_hardware("h800")
-    sim = {k: simulate_plan(p, hw).breakdown() for k, p in q32.items()}
+    sim = {k: simulate_plan(p, hw).breakdown() for k, p in q32_plans.items()}
 
     def path(b):
         return b["compute"] + b["tp_gather_scatter"]
@@ -78,7 +78,7 @@ def test_sharing_lowers_the_busiest_gpu_and_the_simulated_compute(q32):
     assert path(sim["auto"]) < 0.5 * path(sim["off"])  # the issue: at most half
     # the issue: ≤ 1.10 the mean useful work (single-device FLOPs; the shared polynomial's
     # symmetric half makes the pieces lighter than that)
-    assert q32["auto"].tp.metrics.max_gpu_load / useful_mean(q32["auto"]) <= 1.10
+    assert q32_plans["auto"].tp.metrics.max_gpu_load / useful_mean(q32_plans["auto"]) <= 1.10
 
 
 @pytest.mark.parametrize("model,dp,most", [("qwen3-32b", 128, 1.25), ("llama3-70b", 256, 2.2)])

@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from planner_helpers import scaled_hardware
 
 from canzona.planner.comm import bucket_comm, plan_link
 from canzona.planner.plan.comm_section import plan_summary
@@ -30,17 +31,6 @@ def _plan(path: Path):
     return parse_plan(path.read_text(encoding="utf-8"))
 
 
-def _scaled(hw, *, intra=1.0, inter=1.0, latency=1.0, flops=1.0, memory=1.0):
-    """``hw`` with bandwidths divided, latencies multiplied and peak FLOP/s divided."""
-    def link(lp):
-        return lp.model_copy(update={"busbw": lp.busbw / (intra if lp is hw.intra_node else inter),
-                                     "latency_s": lp.latency_s * latency})
-    return hw.model_copy(update={
-        "intra_node": link(hw.intra_node), "inter_node": link(hw.inter_node),
-        "peak_flops": {k: v / flops for k, v in hw.peak_flops.items()},
-        "memory_bandwidth": hw.memory_bandwidth / memory})
-
-
 def _work(dp=1, tp=1, ranks=None, buckets=(), groups=()):
     return Workload(dp, tp, tuple(ranks or [RankWork()] * (dp * tp)), tuple(buckets),
                     tuple(groups))
@@ -56,7 +46,7 @@ def test_time_never_decreases_with_less_bandwidth_or_more_flops(path, backward):
     base = simulate_plan(plan, hw, backward_s=backward)
     for kw in ({"intra": 2.0}, {"inter": 2.0}, {"latency": 3.0}, {"flops": 2.0},
                {"memory": 100.0}, {"intra": 1.5, "inter": 1.5, "flops": 1.5}):
-        worse = simulate_plan(plan, _scaled(hw, **kw), backward_s=backward)
+        worse = simulate_plan(plan, scaled_hardware(hw, **kw), backward_s=backward)
         assert worse.step_s >= base.step_s - 1e-12, kw
         assert all(w.done >= b.done - 1e-12 for w, b in zip(worse.ranks, base.ranks)), kw
         assert worse.params_ready >= base.params_ready - 1e-12
@@ -228,7 +218,7 @@ def test_tp_pipeline_matches_the_plans_modelled_timeline(path):
 def test_adapter_puts_every_flop_somewhere():
     plan, hw = _plan(SMALL), load_hardware("h100")
     w = workload_from_plan(plan, hw)
-    slow = workload_from_plan(plan, _scaled(hw, memory=1000.0))  # AdamW now memory-bound
+    slow = workload_from_plan(plan, scaled_hardware(hw, memory=1000.0))  # AdamW now memory-bound
     assert all(b.adamw_s >= a.adamw_s for a, b in zip(w.ranks, slow.ranks))
     assert max(b.adamw_s for b in slow.ranks) > max(a.adamw_s for a in w.ranks)
     grouped = sum(sum(g.flops) for gs in w.groups for g in gs)

@@ -7,6 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from planner_helpers import scaled_hardware
 
 from canzona.planner import ParallelSizes
 from canzona.planner.comm import ELEMENT_BYTES
@@ -30,14 +31,6 @@ PLANS = sorted((Path(__file__).parents[3] / "plans").glob("*.plan.json"))
 def _problem(model: str, dp: int, tp: int = 1, ep: int = 1):
     return make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp, ep=ep),
                         OptimizerSettings(name="muon"))
-
-
-def _scaled(hw, *, bw=1.0, latency=1.0, flops=1.0):
-    def link(lp):
-        return lp.model_copy(update={"busbw": lp.busbw / bw, "latency_s": lp.latency_s * latency})
-    return hw.model_copy(update={"intra_node": link(hw.intra_node),
-                                 "inter_node": link(hw.inter_node),
-                                 "peak_flops": {k: v / flops for k, v in hw.peak_flops.items()}})
 
 
 # --- every plan in plans/ ------------------------------------------------------------------------
@@ -213,8 +206,9 @@ def test_time_never_decreases_with_less_bandwidth_or_more_flops(name):
     hw = load_hardware("h800")
     fwd, bwd = split_forward_backward(0.05)
     base = simulate(strategy_workload(name, pr, hw), backward_s=bwd, forward_s=fwd)
-    for kw in ({"bw": 2.0}, {"latency": 3.0}, {"flops": 2.0}, {"bw": 1.5, "flops": 1.5}):
-        worse = simulate(strategy_workload(name, pr, _scaled(hw, **kw)), backward_s=bwd,
+    for kw in ({"intra": 2.0, "inter": 2.0}, {"latency": 3.0}, {"flops": 2.0},
+               {"intra": 1.5, "inter": 1.5, "flops": 1.5}):
+        worse = simulate(strategy_workload(name, pr, scaled_hardware(hw, **kw)), backward_s=bwd,
                          forward_s=fwd)
         assert worse.step_s >= base.step_s - 1e-12, kw
 

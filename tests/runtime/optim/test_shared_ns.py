@@ -14,13 +14,13 @@ Single-process tests cover the orientation helpers, the cost formulas and argume
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import pytest
 import torch
 
 from dp_helpers import results, run_world
+from optim_helpers import rel_err
 
 from canzona.runtime.optim import Muon, MuonConfig
 from canzona.runtime.optim.muon import newton_schulz
@@ -521,7 +521,7 @@ def test_three_ranks_equal_single_device(world3):
         for j, full in enumerate(fulls):
             got = torch.cat([r[split][j] for r in ranks])
             ref = newton_schulz(full, schedule, dtype=torch.float32)
-            assert _rel(got, ref) < TOL, (split, THREE[j], _rel(got, ref))
+            assert rel_err(got, ref) < TOL, (split, THREE[j], rel_err(got, ref))
 
 
 def _assemble(parts: list[dict], m: int, n: int, key, step=None) -> torch.Tensor:
@@ -530,14 +530,6 @@ def _assemble(parts: list[dict], m: int, n: int, key, step=None) -> torch.Tensor
         t = p[key] if step is None else p[key][step]
         full[p["idx"]] = t
     return full
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ in float64 (0 when both are zero, inf when only b is)."""
-    a, b = a.double(), b.double()
-    if not b.any():
-        return 0.0 if not a.any() else math.inf
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.slow
@@ -550,9 +542,9 @@ def test_shared_equals_single_device_muon(world2, name):
     m, n = o.oriented_shape
     assert sorted(idx.tolist()) == list(range(m)), "the ranks' rows partition the matrix"
     ortho_ref, theta_ref = reference(spec)
-    errors = [_rel(o.restore(_assemble(parts, m, n, "ortho", step)), ortho_ref[step])
+    errors = [rel_err(o.restore(_assemble(parts, m, n, "ortho", step)), ortho_ref[step])
               for step in range(STEPS)]
-    errors.append(_rel(o.restore(_assemble(parts, m, n, "theta")), theta_ref))
+    errors.append(rel_err(o.restore(_assemble(parts, m, n, "theta")), theta_ref))
     assert all(e <= TOL for e in errors), f"{name}: {['%.1e' % e for e in errors]}"
 
 
@@ -576,7 +568,7 @@ def test_a_lockstep_of_matrices_with_their_own_groups(world4):
     for r, p in enumerate(parts):
         got[r::4] = p["both"]
     ref = newton_schulz(full, MuonConfig().schedule, dtype=torch.float32)
-    assert _rel(got, ref) < TOL
+    assert rel_err(got, ref) < TOL
 
 
 @pytest.fixture(scope="module")
@@ -602,8 +594,8 @@ def _check_sub_groups(ranks: list[dict], layout: str, k: int) -> None:
                     for t, r in enumerate(members):
                         rows = torch.cat([torch.arange(a, b) for a, b in blocks[t]])
                         got[rows] = ranks[r][(k, call, split)][j]
-                    assert _rel(got, ref) < TOL, (layout, spec["name"], call, split,
-                                                  _rel(got, ref))
+                    assert rel_err(got, ref) < TOL, (layout, spec["name"], call, split,
+                                                  rel_err(got, ref))
 
 
 @pytest.mark.slow
@@ -672,7 +664,7 @@ def test_bf16_close_to_single_device(world2):
     ref = newton_schulz(full, MuonConfig().schedule, dtype=torch.bfloat16).float()
     for split in (False, True):
         got = torch.cat([p[split] for p in results(world2, "bf16")]).float()
-        assert got.dtype == torch.float32 and _rel(got, ref) < 3e-2, split
+        assert got.dtype == torch.float32 and rel_err(got, ref) < 3e-2, split
 
 
 @pytest.mark.slow

@@ -137,7 +137,9 @@ def test_killed_while_saving(tmp_path, point, one_thread):
     publishes cleanly."""
     import canzona
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    # the worker imports checkpoint_files_common (here) and dp_helpers (tests/runtime)
+    path = [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_crash_worker.py"),
                            str(tmp_path), point], env=env, capture_output=True, text=True,
                           timeout=300)
