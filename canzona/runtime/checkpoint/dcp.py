@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from canzona.runtime.checkpoint.keys import FORMAT, Entries, entries
+from canzona.runtime.checkpoint.names import upgrade_key
 from canzona.runtime.checkpoint.pieces import LoadPlanner, SavePlanner
 from canzona.runtime.errors import CheckpointError
 from canzona.runtime.introspect import named_params
@@ -85,7 +86,10 @@ def dcp_state(model: nn.Module | None, optimizer: Any, *,
     try:
         saved = dcp.FileSystemReader(where).read_metadata()
         E = entries(optimizer, model, saving=False, saved=saved)
-        problem = _problem(meta, saved, E, optimizer, model, extra)
+        problem = _format_problem(meta)
+        if problem is None:
+            _as_saved(E, saved, meta.get("format", FORMAT))
+            problem = _problem(meta, saved, E, optimizer, model, extra)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it before the collective
         problem, error = f"cannot load {where}: {exc}", exc
     try:
@@ -133,12 +137,32 @@ def _check_model(model: nn.Module | None, opt: Any) -> None:
                               "parameters differ): pass the same model.")
 
 
+def _format_problem(meta: dict) -> str | None:
+    """Why a checkpoint's key format cannot be read (a newer one, or not a format), or None."""
+    version = meta.get("format", FORMAT) if meta else FORMAT
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        return (f"canzona.json: format is {version!r}, not a key format (1 to {FORMAT}); the "
+                "file is damaged or not canzona's: save the checkpoint again.")
+    if version > FORMAT:
+        return (f"canzona.json: the checkpoint's key format is {version}, newer than this "
+                f"canzona's ({FORMAT}): upgrade canzona (python -m pip install -U canzona) to "
+                "load it.")
+    return None
+
+
+def _as_saved(E: Entries, saved: Any, version: int) -> None:
+    """A checkpoint of an older key format: this rank's entries under the names it was saved
+    with (each saved key upgraded through ``names.KEY_UPGRADES`` finds its entry)."""
+    if version == FORMAT:
+        return
+    old = {upgrade_key(k, version): k for k in saved.state_dict_metadata}
+    E.sd = {old.get(k, k): v for k, v in E.sd.items()}
+    E.needs = {old.get(k, k): v for k, v in E.needs.items()}
+
+
 def _problem(meta: dict, saved: Any, E: Entries, opt: Any, model: Any,
              extra: Mapping[str, Any] | None) -> str | None:
     """The first reason this rank cannot load, or None."""
-    if meta and meta.get("format") != FORMAT:
-        return (f"checkpoint format {meta.get('format')} is not this canzona's ({FORMAT}); "
-                "load it with the version that wrote it.")
     if meta and meta.get("kernel") != opt._matrix.name:
         return (f"the checkpoint holds {meta.get('kernel')} state; this optimizer runs "
                 f"{opt._matrix.name}. Build the optimizer with the plan's kernel it was saved "

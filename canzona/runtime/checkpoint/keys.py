@@ -1,7 +1,9 @@
 """The logical keys of a checkpoint that survives a change of plan, and the entries one rank saves
 or loads under them.
 
-Every key names a parameter, never a rank, bucket or plan; every value is a canonical tensor
+Every key names a parameter, never a rank, bucket or plan — by its global name
+(:func:`~canzona.runtime.checkpoint.names.global_name`: global layer and expert indices, the same
+under every pipeline and expert-parallel layout); every value is a canonical tensor
 (:mod:`canzona.runtime.checkpoint.mapping`: what the single-device model holds, TP padding left
 out), saved as the boxes each rank holds and read back as the boxes each rank needs under *its*
 plan::
@@ -36,14 +38,16 @@ import torch
 from torch import Tensor, nn
 
 from canzona.runtime.checkpoint.mapping import RankLayout
+from canzona.runtime.checkpoint.names import FORMAT, Placement, global_name
 from canzona.runtime.checkpoint.pieces import Pieces
 from canzona.runtime.errors import CheckpointError
 from canzona.runtime.introspect import local_tensor
 
 __all__ = ["FORMAT", "Entries", "entries"]
 
-#: Version of the key layout; ``canzona.json`` records it.
-FORMAT = 1
+#: The runtime executes one pipeline stage and one expert-parallel rank: every offset 0, and
+#: the global names are the local ones (``names.Placement``).
+PLACEMENT = Placement()
 
 
 def _runs(rows: Tensor) -> list[tuple[int, int, int]]:
@@ -67,7 +71,11 @@ def _permuted(x: Tensor, order: Tensor, role: str, inverse: bool = False) -> Ten
 
 
 def _task_key(t: Any) -> str:
-    return t.name  # "param" or "param#part"
+    return global_name(t.name, PLACEMENT)  # "param" or "param#part", its global name
+
+
+def _key(name: str) -> str:
+    return global_name(name, PLACEMENT)
 
 
 class Entries:
@@ -111,7 +119,8 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
                 covered = sum(n for _, n, _ in view.axis.blocks)
                 if view.axis.dim is not None and covered < view.local[view.axis.dim]:
                     flat.zero_()  # the vocabulary's TP padding: not in the checkpoint
-            E.add_pieces(f"model.{view.name}", view.logical, view.pieces(flat, 0, flat.numel()))
+            E.add_pieces(f"model.{_key(view.name)}", view.logical,
+                         view.pieces(flat, 0, flat.numel()))
         params = {id(p) for p in opt._live}
         for key, value in model.state_dict(keep_vars=True).items():
             if id(value) in params or not isinstance(value, Tensor):
@@ -129,7 +138,7 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
         lo = s.param_range[i][0]
         c0 = s.own_range(b)[0]
         piece = main[lo + a - c0:lo + z - c0]
-        E.add_pieces(f"optim.{view.name}.main", view.logical, view.pieces(piece, a, z))
+        E.add_pieces(f"optim.{_key(view.name)}.main", view.logical, view.pieces(piece, a, z))
     # -- AdamW: element ranges --------------------------------------------------------------------
     for slices in opt._schedule.mine.adamw:
         for sl in slices:
@@ -139,9 +148,9 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
             st = opt.state[opt._params[sl.param]]
             a, z = sl.offset, sl.offset + sl.hi - sl.lo
             for key in ("exp_avg", "exp_avg_sq"):
-                E.add_pieces(f"optim.{view.name}.{key}", view.logical,
+                E.add_pieces(f"optim.{_key(view.name)}.{key}", view.logical,
                              view.pieces(st[key], a, z))
-            E.add_tensor(f"optim.{view.name}.step", st["step"])
+            E.add_tensor(f"optim.{_key(view.name)}.step", st["step"])
     # -- matrix tasks -----------------------------------------------------------------------------
     kernel = opt._matrix
     for t, st, writes in L.matrix_tasks():
@@ -154,7 +163,7 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
                 boxes = [((c, 0) if len(view.logical) == 2 else (c,),
                           x[i:i + n] if len(view.logical) == 2 else x[i:i + n].view(-1))
                          for i, c, n in _runs(rows)]
-                E.add_pieces(f"optim.{view.name}.{key}", view.logical, boxes)
+                E.add_pieces(f"optim.{_key(view.name)}.{key}", view.logical, boxes)
             continue
         if not hasattr(t, "segments") and t.part is None and len(view.logical) == 2 \
                 and t.shape[0] < view.logical[0]:
@@ -172,7 +181,7 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
         at = x.row0 * x.local_shape[1]  # its rows of the shard, where a partner holds the rest
         for key, val in opt.state[opt._params[x.param]].items():
             flat = val.view(-1)
-            E.add_pieces(f"optim.{view.name}.{key}", view.logical,
+            E.add_pieces(f"optim.{_key(view.name)}.{key}", view.logical,
                          view.pieces(flat, at, at + flat.numel()))
     # -- hyper-parameters -------------------------------------------------------------------------
     if saving:
