@@ -73,12 +73,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import canzona  # noqa: E402
 from canzona.planner import build_inventory, formulas  # noqa: E402
 from canzona.planner.hardware import load_hardware  # noqa: E402
 from canzona.planner.models import get_preset  # noqa: E402
 from canzona.runtime.waits import wait_for  # noqa: E402
+from train_gpt import GPT  # noqa: E402  (the README's example model)
 from canzona.runtime.optim import Muon, MuonConfig, newton_schulz  # noqa: E402
 from canzona.runtime.optim.shared_ns import (  # noqa: E402
     shared_newton_schulz, shared_newton_schulz_many)
@@ -147,40 +149,6 @@ def nearest_profile(device: torch.device) -> str:
 
 
 # -- 1. the runtime ------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.proj = nn.Linear(dim, dim, bias=False)
-        self.fc1 = nn.Linear(dim, 4 * dim, bias=False)
-        self.fc2 = nn.Linear(4 * dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads)
-                   .permute(2, 0, 3, 1, 4))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for blk in self.blocks:
-            x = blk(x)
-        return self.lm_head(self.ln_f(x))
 
 
 def _gpt_sizes(s: Setting) -> dict[str, int]:

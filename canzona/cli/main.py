@@ -95,6 +95,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+#: The forward/backward model ``simulate`` and ``compare`` share (6·N_active·tokens at the MFU).
+MfuOpt = Annotated[float, typer.Option(
+    "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in (0, 1].")]
+SeqOpt = Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")]
+TokensOpt = Annotated[Optional[int], typer.Option(
+    "--tokens", min=1, show_default="dp · seq (one sequence per DP rank)",
+    help="Global batch in tokens.")]
+ForwardBackwardOpt = Annotated[Optional[float], typer.Option(
+    "--forward-backward", min=0.0, show_default="from --mfu",
+    help="Forward + backward seconds (a measured value), instead of --mfu; backward is two "
+         "thirds of it.")]
+
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Built-in model (see 'canzona models').")]
 ConfigOpt = Annotated[Optional[Path], typer.Option(
@@ -408,17 +420,10 @@ def simulate(
     hardware: Annotated[Optional[str], typer.Option(
         "--hardware", show_default="the profile the plan records",
         help=f"Hardware profile: {HARDWARE_CHOICES}.")] = None,
-    mfu: Annotated[float, typer.Option(
-        "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
-                      "(0, 1], as canzona compare.")] = 0.4,
-    seq: Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")] = 4096,
-    tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", min=1, show_default="dp · seq (one sequence per DP rank)",
-        help="Global batch in tokens.")] = None,
-    forward_backward: Annotated[Optional[float], typer.Option(
-        "--forward-backward", min=0.0, show_default="from --mfu",
-        help="Forward + backward seconds (a measured value), instead of --mfu; backward is two "
-             "thirds of it.")] = None,
+    mfu: MfuOpt = 0.4,
+    seq: SeqOpt = 4096,
+    tokens: TokensOpt = None,
+    forward_backward: ForwardBackwardOpt = None,
     backward: Annotated[Optional[float], typer.Option(
         "--backward", min=0.0, show_default="two thirds of forward/backward",
         help="Backward seconds alone (0: nothing hides the reduce-scatters); forward is half "
@@ -512,16 +517,10 @@ def compare(
     strategies: Annotated[str, typer.Option(
         "--strategies", help="Comma-separated: sc, zero1, layerwise, layerwise-lpt, "
                              "megatron-packed, canzona-greedy, canzona; or all.")] = "all",
-    mfu: Annotated[float, typer.Option(
-        "--mfu", help="Model FLOPs utilisation of forward/backward (6·N_active·tokens), in "
-                      "(0, 1].")] = 0.4,
-    seq: Annotated[int, typer.Option("--seq", min=1, help="Sequence length.")] = 4096,
-    tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", min=1, show_default="dp · seq (one sequence per DP rank)",
-        help="Global batch in tokens.")] = None,
-    forward_backward: Annotated[Optional[float], typer.Option(
-        "--forward-backward", min=0.0, show_default="from --mfu",
-        help="Forward + backward seconds (a measured value), instead of --mfu.")] = None,
+    mfu: MfuOpt = 0.4,
+    seq: SeqOpt = 4096,
+    tokens: TokensOpt = None,
+    forward_backward: ForwardBackwardOpt = None,
     overlap_param_gather: Annotated[bool, typer.Option(
         "--overlap-param-gather", help="ZeRO-1 all-gathers run into the next forward (the "
                                        "layer-wise optimizer's own all-gather cannot).")] = False,

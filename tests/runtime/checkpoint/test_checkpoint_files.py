@@ -21,14 +21,6 @@ import checkpoint_files_common as C  # noqa: E402
 HERE = os.path.dirname(__file__)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _equal(a, b):
     return all(torch.equal(a[k], b[k]) for k in b) and set(a) == set(b)
 

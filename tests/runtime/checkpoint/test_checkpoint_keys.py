@@ -68,14 +68,6 @@ def test_offsets_below_zero_are_refused():
         Placement(layer_offset=-1)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _with_format(path, version):
     meta = path / "canzona.json"
     data = json.loads(meta.read_text())
