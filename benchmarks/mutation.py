@@ -69,7 +69,7 @@ MUTANTS: list[Mutant] = [
       "a bucket launches one gradient before it is complete"),
     M("clip-up", RT + "storage/gradients.py",
       "coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)",
-      "coef = max_norm / (total + 1e-6)", ("tests/runtime",),
+      "coef = max_norm / (total + 1e-6)", ("tests/runtime/test_clipping.py",),
       "clipping also scales gradients up when the norm is below max_norm"),
     M("clip-tp-duplicates", RT + "storage/gradients.py",
       "parts.append(o[lo:hi].float().pow(2).sum() * (1.0 / tp - 1.0))",
