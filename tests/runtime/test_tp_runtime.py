@@ -264,10 +264,32 @@ def _shampoo_checkpoint(rank, world, *, folder):
             "shared": (n_shared, n_hosted)}
 
 
+def _wire_dtypes(rank, world, *, comm_dtype):
+    """``train_tp`` under a plan with ``comm_dtype``, recording the dtype of every all-to-all
+    the micro-groups send (the gathers and the scatters)."""
+    import torch.distributed as dist
+
+    sent, real = [], dist.all_to_all_single
+
+    def spy(out, send, *args, **kwargs):
+        sent.append(str(send.dtype))
+        return real(out, send, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        res = T.train_tp(rank, world, dp=1, tp=2, steps=2,
+                         plan=functools.partial(T.plan_for, 1, 2, comm_dtype=comm_dtype))
+    finally:
+        dist.all_to_all_single = real
+    return {"params": res["params"], "sent": sent}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(k, functools.partial(_case, dp=1, tp=2, **v)) for k, v in CASES2.items()]
     folder = str(tmp_path_factory.mktemp("tp2-ck"))
+    cases += [(f"comm_{dt}", functools.partial(_wire_dtypes, comm_dtype=dt))
+              for dt in ("bf16", "fp16")]
     cases += [("refusals", _refusals),
               ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder)),
               ("shampoo_checkpoint", functools.partial(_shampoo_checkpoint,
@@ -436,3 +458,15 @@ def test_shared_runs_batch_by_cmax(world4):
                                     2, x.split_poly, 4) for x in ix.shared]
             batches = lockstep_batches(list(ix.shared), sizes, LOCKSTEP_CMAX * plan.tp.cmax_bytes)
             assert len(batches) == (1 if together else len(ix.shared)), (case, sizes)
+
+
+def test_the_tp_gather_and_scatter_use_the_plans_comm_dtype(world2):
+    """Every all-to-all of the micro-groups (gathers and scatters) carries the plan's
+    communication dtype, and bf16 and fp16 runs differ (each rounds its own way)."""
+    want = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+    runs = {dt: H.results(world2, f"comm_{dt}") for dt in want}
+    for dt, ranks in runs.items():
+        for res in ranks:
+            assert res["sent"] and set(res["sent"]) == {want[dt]}, (dt, set(res["sent"]))
+    a, b = runs["bf16"][0]["params"], runs["fp16"][0]["params"]
+    assert not all(torch.equal(a[k], b[k]) for k in a)

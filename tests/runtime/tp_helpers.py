@@ -38,8 +38,9 @@ def spec():
 
 def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
              cmax_mib: float = 0.05, dtype: str = "fp32", share: str = "off",
-             block: int | None = None):
-    """The plan: fp32 gather/scatter (exactness), a C_max small enough for several groups;
+             block: int | None = None, comm_dtype: str = "fp32"):
+    """The plan: fp32 gather/scatter (exactness; ``comm_dtype`` another), a C_max small enough
+    for several groups;
     ``share``: ``TPOptions.share`` (the TP group shares matrices); ``block``: Shampoo's
     max_preconditioner_dim (default its 1024)."""
     extra = {"shampoo": {"shampoo_precondition_frequency": 3},
@@ -49,7 +50,8 @@ def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
     settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
     return make_plan(CFG.model_copy(update={"dtype": dtype}), ParallelSizes(dp=dp, tp=tp), settings,
                      dp_options=DPOptions(bucket_size=20_000),
-                     tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype="fp32", share=share))
+                     tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype=comm_dtype,
+                                          share=share))
 
 
 def initial_full() -> dict[str, torch.Tensor]:
