@@ -107,7 +107,8 @@ MUTANTS: list[Mutant] = [
     # -- the owned updates -------------------------------------------------------------------------
     M("untouched-matrix", RT + "update.py",
       "tasks = [t for ts in work.matrix for t in ts if received[t.param] and t.pair is None]",
-      "tasks = [t for ts in work.matrix for t in ts if t.pair is None]", (DP, "tests/runtime/test_untouched.py"),
+      "tasks = [t for ts in work.matrix for t in ts if t.pair is None]",
+      (DP, "tests/runtime/test_untouched.py"),
       "a matrix no rank had a gradient for is updated (and decayed)"),
     M("untouched-adamw", RT + "update.py",
       "slices = [a for a in work.adamw[bucket] if received[a.param]]",
