@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.bar import Bar
@@ -89,29 +89,41 @@ def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None
             yield say
         return
     text = _Elapsed(title)
-    lock = threading.Lock()
-    state: dict = {"status": None, "done": False}
-
-    def start() -> None:
-        with lock:
-            if not state["done"]:
-                state["status"] = err_console.status(text, spinner="dots")
-                state["status"].start()
+    status = err_console.status(text, spinner="dots")
 
     def say(phase: str) -> None:
         text.phase = phase  # read by the status's refresh thread
 
-    timer = threading.Timer(delay_s, start)
+    with _delayed(delay_s, status.start, status.stop):
+        yield say
+
+
+@contextmanager
+def _delayed(delay_s: float, start: Callable[[], None],
+             stop: Callable[[], None] = lambda: None) -> Iterator[tuple[Any, dict]]:
+    """Run ``start`` once, ``delay_s`` into the block, unless the block ended first, and
+    ``stop`` at its end if ``start`` ran; both under one lock, shared with the block (yielded
+    with the state ``{"started", "done"}``)."""
+    lock = threading.Lock()
+    state = {"started": False, "done": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["started"] = True
+                start()
+
+    timer = threading.Timer(delay_s, fire)
     timer.daemon = True
     timer.start()
     try:
-        yield say
+        yield lock, state
     finally:
         timer.cancel()
         with lock:
             state["done"] = True
-            if state["status"] is not None:
-                state["status"].stop()
+            if state["started"]:
+                stop()
 
 
 @contextmanager
@@ -119,33 +131,19 @@ def _plain_progress(title: str, delay_s: float) -> Iterator[Callable[[str], None
     """:func:`progress` off a terminal: ``TITLE: STAGE (N s)`` lines on stderr, from ``delay_s``
     on."""
     t0 = time.perf_counter()
-    lock = threading.Lock()
-    state: dict = {"phase": "starting", "shown": False, "done": False}
+    phase = ["starting"]
 
     def line() -> None:
-        info(f"{title}: {state['phase']} ({time.perf_counter() - t0:.0f} s)")
+        info(f"{title}: {phase[0]} ({time.perf_counter() - t0:.0f} s)")
 
-    def start() -> None:
-        with lock:
-            if not state["done"]:
-                state["shown"] = True
-                line()
+    with _delayed(delay_s, line) as (lock, state):
+        def say(stage: str) -> None:
+            with lock:
+                phase[0] = stage
+                if state["started"] and not state["done"]:
+                    line()
 
-    def say(phase: str) -> None:
-        with lock:
-            state["phase"] = phase
-            if state["shown"] and not state["done"]:
-                line()
-
-    timer = threading.Timer(delay_s, start)
-    timer.daemon = True
-    timer.start()
-    try:
         yield say
-    finally:
-        timer.cancel()
-        with lock:
-            state["done"] = True
 
 
 # --- canzona models, canzona layout ----------------------------------------------------------
