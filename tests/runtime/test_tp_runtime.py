@@ -98,10 +98,29 @@ def _refusals(rank, world):
     return out
 
 
+def _oversized_tp_group(rank, world):
+    """A dp 1 × tp 2 plan handed the whole 4-rank world as its TP group: refused before any
+    collective, naming both sizes."""
+    import torch.distributed as dist
+
+    import canzona
+    from canzona.runtime.errors import PlanMismatchError
+
+    start = T.initial_full()
+    shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, rank % 2), 2))
+              for p in T.spec().params]
+    try:
+        canzona.CanzonaOptimizer(shards, T.plan_for(1, 2), tp_group=dist.group.WORLD)
+        return "no error"
+    except PlanMismatchError as exc:
+        return str(exc)
+
+
 def cases4(folder: str = "") -> list:
     """This module's dp 2 × tp 2 cases (run with the DTensor ones: conftest's ``tp_world4``;
     ``folder``: where the checkpoint case writes)."""
     cases = [(k, functools.partial(_case, dp=2, tp=2, **v)) for k, v in CASES4.items()]
+    cases.append(("oversized_tp_group", _oversized_tp_group))
     if folder:
         cases.append(("pairs_checkpoint", functools.partial(_pairs_checkpoint, folder=folder)))
     return cases + [(f"forward_{o}", functools.partial(_forward, dp=2, tp=2, optimizer=o))
@@ -470,3 +489,9 @@ def test_the_tp_gather_and_scatter_use_the_plans_comm_dtype(world2):
             assert res["sent"] and set(res["sent"]) == {want[dt]}, (dt, set(res["sent"]))
     a, b = runs["bf16"][0]["params"], runs["fp16"][0]["params"]
     assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_tp_group_larger_than_the_plans_is_refused(world4):
+    for res in H.results(world4, "oversized_tp_group"):
+        assert "the plan is for tp=2 but tp_group has 4 ranks" in res, res
+
