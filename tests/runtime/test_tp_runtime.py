@@ -303,12 +303,37 @@ def _wire_dtypes(rank, world, *, comm_dtype):
     return {"params": res["params"], "sent": sent}
 
 
+def _fp16_overflow(rank, world):
+    """One matrix's gradient finite in fp32 but beyond fp16's range: the fp16 gather hands its
+    host an infinite matrix, the kernel refuses it (``nonfinite="raise"``), and the other TP
+    rank, which hosts only finite matrices, raises with it."""
+    from canzona.runtime.optim import NonFiniteGradientError
+
+    real, name = T.loss, "decoder.layers.0.mlp.linear_fc2.weight"  # one matrix, one host
+
+    def huge(full, step, dp_rank):
+        w = full[name]
+        x, y = T.data(step, dp_rank, name, tuple(w.shape))
+        return real(full, step, dp_rank) + 1e12 * torch.tanh(x @ w.T - y).pow(2).mean()
+
+    T.loss = huge
+    try:
+        T.train_tp(rank, world, dp=1, tp=2, steps=1,
+                   plan=functools.partial(T.plan_for, 1, 2, comm_dtype="fp16"))
+        return "no error"
+    except NonFiniteGradientError as exc:
+        return str(exc)
+    finally:
+        T.loss = real
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     cases = [(k, functools.partial(_case, dp=1, tp=2, **v)) for k, v in CASES2.items()]
     folder = str(tmp_path_factory.mktemp("tp2-ck"))
     cases += [(f"comm_{dt}", functools.partial(_wire_dtypes, comm_dtype=dt))
               for dt in ("bf16", "fp16")]
+    cases += [("fp16_overflow", _fp16_overflow)]
     cases += [("refusals", _refusals),
               ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder)),
               ("shampoo_checkpoint", functools.partial(_shampoo_checkpoint,
@@ -494,4 +519,9 @@ def test_the_tp_gather_and_scatter_use_the_plans_comm_dtype(world2):
 def test_a_tp_group_larger_than_the_plans_is_refused(world4):
     for res in H.results(world4, "oversized_tp_group"):
         assert "the plan is for tp=2 but tp_group has 4 ranks" in res, res
+
+
+def test_a_matrix_the_host_finds_non_finite_makes_every_tp_rank_raise(world2):
+    got = H.results(world2, "fp16_overflow")
+    assert all("non-finite gradient" in res for res in got), got
 
