@@ -303,24 +303,28 @@ def _wire_dtypes(rank, world, *, comm_dtype):
     return {"params": res["params"], "sent": sent}
 
 
-def _fp16_overflow(rank, world):
+OVERFLOWING = "decoder.layers.0.mlp.linear_fc2.weight"  # one matrix, one host
+
+
+def _fp16_overflow(rank, world, *, nonfinite="raise"):
     """One matrix's gradient finite in fp32 but beyond fp16's range: the fp16 gather hands its
-    host an infinite matrix, the kernel refuses it (``nonfinite="raise"``), and the other TP
-    rank, which hosts only finite matrices, raises with it."""
+    host an infinite matrix. Under ``nonfinite="raise"`` the kernel refuses it and the other TP
+    rank, which hosts only finite matrices, raises with it; under ``"skip"`` every rank leaves
+    that matrix as it was and updates the rest."""
     from canzona.runtime.optim import NonFiniteGradientError
 
-    real, name = T.loss, "decoder.layers.0.mlp.linear_fc2.weight"  # one matrix, one host
+    real = T.loss
 
     def huge(full, step, dp_rank):
-        w = full[name]
-        x, y = T.data(step, dp_rank, name, tuple(w.shape))
+        w = full[OVERFLOWING]
+        x, y = T.data(step, dp_rank, OVERFLOWING, tuple(w.shape))
         return real(full, step, dp_rank) + 1e12 * torch.tanh(x @ w.T - y).pow(2).mean()
 
     T.loss = huge
     try:
-        T.train_tp(rank, world, dp=1, tp=2, steps=1,
-                   plan=functools.partial(T.plan_for, 1, 2, comm_dtype="fp16"))
-        return "no error"
+        res = T.train_tp(rank, world, dp=1, tp=2, steps=1, matrix_options={"nonfinite": nonfinite},
+                         plan=functools.partial(T.plan_for, 1, 2, comm_dtype="fp16"))
+        return res["params"]
     except NonFiniteGradientError as exc:
         return str(exc)
     finally:
@@ -333,7 +337,9 @@ def world2(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("tp2-ck"))
     cases += [(f"comm_{dt}", functools.partial(_wire_dtypes, comm_dtype=dt))
               for dt in ("bf16", "fp16")]
-    cases += [("fp16_overflow", _fp16_overflow)]
+    cases += [("fp16_overflow", _fp16_overflow),
+              ("fp16_overflow_skip", functools.partial(_fp16_overflow, nonfinite="skip")),
+              ("untouched", functools.partial(_case, dp=1, tp=2, **UNTOUCHED))]
     cases += [("refusals", _refusals),
               ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder)),
               ("shampoo_checkpoint", functools.partial(_shampoo_checkpoint,
@@ -523,5 +529,29 @@ def test_a_tp_group_larger_than_the_plans_is_refused(world4):
 
 def test_a_matrix_the_host_finds_non_finite_makes_every_tp_rank_raise(world2):
     got = H.results(world2, "fp16_overflow")
-    assert all("non-finite gradient" in res for res in got), got
+    assert all(isinstance(res, str) and "non-finite gradient" in res for res in got), got
+
+
+def test_a_matrix_the_host_finds_non_finite_is_skipped_by_every_tp_rank(world2):
+    """Under ``nonfinite="skip"`` the host's refusal reaches every TP rank: none changes its
+    shard of the overflowing matrix (a rank applying the NaN its host sends would corrupt it),
+    and every other matrix moves."""
+    start = T.initial_full()
+    for params in H.results(world2, "fp16_overflow_skip"):
+        assert torch.equal(params[OVERFLOWING], start[OVERFLOWING])
+        moved = [n for n, w in params.items() if n != OVERFLOWING and not torch.equal(w, start[n])]
+        assert len(moved) == len(params) - 1, sorted(set(params) - set(moved))
+
+
+#: a split matrix no rank produces a gradient for at step 1 of 3
+UNTOUCHED = dict(optimizer="muon", steps=3, untouched=(OVERFLOWING, 1))
+
+
+def test_a_tp_matrix_without_gradient_is_left_alone(world2):
+    """A TP matrix whose gradient no rank produced this step is neither updated nor decayed on
+    any shard, and its host leaves its momentum as it was, as the single-device optimizer does
+    with ``grad=None``: the run equals the reference through the following step (a host that
+    moves the momentum, or ranks that apply weight decay, drift from it)."""
+    got = H.results(world2, "untouched")
+    _check(got, T.reference(1, **UNTOUCHED))
 

@@ -141,11 +141,14 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
              steps: int = STEPS, roundtrip: bool = False, overlap_tp: bool = True,
              sequence_parallel: bool = False, bf16: bool = False,
              share: str = "off", cmax_mib: float = 0.05, plan=None,
-             block: int | None = None) -> dict:
+             block: int | None = None, untouched: tuple[str, int] | None = None,
+             matrix_options: dict | None = None) -> dict:
     """Train the TP shards with CanzonaOptimizer over dp × tp (the counterpart of
     :func:`reference`); return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
-    instead of ``plan_for``'s (a zero-argument callable making it)."""
+    instead of ``plan_for``'s (a zero-argument callable making it); ``untouched``: (name, step):
+    no rank produces that parameter's gradient at that step (its shard is left out of the
+    backward, so its ``grad`` stays None); ``matrix_options``: added to the kernel's options."""
     import canzona
 
     assert world == dp * tp
@@ -168,7 +171,8 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
         return canzona.CanzonaOptimizer(
             local, plan, lr=LR[optimizer], ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
             adamw_weight_decay=0.01, dp_group=dp_group if dp > 1 else None, tp_group=tp_group,
-            matrix_options=SHAMPOO_OPTIONS if optimizer == "shampoo" else None,
+            matrix_options={**(SHAMPOO_OPTIONS if optimizer == "shampoo" else {}),
+                            **(matrix_options or {})} or None,
             overlap_tp=overlap_tp, main_params="fp32" if bf16 else None)
 
     opt = build()
@@ -182,8 +186,10 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
             shards = [(_partial(local_of(p, g, tp, tp_rank), tp_rank, step, p.name)
                        if w.sequence_parallel else local_of(p, g, tp, tp_rank)).to(low)
                       for p, g, (_, w) in zip(ps, grads, local)]
+            pairs = [(w, g) for p, (_, w), g in zip(ps, local, shards)
+                     if (p.name, step) != untouched]
             with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
-                torch.autograd.backward([w for _, w in local], shards)
+                torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
@@ -206,23 +212,25 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
 
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
               clip: float | None = None, steps: int = STEPS, bf16: bool = False,
-              block: int | None = None) -> dict:
+              block: int | None = None, untouched: tuple[str, int] | None = None) -> dict:
     """One process, the logical matrices: the kernel per matrix task (per part when split),
     torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
     micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
     non-square gradient are rank deficient, and LAPACK's basis of their null space depends on the
-    thread count. ``block``: Shampoo's max_preconditioner_dim (default its 1024)."""
+    thread count. ``block``: Shampoo's max_preconditioner_dim (default its 1024); ``untouched``:
+    (name, step): that parameter's ``grad`` is None at that step, so its kernel skips it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps,
-                          bf16=bf16, block=block)
+                          bf16=bf16, block=block, untouched=untouched)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float | None,
-               steps: int, bf16: bool = False, block: int | None = None) -> dict:
+               steps: int, bf16: bool = False, block: int | None = None,
+               untouched: tuple[str, int] | None = None) -> dict:
     """``bf16``: the fp32 master (the main copies) starts as the bf16 parameters; every step's
     gradient is taken at the bf16 parameters and rounded to bf16 as the ranks hand it over."""
     import dp_helpers as H
@@ -265,11 +273,13 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
             total = mine if total is None else [a + b for a, b in zip(total, mine)]
         grads = {n: g / dp for n, g in zip(names, total)}
         for n in names:
-            full[n].grad = grads[n]
+            full[n].grad = None if (n, step) == untouched else grads[n]
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(list(full.values()), clip)))
         with torch.no_grad():
             for (n, r0, rows), st in zip(tasks, states):
+                if full[n].grad is None:
+                    continue
                 w = full[n][r0:r0 + rows]
                 kernel.step([w], [full[n].grad[r0:r0 + rows]], [st], lr=LR[optimizer])
         adamw.step()
