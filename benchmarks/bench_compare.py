@@ -168,15 +168,17 @@ Reading it (⚑: more than 30 % from the paper's figure; the causes found):
 - **Steps and iterations.** The paper times the layer-wise baseline's exposed all-reduce inside
   forward/backward (0.998 s against canzona's 0.811 s), so its 0.383 s optimizer step is compute,
   TP traffic and the all-gather. Counted the same way (*paper accounting*), the model gives the
-  layer-wise step and forward/backward within 3 % of the paper's, and both iterations within 2 %.
-- **canzona's step** is predicted about 20 % below the measured 0.066 s. Its busiest GPU hosts the
-  fused gate/up projection (51200 × 5120, 28.2 TFLOP of Newton–Schulz), modelled at 60 % of the bf16
-  peak; the model leaves out Muon's memory-bound work (momentum, scaling, dtype casts) and kernel
-  launches. That error carries into the step ratio (7.2× against 5.8×, within 30 %) and, with the
-  layer-wise step about 5 % above the paper's, into the dp 16 ratio (⚑ 10.8× against ≈ 8.3×):
-  canzona's predicted step is the same at dp 16 as at dp 32 (the same matrix bounds it) while the
-  layer-wise compute doubles.
-- **Whole steps** (every exposed collective counted, what `canzona compare` prints): 9.3× in (b)
+  layer-wise step and forward/backward within 5 % of the paper's, and both iterations within 3 %.
+- **canzona's step** is predicted 13 % below the measured 0.066 s; term by term (every task at
+  its roofline, `canzona.planner.cost.Roofline`): its busiest GPU hosts the fused gate/up
+  projection (51200 × 5120): 28.2 TFLOP of Newton–Schulz at 60 % of the bf16 peak is 47.6 ms,
+  and Muon's element-wise passes (54 bytes per element: momentum, Nesterov blend, cast, norm,
+  update) over 3.35 TB/s add 4.2 ms; TP gathers and scatters not hidden add 5.7 ms. Left out:
+  kernel launches, and Newton–Schulz below 60 % of peak on that shape. The error carries into
+  the step ratio (6.95× against 5.8×) and, with the layer-wise step about 4 % above the
+  paper's, into the dp 16 ratio (10.5× against ≈ 8.3×): canzona's predicted step is the same
+  at dp 16 as at dp 32 (the same matrix bounds it) while the layer-wise compute doubles.
+- **Whole steps** (every exposed collective counted, what `canzona compare` prints): 9.0× in (b)
   and 2.1× in (a). At MFU 0.4 backward lasts 0.165 s, too short to hide a 32B model's gradient
   collectives over one 400 Gb/s NIC per GPU (the DP group spans 32 nodes); they then dominate every
   strategy's step.

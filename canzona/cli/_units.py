@@ -37,9 +37,21 @@ def params_count(n: int) -> str:
     return str(n)
 
 
+def seconds(s: float) -> str:
+    """Seconds in s, ms or µs: ``seconds(0.0123)`` → ``12.30 ms``."""
+    for div, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+        if abs(s) >= div:
+            return f"{s / div:.2f} {unit}"
+    return f"{s * 1e9:.0f} ns"
+
+
+#: How each cost model's loads read: roofline loads are nanoseconds.
+_LOADS = {"flops": lambda n: human(n, "FLOP"), "roofline": lambda n: seconds(n * 1e-9)}
+
+
 def load(n: float, cost_model: str) -> str:
-    """A load in the plan's cost units (FLOPs for the flops model, elements for numel)."""
-    return human(n, "FLOP" if cost_model == "flops" else "el")
+    """A load in the plan's cost units (FLOPs for flops, time for roofline, else elements)."""
+    return _LOADS.get(cost_model, lambda v: human(v, "el"))(n)
 
 
 def gpus(n: int) -> str:

@@ -262,7 +262,9 @@ def plan(
         help="The paper's α in [0, 1] for the greedy: 0 even split, 1 fill deficits.")] = 1.0,
     cost: Annotated[str, typer.Option(
         "--cost",
-        help="Load per matrix: flops (optimizer FLOPs) or numel (the paper's).")] = "flops",
+        help="Load per task: roofline (seconds on --hardware: FLOPs at the achieved rate, "
+             "memory traffic at the bandwidth), flops (optimizer FLOPs) or numel (the "
+             "paper's).")] = "flops",
     solver: Annotated[str, typer.Option(
         "--solver", help="auto (greedy + exact per-bucket polish), greedy (the paper) or "
                          "cpsat (OR-Tools, proves a bound).")] = "auto",

@@ -5,9 +5,13 @@ Q/K/V or gate/up as separate matrices), or one AdamW parameter. Its :class:`Task
 the FLOPs of the chosen optimizer (its spec in the registry ``canzona.planner.optimizers``, from
 ``canzona.planner.formulas``, the same formulas the runtime kernels are tested against), the
 optimizer-state bytes, and the bytes its host moves in the TP gather/scatter. A
-:class:`CostModel` turns a task into the scalar load the solvers balance: ``numel`` (what the
-Canzona paper balances), ``flops`` (the default: Newton–Schulz work is cubic in the short side,
-so numel under-balances it) or ``calibrated`` (measured seconds per shape).
+:class:`CostModel` turns a task into the scalar load the solvers balance: ``roofline`` (seconds
+under a hardware profile, :class:`Roofline`, in integer nanoseconds), ``flops`` (the default:
+Newton–Schulz work is cubic in the short side, so numel under-balances it), ``numel`` (what the
+Canzona paper balances) or ``calibrated`` (measured seconds per shape).
+
+:class:`Roofline` is the one place a task's FLOPs and bytes become seconds: the roofline cost
+model, the step simulator and ``canzona compare`` all call :meth:`Roofline.seconds`.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from typing import Literal, Protocol
 
 from . import formulas, optimizers
 from .errors import CanzonaError, SizeError
+from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .inventory import EXPERT_PART, ModelSpec
 from .layout import ParallelSizes
 from .settings import OptimizerSettings
 
-CostName = Literal["flops", "numel"]
+CostName = Literal["roofline", "flops", "numel"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STATE_BYTES = 4  # optimizer states are fp32
@@ -62,11 +67,24 @@ class Task:
 
 @dataclass(frozen=True, slots=True)
 class TaskCost:
-    """Cost vector of one task (whole TP group's view: the full logical matrix)."""
+    """Cost vector of one task (whole TP group's view: the full logical matrix).
+
+    ``flops`` are the matrix optimizer's matmul FLOPs (AdamW: its element-wise FLOPs), and
+    ``flops_bytes`` the bytes the kernels doing them move; ``traffic_bytes`` are the bytes of
+    the element-wise passes those FLOPs leave out (a matrix optimizer's momentum, casts and
+    update; 0 for AdamW, whose passes are its FLOPs)."""
 
     flops: int
     state_bytes: int
     tp_comm_bytes: int  # bytes the host receives + sends in the TP gather/scatter
+    flops_bytes: int = 0
+    traffic_bytes: int = 0
+
+    def scaled(self, share: float) -> TaskCost:
+        """The cost of ``share`` of the task's rows (a piece several ranks update): FLOPs
+        excluded (a shared piece's FLOPs are not proportional), bytes in proportion."""
+        return TaskCost(0, 0, 0, round(self.flops_bytes * share),
+                        round(self.traffic_bytes * share))
 
 
 def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSizes) -> list[Task]:
@@ -102,17 +120,56 @@ def task_cost(task: Task, settings: OptimizerSettings, sizes: ParallelSizes,
     """FLOPs, fp32 state bytes and TP gather/scatter bytes of ``task``."""
     if task.optimizer == "adamw" or len(task.shape) != 2:
         return TaskCost(formulas.adamw_flops(task.numel),
-                        formulas.adamw_state_numel(task.numel) * STATE_BYTES, 0)
+                        formulas.adamw_state_numel(task.numel) * STATE_BYTES, 0,
+                        formulas.adamw_traffic_bytes(task.numel))
     m, n = task.shape
     spec = optimizers.get(settings.name)
     flops = spec.flops(m, n, settings)
     state = spec.state_numel(m, n, settings)
+    mm_bytes = spec.matmul_bytes(m, n, settings) if spec.matmul_bytes else 0
+    traffic = spec.traffic(m, n, settings) if spec.traffic else 0
     t = sizes.expert_tp if task.expert is not None else sizes.tp
     comm = 0
     if task.tp_split:
         # The host receives (t-1)/t of the matrix and sends (t-1)/t of the update back.
         comm = 2 * (task.numel - task.numel // t) * DTYPE_BYTES[comm_dtype]
-    return TaskCost(flops, state * STATE_BYTES, comm)
+    return TaskCost(flops, state * STATE_BYTES, comm, mm_bytes, traffic)
+
+
+def work_of(shape: tuple[int, ...], optimizer: str, settings: OptimizerSettings) -> TaskCost:
+    """The FLOPs and bytes of one task of ``shape`` (``"matrix"`` or ``"adamw"``), without TP
+    traffic: what a plan's task, or a piece of one, costs wherever it runs."""
+    return task_cost(Task(0, "", None, tuple(shape), optimizer, False), settings,
+                     ParallelSizes(dp=1, tp=1))
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    """Seconds of optimizer work on one GPU: each kernel class at its roofline.
+
+    The kernels doing a task's FLOPs take max(FLOPs / rate, their bytes / bandwidth); the
+    element-wise passes they leave out run at the memory bandwidth. ``rate`` is the profile's
+    peak in the work's dtype times its achieved fraction, ``bandwidth`` its memory bandwidth.
+    """
+
+    rate: float  # FLOP/s
+    bandwidth: float  # bytes/s
+
+    @classmethod
+    def of(cls, hw: HardwareProfile, dtype: str = "bf16") -> Roofline:
+        """The roofline of ``hw`` for work in ``dtype`` (a dtype the profile lacks: its best)."""
+        peak = hw.peak_flops.get(dtype, max(hw.peak_flops.values()))
+        return cls(peak * hw.compute_efficiency, hw.memory_bandwidth)
+
+    def seconds(self, c: TaskCost) -> float:
+        """Seconds of the work ``c`` describes."""
+        return max(c.flops / self.rate, c.flops_bytes / self.bandwidth) + \
+            c.traffic_bytes / self.bandwidth
+
+    def memory_s(self, c: TaskCost) -> float:
+        """The part of :meth:`seconds` beyond ``c``'s FLOPs at the rate (the memory-bound
+        passes, and a kernel's excess of bytes over its FLOPs)."""
+        return self.seconds(c) - c.flops / self.rate
 
 
 class CostModel(Protocol):
@@ -167,10 +224,39 @@ class CalibratedCost:
         return max(1, round(sec * 1e9))
 
 
-def make_cost_model(name: str, settings: OptimizerSettings, sizes: ParallelSizes) -> CostModel:
-    """``flops`` or ``numel`` by name."""
-    if name == "flops":
-        return FlopsCost(settings, sizes)
-    if name == "numel":
-        return NumelCost()
-    raise CanzonaError(f"unknown cost model '{name}'; choose one of: flops, numel.")
+@dataclass(frozen=True)
+class RooflineCost:
+    """Load = the task's :meth:`Roofline.seconds` under a hardware profile, in nanoseconds (an
+    integer, for the exact CP-SAT models; at least 1)."""
+
+    settings: OptimizerSettings
+    sizes: ParallelSizes
+    roofline: Roofline
+    name: str = "roofline"
+    #: seconds per unit of load
+    seconds_per_load: float = 1e-9
+
+    def seconds(self, task: Task) -> float:
+        return self.roofline.seconds(task_cost(task, self.settings, self.sizes))
+
+    def cost(self, task: Task) -> int:
+        return max(1, round(self.seconds(task) / self.seconds_per_load))
+
+
+_COST_MODELS = {
+    "roofline": lambda settings, sizes, hw: RooflineCost(
+        settings, sizes, Roofline.of(hw if isinstance(hw, HardwareProfile) else load_hardware(hw))),
+    "flops": lambda settings, sizes, hw: FlopsCost(settings, sizes),
+    "numel": lambda settings, sizes, hw: NumelCost(),
+}
+
+
+def make_cost_model(name: str, settings: OptimizerSettings, sizes: ParallelSizes,
+                    hardware: str | HardwareProfile | None = None) -> CostModel:
+    """A cost model by name (``roofline`` under the profile ``hardware``, default the
+    planner's)."""
+    make = _COST_MODELS.get(name)
+    if make is None:
+        raise CanzonaError(f"unknown cost model '{name}'; choose one of: "
+                           f"{', '.join(_COST_MODELS)}.")
+    return make(settings, sizes, hardware or DEFAULT_HARDWARE)

@@ -19,18 +19,28 @@ Conventions:
   that neither recomputes roots (Shampoo) nor updates the eigenbasis (SOAP).
 * State sizes are element counts of every tensor the kernel keeps per task, including the
   one-element ``step`` counter that Shampoo, SOAP and AdamW store (as ``torch.optim`` does).
+* Memory traffic (``*_traffic_bytes``, ``muon_matmul_bytes``) is what the roofline cost model
+  (``canzona.planner.cost.Roofline``) charges at the memory bandwidth: the bytes the
+  element-wise passes of one step read and write (fp32 gradient, state and main weight, a bf16
+  iterate), per element of the matrix. They are estimates by pass, listed in the ``*_PASSES``
+  tables, not counts of a profiler.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ADAMW_BYTES_PER_ELEMENT",
     "ADAMW_FLOPS_PER_ELEMENT",
+    "MUON_PASSES",
+    "SHAMPOO_PASSES",
+    "SOAP_PASSES",
     "GRAM_BLOCKS",
     "GRAM_CHUNKS",
     "LOCKSTEP_CMAX",
     "SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY",
     "adamw_flops",
     "adamw_state_numel",
+    "adamw_traffic_bytes",
     "block_sizes",
     "gram_blocks",
     "gram_chunks",
@@ -38,7 +48,9 @@ __all__ = [
     "lockstep_batches",
     "lockstep_bytes",
     "muon_flops",
+    "muon_matmul_bytes",
     "muon_state_numel",
+    "muon_traffic_bytes",
     "poly_blocks",
     "poly_flops",
     "poly_packed_numel",
@@ -46,8 +58,10 @@ __all__ = [
     "shared_ns_flops",
     "shampoo_flops",
     "shampoo_state_numel",
+    "shampoo_traffic_bytes",
     "soap_flops",
     "soap_state_numel",
+    "soap_traffic_bytes",
 ]
 
 #: Elementwise FLOPs per element of one AdamW step as the kernel runs it (torch.optim.AdamW's
@@ -55,6 +69,34 @@ __all__ = [
 #: sqrt / bias-correction / +eps 3, addcdiv 3. The
 #: kernels' non-finite guard (``isfinite``: about 3 comparisons per element) is not counted.
 ADAMW_FLOPS_PER_ELEMENT = 14
+
+#: AdamW's memory traffic per element: fp32 main weight read and written (8), fp32 gradient
+#: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
+ADAMW_BYTES_PER_ELEMENT = 30
+
+#: The element-wise passes of one Muon step, (what it does, bytes per element of the matrix):
+#: fp32 gradient and momentum, the iterate in bf16, fp32 main weights.
+MUON_PASSES: tuple[tuple[str, int], ...] = (
+    ("momentum: gradient and momentum read, momentum written", 12),
+    ("Nesterov blend: gradient and momentum read, blend written", 12),
+    ("cast to the iteration dtype: fp32 read, bf16 written", 6),
+    ("Frobenius norm and scaling: bf16 read, read and written", 6),
+    ("update applied: weight decay and step on the fp32 weight, the update read", 18),
+)
+#: Shampoo's element-wise passes (its statistics and roots are matmuls, in the FLOPs).
+SHAMPOO_PASSES: tuple[tuple[str, int], ...] = (
+    ("filtered gradient: gradient read, first moment read and written", 12),
+    ("grafting: Adam's second moment read and written, its direction written", 12),
+    ("grafting norm and scaling: both directions read, the scaled one written", 12),
+    ("update applied: weight decay and step on the fp32 weight, the update read", 18),
+)
+#: SOAP's element-wise passes (the projections into and out of the eigenbasis are matmuls).
+SOAP_PASSES: tuple[tuple[str, int], ...] = (
+    ("projected gradient: written, then read by the moments", 8),
+    ("Adam in the eigenbasis: two moments read and written, the direction written", 20),
+    ("projected-back update: written, then read", 8),
+    ("update applied: weight decay and step on the fp32 weight, the update read", 18),
+)
 
 #: Shampoo's default ``precondition_frequency`` in ``canzona.runtime.optim.ShampooConfig``.
 SHAMPOO_DEFAULT_PRECONDITION_FREQUENCY = 10
@@ -95,6 +137,37 @@ def muon_flops(m: int, n: int, *, ns_steps: int = 5) -> int:
     _check_positive("ns_steps", ns_steps)
     a, b = min(m, n), max(m, n)
     return ns_steps * (4 * a * a * b + 2 * a * a * a)
+
+
+def muon_matmul_bytes(m: int, n: int, *, ns_steps: int = 5, elem_bytes: int = 2) -> int:
+    """Bytes the Newton–Schulz products of an m×n matrix read and write (a = min, b = max): per
+    iteration A = X Xᵀ reads X and writes A (ab + a²), B = bA + cA·A reads A three times and
+    writes B (4a²), X' = aX + B X reads B and X twice and writes X' (a² + 3ab)."""
+    _check_positive("m", m)
+    _check_positive("n", n)
+    a, b = min(m, n), max(m, n)
+    return ns_steps * elem_bytes * (4 * a * b + 6 * a * a)
+
+
+def _traffic(passes: tuple[tuple[str, int], ...], m: int, n: int) -> int:
+    _check_positive("m", m)
+    _check_positive("n", n)
+    return sum(b for _, b in passes) * m * n
+
+
+def muon_traffic_bytes(m: int, n: int) -> int:
+    """Bytes Muon's element-wise passes of an m×n matrix move (:data:`MUON_PASSES`)."""
+    return _traffic(MUON_PASSES, m, n)
+
+
+def shampoo_traffic_bytes(m: int, n: int) -> int:
+    """Bytes Shampoo's element-wise passes of an m×n matrix move (:data:`SHAMPOO_PASSES`)."""
+    return _traffic(SHAMPOO_PASSES, m, n)
+
+
+def soap_traffic_bytes(m: int, n: int) -> int:
+    """Bytes SOAP's element-wise passes of an m×n matrix move (:data:`SOAP_PASSES`)."""
+    return _traffic(SOAP_PASSES, m, n)
 
 
 def muon_state_numel(m: int, n: int) -> int:
@@ -217,6 +290,12 @@ def adamw_flops(numel: int) -> int:
     """Elementwise FLOPs of one AdamW step over ``numel`` elements (§4: O(numel))."""
     _check_positive("numel", numel)
     return ADAMW_FLOPS_PER_ELEMENT * numel
+
+
+def adamw_traffic_bytes(numel: int) -> int:
+    """Bytes one AdamW step over ``numel`` elements moves (:data:`ADAMW_BYTES_PER_ELEMENT`)."""
+    _check_positive("numel", numel)
+    return ADAMW_BYTES_PER_ELEMENT * numel
 
 
 def adamw_state_numel(numel: int) -> int:

@@ -60,6 +60,10 @@ class OptimizerSpec:
         flops: ``(m, n, settings)`` → FLOPs of one amortised step of an m×n matrix.
         state_numel: ``(m, n, settings)`` → optimizer-state elements the kernel keeps for it.
         share: how several ranks can update one matrix, one of :data:`SHARE_KINDS`.
+        traffic: ``(m, n, settings)`` → bytes its element-wise passes move per step (what the
+            roofline cost model charges at the memory bandwidth); None counts none.
+        matmul_bytes: ``(m, n, settings)`` → bytes the kernels behind ``flops`` read and write
+            (their roofline's memory side); None counts none (compute-bound).
     """
 
     name: str
@@ -68,6 +72,8 @@ class OptimizerSpec:
     flops: CostFormula
     state_numel: CostFormula
     share: str | None = None
+    traffic: CostFormula | None = None
+    matmul_bytes: CostFormula | None = None
 
     @property
     def title(self) -> str:
@@ -133,6 +139,8 @@ register(OptimizerSpec(
     flops=lambda m, n, s: formulas.muon_flops(m, n, ns_steps=s.ns_steps),
     state_numel=lambda m, n, s: formulas.muon_state_numel(m, n),
     share="gram",
+    traffic=lambda m, n, s: formulas.muon_traffic_bytes(m, n),
+    matmul_bytes=lambda m, n, s: formulas.muon_matmul_bytes(m, n, ns_steps=s.ns_steps),
 ))
 
 register(OptimizerSpec(
@@ -145,6 +153,7 @@ register(OptimizerSpec(
     state_numel=lambda m, n, s: formulas.shampoo_state_numel(
         m, n, max_preconditioner_dim=s.max_preconditioner_dim, grafting=s.shampoo_grafting),
     share="blocks",
+    traffic=lambda m, n, s: formulas.shampoo_traffic_bytes(m, n),
 ))
 
 register(OptimizerSpec(
@@ -156,4 +165,5 @@ register(OptimizerSpec(
         precondition_frequency=s.soap_precondition_frequency),
     state_numel=lambda m, n, s: formulas.soap_state_numel(
         m, n, max_precond_dim=s.soap_max_precond_dim),
+    traffic=lambda m, n, s: formulas.soap_traffic_bytes(m, n),
 ))

@@ -18,7 +18,7 @@ from .hardware import hardware_names
 #: DP solvers (``DPOptions.solver``).
 SOLVERS = ("auto", "greedy", "cpsat")
 #: Cost models by name (``DPOptions.cost``); a ``CostModel`` object is accepted too.
-COSTS = ("flops", "numel")
+COSTS = ("roofline", "flops", "numel")
 #: TP hosting solvers (``TPOptions.solver``).
 TP_SOLVERS = ("greedy", "cpsat")
 #: TPOptions.share: "off" (every TP-split matrix hosted whole), "auto" (the planner shares the
@@ -72,8 +72,9 @@ class DPOptions:
         workers: CP-SAT worker count (fixed, so plans are reproducible).
         comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
         reorder: let parameters change places inside their bucket (see ``dp.reorder``).
-        cost: the load of a task: ``flops`` (optimizer FLOPs), ``numel`` (the paper's), or a
-            ``CostModel`` object.
+        cost: the load of a task: ``roofline`` (its seconds under ``TPOptions.hardware``:
+            FLOPs at the achieved rate, memory traffic at the bandwidth), ``flops`` (optimizer
+            FLOPs), ``numel`` (the paper's), or a ``CostModel`` object.
         bucket_size: elements per bucket (None: Megatron's max(40M, 1M·dp)).
         overlap_grad_reduce: False puts each buffer in one bucket (Megatron without overlap).
         objective: what the DP solvers minimise: ``step-time`` (the default: the busiest

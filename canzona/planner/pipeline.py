@@ -102,7 +102,8 @@ def plan(
                         "expert-parallel layout.", fields=("ParallelSizes.tp", "ParallelSizes.ep"))
     spec, model_source = inventory_of(source, names)
     problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
-                           overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=t.comm_dtype)
+                           overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=t.comm_dtype,
+                           hardware=t.hardware)
     return plan_problem(problem, dp_options=o, tp_options=t, model_source=model_source,
                         dp_only=dp_only, progress=progress)
 

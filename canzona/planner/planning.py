@@ -19,6 +19,7 @@ from typing import Protocol
 
 from .cost import CostModel, Task, TaskCost, build_tasks, make_cost_model, task_cost
 from .errors import SizeError
+from .hardware import HardwareProfile
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .settings import OptimizerSettings
@@ -125,6 +126,9 @@ class DPProblem:
     #: Tasks two DP indices share: task id → its two pieces. ``sharing.with_pairs`` cuts each
     #: such task's bucket item into two atomic items at the row boundary.
     pairs: Mapping[int, PairShare] = field(default_factory=dict)
+    #: Seconds per unit of load when the cost model is in seconds (``roofline``: 1e-9); None
+    #: when loads are FLOPs or elements (timelines then take FLOPs at the profile's rate).
+    seconds_per_load: float | None = None
 
     @property
     def dp(self) -> int:
@@ -183,15 +187,17 @@ def make_problem(
     bucket_size: int | None = None,
     overlap_grad_reduce: bool = True,
     comm_dtype: str = "bf16",
+    hardware: str | HardwareProfile | None = None,
 ) -> DPProblem:
-    """Build the layout, the tasks and their costs, and group them per bucket."""
+    """Build the layout, the tasks and their costs, and group them per bucket. ``hardware``:
+    the profile a cost model in seconds (``roofline``) prices the tasks under."""
     settings = settings or OptimizerSettings()
     if sizes.etp is not None and sizes.etp != sizes.tp:
         raise SizeError(f"expert tensor parallel size {sizes.etp} differs from tp={sizes.tp}; "
                         "only etp = tp (Megatron's default) is supported yet.")
     layout = build_layout(spec, sizes, bucket_size=bucket_size,
                           overlap_grad_reduce=overlap_grad_reduce)
-    model = make_cost_model(cost, settings, sizes) if isinstance(cost, str) else cost
+    model = make_cost_model(cost, settings, sizes, hardware) if isinstance(cost, str) else cost
     tasks = build_tasks(spec, settings, sizes)
     costs = tuple(task_cost(t, settings, sizes, comm_dtype) for t in tasks)
     loads = tuple(model.cost(t) for t in tasks)
@@ -210,7 +216,8 @@ def make_problem(
                                   s.optimizer == "matrix", ids))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     return DPProblem(spec, sizes, settings, layout, tuple(tasks), costs, loads,
-                     getattr(model, "name", "custom"), tuple(buckets), sum(loads), comm_dtype)
+                     getattr(model, "name", "custom"), tuple(buckets), sum(loads), comm_dtype,
+                     seconds_per_load=getattr(model, "seconds_per_load", None))
 
 
 def pair_items(it: Item, shape: tuple[int, ...], row: int, loads: tuple[int, int],

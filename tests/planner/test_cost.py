@@ -105,3 +105,67 @@ def test_hardware_profiles():
     assert load_hardware("cpu").gpus_per_node >= 1
     with pytest.raises(CanzonaError, match="h100"):
         load_hardware("a100")
+
+
+# --- the roofline ---------------------------------------------------------------------------
+
+
+def test_the_roofline_prices_adamw_by_its_memory_traffic_and_muon_by_both(q32):
+    """AdamW is memory-bound: its seconds are its bytes over the bandwidth, hundreds of times
+    what its FLOPs at the matmul rate say. A Muon matrix takes its Newton–Schulz FLOPs at the
+    rate plus its element-wise passes over the bandwidth (the products themselves are
+    compute-bound at this size)."""
+    from canzona.planner.cost import Roofline, RooflineCost
+
+    hw = load_hardware("h800")
+    roof = Roofline.of(hw)
+    assert roof.rate == hw.peak_flops["bf16"] * hw.compute_efficiency
+    sizes, s = ParallelSizes(dp=32, tp=8), OptimizerSettings()
+    tasks = {t.name: t for t in build_tasks(q32, s, sizes)}
+    emb = tasks["embedding.word_embeddings.weight"]
+    c = task_cost(emb, s, sizes)
+    assert roof.seconds(c) == pytest.approx(30 * emb.numel / hw.memory_bandwidth, rel=1e-12)
+    assert roof.seconds(c) > 300 * c.flops / roof.rate
+    fc1 = tasks["decoder.layers.0.mlp.linear_fc1.weight"]
+    c = task_cost(fc1, s, sizes)
+    assert c.flops_bytes / hw.memory_bandwidth < c.flops / roof.rate  # compute-bound products
+    want = c.flops / roof.rate + 54 * fc1.numel / hw.memory_bandwidth
+    assert roof.seconds(c) == pytest.approx(want, rel=1e-12)
+    model = make_cost_model("roofline", s, sizes, "h800")
+    assert isinstance(model, RooflineCost)
+    assert model.cost(fc1) == round(want * 1e9)
+    # a small matrix's products are memory-bound: the roofline takes their bytes
+    small = task_cost(type(fc1)(0, "w", None, (64, 64), "matrix", False), s, sizes)
+    assert roof.seconds(small) == pytest.approx(
+        (small.flops_bytes + small.traffic_bytes) / hw.memory_bandwidth, rel=1e-12)
+
+
+def test_a_roofline_plan_records_nanoseconds_and_its_checks_refuse_others():
+    """Every task's cost in a ``roofline`` plan is its roofline time on the plan's profile, in
+    ns; ``load_plan`` refuses a plan whose cost was edited."""
+    import json
+
+    from canzona.planner import DPOptions, TPOptions
+    from canzona.planner.cost import Roofline
+    from canzona.planner.errors import PlanFileError
+    from canzona.planner.pipeline import plan as make_plan
+    from canzona.planner.plan.load import parse_plan
+
+    plan = make_plan("qwen3-0.6b", ParallelSizes(dp=4, tp=2), dp_options=DPOptions(cost="roofline"),
+                     tp_options=TPOptions(hardware="h800"))
+    roof = Roofline.of(load_hardware("h800"))
+    s = plan.inputs.optimizer
+    for t in plan.tasks:
+        c = task_cost(_task(t), s, ParallelSizes(dp=4, tp=2))
+        assert t.cost == max(1, round(roof.seconds(c) * 1e9)), t.param
+    data = json.loads(plan.model_dump_json())
+    parse_plan(json.dumps(data))  # as written: accepted
+    data["tasks"][3]["cost"] += 1
+    with pytest.raises(PlanFileError, match=r"tasks\[3\]\.cost.*roofline"):
+        parse_plan(json.dumps(data))
+
+
+def _task(t):
+    from canzona.planner.cost import Task
+
+    return Task(t.id, t.param, t.part, t.shape, t.optimizer, False)

@@ -34,8 +34,9 @@ field and the fix.
 from __future__ import annotations
 
 from .. import optimizers
-from ..cost import DTYPE_BYTES, Task, TaskCost, task_cost
+from ..cost import DTYPE_BYTES, Roofline, Task, TaskCost, task_cost
 from ..errors import PlanFileError
+from ..hardware import hardware_names, load_hardware
 from ..layout import ParallelSizes, padded_vocab
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
 from ..settings import OptimizerSettings
@@ -145,6 +146,7 @@ def _check(plan: Plan, source: str) -> None:
         scheduled = {gt.id for ix in plan.tp.indices for g in ix.groups for gt in g.tasks}
         scheduled |= {x.id for ix in plan.tp.indices for x in ix.shared}  # shared by its TP group
     by_flops, by_numel = inp.cost_model == "flops", inp.cost_model == "numel"
+    roofline = _roofline_of(plan) if inp.cost_model == "roofline" else None
     for i, t in enumerate(tasks):
         t_size, kind, _, _ = slots[t.param]
         c = cost_of(t, settings, t_size)
@@ -158,6 +160,10 @@ def _check(plan: Plan, source: str) -> None:
             raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is 'flops' "
                                           f"(inputs.cost_model), so it must equal the task's "
                                           f"flops {t.flops}")
+        if roofline is not None and t.cost != (want := max(1, round(roofline.seconds(c) * 1e9))):
+            raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is 'roofline' "
+                                          f"(inputs.cost_model) on {plan.comm.hardware}, so it "
+                                          f"must be the task's roofline time {want} ns")
         if by_numel and t.cost != numel[i]:
             raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is 'numel' "
                                           f"(inputs.cost_model), so it must equal the task's "
@@ -276,3 +282,11 @@ def _check_loads(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001
                                           f"certified_bound - 1 is {exp_gap}")
 
 
+def _roofline_of(plan: Plan) -> Roofline | None:
+    """The roofline a ``roofline`` plan's costs were priced under: its recorded profile, when
+    that is a built-in one of the same version (None: its costs cannot be checked here)."""
+    name = plan.comm.hardware
+    if name.lower() not in hardware_names():
+        return None
+    hw = load_hardware(name)
+    return Roofline.of(hw) if hw.version == plan.comm.hardware_version else None

@@ -130,7 +130,7 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
             problem = make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
                                    bucket_size=inp.bucket_size,
                                    overlap_grad_reduce=inp.bucket_size is not None,
-                                   comm_dtype=inp.comm_dtype)
+                                   comm_dtype=inp.comm_dtype, hardware=plan.comm.hardware)
             ordered = _in_plan_order(problem, plan)
     return PlanProblem(sizes, plan.buffers, tuple(buckets), cuts, pairs,
                        sum(it.load for b in buckets for it in b.items), problem, ordered)

@@ -13,9 +13,12 @@ Torch-free. Two layers, a module each:
   a workload: bucket collectives from :mod:`canzona.planner.comm` under the bucket's recorded
   ``method`` (α–β, the DP link of :func:`~canzona.planner.comm.plan_link`), TP all-to-alls from the
   micro-groups' element matrices (the TP link is ``hw.link(tp)``: NVLink when tp ≤ gpus_per_node),
-  compute as ``FLOPs / (peak[dtype] · compute_efficiency)`` (matrix work and AdamW in ``bf16``
-  unless told); AdamW is a roofline, the larger of that and its memory traffic,
-  :data:`ADAMW_BYTES_PER_ELEMENT` per element over ``memory_bandwidth``.
+  compute as each task's :class:`~canzona.planner.cost.Roofline` time, the same function the
+  ``roofline`` cost model balances: its FLOPs at ``peak[dtype] · compute_efficiency`` (matrix
+  work and AdamW in ``bf16`` unless told) or its kernels' bytes over ``memory_bandwidth``,
+  whichever is longer, plus its element-wise passes over ``memory_bandwidth``
+  (``formulas.*_PASSES``; AdamW's ``ADAMW_BYTES_PER_ELEMENT``). A shared piece takes its own
+  FLOPs and its share of the task's memory time.
 
 The model (a small deterministic event simulation; times in seconds, 0 = start of backward):
 
@@ -59,18 +62,18 @@ Iteration: :func:`forward_backward_seconds` is ``6 · N_active · tokens`` at a 
 the step's exposed time (simulate the step with that ``backward_s`` and ``forward_s``).
 
 Not modelled: contention between the DP and TP streams or with backward's own kernels, NCCL's
-coalescing of per-root calls (each pays α, as in ``comm``), launch overheads, the memory traffic
-of the matrix optimizers (taken as compute-bound).
+coalescing of per-root calls (each pays α, as in ``comm``), launch overheads, caches (every
+pass reads and writes memory).
 Deterministic: no randomness, fixed iteration orders, floats rounded to nanoseconds on output.
 """
 
-from .engine import (ADAMW_BYTES_PER_ELEMENT, ROUND, BucketWork, GroupWork, RankSim, RankWork,
+from .engine import (ROUND, BucketWork, GroupWork, RankSim, RankWork,
                      Stage, StepSim, Workload, forward_backward_seconds, iteration_time,
                      simulate, split_forward_backward)
 from .from_plan import (DEFAULT_MFU, DEFAULT_SEQ, active_params, plan_forward_backward,
                         plan_hardware, simulate_plan, simulate_plan_behind, workload_from_plan)
 
-__all__ = ["ADAMW_BYTES_PER_ELEMENT", "DEFAULT_MFU", "DEFAULT_SEQ", "ROUND", "BucketWork",
+__all__ = ["DEFAULT_MFU", "DEFAULT_SEQ", "ROUND", "BucketWork",
            "GroupWork", "RankSim", "RankWork", "Stage", "StepSim", "Workload", "active_params",
            "forward_backward_seconds", "iteration_time", "plan_forward_backward",
            "plan_hardware", "simulate", "simulate_plan", "simulate_plan_behind",

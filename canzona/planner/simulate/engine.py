@@ -9,10 +9,6 @@ from dataclasses import dataclass, field
 
 from ..hardware import HardwareProfile
 
-#: AdamW's memory traffic per element: fp32 master parameter read and written (8), fp32 gradient
-#: read (4), two fp32 moments read and written (16), the bf16 parameter written (2).
-ADAMW_BYTES_PER_ELEMENT = 30
-
 #: Decimal places of seconds in :meth:`StepSim.to_dict` (nanoseconds).
 ROUND = 9
 

@@ -8,8 +8,9 @@ import math
 from collections.abc import Sequence
 
 from ..comm import ELEMENT_BYTES, all_to_all_busiest, bucket_comm, buffer_slices, plan_link
+from ..cost import Roofline, TaskCost, work_of
 from ..errors import CanzonaError
-from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
+from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from ..inventory import ModelSpec
 from ..plan import Plan
@@ -17,8 +18,8 @@ from ..plan.inverse import rebuild_model
 from ..planning import coupled
 from ..sharing import pair_link, pair_timeline, shared_piece, tp_pair_piece
 from ..tp.context import Run, lockstep_seconds
-from .engine import (ADAMW_BYTES_PER_ELEMENT, BucketWork, GroupWork, RankWork, StepSim,
-                     Workload, forward_backward_seconds, simulate, split_forward_backward)
+from .engine import (BucketWork, GroupWork, RankWork, StepSim, Workload,
+                     forward_backward_seconds, simulate, split_forward_backward)
 
 
 def _a2a(matrix: Sequence[Sequence[int]], elem_bytes: int,
@@ -35,8 +36,17 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
     dp, tp, ep = inp.dp, inp.tp, inp.ep
     _, dp_link = plan_link(hw, dp, tp)
     tp_link = hw.link(tp)
-    mat_rate = hw.peak_flops[matrix_dtype] * hw.compute_efficiency
-    adam_rate = hw.peak_flops[adamw_dtype] * hw.compute_efficiency
+    roof, adam_roof = Roofline.of(hw, matrix_dtype), Roofline.of(hw, adamw_dtype)
+    mat_rate = roof.rate
+    settings = inp.optimizer
+    work = {t.id: work_of(t.shape, t.optimizer, settings) for t in plan.tasks}
+
+    def seconds(i: int, share: float = 1.0, flops: float | None = None) -> float:
+        """Task ``i``'s roofline seconds; a piece: ``flops`` at the rate, ``share`` of the
+        task's memory time."""
+        if flops is None:
+            return roof.seconds(work[i]) * share
+        return flops / mat_rate + roof.memory_s(work[i]) * share
     if tp > 1 and plan.tp is None:
         raise ValueError("plan has tp > 1 but no TP schedule")
 
@@ -63,7 +73,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
             acc[0] += task.flops
             acc[1] += math.prod(task.shape) if task.shape else 1
     adam_flops = [0.0] * (dp * tp)
-    adam_elems = [0] * (dp * tp)
+    adam_elems = [0] * (dp * tp)  # their roofline: ADAMW_BYTES_PER_ELEMENT each
     for buf in plan.buffers:
         for b in buf.buckets:
             for slot in b.slots:
@@ -91,22 +101,25 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
     # DP pairs at tp = 1 (at tp > 1 a pair's halves are in its two TP groups' shared phases)
     pairs = {x.id: x for x in plan.dp_shared} if tp == 1 else {}
     mat_flops = [0] * (dp * tp)
+    mat_s = [0.0] * (dp * tp)
     waits = [0.0] * (dp * tp)  # DP pairs: their runs' time beyond the pieces' own compute
     for task in plan.tasks:
         if task.owner is not None and task.id not in grouped and task.id not in pairs:
             for t in range(tp):
                 mat_flops[task.owner * tp + t] += task.flops
+                mat_s[task.owner * tp + t] += seconds(task.id)
     runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
+        rows, cols = plan.tasks[x.id].shape
         for d, f in zip(x.owners, x.flops):
             mat_flops[d] += f
+            mat_s[d] += seconds(x.id, 0.5, f)
         if inp.optimizer.spec.gram_shared:  # shared Newton–Schulz: exchanges with the partner
-            rows, cols = plan.tasks[x.id].shape
             o = shared_piece("dp", 2, x.split_poly, max(rows, cols), min(rows, cols),
                              inp.optimizer.ns_steps, ELEMENT_BYTES[matrix_dtype],
                              pair_link(hw, x.owners), rate=mat_rate, exchange=rows < cols)
             runs.setdefault((x.phase, tuple(x.owners)), []).append(
-                (o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
+                (seconds(x.id, 0.5, o.piece_flops), o.comm_s, o.hidden_s))
     # The runtime runs the pairs first, phase by phase, each pair's matrices in lockstep: a pair
     # starts when both partners are free, so waits chain along pairs of later phases.
     free = pair_timeline(runs, inp.optimizer.ns_steps, dp * tp)
@@ -135,10 +148,10 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 cap = LOCKSTEP_CMAX * plan.tp.cmax_bytes
                 for x in ix.shared:
                     if inp.optimizer.spec.block_hosted:  # its shard's blocks, no collective
-                        piece = inp.optimizer.spec.flops(
-                            *plan.tp.layouts[x.layout].local_shape, inp.optimizer)
-                        fl += piece
-                        pieces.append((piece / mat_rate, 0.0, 0.0))
+                        local = work_of(plan.tp.layouts[x.layout].local_shape, "matrix",
+                                        settings)
+                        fl += local.flops
+                        pieces.append((roof.seconds(local), 0.0, 0.0))
                         sizes.append(0)
                         half.append(False)
                         continue
@@ -155,7 +168,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                                           ELEMENT_BYTES[matrix_dtype], tp_link, hw.link(2 * tp),
                                           rate=mat_rate)
                     fl += o.piece_flops
-                    pieces.append((o.piece_flops / mat_rate, o.comm_s, o.hidden_s))
+                    pieces.append((seconds(x.id, 1 / k, o.piece_flops), o.comm_s, o.hidden_s))
                     sizes.append(lockstep_bytes(-(-m // k), n, k, x.split_poly,
                                                 ELEMENT_BYTES[matrix_dtype]))
                     half.append(x.partner is not None)
@@ -178,22 +191,22 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                 gs.append(GroupWork(0.0, max(0.0, ends[d] + own - comp), (comp,) * tp, 0,
                                     (fl,) * tp, barrier=True))
             for g in (ix.groups if ix else ()):
-                fl = [0] * tp
+                fl, secs = [0] * tp, [0.0] * tp
                 for gt in g.tasks:
                     fl[gt.host] += flops_of[gt.id]
+                    secs[gt.host] += seconds(gt.id)
                 gs_s, gb = _a2a(g.gather_send, eb, tp_link)
                 sc_s, _ = _a2a(g.scatter_send, eb, tp_link)
-                gs.append(GroupWork(gs_s, sc_s, tuple(f / mat_rate for f in fl), gb, tuple(fl)))
+                gs.append(GroupWork(gs_s, sc_s, tuple(secs), gb, tuple(fl)))
             groups.append(tuple(gs))
 
-    ranks = tuple(RankWork(mat_flops[r] / mat_rate + waits[r],
-                           max(adam_flops[r] / adam_rate,
-                               adam_elems[r] * ADAMW_BYTES_PER_ELEMENT / hw.memory_bandwidth),
+    ranks = tuple(RankWork(mat_s[r] + waits[r],
+                           adam_roof.seconds(TaskCost(round(adam_flops[r]), 0, 0,
+                                                      adam_elems[r] * ADAMW_BYTES_PER_ELEMENT)),
                            mat_flops[r], int(round(adam_flops[r]))) for r in range(dp * tp))
-    notes = (f"hardware {hw.name} v{hw.version}; matrix work in {matrix_dtype} at "
-             f"{hw.compute_efficiency:g} of peak; AdamW in {adamw_dtype}, or its "
-             f"{ADAMW_BYTES_PER_ELEMENT} B/element over {hw.memory_bandwidth / 1e12:g} TB/s "
-             f"if slower",
+    notes = (f"hardware {hw.name} v{hw.version}; each task at its roofline: matrix work in "
+             f"{matrix_dtype} at {hw.compute_efficiency:g} of peak, AdamW in {adamw_dtype}, "
+             f"memory-bound passes over {hw.memory_bandwidth / 1e12:g} TB/s",
              f"DP link {'intra' if dp_link is hw.intra_node else 'inter'}-node "
              f"({dp_link.busbw / 1e9:g} GB/s, α {dp_link.latency_s * 1e6:g} µs); TP link "
              f"{'intra' if tp_link is hw.intra_node else 'inter'}-node")

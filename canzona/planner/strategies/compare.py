@@ -206,7 +206,8 @@ def compare(source, sizes: ParallelSizes, optimizer: OptimizerSettings | str = "
                 if isinstance(optimizer, str) else optimizer)
     spec, _ = inventory_of(source)
     problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
-                           overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=comm_dtype)
+                           overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=comm_dtype,
+                           hardware=hardware)
     return compare_problem(problem, hardware, dp_options=o, tp_options=tp_options, **kwargs)
 
 

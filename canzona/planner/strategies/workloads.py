@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from .. import comm as cm
 from ..baselines import Dealing, megatron_packed
+from ..cost import Roofline, TaskCost
+from ..formulas import ADAMW_BYTES_PER_ELEMENT
 from ..hardware import HardwareProfile
 from ..plan import Plan
 from ..planning import DPProblem, equal_cuts, owner_of
-from ..simulate import (ADAMW_BYTES_PER_ELEMENT, BucketWork, GroupWork, RankWork, Workload,
-                        workload_from_plan)
+from ..simulate import BucketWork, GroupWork, RankWork, Workload, workload_from_plan
 from ..tp import TPContext
 
 #: A strategy's workload, and the logical FLOPs and state bytes it charges each DP index.
@@ -50,12 +51,12 @@ class _Builder:
         self.problem, self.hw = problem, hw
         self.dp, self.tp = problem.dp, problem.sizes.tp
         self.ctx = TPContext.build(problem, problem.comm_dtype)
-        self.mat_rate = hw.peak_flops[x.matrix_dtype] * hw.compute_efficiency
-        self.adam_rate = hw.peak_flops[x.adamw_dtype] * hw.compute_efficiency
+        self.roof, self.adam_roof = Roofline.of(hw, x.matrix_dtype), Roofline.of(hw, x.adamw_dtype)
         self.tp_link = hw.link(self.tp)
         self.dp_link = cm.plan_link(hw, self.dp, self.tp)[1]
         n = self.dp * self.tp
         self.mat_flops = [0] * n
+        self.mat_s = [0.0] * n  # each task at its roofline
         self.adam_flops = [0.0] * n
         self.adam_elems = [0] * n
         self.groups: list[list[GroupWork]] = [[] for _ in range(self.dp)]
@@ -84,16 +85,17 @@ class _Builder:
         self.dp_state[d] += item.state_bytes
         for i in item.tasks:
             fl = self.problem.costs[i].flops
+            sec = self.roof.seconds(self.problem.costs[i])
             if self.ctx.split[i] and duplicated:
                 m = self.ctx.maps[self.ctx.layout[i]]
                 received = max(m.full_numel - m.sent_numel(t) for t in range(self.tp))
                 b = received * cm.ELEMENT_BYTES[self.problem.comm_dtype]
                 g = self.tp_link.seconds(b) if b else 0.0
-                self.groups[d].append(GroupWork(g, 0.0, (fl / self.mat_rate,) * self.tp, b,
-                                                (fl,) * self.tp))
+                self.groups[d].append(GroupWork(g, 0.0, (sec,) * self.tp, b, (fl,) * self.tp))
             else:
                 for t in range(self.tp):
                     self.mat_flops[d * self.tp + t] += fl
+                    self.mat_s[d * self.tp + t] += sec
 
     def fragment(self, d: int, item, share: float) -> None:
         """zero1: DP index ``d`` applies the optimizer to ``share`` of a matrix, each TP rank to
@@ -101,18 +103,18 @@ class _Builder:
         self.dp_flops[d] += item.flops * share
         self.dp_state[d] += item.state_bytes * share
         for i in item.tasks:
-            fl = self.problem.costs[i].flops * share
-            per = fl / self.tp if self.ctx.split[i] else fl
+            part = share / self.tp if self.ctx.split[i] else share
+            sec = self.roof.seconds(self.problem.costs[i]) * part
             for t in range(self.tp):
-                self.mat_flops[d * self.tp + t] += int(round(per))
+                self.mat_flops[d * self.tp + t] += int(round(self.problem.costs[i].flops * part))
+                self.mat_s[d * self.tp + t] += sec
 
     def ranks(self) -> tuple[RankWork, ...]:
         """Every global rank's work outside the TP gathers (rank = d·tp + t)."""
-        hw = self.hw
-        return tuple(RankWork(self.mat_flops[r] / self.mat_rate,
-                              max(self.adam_flops[r] / self.adam_rate,
-                                  self.adam_elems[r] * ADAMW_BYTES_PER_ELEMENT
-                                  / hw.memory_bandwidth),
+        return tuple(RankWork(self.mat_s[r],
+                              self.adam_roof.seconds(TaskCost(
+                                  round(self.adam_flops[r]), 0, 0,
+                                  self.adam_elems[r] * ADAMW_BYTES_PER_ELEMENT)),
                               self.mat_flops[r], int(round(self.adam_flops[r])))
                      for r in range(self.dp * self.tp))
 

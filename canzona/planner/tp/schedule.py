@@ -245,11 +245,20 @@ def _group_lower_bound(base: list[float], loads: list[int], tp: int) -> float:
 class _Rates:
     flops_per_s: float
     link: LinkProfile  # the TP group's (intra-node)
+    seconds_per_load: float | None = None  # loads in seconds (the ``roofline`` cost)
+
+    def compute_s(self, g: MicroGroup) -> float:
+        """The busiest host's compute in group ``g``: its load when loads are seconds, else
+        its FLOPs at the rate."""
+        if self.seconds_per_load is not None:
+            return max(g.rank_load) * self.seconds_per_load
+        return max(g.rank_flops) / self.flops_per_s
 
 
-def _rates(hardware: str) -> _Rates:
+def _rates(hardware: str, seconds_per_load: float | None = None) -> _Rates:
     hw = load_hardware(hardware)
-    return _Rates(hw.peak_flops["bf16"] * hw.compute_efficiency, hw.intra_node)
+    return _Rates(hw.peak_flops["bf16"] * hw.compute_efficiency, hw.intra_node,
+                  seconds_per_load)
 
 
 def _a2a_seconds(g: MicroGroup, rates: _Rates, nbytes: int) -> float:
@@ -267,7 +276,7 @@ def _order_and_timeline(groups: list[MicroGroup], rates: _Rates, nbytes: int
     exactly; scatters then run on the communication stream as soon as it is free.
     """
     G = [_a2a_seconds(g, rates, nbytes) for g in groups]
-    C = [max(g.rank_flops) / rates.flops_per_s for g in groups]
+    C = [rates.compute_s(g) for g in groups]
     first = sorted((k for k in range(len(groups)) if G[k] < C[k]), key=lambda k: (G[k], k))
     last = sorted((k for k in range(len(groups)) if G[k] >= C[k]), key=lambda k: (-C[k], k))
     order = first + last
@@ -385,7 +394,7 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
             new_raw.append((pairs, over))
         raw = new_raw
     groups = [_make_group(ctx, pairs, tp, over) for pairs, over in raw]
-    rates = _rates(settings.hardware)
+    rates = _rates(settings.hardware, ctx.problem.seconds_per_load)
     groups, timeline = _order_and_timeline(groups, rates, DTYPE_BYTES[ctx.comm_dtype])
     # The shared phase runs first (its collectives involve every TP rank): the groups follow.
     if phase_s:

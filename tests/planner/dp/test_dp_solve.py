@@ -113,7 +113,7 @@ def test_pigeonhole_bound_is_valid_and_tight_on_a_known_case():
     ("alpha", float("nan"), "must be in [0, 1]"),
     ("time_limit_s", 0, "must be a positive number of seconds"),
     ("comm_limit", 0.5, "must be ≥ 1"),
-    ("cost", "bytes", "must be one of: flops, numel"),
+    ("cost", "bytes", "must be one of: roofline, flops, numel"),
     ("workers", 0, "must be a positive integer"),
     ("bucket_size", 0, "must be a positive number of elements"),
 ])

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from planner_helpers import scaled_hardware
 
+from canzona.planner import DPOptions, ParallelSizes
+from canzona.planner.pipeline import plan as plan_model
 from canzona.planner.comm import bucket_comm, plan_link
 from canzona.planner.plan.comm_section import plan_summary
 from canzona.planner.hardware import LinkProfile, load_hardware
@@ -200,9 +202,16 @@ def test_dp_collectives_equal_the_comm_model_where_nothing_overlaps(path, hardwa
                                                                       abs=1e-9)
 
 
-@pytest.mark.parametrize("path", [SMALL, BIG], ids=lambda p: p.name)
-def test_tp_pipeline_matches_the_plans_modelled_timeline(path):
-    plan = _plan(path)
+@lru_cache(maxsize=None)
+def _roofline_plan(model: str, dp: int, tp: int):
+    return plan_model(model, ParallelSizes(dp=dp, tp=tp), dp_options=DPOptions(cost="roofline"))
+
+
+@pytest.mark.parametrize("config", [("qwen3-1.7b", 16, 8), ("qwen3-32b", 32, 8)],
+                         ids=lambda c: f"{c[0]}-dp{c[1]}-tp{c[2]}")
+def test_tp_pipeline_matches_the_plans_modelled_timeline(config):
+    """Under the roofline cost the planner's TP timeline and the simulator's are one model."""
+    plan = _roofline_plan(*config)
     s = simulate_plan(plan, load_hardware(plan.tp.hardware))
     for ix in plan.tp.indices:
         spans = [r.span for r in s.ranks if r.dp_index == ix.dp_index]

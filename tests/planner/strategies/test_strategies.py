@@ -11,6 +11,7 @@ from planner_helpers import scaled_hardware
 
 from canzona.planner import ParallelSizes
 from canzona.planner.comm import ELEMENT_BYTES
+from canzona.planner.cost import Roofline
 from canzona.planner.hardware import load_hardware
 from canzona.planner.inventory import build_inventory
 from canzona.planner.models import get_preset
@@ -118,13 +119,14 @@ def test_layerwise_lpt_gives_each_item_to_the_least_loaded():
 
 @pytest.mark.parametrize("dp,tp", [(4, 1), (4, 2)])
 def test_every_strategy_puts_every_flop_somewhere(dp, tp):
-    """Exact strategies compute each matrix's FLOPs once per owner's TP rank (sc: once per DP
-    rank too); zero1 splits them; every AdamW element is updated by someone."""
+    """Exact strategies compute each matrix once per owner's TP rank (sc: once per DP rank
+    too), each at its roofline time; zero1 splits them; every AdamW element is updated by
+    someone."""
     pr = _problem("qwen3-0.6b", dp, tp)
     hw = load_hardware("h100")
-    rate = hw.peak_flops["bf16"] * hw.compute_efficiency
-    mats = sum(c.flops for t, c in zip(pr.tasks, pr.costs) if t.optimizer == "matrix")
-    split = sum(c.flops for t, c in zip(pr.tasks, pr.costs)
+    roof = Roofline.of(hw)
+    mats = sum(roof.seconds(c) for t, c in zip(pr.tasks, pr.costs) if t.optimizer == "matrix")
+    split = sum(roof.seconds(c) for t, c in zip(pr.tasks, pr.costs)
                 if t.optimizer == "matrix" and t.tp_split)
     c = compare_problem(pr, hw, strategies=STRATEGIES)
     for r in c.runs:
@@ -132,8 +134,8 @@ def test_every_strategy_puts_every_flop_somewhere(dp, tp):
             if r.name != "canzona-greedy" else None
         if w is None:
             continue
-        total = sum(x.matrix_s for x in w.ranks) * rate
-        total += sum(sum(g.compute_s) for gs in w.groups for g in gs) * rate
+        total = sum(x.matrix_s for x in w.ranks)
+        total += sum(sum(g.compute_s) for gs in w.groups for g in gs)
         if r.name == "sc":
             assert total == pytest.approx(mats * dp * tp, rel=1e-9)
         elif r.name == "zero1":  # fragments: each TP rank its shard of split matrices
