@@ -19,6 +19,9 @@ from .hardware import hardware_names
 SOLVERS = ("auto", "greedy", "cpsat")
 #: Cost models by name (``DPOptions.cost``); a ``CostModel`` object is accepted too.
 COSTS = ("roofline", "flops", "numel")
+#: The cost models whose loads depend on the hardware profile (a plan's are priced on the
+#: profile it records).
+HARDWARE_COSTS = ("roofline",)
 #: TP hosting solvers (``TPOptions.solver``).
 TP_SOLVERS = ("greedy", "cpsat")
 #: TPOptions.share: "off" (every TP-split matrix hosted whole), "auto" (the planner shares the

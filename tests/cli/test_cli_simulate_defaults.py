@@ -74,9 +74,11 @@ def test_every_command_gives_the_step_under_one_name(plan_file):
         assert max(values.values()) == pytest.approx(min(values.values()), rel=1e-6), values
 
 
-def test_a_plan_made_with_a_profile_file_is_planned_and_inspected(tmp_path):
+@pytest.mark.parametrize("cost", ["flops", "roofline"])
+def test_a_plan_made_with_a_profile_file_is_planned_and_inspected(tmp_path, cost):
     """The plan records the file's profile by name only: plan predicts the step with the file
-    it was given; inspect says how to predict it, and reports the rest."""
+    it was given; inspect says how to predict it, and reports the rest (a roofline plan's loads,
+    priced on that profile, are not recomputed)."""
     from canzona.planner.hardware import load_hardware
 
     box = load_hardware("h800").model_copy(update={"name": "this-box"})
@@ -84,7 +86,7 @@ def test_a_plan_made_with_a_profile_file_is_planned_and_inspected(tmp_path):
     profile.write_text(box.model_dump_json())
     path = tmp_path / "p.json"
     r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "--hardware", str(profile), "-o",
-            str(path))
+            str(path), "--cost", cost)
     assert r.exit_code == 0, r.output
     assert "predicted optimizer step" in r.stdout and "on this-box" in r.stdout
     r = run("inspect", str(path))

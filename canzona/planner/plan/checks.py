@@ -36,11 +36,10 @@ from __future__ import annotations
 from .. import optimizers
 from ..cost import DTYPE_BYTES, Roofline, Task, TaskCost, task_cost
 from ..errors import PlanFileError
-from ..hardware import hardware_names, load_hardware
 from ..layout import ParallelSizes, padded_vocab
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
 from ..settings import OptimizerSettings
-from .inverse import read_problem
+from .inverse import read_problem, recorded_hardware
 from .messages import inconsistency, label, matches
 from .pair_checks import check_pairs
 from .schema import Plan, gc_paused
@@ -146,7 +145,8 @@ def _check(plan: Plan, source: str) -> None:
         scheduled = {gt.id for ix in plan.tp.indices for g in ix.groups for gt in g.tasks}
         scheduled |= {x.id for ix in plan.tp.indices for x in ix.shared}  # shared by its TP group
     by_flops, by_numel = inp.cost_model == "flops", inp.cost_model == "numel"
-    roofline = _roofline_of(plan) if inp.cost_model == "roofline" else None
+    hw = recorded_hardware(plan) if inp.cost_model == "roofline" else None
+    roofline = Roofline.of(hw) if hw is not None else None
     for i, t in enumerate(tasks):
         t_size, kind, _, _ = slots[t.param]
         c = cost_of(t, settings, t_size)
@@ -281,12 +281,3 @@ def _check_loads(plan: Plan, slots: dict, bad) -> None:  # noqa: ANN001
         raise bad("metrics.gap_to_bound", f"is {m.gap_to_bound} but max(dp_load) / "
                                           f"certified_bound - 1 is {exp_gap}")
 
-
-def _roofline_of(plan: Plan) -> Roofline | None:
-    """The roofline a ``roofline`` plan's costs were priced under: its recorded profile, when
-    that is a built-in one of the same version (None: its costs cannot be checked here)."""
-    name = plan.comm.hardware
-    if name.lower() not in hardware_names():
-        return None
-    hw = load_hardware(name)
-    return Roofline.of(hw) if hw.version == plan.comm.hardware_version else None

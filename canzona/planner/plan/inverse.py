@@ -22,7 +22,8 @@ from ..errors import CanzonaError
 from ..inventory import ModelSpec, build_inventory
 from ..layout import ParallelSizes
 from ..models import get_preset, load_hf_config
-from ..options import COSTS
+from ..hardware import HardwareProfile, hardware_names, load_hardware
+from ..options import COSTS, HARDWARE_COSTS
 from ..planning import (GRAD_BYTES, BucketProblem, Cuts, DPProblem, Item, make_problem,
                         pair_items)
 from .schema import BufferPlan, PairTaskPlan, Plan
@@ -124,16 +125,29 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     cuts = {(bi, b.index): b.cuts for bi, buf in enumerate(plan.buffers) for b in buf.buckets}
     problem = ordered = None
-    if model and inp.cost_model in COSTS:
+    hw = recorded_hardware(plan)
+    if model and inp.cost_model in COSTS and (hw is not None
+                                              or inp.cost_model not in HARDWARE_COSTS):
         spec = rebuild_model(plan, config)
         if spec is not None:
             problem = make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
                                    bucket_size=inp.bucket_size,
                                    overlap_grad_reduce=inp.bucket_size is not None,
-                                   comm_dtype=inp.comm_dtype, hardware=plan.comm.hardware)
+                                   comm_dtype=inp.comm_dtype, hardware=hw)
             ordered = _in_plan_order(problem, plan)
     return PlanProblem(sizes, plan.buffers, tuple(buckets), cuts, pairs,
                        sum(it.load for b in buckets for it in b.items), problem, ordered)
+
+
+def recorded_hardware(plan: Plan) -> HardwareProfile | None:
+    """The profile ``plan`` was made with (``plan.comm``), when it is a built-in one of the same
+    version; None for a profile file's or an older revision's (a load priced on it cannot be
+    recomputed here)."""
+    name = plan.comm.hardware
+    if name.lower() not in hardware_names():
+        return None
+    hw = load_hardware(name)
+    return hw if hw.version == plan.comm.hardware_version else None
 
 
 def rebuild_model(plan: Plan, config: Path | None = None) -> ModelSpec | None:
