@@ -13,11 +13,13 @@ all plan through :func:`plan` (or :func:`plan_problem`, given a problem already 
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 from .errors import CanzonaError, SizeError
-from .hardware import load_hardware
+from .hardware import HardwareProfile, load_hardware
 from .inventory import ModelSpec, build_inventory
 from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
@@ -29,13 +31,18 @@ from .plan.tp_section import placements, tp_plan
 from .planning import DPProblem, make_problem
 from .settings import OptimizerSettings
 from .sharing import Candidates
+from .simulate import plan_forward_backward, simulate_plan_behind
 from .tp.schedule import warn_oversized
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
 #: (e.g. ``canzona.runtime.introspect.inventory`` of a live module).
 Source = str | Path | ModelConfig | ModelSpec
 
-__all__ = ["Source", "inventory_of", "plan", "plan_problem"]
+#: The forward/backward a plan's step is simulated behind when the planner judges it against
+#: the paper's greedy plan: (seconds, ``overlap_param_gather``).
+Behind = tuple[float, bool]
+
+__all__ = ["Behind", "Source", "greedy_options", "inventory_of", "plan", "plan_problem"]
 
 
 def inventory_of(source: Source, names: str = "megatron") -> tuple[ModelSpec, str]:
@@ -116,10 +123,19 @@ def plan_problem(
     model_source: str = "preset",
     dp_only: bool = False,
     progress: Callable[[str], None] | None = None,
+    behind: Behind | None = None,
 ) -> Plan:
     """Plan a problem already built by ``make_problem``: the candidate plans of the share mode
     (``sharing.Candidates``: each solved and, for tp > 1, scheduled), the best kept by the
     objective (``Candidates.better``), assembled.
+
+    When the loads are seconds (the ``roofline`` cost) and the objective is ``step-time``, the
+    plan is then simulated beside the paper's greedy plan (:func:`greedy_options`) and, when
+    it shares matrices, beside the plan sharing none, behind one forward/backward (``behind``;
+    default the plan's own, 6·N_active·tokens at the default MFU, what ``canzona plan``
+    prints); the one with the shortest step is returned. The simulator has the last word, so
+    canzona is never behind the paper's method on it, and sharing is kept only where the
+    simulated step is shorter.
 
     ``dp_options``' layout fields (cost, bucket_size, overlap_grad_reduce) were ``make_problem``'s
     business and are not read here; ``tp_options.comm_dtype`` must be the problem's (the
@@ -131,18 +147,53 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
+    made = _assemble(problem, o, t, hw, model_source, dp_only, progress)
+    if problem.seconds_per_load is None or o.solver == "greedy" or \
+            objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1):
+        return made
+    others = [greedy_options(o, t)]  # the paper's method
+    if t.share != "off":  # nothing shared: what sharing is kept against
+        others.append((o, dataclasses.replace(t, share="off")))
+    if progress is not None:
+        progress("the paper's greedy plan, simulated beside")
+    with warnings.catch_warnings():  # their notes are the made plan's, already given
+        warnings.simplefilter("ignore")
+        plans = [made] + [_assemble(problem, xo, xt, hw, model_source, dp_only, None)
+                          for xo, xt in others]
+    steps = [_step(p, hw, behind) for p in plans]
+    return plans[steps.index(min(steps))]  # ties: the plan made
+
+
+def greedy_options(o: DPOptions, t: TPOptions) -> tuple[DPOptions, TPOptions]:
+    """The paper's method as options: the DP greedy (α = 1, the busiest load) and the TP greedy,
+    nothing shared (``canzona compare``'s ``canzona-greedy``)."""
+    return (dataclasses.replace(o, solver="greedy", alpha=1.0, objective="max-load"),
+            dataclasses.replace(t, solver="greedy", share="off"))
+
+
+def _step(plan: Plan, hw: HardwareProfile, behind: Behind | None) -> float:
+    """``plan``'s simulated step behind ``behind`` (default: its own forward/backward)."""
+    fb, overlap = behind if behind is not None else (plan_forward_backward(plan, hw)[0], False)
+    return simulate_plan_behind(plan, hw, forward_backward_s=fb,
+                                overlap_param_gather=overlap).step_s
+
+
+def _assemble(problem: DPProblem, o: DPOptions, t: TPOptions, hw: HardwareProfile,
+              model_source: str, dp_only: bool,
+              progress: Callable[[str], None] | None) -> Plan:
+    """The best candidate of ``o`` and ``t``, assembled into a plan."""
     candidates = Candidates(problem, o, t, hw, schedule=problem.sizes.tp > 1 and not dp_only,
-                            progress=progress, stacklevel=2)
+                            progress=progress, stacklevel=3)
     best = None
     for cand in candidates:
         if best is None or candidates.better(cand, best):
             best = cand
     assert best is not None
-    candidates.check_kept(best, stacklevel=2)
+    candidates.check_kept(best, stacklevel=3)
     tp_section = hosts = None
     if best.schedule is not None:
         if best.schedule.oversized:  # the note of the schedule kept
-            warn_oversized(best.schedule.oversized, t, stacklevel=3)
+            warn_oversized(best.schedule.oversized, t, stacklevel=4)
         tp_section, hosts = tp_plan(best.problem, best.schedule, best.ctx), \
             placements(best.schedule)
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",

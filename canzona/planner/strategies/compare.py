@@ -183,7 +183,8 @@ def compare_problem(problem: DPProblem, hardware: str | HardwareProfile = "h100"
             p = plans.get(name)
             if p is None:
                 say(f"planning {name}")
-                p = plans[name] = s.plan(problem, o, t)
+                p = plans[name] = s.plan(problem, o, t,
+                                         (forward_backward_s, overlap_param_gather))
         say(f"simulating {name}")
         w, fl, st = s.workload(s, WorkloadInputs(problem, hw, p, matrix_dtype,  # type: ignore[misc]
                                                  adamw_dtype, gather_method))

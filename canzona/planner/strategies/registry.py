@@ -11,7 +11,6 @@ the strategies that have its hook.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from ..comm import PER_ROOT
 from ..baselines import BaselineInputs, BaselineRow, Dealing
 from ..hardware import HardwareProfile, LinkProfile
 from ..options import DPOptions, TPOptions
-from ..pipeline import plan_problem
+from ..pipeline import Behind, greedy_options, plan_problem
 from ..plan import Plan
 from ..planning import Cuts, DPProblem
 from ..simulate import Workload
@@ -52,7 +51,8 @@ class Strategy:
         workload: ``compare``'s simulated workload.
         baseline: ``inspect``'s DP row (None where it has none to give, e.g. no plan).
         tp_baseline: ``inspect``'s TP row (tp > 1).
-        plan: makes the plan the strategy is priced from when none is given.
+        plan: makes the plan the strategy is priced from when none is given (from the
+            problem, the options, and the forward/backward the comparison runs behind).
     """
 
     name: str
@@ -63,7 +63,7 @@ class Strategy:
     workload: Callable[[Strategy, WorkloadInputs], Built] | None = None
     baseline: Callable[[Strategy, BaselineInputs], BaselineRow | None] | None = None
     tp_baseline: Callable[[Strategy, TPBaselineInputs], TPBaselineRow | None] | None = None
-    plan: Callable[[DPProblem, DPOptions, TPOptions], Plan] | None = None
+    plan: Callable[[DPProblem, DPOptions, TPOptions, Behind | None], Plan] | None = None
 
 
 # --- the hooks ------------------------------------------------------------------------------------
@@ -92,16 +92,16 @@ def _tp_row(build_row: Callable) -> Callable:
     return lambda s, x: build_row(x, s.name)
 
 
-def _plan_canzona(problem: DPProblem, dp: DPOptions, tp: TPOptions) -> Plan:
-    return plan_problem(problem, dp_options=dp, tp_options=tp)
+def _plan_canzona(problem: DPProblem, dp: DPOptions, tp: TPOptions,
+                  behind: Behind | None = None) -> Plan:
+    return plan_problem(problem, dp_options=dp, tp_options=tp, behind=behind)
 
 
-def _plan_greedy(problem: DPProblem, dp: DPOptions, tp: TPOptions) -> Plan:
+def _plan_greedy(problem: DPProblem, dp: DPOptions, tp: TPOptions,
+                 behind: Behind | None = None) -> Plan:
     """The DP greedy (α = 1, max load) and the TP greedy, nothing shared."""
-    return plan_problem(
-        problem, dp_options=dataclasses.replace(dp, solver="greedy", alpha=1.0,
-                                                objective="max-load"),
-        tp_options=dataclasses.replace(tp, solver="greedy", share="off"))
+    go, gt = greedy_options(dp, tp)
+    return plan_problem(problem, dp_options=go, tp_options=gt)
 
 
 # --- the registry ---------------------------------------------------------------------------------
