@@ -240,7 +240,7 @@ def plan_summary(plan: Plan, path: Path, wall_s: float,
     rows = [("optimizer FLOPs / step", m.dp_flops, human_flops),
             ("optimizer state", m.dp_state_bytes, human_bytes),
             ("reduce-scatter slice", m.dp_reduce_scatter_bytes, human_bytes)]
-    if inp.cost_model != "flops":
+    if tuple(m.dp_load) != tuple(m.dp_flops):  # what the bound and inspect speak of
         rows.insert(0, (f"load ({inp.cost_model})", m.dp_load, lambda v: load(v, inp.cost_model)))
     for label, vals, fmt in rows:
         mx, mean = max_mean(vals)

@@ -93,3 +93,21 @@ def test_a_plan_made_with_a_profile_file_is_planned_and_inspected(tmp_path, cost
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())  # the terminal's line breaks aside
     assert "'this-box' is not built in" in text and "--hardware FILE.json" in text
+
+
+def test_plan_and_inspect_print_the_same_load_figures_for_a_plan_with_pairs(tmp_path):
+    """A TP pair's pieces carry their exchanges in their loads, so the loads are not the FLOPs:
+    ``plan`` prints the load row (what the bound speaks of) with the same max, mean and
+    max/mean as ``inspect``."""
+    import re
+
+    path = tmp_path / "p.json"
+    r = run("plan", "--model", "qwen3-4b", "--dp", 4, "--tp", 4, "--share", "pairs", "-o",
+            str(path))
+    assert r.exit_code == 0, r.output
+    row = re.search(r"load \(flops\)\s+(\S+ \S+)\s+(\S+ \S+)\s+([\d.]+)", r.stdout)
+    assert row, r.stdout
+    r = run("inspect", str(path))
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert f"max load {row[1]}, mean {row[2]}; max/mean {row[3]}" in text, (row.groups(), text)
