@@ -151,17 +151,23 @@ def plan_problem(
     if problem.seconds_per_load is None or o.solver == "greedy" or \
             objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1):
         return made
-    others = [greedy_options(o, t)]  # the paper's method
+    others = [("the paper's greedy plan", *greedy_options(o, t))]
     if t.share != "off":  # nothing shared: what sharing is kept against
-        others.append((o, dataclasses.replace(t, share="off")))
+        others.append(("the plan sharing nothing", o, dataclasses.replace(t, share="off")))
     if progress is not None:
         progress("the paper's greedy plan, simulated beside")
     with warnings.catch_warnings():  # their notes are the made plan's, already given
         warnings.simplefilter("ignore")
         plans = [made] + [_assemble(problem, xo, xt, hw, model_source, dp_only, None)
-                          for xo, xt in others]
+                          for _, xo, xt in others]
     steps = [_step(p, hw, behind) for p in plans]
-    return plans[steps.index(min(steps))]  # ties: the plan made
+    k = steps.index(min(steps))  # ties: the plan made
+    if k == 0:
+        return made
+    kept = plans[k]  # its solver status says why (its options are recorded as they were)
+    status = f"{others[k - 1][0]}, kept: its simulated step is shorter"
+    return kept.model_copy(update={"metrics": kept.metrics.model_copy(
+        update={"solver_status": status})})
 
 
 def greedy_options(o: DPOptions, t: TPOptions) -> tuple[DPOptions, TPOptions]:
