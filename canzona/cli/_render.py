@@ -25,8 +25,9 @@ from rich.text import Text
 from canzona.planner import optimizers
 from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
-from canzona.planner.report import (busiest_index, max_mean, oversized_groups, pairs_dict,
-                                    peak_within_cmax, predicted_step, useful_mean)
+from canzona.planner.report import (busiest_index, gpu_packing_bound_of, max_mean,
+                                    oversized_groups, pairs_dict, peak_within_cmax,
+                                    predicted_step, useful_mean)
 
 from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
@@ -628,6 +629,12 @@ def tp_summary(plan: Plan) -> None:
         f"per GPU (one DP index × one TP rank): max {load(m.max_gpu_load, cm)}, mean "
         f"{load(m.mean_gpu_load, cm)} (max/mean {m.max_over_mean:.3f}); LB_gpu = max(mean, "
         f"largest task) {load(m.lb_gpu, cm)}, gap [bold]{m.gap_to_lb_gpu:.2%}[/]", highlight=False)
+    if m.gap_to_lb_gpu > 0.01 and (bound := gpu_packing_bound_of(plan)) is not None:
+        console.print(
+            f"certified per-GPU bound {load(bound, cm)} (the hosted matrices packed onto the "
+            f"{plan.inputs.dp * plan.inputs.tp} GPUs: no plan's busiest GPU is below it), "
+            f"{bound / m.lb_gpu - 1:.2%} above LB_gpu; this plan is "
+            f"[bold]{m.max_gpu_load / bound - 1:.2%}[/] above it", highlight=False)
     over = oversized_groups(plan)
     within = peak_within_cmax(plan)
     line = (f"{m.micro_groups} micro-groups; peak gathered per host rank "

@@ -24,6 +24,7 @@ from .plan.comm_section import plan_summary
 from .plan.inverse import read_problem
 from .simulate import plan_forward_backward, plan_hardware, simulate_plan_behind
 from .strategies import baseline_rows, tp_baseline_rows
+from .tp.context import gpu_packing_bound
 from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
                       sharing_bound)
 
@@ -365,6 +366,22 @@ def comm_dict(plan: Plan, summary: CommSummary) -> dict:
                    "zero1_calls": sum(ln.zero1.calls for ln in summary.lines)},
         "buckets": buckets,
     }
+
+
+def gpu_packing_bound_of(plan: Plan) -> int | None:
+    """A certified lower bound on the busiest GPU of a plan at tp > 1 that shares no matrix
+    (``tp.context.gpu_packing_bound`` on its rebuilt problem): what no placement of its hosted
+    matrices on the dp·tp GPUs can beat. None where it does not apply (tp = 1, shared matrices,
+    whose pieces the bound would count whole) or the model is not rebuilt."""
+    if plan.tp is None or plan.dp_shared or any(ix.shared for ix in plan.tp.indices):
+        return None
+    try:
+        problem = read_problem(plan, model=True).problem
+    except CanzonaError:
+        return None
+    if problem is None:
+        return None
+    return gpu_packing_bound(problem, plan.tp.metrics.max_gpu_load)
 
 
 def tp_dict(plan: Plan, rows: list[TPBaselineRow] | None) -> dict | None:

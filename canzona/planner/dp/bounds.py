@@ -65,36 +65,56 @@ def packing_bound(problem: DPProblem, upper: int, *, time_limit_s: float = 0.2,
     """A certified lower bound on the max DP load: bin packing of the matrices, grouped by load.
 
     A relaxation of the partition problem — bucket geometry, parameter order and expert placement
-    are dropped, AdamW load may go anywhere — so no plan can beat its optimum. Loads are scaled
-    down (floor), which keeps the bound valid. For a capacity C the question is the covering
-    problem over maximal *patterns* p (how many matrices of each type one rank can take):
+    are dropped, AdamW load may go anywhere — so no plan can beat its optimum
+    (:func:`bin_packing_bound` over the DP indices)."""
+    atomic = [it.load for b in problem.buckets for it in b.items if it.atomic]
+    rest = [it.load for b in problem.buckets for it in b.items if not it.atomic]
+    return bin_packing_bound(atomic, sum(rest), problem.dp, problem.lower_bound(), upper,
+                             divisible_items=len(rest), total=problem.total_load(),
+                             time_limit_s=time_limit_s, max_patterns=max_patterns)
 
-    data:      types t (matrices of equal load w_t, N_t of them), patterns p with a[p, t] ≤ N_t
-               and load_p = Σ_t a[p, t] w_t ≤ C; divisible (AdamW) load D; R ranks.
-    variables: y[p] = number of ranks that use pattern p.
+
+def bin_packing_bound(atomic: list[int], divisible: float, bins: int, lower: float,
+                      upper: float, *, divisible_items: int = 0, total: float | None = None,
+                      time_limit_s: float = 0.2, max_patterns: int = 20_000) -> int:
+    """A certified lower bound on the busiest of ``bins`` bins holding the ``atomic`` loads
+    whole and ``divisible`` load split anywhere (``lower``: a bound already known; ``upper``: a
+    load some placement reaches). Loads are scaled down (floor), which keeps the bound valid.
+    For a capacity C the question is the covering problem over maximal *patterns* p (how many
+    items of each load one bin can take):
+
+    data:      types t (items of equal load w_t, N_t of them), patterns p with a[p, t] ≤ N_t
+               and load_p = Σ_t a[p, t] w_t ≤ C; divisible load D; R bins.
+    variables: y[p] = number of bins that use pattern p.
     constraints:
-      * at most R ranks: Σ_p y[p] ≤ R;
-      * every matrix is covered: Σ_p a[p, t] y[p] ≥ N_t (patterns are closed under removal);
-      * the AdamW load fits in the room left: R·C − Σ_p load_p y[p] ≥ D.
+      * at most R bins: Σ_p y[p] ≤ R;
+      * every item is covered: Σ_p a[p, t] y[p] ≥ N_t (patterns are closed under removal);
+      * the divisible load fits in the room the items leave: R·C − Σ_t N_t w_t ≥ D (the
+        items, not the patterns: a pattern covering more than is left holds fewer items).
     A binary search finds the smallest C that is not proven infeasible; an undecided check counts
-    as feasible, so the bound stays valid.
+    as feasible, so the bound stays valid. ``divisible_items``: how many items the divisible
+    load comes in (each integer share may round by one unit per bin: taken off the bound);
+    ``total``: the load the scale is taken from (default: the atomic and divisible loads).
     """
     from ortools.sat.python import cp_model  # OR-Tools costs ~0.6 s to import: only when needed
 
-    R = problem.dp
-    mean = problem.total_load() / R
+    R = bins
+    mean = (total if total is not None else sum(atomic) + divisible) / R
     if mean <= 0:
         return 0
     unit = mean / SCALE_UNITS
-    counts = Counter(it.load for b in problem.buckets for it in b.items if it.atomic)
+    counts = Counter(atomic)
     types = sorted(counts.items(), reverse=True)
     w = [int(x / unit) for x, _ in types]
     cap = [c for _, c in types]
-    # Flooring C loses up to one unit per rank of room: give the AdamW volume that slack back.
-    divisible = sum(it.load for b in problem.buckets for it in b.items if not it.atomic)
+    # Flooring C loses up to one unit per bin of room: give the divisible volume that slack back.
     D = max(0, int(divisible / unit) - R)
 
+    items = sum(c * x for c, x in zip(cap, w))
+
     def feasible(C: int) -> bool:
+        if R * C - items < D:
+            return False  # the divisible load does not fit beside the items
         pats = _maximal_patterns(w, cap, C, max_patterns)
         if pats is None:
             return True  # too many patterns to decide: assume feasible (keeps the bound valid)
@@ -102,23 +122,21 @@ def packing_bound(problem: DPProblem, upper: int, *, time_limit_s: float = 0.2,
             return False
         model = cp_model.CpModel()
         y = [model.new_int_var(0, R, f"y_{i}") for i in range(len(pats))]
-        # At most R ranks.
+        # At most R bins.
         model.add(sum(y) <= R)
         for t in range(len(w)):
-            # Every matrix of type t is covered.
+            # Every item of type t is covered.
             model.add(sum(p[t] * yi for p, yi in zip(pats, y) if p[t]) >= cap[t])
-        # The AdamW load fits into the room the patterns leave.
-        model.add(R * C - sum(sum(a * b for a, b in zip(p, w)) * yi for p, yi in zip(pats, y)) >= D)
         solver = cp_model.CpSolver()
         solver.parameters.max_deterministic_time = time_limit_s
         solver.parameters.num_workers = 1
         status = solver.solve(model)
         return status != cp_model.INFEASIBLE
 
-    # Integer shares of an AdamW item differ from the real-valued ones by < 1 per item and rank:
-    # take that off so the bound never exceeds a plan's (integer) reported load.
-    n_div = sum(1 for b in problem.buckets for it in b.items if not it.atomic)
-    lo = max(0, int(problem.lower_bound() / unit) - 1)  # may be feasible or not
+    # Integer shares of a divisible item differ from the real-valued ones by < 1 per item and
+    # bin: take that off so the bound never exceeds a plan's (integer) reported load.
+    n_div = divisible_items
+    lo = max(0, int(lower / unit) - 1)  # may be feasible or not
     hi = int(upper / unit) + 1  # the heuristic's max: feasible
     if feasible(lo):
         return max(0, int(lo * unit * (1 - 1e-9)) - n_div)  # 1e-9: float rounding

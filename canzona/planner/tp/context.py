@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..cost import DTYPE_BYTES
+from ..dp.bounds import bin_packing_bound
 from ..errors import CanzonaError
 from ..formulas import lockstep_bytes
 from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of
@@ -353,13 +354,7 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
     not depend on the cuts). A task the TP group shares (``problem.shared``) counts its piece on
     every TP rank in the total (the FLOPs sharing adds included) and its piece as its size.
     """
-    if grid is None:
-        ctx = ctx or TPContext.build(problem)
-        base, owned = index_work(problem, {(b.buffer, b.bucket): equal_cuts(b)
-                                           for b in problem.buckets}, ctx)
-        total = sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
-    else:
-        total = sum(sum(r) for r in grid)
+    total = gpu_total(problem, grid, ctx)
     pairs = problem.pairs if problem.sizes.tp > 1 else {}
     # a TP pair's half: its load alone, its own chain (compute and the exchanges its Gram
     # products do not hide), which no piece beside it in a lockstep shortens
@@ -369,6 +364,37 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
                   default=0)  # a piece's load as the plan records it (rounded)
     return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)
 
+
+def gpu_total(problem: DPProblem, grid: list[list[int]] | None = None,
+              ctx: TPContext | None = None) -> float:
+    """The work every schedule puts on the dp·tp GPUs together (:func:`lb_gpu`'s total): the
+    ``grid``'s sum, or without one, from ZeRO-1's equal cuts (the total does not depend on the
+    cuts)."""
+    if grid is not None:
+        return sum(sum(r) for r in grid)
+    ctx = ctx or TPContext.build(problem)
+    base, owned = index_work(problem, {(b.buffer, b.bucket): equal_cuts(b)
+                                       for b in problem.buckets}, ctx)
+    return sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+
+
+def gpu_packing_bound(problem: DPProblem, upper: float, ctx: TPContext | None = None) -> int:
+    """A certified lower bound on the busiest GPU at tp > 1, at least :func:`lb_gpu`: the matrices
+    a TP rank hosts whole (the TP-split ones no group shares) packed onto the dp·tp GPUs
+    (``dp.bounds.bin_packing_bound``), every other load divisible. A relaxation — which DP
+    index owns what, the buckets and the replicated matrices' place on every TP rank of their
+    index are dropped — so no plan's busiest GPU can be below it. ``upper``: a plan's busiest
+    GPU (the search's start)."""
+    ctx = ctx or TPContext.build(problem)
+    lb = lb_gpu(problem, ctx=ctx)
+    hosted = [problem.loads[t.id] for t in problem.tasks
+              if t.optimizer == "matrix" and ctx.split[t.id] and t.id not in problem.shared
+              and t.id not in problem.pairs]
+    total = gpu_total(problem, ctx=ctx)
+    rest = max(0.0, total - sum(hosted))
+    bins = problem.dp * problem.sizes.tp
+    return max(lb, bin_packing_bound(hosted, rest, bins, lb, upper,
+                                     divisible_items=len(problem.tasks) - len(hosted)))
 
 
 def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) -> list[float]:
