@@ -80,12 +80,6 @@ class TaskCost:
     flops_bytes: int = 0
     traffic_bytes: int = 0
 
-    def scaled(self, share: float) -> TaskCost:
-        """The cost of ``share`` of the task's rows (a piece several ranks update): FLOPs
-        excluded (a shared piece's FLOPs are not proportional), bytes in proportion."""
-        return TaskCost(0, 0, 0, round(self.flops_bytes * share),
-                        round(self.traffic_bytes * share))
-
 
 def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSizes) -> list[Task]:
     """One task per matrix-optimizer parameter (or per part, when split), one per AdamW
