@@ -233,8 +233,12 @@ class RooflineCost:
     def seconds(self, task: Task) -> float:
         return self.roofline.seconds(task_cost(task, self.settings, self.sizes))
 
+    def load_of(self, c: TaskCost) -> int:
+        """The load of a task whose cost vector is ``c``."""
+        return max(1, round(self.roofline.seconds(c) / self.seconds_per_load))
+
     def cost(self, task: Task) -> int:
-        return max(1, round(self.seconds(task) / self.seconds_per_load))
+        return self.load_of(task_cost(task, self.settings, self.sizes))
 
 
 _COST_MODELS = {

@@ -34,9 +34,10 @@ field and the fix.
 from __future__ import annotations
 
 from .. import optimizers
-from ..cost import DTYPE_BYTES, Roofline, Task, TaskCost, task_cost
+from ..cost import DTYPE_BYTES, Task, TaskCost, make_cost_model, task_cost
 from ..errors import PlanFileError
 from ..layout import ParallelSizes, padded_vocab
+from ..options import HARDWARE_COSTS
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
 from ..settings import OptimizerSettings
 from .inverse import read_problem, recorded_hardware
@@ -145,8 +146,9 @@ def _check(plan: Plan, source: str) -> None:
         scheduled = {gt.id for ix in plan.tp.indices for g in ix.groups for gt in g.tasks}
         scheduled |= {x.id for ix in plan.tp.indices for x in ix.shared}  # shared by its TP group
     by_flops, by_numel = inp.cost_model == "flops", inp.cost_model == "numel"
-    hw = recorded_hardware(plan) if inp.cost_model == "roofline" else None
-    roofline = Roofline.of(hw) if hw is not None else None
+    hw = recorded_hardware(plan) if inp.cost_model in HARDWARE_COSTS else None
+    timed = make_cost_model(inp.cost_model, settings, ParallelSizes(dp=dp, tp=tp, ep=ep), hw) \
+        if hw is not None else None  # loads in seconds, recomputed on the recorded profile
     for i, t in enumerate(tasks):
         t_size, kind, _, _ = slots[t.param]
         c = cost_of(t, settings, t_size)
@@ -160,10 +162,11 @@ def _check(plan: Plan, source: str) -> None:
             raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is 'flops' "
                                           f"(inputs.cost_model), so it must equal the task's "
                                           f"flops {t.flops}")
-        if roofline is not None and t.cost != (want := max(1, round(roofline.seconds(c) * 1e9))):
-            raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is 'roofline' "
+        if timed is not None and t.cost != (want := timed.load_of(c)):
+            raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is "
+                                          f"'{inp.cost_model}' "
                                           f"(inputs.cost_model) on {plan.comm.hardware}, so it "
-                                          f"must be the task's roofline time {want} ns")
+                                          f"must be the task's time {want} ns")
         if by_numel and t.cost != numel[i]:
             raise bad(f"tasks[{i}].cost", f"is {t.cost} but the cost model is 'numel' "
                                           f"(inputs.cost_model), so it must equal the task's "
