@@ -271,11 +271,8 @@ def _lockstep_reorder(run: _Run, used: DPProblem, cuts: Cuts, gpu: float, ctx: T
     rp, owners = reorder_problem(used, rank)
     rcuts = _rebalance(run, rp, owners_to_cuts(rp, owners))
     score = run.gpu_score(rp, rcuts, TPContext.build(rp))
-    # as the joint refinement: a real gain, and under step-time more than STEP_TIME_GAP_PP
-    # points of LB_gpu where it piles optimizer state up
-    slack = STEP_TIME_GAP_PP / 100 * lb_gpu(used, ctx=ctx) if run.state_aware and \
-        _state_excess(rp, rcuts) > _state_excess(used, cuts) else 0.0
-    if score >= gpu * (1 - JOINT_TP_MARGIN) - slack:
+    # as the joint refinement: a real gain, and more where it piles optimizer state up
+    if score >= gpu * (1 - JOINT_TP_MARGIN) - _piling_slack(run, rp, rcuts, cuts, ctx, used):
         return used, cuts, gpu
     if run.state_aware:
         # step-time: the pieces an index pairs may hold more bytes than the mean (qwen3-32b
@@ -286,6 +283,23 @@ def _lockstep_reorder(run: _Run, used: DPProblem, cuts: Cuts, gpu: float, ctx: T
                 modelled_step(used, _communication(run, used, cuts, hw), hw):
             return used, cuts, gpu
     return rp, rcuts, score
+
+
+def _piling_slack(run: _Run, problem: DPProblem, cand: Cuts, cuts: Cuts, ctx: TPContext,
+                  before: DPProblem | None = None) -> float:
+    """What a per-GPU candidate that piles optimizer state up (its excess over
+    :func:`state_target` above that of ``cuts``) must gain, in load units: under step-time,
+    STEP_TIME_GAP_PP points of LB_gpu; with loads in seconds, any gain is refused (inf).
+
+    In seconds an AdamW tensor weighs in the balance (its memory traffic) while it holds 8 B of
+    state per element, so a per-GPU balance would trade many gigabytes of state for a sliver of
+    compute; FLOPs and element counts keep the paper's trade (and their recorded plans)."""
+    if not run.state_aware or \
+            _state_excess(problem, cand) <= _state_excess(before or problem, cuts):
+        return 0.0
+    if problem.seconds_per_load is not None:
+        return math.inf
+    return STEP_TIME_GAP_PP / 100 * lb_gpu(before or problem, ctx=ctx)
 
 
 def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
@@ -301,11 +315,7 @@ def _joint_tp(run: _Run, used: DPProblem, cuts: Cuts,
         run.say("joint DP×TP refinement")
         refined = joint_refine(used, cuts, ctx=ctx, objective=run.objective)
         refined_gpu = run.gpu_score(used, refined, ctx)
-        # step-time: a refinement that piles optimizer state up must gain more than
-        # STEP_TIME_GAP_PP points of LB_gpu
-        slack = STEP_TIME_GAP_PP / 100 * lb_gpu(used, ctx=ctx) if run.state_aware and \
-            _state_excess(used, refined) > _state_excess(used, cuts) else 0.0
-        if refined_gpu < gpu - slack:
+        if refined_gpu < gpu - _piling_slack(run, used, refined, cuts, ctx):
             cuts, gpu = refined, refined_gpu
     if used.shared and run.options.reorder:
         used, cuts, gpu = _lockstep_reorder(run, used, cuts, gpu, ctx)

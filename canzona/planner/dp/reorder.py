@@ -51,14 +51,26 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000,
     def allowed(cls_ep: int, d: int) -> bool:
         return cls_ep < 0 or d % ep == cls_ep
 
+    heavy = state_heavy(problem) if spread_heavy else []
+    # A state-heavy AdamW tensor is cut evenly over its bucket's ranks (spread_cuts shares it
+    # so when its bucket's matrices sit at the ends): its load is every such index's base,
+    # not an item one index takes whole (with its optimizer state).
+    fluid = {(b.buffer, b.bucket, k) for b in heavy for k, it in enumerate(b.items)
+             if not it.atomic}
+    load = [0] * dp
+    for b in heavy:
+        for k, it in enumerate(b.items):
+            if (b.buffer, b.bucket, k) in fluid:
+                for r in range(b.ranks):
+                    load[problem.dp_index(b, r)] += it.load // b.ranks
     # Classes: (load, ep class) → the items of that class, in a fixed order.
     members: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}
     for b in problem.buckets:
         for k, it in enumerate(b.items):
-            members.setdefault((it.load, ep_class(b)), []).append(((b.buffer, b.bucket), k))
+            if (b.buffer, b.bucket, k) not in fluid:
+                members.setdefault((it.load, ep_class(b)), []).append(((b.buffer, b.bucket), k))
     classes = sorted(members, key=lambda c: (-c[0], c[1]))
     count = [[0] * len(classes) for _ in range(dp)]  # count[d][c]
-    load = [0] * dp
     # LPT: heaviest class first; each item onto the least-loaded allowed DP index.
     for ci, (w, cls_ep) in enumerate(classes):
         cands = [d for d in range(dp) if allowed(cls_ep, d)]
@@ -112,7 +124,7 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000,
     left = [row[:] for row in count]
     done: set[tuple[tuple[int, int], int]] = set()
     ends = [d for pair in zip(range(dp), range(dp - 1, -1, -1)) for d in pair][:dp]
-    for b in state_heavy(problem) if spread_heavy else ():
+    for b in heavy:
         key = (b.buffer, b.bucket)
         for k, it in enumerate(b.items):
             if not it.atomic:
