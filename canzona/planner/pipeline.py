@@ -129,9 +129,10 @@ def plan_problem(
     (``sharing.Candidates``: each solved and, for tp > 1, scheduled), the best kept by the
     objective (``Candidates.better``), assembled.
 
-    When the loads are seconds (the ``roofline`` cost) and the objective is ``step-time``, the
-    plan is then simulated beside the paper's greedy plan (:func:`greedy_options`) and, when
-    it shares matrices, beside the plan sharing none, behind one forward/backward (``behind``;
+    When the loads are seconds (the ``roofline`` cost), the objective is ``step-time`` and the
+    share mode is ``off`` or ``auto`` (:data:`JUDGED_SHARES`), the plan is then simulated
+    beside the paper's greedy plan (:func:`greedy_options`) and, under ``auto``, beside the
+    plan sharing none, behind one forward/backward (``behind``;
     default the plan's own, 6·N_active·tokens at the default MFU, what ``canzona plan``
     prints); the one with the shortest step is returned. The simulator has the last word, so
     canzona is never behind the paper's method on it, and sharing is kept only where the
@@ -149,10 +150,11 @@ def plan_problem(
     hw = load_hardware(t.hardware)
     made = _assemble(problem, o, t, hw, model_source, dp_only, progress)
     if problem.seconds_per_load is None or o.solver == "greedy" or \
-            objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1):
+            objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1) \
+            or t.share not in JUDGED_SHARES:
         return made
     others = [("the paper's greedy plan", *greedy_options(o, t))]
-    if t.share != "off":  # nothing shared: what sharing is kept against
+    if t.share == "auto":  # nothing shared: what sharing is kept against
         others.append(("the plan sharing nothing", o, dataclasses.replace(t, share="off")))
     if progress is not None:
         progress("the paper's greedy plan, simulated beside")
@@ -168,6 +170,11 @@ def plan_problem(
     status = f"{others[k - 1][0]}, kept: its simulated step is shorter"
     return kept.model_copy(update={"metrics": kept.metrics.model_copy(
         update={"solver_status": status})})
+
+
+#: The share modes the simulator judges (``plan_problem``); the others (``all``, ``all-split``,
+#: ``pairs``) force what they share, for tests and measurements, and are written as made.
+JUDGED_SHARES = ("off", "auto")
 
 
 def greedy_options(o: DPOptions, t: TPOptions) -> tuple[DPOptions, TPOptions]:

@@ -66,9 +66,12 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
         all_to_all_bytes=tuple(tuple(r) for r in a2a),
         modelled_step_s=round(max((s.makespan_s for s in schedule.indices), default=0.0), 9))
     st = schedule.options
+    # ``share`` is written only when a task is shared: a plan sharing nothing records "off", as
+    # it reads back
+    share = st.share if any(ix.shared for ix in indices) else "off"
     return TPPlan(cmax_bytes=st.cmax_bytes, comm_dtype=schedule.comm_dtype, solver=st.solver,
                   status=schedule.status, hardware=st.hardware, layouts=layouts,
-                  indices=tuple(indices), metrics=metrics, share=st.share)
+                  indices=tuple(indices), metrics=metrics, share=share)
 
 
 def placements(schedule: TPSchedule) -> dict[int, tuple[int, int]]:
