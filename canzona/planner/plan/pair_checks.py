@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..hardware import load_hardware
 from ..sharing import block_pieces, piece_loads, shared_piece, tp_pair_piece
 from .messages import label
+from .tp_checks import piece_floor
 from .schema import Plan
 
 __all__ = ["check_pairs"]
@@ -108,7 +109,7 @@ def check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
         if tuple(x.flops) != (o.piece_flops, o.piece_flops):
             raise bad(f"{xf}.flops", f"are {list(x.flops)} but shared Newton–Schulz of task "
                                      f"{x.id} over {o.k} ranks is {o.piece_flops} per piece")
-        want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
+        want = piece_floor(plan, t.cost, t.flops, o.piece_flops)
         if min(x.loads) < want - 1:
             raise bad(f"{xf}.loads", f"are {list(x.loads)} but a piece of task {x.id} costs at "
                                      f"least {round(want)}")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 
 from .. import optimizers
-from ..cost import DTYPE_BYTES
+from ..cost import DTYPE_BYTES, RooflineCost
 from ..hardware import load_hardware
+from ..options import HARDWARE_COSTS
 from ..shards import Segment, ShardMap
-from ..sharing import shard_blocks_aligned, shared_piece, tp_pair_piece
+from ..sharing import profile_rate, shard_blocks_aligned, shared_piece, tp_pair_piece
+from .inverse import recorded_hardware
 from .messages import label, matches
 from .schema import Plan
 
@@ -158,6 +160,16 @@ def _check_shard_blocks(plan: Plan, x, L, xf: str, bad) -> float:  # noqa: ANN00
     return x.load
 
 
+def piece_floor(plan: Plan, cost: int, flops: int, piece_flops: float) -> float:
+    """The least load a shared piece of ``piece_flops`` may record, of a task of load ``cost``
+    and ``flops``: with loads in seconds, its FLOPs at the recorded profile's rate (0 for a
+    profile file's, which cannot be read here); otherwise at its task's load per FLOP."""
+    if plan.inputs.cost_model in HARDWARE_COSTS:
+        hw = recorded_hardware(plan)
+        return piece_flops / profile_rate(hw) / RooflineCost.seconds_per_load if hw else 0.0
+    return piece_flops * cost / flops if flops else 0.0
+
+
 def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: list[int],
                   bad) -> dict[int, float]:  # noqa: ANN001
     """The tasks TP groups share (``tp.indices[d].shared``): each a Muon matrix TP splits along
@@ -229,7 +241,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                                                f"with a partner DP index")
                 o = shared_piece("tp", inp.tp, x.split_poly, max(rows, cols), min(rows, cols),
                                  inp.optimizer.ns_steps, 2, link, rate=1.0)
-            want = o.piece_flops * t.cost / t.flops if t.flops else 0.0
+            want = piece_floor(plan, t.cost, t.flops, o.piece_flops)
             if x.load < want - 1:  # its FLOPs, plus its collectives' time on the plan's profile
                 raise bad(f"{xf}.load", f"is {x.load} but shared Newton–Schulz of task {x.id} "
                                         f"over {o.k} ranks costs at least {round(want)} per "

@@ -24,6 +24,7 @@ from ..planning import DPProblem, equal_cuts
 from ..tp.context import TPContext, index_work
 from .blocks import shard_block_decision
 from .pieces import DP_GROUP_SIZES, Group, ShareOption, profile_rate, share_options
+from .prices import flops_to_load, seconds_to_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,14 +155,18 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
         if load <= target:
             break
         flops = problem.costs[i].flops
-        unit = load / flops if flops else 0.0
         best = None
         for o in share_options(problem, i, hw, ns_bytes=ns_bytes, groups=groups,
                                dp_sizes=dp_sizes):
-            path = o.alone_s(rate) * rate * unit
-            over = max(0.0, (o.k * o.piece_flops - flops) * unit)
+            path = seconds_to_load(problem, i, o.alone_s(rate), rate)
+            if problem.seconds_per_load is None:
+                over = max(0.0, flops_to_load(problem, i, o.k * o.piece_flops - flops, rate))
+                cost = flops_to_load(problem, i, max(o.piece_flops, o.comm_s * rate), rate)
+            else:  # the pieces' compute in seconds, their memory passes included
+                over = max(0.0, seconds_to_load(problem, i, o.k * o.compute_s(rate), rate) - load)
+                cost = seconds_to_load(problem, i, max(o.compute_s(rate), o.comm_s), rate)
             fits = path <= target
-            cost = max(o.piece_flops, o.comm_s * rate) * unit if lockstep else over
+            cost = cost if lockstep else over
             key = (not fits, cost if fits else path, o.k, o.split_poly)
             if best is None or key < best[0]:
                 best = (key, o, path, over)
@@ -170,7 +175,10 @@ def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100
             continue
         _, o, path, over = best
         m, n = max(t.shape), min(t.shape)
-        s = SharedTask(i, t.name, (m, n), load, o, o.piece_flops * unit, path, over)
+        piece = flops_to_load(problem, i, o.piece_flops, rate) \
+            if problem.seconds_per_load is None \
+            else seconds_to_load(problem, i, o.compute_s(rate), rate)
+        s = SharedTask(i, t.name, (m, n), load, o, piece, path, over)
         shared.append(s)
         extra += s.overhead
     mean_with = (total + extra) / gpus

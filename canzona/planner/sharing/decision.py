@@ -16,7 +16,7 @@ from ..planning import DPProblem, PairShare
 from .blocks import block_pieces, block_row, piece_loads, shard_block_decision
 from .bound import sharing_bound
 from .pieces import DP_GROUP_SIZES, Group, ShareOption, profile_rate, share_options
-from .prices import price_pair, price_tp_pair
+from .prices import price_pair, price_tp_pair, seconds_to_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +131,9 @@ def _entry(problem: DPProblem, task: int, o: ShareOption, rate: float
     side, is the longer of its compute and its collectives (the others of its group hide the
     shorter in the lockstep run); the schedule replaces the sum by the group's lockstep
     phase."""
-    flops = problem.costs[task].flops
-    unit = problem.loads[task] / flops if flops else 0.0
-    compute = o.piece_flops / rate
-    return (max(compute, o.comm_s) * rate * unit, o.split_poly, compute, o.comm_s, o.hidden_s)
+    compute = o.compute_s(rate)
+    return (seconds_to_load(problem, task, max(compute, o.comm_s), rate), o.split_poly, compute,
+            o.comm_s, o.hidden_s)
 
 
 def pair_decision(problem: DPProblem, hardware: str | HardwareProfile = "h100",

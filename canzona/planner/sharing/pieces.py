@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ..cost import Roofline
 from ..formulas import gram_chunks, poly_packed_numel, shared_ns_flops
 from ..hardware import HardwareProfile, LinkProfile
 from ..planning import DPProblem
@@ -68,7 +69,10 @@ class ShareOption:
     its collectives (all steps: all-reduces of the Gram, all-gathers of the split polynomial);
     ``hidden_s``: how much of ``comm_s`` runs beside the rank's own Gram products (the Gram is
     all-reduced chunk by chunk as it is computed, ``formulas.gram_chunks``), so a piece alone
-    takes ``compute + comm_s − hidden_s`` (:meth:`alone_s`)."""
+    takes ``compute + comm_s − hidden_s`` (:meth:`alone_s`); ``memory_s``: with loads in
+    seconds, the rank's share (1/k) of its task's memory-bound passes (``Roofline.memory_s``:
+    momentum, Nesterov blend, cast, norm, update), part of its compute as the simulator times
+    it; 0 under the FLOPs and element costs."""
 
     group: Group
     k: int
@@ -76,11 +80,16 @@ class ShareOption:
     piece_flops: int
     comm_s: float
     hidden_s: float = 0.0
+    memory_s: float = 0.0
+
+    def compute_s(self, rate: float) -> float:
+        """Seconds of the piece's compute: its FLOPs at ``rate`` FLOP/s and its memory passes."""
+        return self.piece_flops / rate + self.memory_s
 
     def alone_s(self, rate: float) -> float:
         """Seconds of the piece alone at ``rate`` FLOP/s: its compute and what its own compute
         does not hide of its collectives."""
-        return self.piece_flops / rate + self.comm_s - self.hidden_s
+        return self.compute_s(rate) + self.comm_s - self.hidden_s
 
 
 def profile_rate(hw: HardwareProfile) -> float:
@@ -226,4 +235,7 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
                 link = hw.link(k * sizes.tp)
                 out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link, rate=rate,
                                      exchange=rows < cols) for s in (False, True)]
+    if problem.seconds_per_load is not None:  # loads in seconds: the passes count, 1/k each
+        memory = Roofline.of(hw, "bf16").memory_s(problem.costs[task])
+        out = [dataclasses.replace(o, memory_s=memory / o.k) for o in out]
     return out

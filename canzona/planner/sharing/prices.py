@@ -19,6 +19,25 @@ def pair_link(hw: HardwareProfile, owners: tuple[int, int], tp: int = 1) -> Link
     return hw.intra_node if a == b else hw.inter_node
 
 
+def seconds_to_load(problem: DPProblem, task: int, seconds: float, rate: float) -> float:
+    """A piece of ``task`` that takes ``seconds``, in the plan's cost units: seconds over the
+    problem's seconds per load when its loads are seconds (``roofline``), else the FLOPs
+    ``rate`` does in that time at the task's load per FLOP."""
+    if problem.seconds_per_load is not None:
+        return seconds / problem.seconds_per_load
+    flops = problem.costs[task].flops
+    return seconds * rate * (problem.loads[task] / flops if flops else 0.0)
+
+
+def flops_to_load(problem: DPProblem, task: int, flops: float, rate: float) -> float:
+    """``flops`` of ``task``'s kind of work in the plan's cost units (at ``rate`` when the loads
+    are seconds)."""
+    if problem.seconds_per_load is not None:
+        return flops / rate / problem.seconds_per_load
+    total = problem.costs[task].flops
+    return flops * (problem.loads[task] / total if total else 0.0)
+
+
 def price_pair(problem: DPProblem, task: int, split: bool, hw: HardwareProfile,
                link: LinkProfile) -> PairShare:
     """A Muon task shared by two DP indices over ``link``: each piece's FLOPs and its load, its
@@ -28,10 +47,8 @@ def price_pair(problem: DPProblem, task: int, split: bool, hw: HardwareProfile,
     rate = profile_rate(hw)
     o = shared_piece("dp", 2, split, max(rows, cols), min(rows, cols),
                      problem.settings.ns_steps, 2, link, rate=rate, exchange=rows < cols)
-    flops = problem.costs[task].flops
-    unit = problem.loads[task] / flops if flops else 0.0
-    compute = o.piece_flops / rate
-    load = math.ceil(o.alone_s(rate) * rate * unit)
+    compute = o.compute_s(rate)
+    load = math.ceil(seconds_to_load(problem, task, o.alone_s(rate), rate))
     return PairShare(-(-rows // 2), split, (load, load), (o.piece_flops, o.piece_flops), compute,
                      o.comm_s, hidden_s=o.hidden_s)
 
@@ -59,8 +76,6 @@ def price_tp_pair(problem: DPProblem, task: int, split: bool, hw: HardwareProfil
     rate = profile_rate(hw)
     o = tp_pair_piece(tp, split, rows, cols, problem.settings.ns_steps, 2, hw.link(tp),
                       hw.link(2 * tp), rate=rate)
-    flops = problem.costs[task].flops
-    unit = problem.loads[task] / flops if flops else 0.0
-    load = math.ceil(o.alone_s(rate) * rate * unit)
+    load = math.ceil(seconds_to_load(problem, task, o.alone_s(rate), rate))
     return PairShare(-(-rows // tp) // 2, split, (load, load), (o.piece_flops, o.piece_flops),
-                     o.piece_flops / rate, o.comm_s, hidden_s=o.hidden_s)
+                     o.compute_s(rate), o.comm_s, hidden_s=o.hidden_s)

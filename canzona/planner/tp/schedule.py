@@ -360,10 +360,13 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
         # runs them in lockstep: its phase, at the profile's rate, replaces their sum (at
         # least the partners' phase where it shares a task with another index).
         phase_s = max(sum(shared_phase_s(pr, runs, cap)), phase_at_least)
-        rate = _rates(settings.hardware).flops_per_s
-        unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
-                                                                 for x in runs))
-        phase_load = phase_s * rate * unit
+        if pr.seconds_per_load is not None:
+            phase_load = phase_s / pr.seconds_per_load
+        else:
+            rate = _rates(settings.hardware).flops_per_s
+            unit = sum(pr.loads[x.task] for x in runs) / max(1, sum(pr.costs[x.task].flops
+                                                                     for x in runs))
+            phase_load = phase_s * rate * unit
         base_value += phase_load - sum(x.load for x in runs)
     else:
         phase_load = 0.0
