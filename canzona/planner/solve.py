@@ -212,6 +212,7 @@ def _reordered(run: _Run) -> _Candidate | None:
     that is worse than the paper's greedy."""
     run.say("reordering")
     best: _Candidate | None = None
+    least = math.inf  # the lightest candidate's score: what a state-chosen one is held to
     # step-time also tries the heavy AdamW tensors' buckets' matrices at the ends (dp.reorder)
     for spread in (False, True) if run.state_aware else (False,):
         rp, owners = reorder_problem(run.problem, assign_free(run.problem, spread_heavy=spread))
@@ -222,10 +223,14 @@ def _reordered(run: _Run) -> _Candidate | None:
                             objective=run.objective)
         rcuts = _rebalance(run, rp, rcuts)
         cand = _Candidate(rp, rcuts, run.score(rp, rcuts))
+        least = min(least, cand.score)
         if best is None or cand.score < best.score or (
                 cand.score <= best.score + STEP_TIME_GAP_PP / 100 * run.bound
                 and _state_excess(rp, rcuts) < _state_excess(best.problem, best.cuts)):
             best = cand
+    if best is not None and best.score > least:
+        # the optimizer state chose it: the communication stage's ceiling stays the lightest's
+        run.reference_load = least
     return best if best is not None and best.score <= run.greedy_score else None
 
 
