@@ -6,7 +6,8 @@
 
 Both parts call :func:`canzona.planner.strategies.compare` (torch-free): every strategy of one
 model, sizes and hardware profile simulated alike, forward/backward from 6·N_active·tokens at a
-stated MFU (one 4096-token sequence per DP rank) unless a measured time is given.
+stated MFU (one 4096-token sequence per DP rank) unless a measured time is given. canzona's
+plans here are the paper's comparisons' (:func:`paper_options`: FLOPs cost, whole matrices).
 
 * ``--paper``: Qwen3-32B, 256 GPUs, dp 32, tp 8, Muon, the H800 profile, next to the figures the
   Canzona paper (arXiv 2602.06079) measured there, in two settings: (a) the defaults (MFU 0.4,
@@ -30,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from canzona.planner import CanzonaError, ParallelSizes
+from canzona.planner import CanzonaError, DPOptions, ParallelSizes, TPOptions
 from canzona.planner.strategies import STRATEGIES, compare
 
 HERE = Path(__file__).resolve().parent
@@ -71,13 +72,14 @@ def paper(hardware: str) -> dict:
     for key, kw in (("a", {}), ("b", {"forward_backward_s": PAPER["canzona_fb"],
                                       "overlap_param_gather": True})):
         t0 = time.perf_counter()
-        c = compare("qwen3-32b", ParallelSizes(dp=32, tp=8), hardware=hardware, **kw)
+        c = compare("qwen3-32b", ParallelSizes(dp=32, tp=8), hardware=hardware, **kw,
+                    **paper_options(hardware))
         say(f"paper setting {key}: {time.perf_counter() - t0:.1f} s")
         out[key] = c
     t0 = time.perf_counter()
     out["dp16"] = compare("qwen3-32b", ParallelSizes(dp=16, tp=8), hardware=hardware,
                           forward_backward_s=PAPER["canzona_fb"], overlap_param_gather=True,
-                          strategies=("layerwise", "canzona"))
+                          strategies=("layerwise", "canzona"), **paper_options(hardware))
     say(f"paper dp16: {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -192,6 +194,13 @@ Reading it (⚑: more than 30 % from the paper's figure; the causes found):
 """
 
 
+def paper_options(hardware: str) -> dict:
+    """The paper's comparisons' canzona plans: FLOPs cost, whole matrices (the paper's canzona
+    shares none; the defaults, roofline and ``--share auto``, are canzona's own)."""
+    return {"dp_options": DPOptions(cost="flops"),
+            "tp_options": TPOptions(hardware=hardware, share="off")}
+
+
 # --- scaling ------------------------------------------------------------------------------------
 
 
@@ -204,7 +213,8 @@ def scaling(hardware: str, quick: bool = False) -> tuple[list[dict], list[str]]:
     for m, dp, tp, ep in cases:
         t0 = time.perf_counter()
         try:
-            c = compare(m, ParallelSizes(dp=dp, tp=tp, ep=ep), hardware=hardware)
+            c = compare(m, ParallelSizes(dp=dp, tp=tp, ep=ep), hardware=hardware,
+                        **paper_options(hardware))
         except CanzonaError as exc:
             skipped.append(f"{m} dp{dp} tp{tp}" + (f" ep{ep}" if ep > 1 else "")
                            + f" ({str(exc).split(';')[0]})")

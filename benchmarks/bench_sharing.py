@@ -34,6 +34,8 @@ from canzona.planner.report import pairs_dict, useful_mean
 from canzona.planner.sharing import sharing_bound
 from canzona.planner.simulate import simulate_plan
 
+#: The FLOPs cost the tables below were measured under (the default is the roofline cost).
+FLOPS = DPOptions(cost="flops")
 CONFIGS = [("qwen3-32b", 32, 8), ("qwen3-8b", 64, 1), ("qwen3-32b", 128, 8),
            ("llama3-70b", 256, 8), ("qwen3-8b", 256, 1), ("qwen3-8b", 1024, 1)]
 #: Shampoo at tp 1: blocks hosted by two DP ranks (``--share auto``) against whole matrices
@@ -70,16 +72,18 @@ def main() -> None:
     for model, dp, tp in CONFIGS:
         t0 = time.perf_counter()
         sizes = ParallelSizes(dp=dp, tp=tp)
-        greedy = plan(model, sizes, dp_options=DPOptions(solver="greedy"),
-                      tp_options=TPOptions(hardware=args.hardware))
-        whole = plan(model, sizes, tp_options=TPOptions(hardware=args.hardware))
-        shared = plan(model, sizes, tp_options=TPOptions(hardware=args.hardware, share="auto"))
+        greedy = plan(model, sizes, dp_options=DPOptions(solver="greedy", cost="flops"),
+                      tp_options=TPOptions(hardware=args.hardware, share="off"))
+        whole = plan(model, sizes, dp_options=FLOPS,
+                     tp_options=TPOptions(hardware=args.hardware, share="off"))
+        shared = plan(model, sizes, dp_options=FLOPS,
+                      tp_options=TPOptions(hardware=args.hardware, share="auto"))
         bound = sharing_bound(read_problem(whole, model=True).problem, hardware=hw)
         rows = {"canzona-greedy": _row(greedy, hw), "canzona": _row(whole, hw),
                 "canzona --share auto": _row(shared, hw)}
         # the compute alone decides (the default weighs the DP collectives too)
         rows["canzona --share auto --objective max-load"] = _row(plan(
-            model, sizes, dp_options=DPOptions(objective="max-load"),
+            model, sizes, dp_options=DPOptions(objective="max-load", cost="flops"),
             tp_options=TPOptions(hardware=args.hardware, share="auto")), hw)
         out.append({"model": model, "dp": dp, "tp": tp, "rows": rows,
                     "atomic_lb": round(bound.atomic_ratio, 4),
@@ -90,18 +94,18 @@ def main() -> None:
     blocks = []
     for model, dp in SHAMPOO:
         sizes = ParallelSizes(dp=dp, tp=1)
-        rows = {s: _row(plan(model, sizes, "shampoo",
+        rows = {s: _row(plan(model, sizes, "shampoo", dp_options=FLOPS,
                              tp_options=TPOptions(hardware=args.hardware, share=s)), hw)
                 for s in ("off", "all", "auto")}
         blocks.append({"model": model, "dp": dp, "rows": rows})
     shards = []
     for model, dp, tp in SHAMPOO_TP:
         sizes = ParallelSizes(dp=dp, tp=tp)
-        rows = {s: _row(plan(model, sizes, "shampoo",
+        rows = {s: _row(plan(model, sizes, "shampoo", dp_options=FLOPS,
                              tp_options=TPOptions(hardware=args.hardware, share=s)), hw)
                 for s in ("off", "all", "auto")}
         rows["all max-load"] = _row(plan(model, sizes, "shampoo",
-                                         dp_options=DPOptions(objective="max-load"),
+                                         dp_options=DPOptions(objective="max-load", cost="flops"),
                                          tp_options=TPOptions(hardware=args.hardware,
                                                               share="all")), hw)
         shards.append({"model": model, "dp": dp, "tp": tp, "rows": rows})

@@ -47,17 +47,21 @@ def _paper_constants() -> dict[str, float]:
 
 
 def _plan() -> dict[str, float]:
-    from canzona.planner import OptimizerSettings, ParallelSizes, TPOptions
+    from canzona.planner import DPOptions, OptimizerSettings, ParallelSizes, TPOptions
     from canzona.planner.pipeline import plan
     from canzona.planner.report import useful_mean
 
     split = OptimizerSettings(name="muon", split_qkv=True, split_gate_up=True)
-    variants = {"off": ("muon", TPOptions(share="off")), "auto": ("muon", TPOptions(share="auto")),
-                "auto-h800": ("muon", TPOptions(share="auto", hardware="h800")),
-                "split": (split, TPOptions())}
+    flops = DPOptions(cost="flops")
+    variants = {"off": ("muon", None, TPOptions(share="off")),
+                "off-flops": ("muon", flops, TPOptions(share="off")),
+                "auto": ("muon", None, TPOptions(share="auto")),
+                "auto-h800": ("muon", None, TPOptions(share="auto", hardware="h800")),
+                "split": (split, flops, TPOptions(share="off"))}
     out = {}
-    for key, (settings, options) in variants.items():
-        p = plan("qwen3-32b", ParallelSizes(dp=32, tp=8), settings, tp_options=options)
+    for key, (settings, dp_options, options) in variants.items():
+        p = plan("qwen3-32b", ParallelSizes(dp=32, tp=8), settings, dp_options=dp_options,
+                 tp_options=options)
         assert p.tp is not None
         out[key] = p.tp.metrics.max_gpu_load / useful_mean(p)
     return out

@@ -8,12 +8,17 @@ A refactoring of the planner must leave every plan byte-identical. The record ho
 for each case, the sha256 of the plan's canonical JSON (``Plan.to_json()``, what ``save_plan``
 writes):
 
-* ``plans/NAME`` — every example plan, built as ``plans/regenerate.py`` builds it (DP and TP);
+* ``plans/NAME`` — every example plan, built as ``plans/regenerate.py`` builds it (DP and TP,
+  the default options);
+* ``flops/NAME`` — the same case with ``--cost flops --share off``: the paper's comparisons'
+  plans, byte-identical to the example plans made before the roofline cost and sharing became
+  the defaults;
 * ``sweep/MODEL-dpD-tpT`` and ``sweep/MODEL-dpD-tpT-no-reorder`` — the DP plans of
-  ``benchmarks/bench_planner.py``'s sweep (default solver, and ``reorder=False``);
+  ``benchmarks/bench_planner.py``'s sweep (default solver, and ``reorder=False``; FLOPs cost,
+  nothing shared);
 * ``paths/MODEL-dpD-tpT[-epE]-OPTIMIZER-share-SHARE-HARDWARE`` — one plan per path the sweep does
   not take: sharing (``auto`` at tp 1 and tp 8, DP pairs, Shampoo blocks, TP pairs), an ep 4 MoE
-  plan, Shampoo and SOAP at tp 1 and tp > 1 (:data:`PATHS`).
+  plan, Shampoo and SOAP at tp 1 and tp > 1 (:data:`PATHS`; FLOPs cost).
 
 Exit status 1 and one line per differing case when a plan changed.
 """
@@ -37,6 +42,8 @@ from canzona.planner.pipeline import plan
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "plan_hashes.json"
+#: The FLOPs cost, the paper's comparisons' (the sweep and the paths keep it).
+FLOPS = DPOptions(cost="flops")
 
 #: (model, dp, tp, ep, optimizer, share, hardware): full plans (TP section included) of the
 #: planner paths the sweep does not take.
@@ -65,7 +72,7 @@ def path_name(model: str, dp: int, tp: int, ep: int, optimizer: str, share: str,
 
 def _path_plan(model: str, dp: int, tp: int, ep: int, optimizer: str, share: str,
                hardware: str) -> str:
-    return plan(model, ParallelSizes(dp=dp, tp=tp, ep=ep), optimizer,
+    return plan(model, ParallelSizes(dp=dp, tp=tp, ep=ep), optimizer, dp_options=FLOPS,
                 tp_options=TPOptions(share=share, hardware=hardware)).to_json()
 
 
@@ -83,6 +90,10 @@ def cases() -> Iterator[tuple[str, str, Callable[[], str]]]:
     for model, dp, tp in regen.CASES:
         yield (f"plans/{regen.plan_name(model, dp, tp)}", model,
                lambda m=model, d=dp, t=tp: regen.build(m, d, t).to_json())
+        yield (f"flops/{regen.plan_name(model, dp, tp)}", model,
+               lambda m=model, d=dp, t=tp: plan(m, ParallelSizes(dp=d, tp=t), "muon",
+                                                dp_options=FLOPS,
+                                                tp_options=TPOptions(share="off")).to_json())
     for model in bench.MODELS:
         for dp in bench.DPS:
             for tp in bench.TPS:
@@ -97,8 +108,8 @@ def _sweep(model: str, dp: int, tp: int, reorder: bool) -> str | None:
     try:
         sizes = ParallelSizes(dp=dp, tp=tp)
         # The DP plan alone (the sweep measures the DP partition): TP scheduling off.
-        return plan(model, sizes, "muon", dp_options=DPOptions(reorder=reorder),
-                    dp_only=True).to_json()
+        return plan(model, sizes, "muon", dp_options=DPOptions(reorder=reorder, cost="flops"),
+                    tp_options=TPOptions(share="off"), dp_only=True).to_json()
     except SizeError:
         return None  # sizes the model does not allow: not a case
 

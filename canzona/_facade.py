@@ -12,7 +12,7 @@ from typing import Any
 from canzona.planner import optimizers, pipeline
 from canzona.planner.errors import CanzonaError, SizeError
 from canzona.planner.layout import ParallelSizes
-from canzona.planner.options import DPOptions, TPOptions
+from canzona.planner.options import DEFAULT_COST, DEFAULT_SHARE, DPOptions, TPOptions
 from canzona.planner.plan import Plan
 from canzona.planner.settings import OptimizerSettings
 
@@ -27,7 +27,7 @@ def plan_model(
     optimizer: str = "muon",
     bucket_size: int | None = None,
     overlap_grad_reduce: bool = True,
-    cost: str = "flops",
+    cost: str = DEFAULT_COST,
     solver: str = "auto",
     alpha: float = 1.0,
     time_limit_s: float = 10.0,
@@ -42,7 +42,7 @@ def plan_model(
     hardware: str = "h100",
     progress: Callable[[str], None] | None = None,
     vocab: int | None = None,
-    share: str = "off",
+    share: str = DEFAULT_SHARE,
     **settings: Any,
 ) -> Plan:
     """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.

@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--share", default="off", choices=["off", "auto", "all", "all-split"],
+    ap.add_argument("--share", default="auto", choices=["off", "auto", "all", "all-split"],
                     help="split matrices over two DP ranks (Muon: shared Newton–Schulz; "
                          "Shampoo: block rows hosted apart); all: every eligible one")
     ap.add_argument("--plan", help="load this plan instead of planning the model")

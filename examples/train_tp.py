@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
-    ap.add_argument("--share", default="off",
+    ap.add_argument("--share", default="auto",
                     choices=["off", "auto", "all", "all-split", "pairs"],
                     help="Muon matrices shared by their TP group instead of gathered to a host; "
                          "pairs: the column-parallel ones by the TP groups of both DP indices "

@@ -4,7 +4,8 @@
     python plans/regenerate.py --check    # exit 1 if a committed file differs
 
 Each plan is what ``canzona plan --model M --dp D --tp T`` writes with the defaults (Muon, α = 1,
-FLOPs cost, solver auto). Plans hold no wall-clock time, so identical code gives identical bytes.
+roofline cost on h100, sharing auto, solver auto). Plans hold no wall-clock time, so identical
+code gives identical bytes.
 
 ``--check`` also loads ``plans/old/``: one file of every older plan schema version this canzona
 reads (:func:`old_versions_problems`), never rewritten.
@@ -48,10 +49,11 @@ def index(plans: dict[str, Plan]) -> str:
         "",
         "Written by `python plans/regenerate.py` (do not edit; re-run it after a planner change).",
         "Each is `canzona plan --model M --dp D --tp T` with the defaults: Muon, α = 1, "
-        "FLOPs cost,",
-        "solver `auto`. Read one with `canzona inspect plans/FILE`.",
+        "roofline cost on",
+        "h100 (loads in seconds), `--share auto`, solver `auto`. Read one with "
+        "`canzona inspect plans/FILE`.",
         "",
-        "| plan | GPUs | max/mean FLOPs | gap to certified bound | max/mean state | status |",
+        "| plan | GPUs | max/mean load | gap to certified bound | max/mean state | status |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for name, p in plans.items():

@@ -25,6 +25,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 from canzona import __version__
 from canzona.planner import CanzonaError, CanzonaWarning, optimizers
 from canzona.planner.hardware import hardware_names
+from canzona.planner.options import DEFAULT_COST, DEFAULT_SHARE
 
 from . import _render
 
@@ -264,7 +265,8 @@ def plan(
         "--cost",
         help="Load per task: roofline (seconds on --hardware: FLOPs at the achieved rate, "
              "memory traffic at the bandwidth), flops (optimizer FLOPs) or numel (the "
-             "paper's).")] = "flops",
+             "paper's); --cost flops --share off makes the paper's comparisons' "
+             "plans.")] = DEFAULT_COST,
     solver: Annotated[str, typer.Option(
         "--solver", help="auto (greedy + exact per-bucket polish), greedy (the paper) or "
                          "cpsat (OR-Tools, proves a bound).")] = "auto",
@@ -307,7 +309,8 @@ def plan(
                         "them only where the busiest DP index gets lighter). Shampoo: at tp > 1 "
                         "every matrix whose TP shards are whole blocks is preconditioned shard "
                         "by shard (no gather; auto: where the objective prefers it to "
-                        "hosting); at tp 1 block rows are hosted by two DP ranks.")] = "off",
+                        "hosting); at tp 1 block rows are hosted by two DP "
+                        "ranks.")] = DEFAULT_SHARE,
     comm_dtype: Annotated[str, typer.Option(
         "--comm-dtype", help="dtype of the TP gather/scatter (tp > 1; sizes C_max): bf16, fp16, "
                              "or fp32 (exact: bf16 rounds fp32 gradients).")] = "bf16",
@@ -529,9 +532,10 @@ def compare(
     bucket_size: Annotated[Optional[int], typer.Option(
         "--bucket-size", show_default="Megatron's max(40M, 1M·dp), or the plan's",
         help=f"Elements per bucket.{FROM_PLAN}")] = None,
-    share: Annotated[str, typer.Option(
-        "--share", help="The canzona row's plan shares Muon matrices (as canzona plan "
-                        "--share: off, auto, all, all-split); the other rows stay whole.")] = "off",
+    share: Annotated[Optional[str], typer.Option(
+        "--share", show_default="auto, as canzona plan",
+        help="The canzona row's plan shares Muon matrices (as canzona plan "
+             "--share: off, auto, all, all-split); the other rows stay whole.")] = None,
     as_json: JsonOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a stacked bar per strategy to this file (.png, .pdf, .svg, …; a "
@@ -556,12 +560,11 @@ def compare(
         raise CanzonaError("--strategies: name at least one of: " + ", ".join(STRATEGIES) + ".")
     kw = dict(strategies=chosen, mfu=mfu, seq=seq, tokens=tokens,
               forward_backward_s=forward_backward, overlap_param_gather=overlap_param_gather)
-    share = share.strip().lower()
     if plan_file is not None:
         if model is not None:
             raise CanzonaError("give --plan or --model, not both (--config goes with --plan only "
                                "for plans made from a config.json).")
-        if share != "off":
+        if share is not None:
             raise CanzonaError("--share applies when compare makes the plans (--model/--config); "
                                "the plan given with --plan already records what it shares.")
         from canzona.planner.plan.load import load_plan
@@ -592,7 +595,9 @@ def compare(
             hw_name = (hardware or "h100").strip()
             comp = run_compare(model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings,
                                hardware=hw_name, dp_options=DPOptions(bucket_size=bucket_size),
-                               tp_options=TPOptions(hardware=hw_name, share=share), progress=say,
+                               tp_options=TPOptions(hardware=hw_name,
+                                                    share=(share or DEFAULT_SHARE).strip().lower()),
+                               progress=say,
                                **kw)
         if chart is not None:
             say("charts")

@@ -19,6 +19,8 @@ from .hardware import hardware_names
 SOLVERS = ("auto", "greedy", "cpsat")
 #: Cost models by name (``DPOptions.cost``); a ``CostModel`` object is accepted too.
 COSTS = ("roofline", "flops", "numel")
+#: The default cost model: every task in seconds on the hardware profile.
+DEFAULT_COST = "roofline"
 #: The cost models whose loads depend on the hardware profile (a plan's are priced on the
 #: profile it records).
 HARDWARE_COSTS = ("roofline",)
@@ -31,6 +33,8 @@ TP_SOLVERS = ("greedy", "cpsat")
 #: (tp > 1): every tall column-parallel Muon matrix shared by two TP groups (k = 2·tp), the
 #: others by their TP group, with the polynomial split.
 TP_SHARE = ("off", "auto", "all", "all-split", "pairs")
+#: The default share mode: the planner shares matrices where the modelled step is shorter.
+DEFAULT_SHARE = "auto"
 #: Objectives by name (``DPOptions.objective``); an ``Objective`` object is accepted too.
 OBJECTIVES = ("step-time", "max-load")
 #: How far (percentage points of the certified bound) the communication stage of the
@@ -75,9 +79,10 @@ class DPOptions:
         workers: CP-SAT worker count (fixed, so plans are reproducible).
         comm_limit: bound on each slice, in multiples of the even slice S/R (None: unbounded).
         reorder: let parameters change places inside their bucket (see ``dp.reorder``).
-        cost: the load of a task: ``roofline`` (its seconds under ``TPOptions.hardware``:
-            FLOPs at the achieved rate, memory traffic at the bandwidth), ``flops`` (optimizer
-            FLOPs), ``numel`` (the paper's), or a ``CostModel`` object.
+        cost: the load of a task: ``roofline`` (the default, :data:`DEFAULT_COST`: its
+            seconds under ``TPOptions.hardware``: FLOPs at the achieved rate, memory traffic
+            at the bandwidth), ``flops`` (optimizer FLOPs), ``numel`` (the paper's), or a
+            ``CostModel`` object.
         bucket_size: elements per bucket (None: Megatron's max(40M, 1M·dp)).
         overlap_grad_reduce: False puts each buffer in one bucket (Megatron without overlap).
         objective: what the DP solvers minimise: ``step-time`` (the default: the busiest
@@ -93,7 +98,7 @@ class DPOptions:
     workers: int = 1
     comm_limit: float | None = None
     reorder: bool = True
-    cost: Any = "flops"
+    cost: Any = DEFAULT_COST
     bucket_size: int | None = None
     overlap_grad_reduce: bool = True
     objective: Any = "step-time"
@@ -145,11 +150,12 @@ class TPOptions:
         hardware: hardware profile (a built-in name or a profile file's path) of the modelled
             timeline and of the DP communication model (compute rate, link bandwidths).
         comm_dtype: dtype of the gathered matrices (the gather/scatter bytes).
-        share: ``off`` (default: every TP-split matrix is hosted whole by one TP rank);
-            ``auto``: Muon matrices heavier than the mean per-GPU work are shared by their TP
-            group (shared Newton–Schulz over its shards, no gather) where the cost model says
-            it lowers the busiest GPU (``planner.sharing``), or every eligible one with the
-            polynomial split, whichever plan has the lighter busiest GPU; ``all`` /
+        share: ``off``: every TP-split matrix is hosted whole by one TP rank; ``auto`` (the
+            default, :data:`DEFAULT_SHARE`): Muon matrices heavier than the mean per-GPU work
+            are shared by their TP group (shared Newton–Schulz over its shards, no gather)
+            where the cost model says it lowers the busiest GPU (``planner.sharing``), or
+            every eligible one with the polynomial split, whichever plan has the lighter
+            busiest GPU; ``all`` /
             ``all-split``: every Muon matrix TP splits along its long dimension is shared,
             without / with the polynomial split (for tests and measurements); ``pairs``
             (tp > 1): as ``all-split``, and every tall column-parallel matrix (fc1, QKV) shared
@@ -172,7 +178,7 @@ class TPOptions:
     workers: int = 1
     hardware: str = "h100"
     comm_dtype: str = "bf16"
-    share: str = "off"
+    share: str = DEFAULT_SHARE
 
     def __post_init__(self) -> None:
         c = "TPOptions"

@@ -22,6 +22,7 @@ from .errors import SizeError
 from .hardware import HardwareProfile
 from .inventory import ModelSpec
 from .layout import ParallelSizes, PhysicalLayout, build_layout
+from .options import DEFAULT_COST
 from .settings import OptimizerSettings
 
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -183,7 +184,7 @@ def make_problem(
     sizes: ParallelSizes,
     settings: OptimizerSettings | None = None,
     *,
-    cost: str | CostModel = "flops",
+    cost: str | CostModel = DEFAULT_COST,
     bucket_size: int | None = None,
     overlap_grad_reduce: bool = True,
     comm_dtype: str = "bf16",

@@ -102,8 +102,8 @@ def test_plan_and_inspect_print_the_same_load_figures_for_a_plan_with_pairs(tmp_
     import re
 
     path = tmp_path / "p.json"
-    r = run("plan", "--model", "qwen3-4b", "--dp", 4, "--tp", 4, "--share", "pairs", "-o",
-            str(path))
+    r = run("plan", "--model", "qwen3-4b", "--dp", 4, "--tp", 4, "--share", "pairs",
+            "--cost", "flops", "-o", str(path))
     assert r.exit_code == 0, r.output
     row = re.search(r"load \(flops\)\s+(\S+ \S+)\s+(\S+ \S+)\s+([\d.]+)", r.stdout)
     assert row, r.stdout

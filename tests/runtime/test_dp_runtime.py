@@ -322,15 +322,36 @@ def test_unused_parameter_is_not_updated(world2):
 # --- memory -----------------------------------------------------------------------------------
 
 
+def _cut_adamw_pieces(plan, r: int) -> int:
+    """AdamW tensors cut across DP ranks that rank ``r`` holds a piece of: each has a step
+    counter on every rank holding a piece, which the plan shares among them by elements."""
+    adamw = {t.param for t in plan.tasks if t.optimizer == "adamw"}
+    n = 0
+    for buf in plan.buffers:
+        for b in buf.buckets:
+            lo, hi = b.cuts[r], b.cuts[r + 1]
+            for s in b.slots:
+                if s.name in adamw and s.start < hi and lo < s.end and not lo <= s.start < \
+                        s.end <= hi:
+                    n += 1
+    return n
+
+
+def _state_matches(res, r: int) -> None:
+    """The measured state is the plan's, within 4 bytes per cut AdamW tensor (its counter)."""
+    extra = res["state_bytes"] - res["plan"].metrics.dp_state_bytes[r]
+    assert 0 <= extra <= 4 * _cut_adamw_pieces(res["plan"], r), extra
+
+
 @pytest.mark.parametrize("case", ["muon", "shampoo", "soap"])
 def test_state_bytes_match_plan(world2, case):
     for r, res in enumerate(H.results(world2, case)):
-        assert res["state_bytes"] == res["plan"].metrics.dp_state_bytes[r]
+        _state_matches(res, r)
 
 
 def test_state_bytes_match_plan_dp4(world4):
     for r, res in enumerate(H.results(world4, "muon")):
-        assert res["state_bytes"] == res["plan"].metrics.dp_state_bytes[r]
+        _state_matches(res, r)
 
 
 # --- checkpoints and errors ---------------------------------------------------------------------

@@ -50,6 +50,9 @@ CASES4 = {
     # (index 0: its halves with two own ones, index 1: with one, then another batch)
     "muon_tp_pairs_mixed_batches": dict(optimizer="muon", share="pairs", cmax_mib=0.15,
                                         steps=5),
+    # the defaults (roofline cost, share auto): whatever the planner keeps runs exactly
+    **{f"{o}_default_share": dict(optimizer=o, share="auto", steps=5)
+       for o in ("muon", "shampoo", "soap")},
 }
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
 SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")

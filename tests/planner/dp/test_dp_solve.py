@@ -229,7 +229,8 @@ def test_reorder_is_a_valid_permuted_layout_and_never_worse(dp, bucket, cost):
 
 
 def test_reorder_plan_records_the_order():
-    pr = make_problem(build_inventory(get_preset("qwen3-0.6b")), ParallelSizes(64, 4))
+    pr = make_problem(build_inventory(get_preset("qwen3-0.6b")), ParallelSizes(64, 4),
+                      cost="flops")
     # the compute property (under step-time the paper's cuts may win on the modelled step)
     plan = plan_problem(pr, dp_options=DPOptions(reorder=True, objective="max-load"))
     assert plan.inputs.solver.reorder

@@ -29,7 +29,8 @@ H800 = load_hardware("h800")
 
 def _plan(dp: int, objective: str, share: str = "auto", model: str = "qwen3-8b",
           cmax_mib: float = 512.0):
-    return plan(model, ParallelSizes(dp=dp, tp=1), dp_options=DPOptions(objective=objective),
+    return plan(model, ParallelSizes(dp=dp, tp=1), dp_options=DPOptions(objective=objective,
+                                                                        cost="flops"),
                 tp_options=TPOptions(share=share, hardware="h800", cmax_mib=cmax_mib))
 
 
@@ -93,7 +94,7 @@ def test_bundles_at_dp256_halve_the_floor():
 
 def _small(dp: int = 8):
     spec, _ = inventory_of("qwen3-0.6b")
-    return make_problem(spec, ParallelSizes(dp=dp, tp=1))
+    return make_problem(spec, ParallelSizes(dp=dp, tp=1), cost="flops")
 
 
 def _free_links():
@@ -130,23 +131,23 @@ def test_not_applied_where_it_does_not_fit():
     for gpus in (1, 3):  # some partners (2s, 2s + 1) on two nodes
         assert bundle_pairs(problem, pairs, hw.model_copy(update={"gpus_per_node": gpus})) \
             is None
-    one = make_problem(inventory_of("qwen3-0.6b")[0], ParallelSizes(dp=1, tp=1))
+    one = make_problem(inventory_of("qwen3-0.6b")[0], ParallelSizes(dp=1, tp=1), cost="flops")
     assert bundle_pairs(one, pairs, hw) is None  # no partner
-    tp2 = make_problem(inventory_of("qwen3-0.6b")[0], ParallelSizes(dp=4, tp=2))
+    tp2 = make_problem(inventory_of("qwen3-0.6b")[0], ParallelSizes(dp=4, tp=2), cost="flops")
     assert bundle_pairs(tp2, pairs, hw) is None  # TP sharing's business
     shampoo = dataclasses.replace(problem, settings=OptimizerSettings(name="shampoo"))
     assert bundle_pairs(shampoo, pairs, hw) is None
     moe = ModelConfig(name="tiny-moe", arch="qwen3_moe", hidden=256, ffn=0, layers=2, q_heads=4,
                       kv_heads=2, head_dim=64, vocab=1000, tied_embeddings=False, qk_norm=True,
                       num_experts=4, experts_per_token=2, moe_ffn=128)
-    mp = make_problem(build_inventory(moe), ParallelSizes(dp=4, tp=1, ep=2))
+    mp = make_problem(build_inventory(moe), ParallelSizes(dp=4, tp=1, ep=2), cost="flops")
     assert bundle_pairs(mp, pair_decision(mp, hw, "all-split"), hw) is None
 
 
 def test_reorder_off_keeps_megatron_order():
     # a trainer whose buffers follow Megatron's order: the bundle stage (a reordering) is off
     p = plan("qwen3-8b", ParallelSizes(dp=64, tp=1),
-             dp_options=DPOptions(objective="max-load", reorder=False),
+             dp_options=DPOptions(objective="max-load", reorder=False, cost="flops"),
              tp_options=TPOptions(share="auto", hardware="h800"))
     assert not p.inputs.solver.reorder
     rep = pairs_dict(p)
@@ -211,7 +212,7 @@ def test_the_pattern_start_reaches_what_moves_alone_do_not():
     from canzona.planner.sharing.dp_search import PairSearch
 
     spec, _ = inventory_of("qwen3-8b")
-    problem = make_problem(spec, ParallelSizes(dp=64, tp=1))
+    problem = make_problem(spec, ParallelSizes(dp=64, tp=1), cost="flops")
     pairs = pair_decision(problem, H800, "all-split")
     cap = 2 * 512 * 2**20
     mean = problem.total / problem.dp
@@ -231,7 +232,7 @@ def test_the_pattern_start_reaches_what_moves_alone_do_not():
         assert all(start.where[i] == ("w", d) for i in start.whole[d])
     for s, b in enumerate(start.shared):
         assert all(start.where[i] == ("s", s) for i in b) and start.fits(b)
-    odd = make_problem(spec, ParallelSizes(dp=63, tp=1))
+    odd = make_problem(spec, ParallelSizes(dp=63, tp=1), cost="flops")
     assert pattern_start(odd, pair_decision(odd, H800, "all-split"), cap) is None
 
 
@@ -247,7 +248,7 @@ def test_both_starts_are_laid_out_and_judged_on_the_layout():
     spec, _ = inventory_of("qwen3-8b")
     cap = 2 * 512 * 2**20
     for dp in (64, 256):
-        problem = make_problem(spec, ParallelSizes(dp=dp, tp=1))
+        problem = make_problem(spec, ParallelSizes(dp=dp, tp=1), cost="flops")
         pairs = pair_decision(problem, H800, "all-split")
         got = bundle_candidates(problem, pairs, H800, scratch_cap=cap)
         assert len(got) == 2 and all(layout is not None for _, layout in got)

@@ -20,6 +20,7 @@ from canzona.planner.plan.load import load_plan
 
 
 def _plan(model: str, dp: int, share: str, hardware: str = "h100", **kw):
+    kw.setdefault("dp_options", DPOptions(cost="flops"))  # the figures below are FLOPs plans
     return plan(model, ParallelSizes(dp=dp, tp=1),
                 tp_options=TPOptions(share=share, hardware=hardware), **kw)
 
@@ -59,7 +60,8 @@ def test_auto_weighs_pairs_by_the_objective():
     # qwen3-0.6b at dp 2: every task far below the mean. By the compute alone (max-load) the
     # exchanges would only add time: the plan without pairs, byte for byte.
     def mk(share: str, objective: str):
-        return _plan("qwen3-0.6b", 2, share, dp_options=DPOptions(objective=objective))
+        return _plan("qwen3-0.6b", 2, share, dp_options=DPOptions(objective=objective,
+                                                                  cost="flops"))
 
     assert mk("auto", "max-load").to_json() == mk("off", "max-load").to_json()
     # By the modelled step (the default) pairs may even out the bucket collectives, but not by
@@ -86,7 +88,7 @@ def test_pair_plans_are_deterministic(tmp_path):
 
 def test_decision_only_for_dense_matrices_at_tp1():
     spec, _ = inventory_of("qwen3-0.6b")
-    pr = make_problem(spec, ParallelSizes(dp=4, tp=1))
+    pr = make_problem(spec, ParallelSizes(dp=4, tp=1), cost="flops")
     hw = load_hardware("h100")
     got = pair_decision(pr, hw, "all")
     assert got and all(pr.tasks[i].optimizer == "matrix" and pr.tasks[i].part is None
@@ -96,14 +98,17 @@ def test_decision_only_for_dense_matrices_at_tp1():
     assert wide and tall  # down projections (wide) are shared too: their blocks are exchanged
     o_wide = share_options(pr, wide[0], hw, groups=("dp",), dp_sizes=(2,))[0]
     assert o_wide.comm_s > 0
-    assert pair_decision(make_problem(spec, ParallelSizes(dp=4, tp=2)), hw, "all") == {}
+    assert pair_decision(make_problem(spec, ParallelSizes(dp=4, tp=2),
+                                      cost="flops"), hw, "all") == {}
     from canzona.planner.settings import OptimizerSettings
 
     # Shampoo: whole block rows per piece (item 3), SOAP: never (blocking it would change it)
-    pr_s = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="shampoo"))
+    pr_s = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="shampoo"),
+                        cost="flops")
     blocks = pair_decision(pr_s, hw, "all")
     assert blocks and all(x.row % 1024 == 0 and x.comm_s == 0 for x in blocks.values())
-    pr_soap = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="soap"))
+    pr_soap = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name="soap"),
+                           cost="flops")
     assert pair_decision(pr_soap, hw, "all") == {}
     with pytest.warns(CanzonaWarning, match="no matrix is worth splitting"):
         plan("qwen3-0.6b", ParallelSizes(dp=4, tp=1), "soap",
@@ -186,7 +191,8 @@ def test_all_moves_pieces_apart_without_undoing_pairs_or_piling_up_load():
     for opt in ("muon", "shampoo"):
         from canzona.planner.settings import OptimizerSettings
 
-        pr = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name=opt))
+        pr = make_problem(spec, ParallelSizes(dp=4, tp=1), OptimizerSettings(name=opt),
+                          cost="flops")
         pairs = pair_decision(pr, load_hardware("h100"), "all")
         shared = with_pairs(pr, pairs)
         cuts = solve(shared, DPOptions(reorder=False)).cuts
@@ -212,7 +218,8 @@ def test_pairs_move_into_one_node_where_the_ranks_between_are_empty():
 
     hw = load_hardware("h800").model_copy(update={"gpus_per_node": 2})
     spec, _ = inventory_of("qwen3-1.7b")
-    base = make_problem(spec, ParallelSizes(dp=16, tp=1), OptimizerSettings(name="muon"))
+    base = make_problem(spec, ParallelSizes(dp=16, tp=1), OptimizerSettings(name="muon"),
+                        cost="flops")
     pairs = pair_decision(base, hw, "all")
     prob = with_pairs(base, pairs)
     cuts = solve(prob, DPOptions(reorder=False), hardware=hw).cuts
@@ -252,7 +259,8 @@ def test_pair_waits_count_the_chains_between_partners():
     # chains are rare: a partner in no other pair whose other partner ran an earlier one
     for model, dp in (("qwen3-0.6b", 8), ("qwen3-1.7b", 12)):
         spec, _ = inventory_of(model)
-        base = make_problem(spec, ParallelSizes(dp=dp, tp=1), OptimizerSettings(name="muon"))
+        base = make_problem(spec, ParallelSizes(dp=dp, tp=1), OptimizerSettings(name="muon"),
+                            cost="flops")
         prob = with_pairs(base, pair_decision(base, hw, "all-split"))
         cuts = solve(prob, DPOptions(reorder=False), hardware=hw).cuts
         owners = {i: o for i, o in pair_owners(prob, cuts).items() if o[0] != o[1]}

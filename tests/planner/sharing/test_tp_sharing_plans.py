@@ -107,9 +107,10 @@ def test_at_scale_the_floor_goes(model, dp, most):
     assert a["compute"] + a["tp_gather_scatter"] <= (b["compute"] + b["tp_gather_scatter"]) / 3
 
 
-def _shared_problem(model: str, dp: int, tp: int, cmax_mib: float = 512.0):
+def _shared_problem(model: str, dp: int, tp: int, cmax_mib: float = 512.0,
+                    cost: str = "roofline"):
     pr = make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp),
-                      OptimizerSettings(name="muon"))
+                      OptimizerSettings(name="muon"), hardware="h800", cost=cost)
     return dataclasses.replace(pr, shared=share_decision(pr, "h800", "all-split"),
                                lockstep_cap=int(LOCKSTEP_CMAX * cmax_mib * MIB))
 
@@ -156,7 +157,7 @@ def test_lockstep_placement_keeps_the_state_guard():
     the busiest GPU for 18 % more state on the busiest index, and is not kept."""
     from canzona.planner.solve import _state_excess
 
-    sol = solve(_shared_problem("qwen3-4b", 32, 4))
+    sol = solve(_shared_problem("qwen3-4b", 32, 4, cost="flops"))
     assert _state_excess(sol.problem, sol.cuts) == 0
 
 
@@ -297,9 +298,9 @@ def test_shampoo_shard_blocks_beside_hosted_qkv_pack_per_gpu():
     hosted: a hosted QKV loads one GPU, a shard piece all four of its index, so the packing
     wants QKVs together on indices without pieces. The lockstep placement's move/swap search
     from the partition's cuts stopped at 1.39× the mean (an index with four QKVs and a piece);
-    from a fresh placement it reaches 1.08× (objective max-load: the compute alone)."""
+    from a fresh placement it reaches 1.08× (objective max-load: the compute alone; FLOPs)."""
     p = plan("qwen3-8b", ParallelSizes(dp=64, tp=4), OptimizerSettings(name="shampoo"),
-             dp_options=DPOptions(objective="max-load"),
+             dp_options=DPOptions(objective="max-load", cost="flops"),
              tp_options=TPOptions(share="all", hardware="h800"))
     assert sum(len(ix.shared) for ix in p.tp.indices) == 108
     assert p.tp.metrics.max_over_mean < 1.15

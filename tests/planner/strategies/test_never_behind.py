@@ -6,10 +6,16 @@ models, sizes and share modes, and at the paper's configuration."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from canzona.planner import DPOptions, ParallelSizes, TPOptions
-from canzona.planner.strategies import compare
+from canzona.planner.plan.load import load_plan
+from canzona.planner.strategies import compare, compare_plan
+
+#: The example plans: ``canzona plan`` with no flags (roofline cost, ``--share auto``).
+PLANS = sorted((Path(__file__).resolve().parents[3] / "plans").glob("*.plan.json"))
 
 #: (model, dp, tp, share): dp 8–256 × tp 1–8, with and without sharing
 SWEEP = [
@@ -33,6 +39,13 @@ def _steps(model, dp, tp, share, hardware="h100", **kw):
                          ids=lambda x: str(x))
 def test_canzona_is_never_behind_the_papers_greedy(model, dp, tp, share):
     canzona, greedy = _steps(model, dp, tp, share)
+    assert canzona <= greedy, (canzona, greedy)
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: p.name)
+def test_every_example_plan_is_never_behind(path):
+    c = compare_plan(load_plan(path), strategies=("canzona-greedy", "canzona"))
+    canzona, greedy = c.run("canzona").sim.step_s, c.run("canzona-greedy").sim.step_s
     assert canzona <= greedy, (canzona, greedy)
 
 

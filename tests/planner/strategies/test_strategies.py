@@ -29,9 +29,9 @@ PLANS = sorted((Path(__file__).parents[3] / "plans").glob("*.plan.json"))
 
 
 @lru_cache(maxsize=None)
-def _problem(model: str, dp: int, tp: int = 1, ep: int = 1):
+def _problem(model: str, dp: int, tp: int = 1, ep: int = 1, cost: str = "roofline"):
     return make_problem(build_inventory(get_preset(model)), ParallelSizes(dp=dp, tp=tp, ep=ep),
-                        OptimizerSettings(name="muon"))
+                        OptimizerSettings(name="muon"), cost=cost)
 
 
 # --- every plan in plans/ ------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_one_registry_feeds_compare_and_inspect():
     names = list(REGISTRY)
     assert list(STRATEGIES) == [n for n in names if REGISTRY[n].workload is not None]
     assert set(DESCRIPTIONS) == set(names) and all(DESCRIPTIONS.values())
-    pr = _problem("qwen3-0.6b", 4)
+    pr = _problem("qwen3-0.6b", 4, cost="flops")
     rows = [r.name for r in baseline_rows(pr)]  # no plan: no canzona row
     assert rows == [n for n in names if REGISTRY[n].baseline is not None and n != "canzona"]
     assert {"layerwise", "layerwise-lpt"} <= set(STRATEGIES) & set(rows)

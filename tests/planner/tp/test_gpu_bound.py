@@ -3,7 +3,7 @@ GPUs (``tp.context.gpu_packing_bound``), at least LB_gpu and never above a plan.
 
 from __future__ import annotations
 
-from canzona.planner import ParallelSizes
+from canzona.planner import DPOptions, ParallelSizes, TPOptions
 from canzona.planner.dp.bounds import bin_packing_bound
 from canzona.planner.pipeline import plan
 from canzona.planner.plan.inverse import read_problem
@@ -30,7 +30,8 @@ def test_qwen3_0_6b_dp16_tp2_bound_says_which_part_of_the_gap_is_the_plans():
     """LB_gpu is the mean here; the 112 hosted matrices of four sizes cannot pack that evenly
     onto 32 GPUs, so the certified bound lies strictly between LB_gpu and the plan's busiest
     GPU."""
-    p = plan("qwen3-0.6b", ParallelSizes(dp=16, tp=2), "muon")
+    p = plan("qwen3-0.6b", ParallelSizes(dp=16, tp=2), "muon", dp_options=DPOptions(cost="flops"),
+             tp_options=TPOptions(share="off"))
     problem = read_problem(p, model=True).problem
     m = p.tp.metrics
     bound = gpu_packing_bound(problem, m.max_gpu_load)

@@ -89,8 +89,10 @@ def test_schedule_properties(dp, tp, cmax, split, solver):
     grid = sch.grid()
     equal = {(b.buffer, b.bucket): equal_cuts(b) for b in pr.buckets}
     total = sum(map(sum, grid))
-    assert abs(total - sum(map(sum, gpu_loads(pr, cuts, ctx=ctx)))) <= dp * tp
-    assert abs(total - sum(map(sum, gpu_loads(pr, equal, ctx=ctx)))) <= dp * tp
+    # integer rounding: a unit per GPU, or a millionth (loads in ns: AdamW shares of a few units)
+    slack = max(dp * tp, 1e-6 * total)
+    assert abs(total - sum(map(sum, gpu_loads(pr, cuts, ctx=ctx)))) <= slack
+    assert abs(total - sum(map(sum, gpu_loads(pr, equal, ctx=ctx)))) <= slack
     largest = max(pr.loads[t.id] for t in pr.tasks if t.optimizer == "matrix")
     assert max(max(r) for r in grid) >= largest - 1
     assert max(max(r) for r in grid) >= lb_gpu(pr, ctx=ctx) - 1
