@@ -30,7 +30,7 @@ from .plan.build import build_plan
 from .plan.tp_section import placements, tp_plan
 from .planning import DPProblem, make_problem
 from .settings import OptimizerSettings
-from .sharing import Candidates
+from .sharing import Candidate, Candidates
 from .simulate import plan_forward_backward, simulate_plan_behind
 from .tp.schedule import warn_oversized
 
@@ -148,7 +148,7 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
-    made = _assemble(problem, o, t, hw, model_source, dp_only, progress)
+    made, unshared = _assemble(problem, o, t, hw, model_source, dp_only, progress)
     if problem.seconds_per_load is None or o.solver == "greedy" or \
             objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1) \
             or t.share not in JUDGED_SHARES:
@@ -160,7 +160,9 @@ def plan_problem(
         progress("the paper's greedy plan, simulated beside")
     with warnings.catch_warnings():  # their notes are the made plan's, already given
         warnings.simplefilter("ignore")
-        plans = [made] + [_assemble(problem, xo, xt, hw, model_source, dp_only, None)
+        # the plan sharing nothing is one of auto's candidates, already solved
+        plans = [made] + [unshared if xt.share == "off" and unshared is not None
+                          else _assemble(problem, xo, xt, hw, model_source, dp_only, None)[0]
                           for _, xo, xt in others]
     steps = [_step(p, hw, behind) for p in plans]
     k = steps.index(min(steps))  # ties: the plan made
@@ -193,20 +195,33 @@ def _step(plan: Plan, hw: HardwareProfile, behind: Behind | None) -> float:
 
 def _assemble(problem: DPProblem, o: DPOptions, t: TPOptions, hw: HardwareProfile,
               model_source: str, dp_only: bool,
-              progress: Callable[[str], None] | None) -> Plan:
-    """The best candidate of ``o`` and ``t``, assembled into a plan."""
+              progress: Callable[[str], None] | None) -> tuple[Plan, Plan | None]:
+    """The best candidate of ``o`` and ``t``, assembled into a plan; and the first candidate
+    that shares nothing, assembled too (the plan ``share="off"`` makes; None when there is
+    none)."""
     candidates = Candidates(problem, o, t, hw, schedule=problem.sizes.tp > 1 and not dp_only,
                             progress=progress, stacklevel=3)
-    best = None
+    best = unshared = None
     for cand in candidates:
+        if unshared is None and not cand.problem.shared and not cand.problem.pairs:
+            unshared = cand
         if best is None or candidates.better(cand, best):
             best = cand
     assert best is not None
     candidates.check_kept(best, stacklevel=3)
+    if best.schedule is not None and best.schedule.oversized:  # the note of the schedule kept
+        warn_oversized(best.schedule.oversized, t, stacklevel=4)
+    made = _plan_of(best, problem, o, hw, model_source)
+    if unshared is None:
+        return made, None
+    return made, made if unshared is best else _plan_of(unshared, problem, o, hw, model_source)
+
+
+def _plan_of(best: Candidate, problem: DPProblem, o: DPOptions, hw: HardwareProfile,
+             model_source: str) -> Plan:
+    """Candidate ``best`` of ``problem``'s candidates, assembled into a plan."""
     tp_section = hosts = None
     if best.schedule is not None:
-        if best.schedule.oversized:  # the note of the schedule kept
-            warn_oversized(best.schedule.oversized, t, stacklevel=4)
         tp_section, hosts = tp_plan(best.problem, best.schedule, best.ctx), \
             placements(best.schedule)
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
