@@ -153,17 +153,17 @@ def plan_problem(
             objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1) \
             or t.share not in JUDGED_SHARES:
         return made
-    others = [("the paper's greedy plan", *greedy_options(o, t))]
-    if t.share == "auto":  # nothing shared: what sharing is kept against
-        others.append(("the plan sharing nothing", o, dataclasses.replace(t, share="off")))
+    others = [("the paper's greedy plan", *greedy_options(o, t), None)]
+    if t.share == "auto":  # nothing shared: what sharing is kept against (one of auto's
+        # candidates, already solved, when it had one)
+        others.append(("the plan sharing nothing", o, dataclasses.replace(t, share="off"),
+                       unshared))
     if progress is not None:
         progress("the paper's greedy plan, simulated beside")
     with warnings.catch_warnings():  # their notes are the made plan's, already given
         warnings.simplefilter("ignore")
-        # the plan sharing nothing is one of auto's candidates, already solved
-        plans = [made] + [unshared if xt.share == "off" and unshared is not None
-                          else _assemble(problem, xo, xt, hw, model_source, dp_only, None)[0]
-                          for _, xo, xt in others]
+        plans = [made] + [ready or _assemble(problem, xo, xt, hw, model_source, dp_only, None)[0]
+                          for _, xo, xt, ready in others]
     steps = [_step(p, hw, behind) for p in plans]
     k = steps.index(min(steps))  # ties: the plan made
     if k == 0:
