@@ -37,6 +37,7 @@ def check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
     expert = {sl.name for buf in plan.buffers if buf.expert for b in buf.buckets
               for sl in b.slots}
     link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
+    floor = piece_floor(plan)
     seen: set[int] = set()
     partner_of: dict[int, tuple[int, int]] = {}
     phase: dict[tuple[int, int], int] = {}
@@ -109,7 +110,7 @@ def check_pairs(plan: Plan, bad) -> None:  # noqa: ANN001
         if tuple(x.flops) != (o.piece_flops, o.piece_flops):
             raise bad(f"{xf}.flops", f"are {list(x.flops)} but shared Newton–Schulz of task "
                                      f"{x.id} over {o.k} ranks is {o.piece_flops} per piece")
-        want = piece_floor(plan, t.cost, t.flops, o.piece_flops)
+        want = floor(t.cost, t.flops, o.piece_flops)
         if min(x.loads) < want - 1:
             raise bad(f"{xf}.loads", f"are {list(x.loads)} but a piece of task {x.id} costs at "
                                      f"least {round(want)}")

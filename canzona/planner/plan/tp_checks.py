@@ -160,14 +160,16 @@ def _check_shard_blocks(plan: Plan, x, L, xf: str, bad) -> float:  # noqa: ANN00
     return x.load
 
 
-def piece_floor(plan: Plan, cost: int, flops: int, piece_flops: float) -> float:
-    """The least load a shared piece of ``piece_flops`` may record, of a task of load ``cost``
-    and ``flops``: with loads in seconds, its FLOPs at the recorded profile's rate (0 for a
-    profile file's, which cannot be read here); otherwise at its task's load per FLOP."""
+def piece_floor(plan: Plan):  # noqa: ANN201
+    """``floor(cost, flops, piece_flops)``: the least load a shared piece of ``piece_flops``
+    may record, of a task of load ``cost`` and ``flops``: with loads in seconds, its FLOPs at
+    the recorded profile's rate (0 for a profile file's, which cannot be read here); otherwise
+    at its task's load per FLOP. The profile is read once per plan."""
     if plan.inputs.cost_model in HARDWARE_COSTS:
         hw = recorded_hardware(plan)
-        return piece_flops / profile_rate(hw) / RooflineCost.seconds_per_load if hw else 0.0
-    return piece_flops * cost / flops if flops else 0.0
+        per_flop = 1 / profile_rate(hw) / RooflineCost.seconds_per_load if hw else 0.0
+        return lambda cost, flops, piece_flops: piece_flops * per_flop
+    return lambda cost, flops, piece_flops: piece_flops * cost / flops if flops else 0.0
 
 
 def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: list[int],
@@ -182,6 +184,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
     pairs = {x.id: x for x in plan.dp_shared}
     halves: dict[int, int] = {}
     link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
+    floor = piece_floor(plan)
     for d, ix in enumerate(T.indices):
         if ix.shared_load > min(ix.local_load, default=0) or (ix.shared_load and not ix.shared):
             raise bad(f"tp.indices[{d}].shared_load", f"is {ix.shared_load} but local_load is "
@@ -241,7 +244,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                                                f"with a partner DP index")
                 o = shared_piece("tp", inp.tp, x.split_poly, max(rows, cols), min(rows, cols),
                                  inp.optimizer.ns_steps, 2, link, rate=1.0)
-            want = piece_floor(plan, t.cost, t.flops, o.piece_flops)
+            want = floor(t.cost, t.flops, o.piece_flops)
             if x.load < want - 1:  # its FLOPs, plus its collectives' time on the plan's profile
                 raise bad(f"{xf}.load", f"is {x.load} but shared Newton–Schulz of task {x.id} "
                                         f"over {o.k} ranks costs at least {round(want)} per "
