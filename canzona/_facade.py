@@ -24,6 +24,7 @@ def plan_model(
     *,
     dp: int,
     tp: int | None = None,
+    ep: int | None = None,
     optimizer: str = "muon",
     bucket_size: int | None = None,
     overlap_grad_reduce: bool = True,
@@ -55,6 +56,10 @@ def plan_model(
             ``Shard(0)`` (column) or ``Shard(1)`` (row) on the mesh dim ``tp``
             (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``); fused layouts
             (qkv, gate_up, vocab) need a model config (``canzona.planner.pipeline.plan``).
+        ep: expert-parallel size (default: a Megatron-core model's
+            ``expert_model_parallel_size``, else 1). With ep > 1 each rank holds E/ep experts;
+            ``dp`` is the whole data-parallel size (Megatron's: ep folds into it), the expert
+            buffers are sharded over expert-DP = dp / ep ranks.
         optimizer: a name in the optimizer registry, ``canzona.planner.optimizers`` (built in:
             ``muon``, ``shampoo``, ``soap``); another raises ``CanzonaError`` listing them.
         bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).
@@ -89,8 +94,9 @@ def plan_model(
                         objective=objective)
     # checked before the model is read
     tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware, share=share)
+    from canzona.runtime.experts import global_inventory
     from canzona.runtime.introspect import inventory
-    from canzona.runtime.megatron import megatron_spec, megatron_tp
+    from canzona.runtime.megatron import megatron_ep, megatron_spec, megatron_tp
 
     # A Megatron-core GPTModel is read through its TransformerConfig: the plan is the one made
     # offline from that config (Megatron names, fused layouts), with the live dtypes.
@@ -102,6 +108,9 @@ def plan_model(
                                "Megatron's padding); this model is not one.")
         spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
         tp = 1 if tp is None else tp
+        ep = 1 if ep is None else ep
+        if ep != 1:  # this rank's experts, numbered from 0: the whole model's, by global index
+            spec = global_inventory(spec, ep)
     else:
         built = megatron_tp(model)
         if tp is not None and tp != built:
@@ -109,6 +118,12 @@ def plan_model(
                             f"{built} (TransformerConfig.tensor_model_parallel_size); pass "
                             f"tp={built} or leave tp out.")
         tp = built
-    return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp),
+        built_ep = megatron_ep(model)
+        if ep is not None and ep != built_ep:
+            raise SizeError(f"ep={ep}, but the Megatron model is built for expert-parallel size "
+                            f"{built_ep} (TransformerConfig.expert_model_parallel_size); pass "
+                            f"ep={built_ep} or leave ep out.")
+        ep = built_ep
+    return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
                          tp_options=tp_options, progress=progress)

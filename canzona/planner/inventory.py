@@ -119,8 +119,8 @@ class ModelSpec:
     """A model's parameters in Megatron registration order, plus its config.
 
     ``config`` is None for an inventory read from a live module (``canzona.runtime.introspect``):
-    such a spec is named by ``label`` and can only be laid out at tp = ep = 1, since the head and
-    FFN sizes that TP sharding must divide are unknown.
+    such a spec is named by ``label``; TP lays out only its plain column and row splits (the head
+    and FFN sizes that fused layouts need are unknown), and EP only its per-expert weights.
     """
 
     config: ModelConfig | None
@@ -143,6 +143,14 @@ class ModelSpec:
     @property
     def total_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def num_experts(self) -> int:
+        """The config's number of experts, or (read from a live module) the number of distinct
+        expert indices among the parameters; 0 for a dense model."""
+        if self.config is not None:
+            return self.config.num_experts
+        return len({p.expert for p in self.params if p.is_expert})
 
     def __getitem__(self, name: str) -> ParamSpec:
         return self.params[self._index[name]]

@@ -138,16 +138,26 @@ def _check_positive(sizes: ParallelSizes) -> None:
 
 
 def _validate_configless(spec: ModelSpec, sizes: ParallelSizes) -> None:
-    """Sizes for an inventory without a model config (a live module, DTensor TP included): ep = 1;
-    tp > 1 only with plain column/row splits (fused layouts need the config), each split dim
-    divisible by tp."""
+    """Sizes for an inventory without a model config (a live module, DTensor TP included): ep > 1
+    only with per-expert weights marked by their expert index, ep dividing their number and the
+    world, and expert TP = TP; tp > 1 only with plain column/row splits (fused layouts need the
+    config), each split dim divisible by tp."""
     _check_positive(sizes)
-    if sizes.ep != 1 or (sizes.etp or 1) not in (1, sizes.tp):
-        raise SizeError(f"{spec.name} has no model config (read from a live module), so only "
-                        f"ep=1 (and no separate expert tp) can be planned; got ep={sizes.ep}, "
-                        f"etp={sizes.etp}.")
-    if any(p.is_expert for p in spec.params):
-        raise SizeError(f"{spec.name}: expert parameters need a model config (number of experts).")
+    if (sizes.etp or sizes.tp) != sizes.tp and sizes.etp != 1:
+        raise SizeError(f"{spec.name} has no model config (read from a live module), so its "
+                        f"experts are planned with expert tp = tp; got etp={sizes.etp}.",
+                        fields=("ParallelSizes.etp",))
+    experts = spec.num_experts
+    if sizes.ep != 1:
+        if not experts:
+            raise SizeError(f"ep={sizes.ep} needs per-expert weights (names with "
+                            f"'.experts.<index>.'); {spec.name} has none (set "
+                            "{ParallelSizes.ep} to 1).", fields=("ParallelSizes.ep",))
+        if experts % sizes.ep or sizes.world % sizes.ep:
+            valid = [d for d in _divisors(experts) if sizes.world % d == 0]
+            raise SizeError(f"ep={sizes.ep} must divide the number of experts of {spec.name} "
+                            f"({experts}) and the world size dp·tp={sizes.world}; nearest valid "
+                            f"ep: {_nearest(sizes.ep, valid)}.", fields=("ParallelSizes.ep",))
     if sizes.tp == 1:
         return
     problems = []
@@ -349,7 +359,7 @@ def build_layout(
     buffers = [build_buffer(ps, sizes, dp_size=sizes.dp, bucket_size=size, grad_dtype=grad_dtype,
                             expert=False) for _, ps in sorted(dense.items())]
     if experts:
-        per_rank = spec.config.num_experts // sizes.ep
+        per_rank = spec.num_experts // sizes.ep
         for dtype, ps in sorted(experts.items()):
             for k in range(sizes.ep):
                 mine = [p for p in ps if k * per_rank <= p.expert < (k + 1) * per_rank]

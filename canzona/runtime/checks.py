@@ -72,8 +72,9 @@ def check_main_params(main_params: Any) -> None:
 
 
 def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
-    """The plan is a Plan this runtime executes (ep = 1; tp > 1 with its TP schedule and a TP
-    group of that size); ``grad_sync`` is known."""
+    """The plan is a Plan this runtime executes (ep > 1 with expert buffers and no expert matrix
+    shared by DP indices; tp > 1 with its TP schedule and a TP group of that size);
+    ``grad_sync`` is known."""
     if not isinstance(plan, Plan):
         raise TypeError("plan must be a canzona Plan (canzona.load_plan), got "
                         f"{type(plan).__name__}")
@@ -81,8 +82,19 @@ def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
         raise ValueError(f"grad_sync = {grad_sync!r} is not allowed; choose 'reduce_scatter' or "
                          "'external'")
     if plan.inputs.ep != 1:
-        raise PlanMismatchError(f"the plan is for ep={plan.inputs.ep}; this runtime executes "
-                                "ep=1 plans only (expert parallelism is not supported yet).")
+        if not any(b.expert for b in plan.buffers):
+            raise PlanMismatchError(
+                f"the plan is for ep={plan.inputs.ep} but has no expert buffers; expert "
+                "parallelism needs a mixture-of-experts model's plan (plan a dense model at "
+                "ep=1).")
+        expert_pairs = [plan.tasks[x.id].param for x in plan.dp_shared
+                        if any(b.expert for b in plan.buffers for k in b.buckets for sl in k.slots
+                               if sl.name == plan.tasks[x.id].param)]
+        if expert_pairs:
+            raise PlanMismatchError(
+                f"the plan shares expert matrix '{expert_pairs[0]}' between two DP indices; the "
+                "runtime executes expert matrices whole on their expert-DP rank: plan with "
+                "share='off' or 'auto'.")
     tp = plan.inputs.tp
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     if tp == 1:
@@ -99,13 +111,24 @@ def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
                                 "plan); make it with 'canzona plan' or canzona.plan_model.")
 
 
-def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:
+def held_params(plan: Plan, ep_rank: int) -> set[str] | None:
+    """Under expert parallelism, the plan's parameters a rank of EP rank ``ep_rank`` holds (the
+    dense ones and its experts); None at ep = 1 (every parameter)."""
+    if plan.inputs.ep == 1:
+        return None
+    return {s.name for buf in plan.buffers if not buf.expert or buf.ep_rank == ep_rank
+            for b in buf.buckets for s in b.slots}
+
+
+def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
+                         held: set[str] | None = None) -> str | None:
     """Under TP (the live parameters are local shards): None if names, order, dtypes and local
     sizes match the plan's buckets and every TP-split matrix has its layout's local shape, else
-    one line naming the first parameter that differs."""
+    one line naming the first parameter that differs (``held``: the parameters this rank holds,
+    :func:`held_params`)."""
     slots = {s.name: (s.end - s.start, buf.dtype) for buf in plan.buffers for b in buf.buckets
              for s in b.slots}
-    order = list(dict.fromkeys(t.param for t in plan.tasks))
+    order = [n for n in dict.fromkeys(t.param for t in plan.tasks) if held is None or n in held]
     live = [n for n, _ in pairs]
     if live != order:
         k = next((k for k, (a, b) in enumerate(zip(order, live)) if a != b),
@@ -169,15 +192,23 @@ def check_split_parts(plan: Plan, pairs: list[tuple[str, Tensor]]) -> None:
                 "exactly).")
 
 
-def mesh_groups(mesh: Any, dp_group: Any, tp_group: Any) -> tuple[Any, Any]:
-    """(dp_group, tp_group) of a 2-D ``DeviceMesh`` with dims named ``dp`` and ``tp``."""
-    if dp_group is not None or tp_group is not None:
-        raise ValueError("pass either device_mesh= or dp_group=/tp_group=, not both")
+def mesh_groups(mesh: Any, dp_group: Any, tp_group: Any,
+                expert_dp_group: Any = None) -> tuple[Any, Any, Any]:
+    """(dp_group, tp_group, expert_dp_group) of a 2-D ``DeviceMesh``: dims ``dp`` and ``tp``, or
+    for expert parallelism ``edp`` and ``ep`` in that order (Megatron's: the DP rank is
+    edp_rank·ep + ep_rank; the DP group the whole mesh, the expert-DP group its ``edp`` dim)."""
+    if dp_group is not None or tp_group is not None or expert_dp_group is not None:
+        raise ValueError("pass either device_mesh= or dp_group=/tp_group=/expert_dp_group=, not "
+                         "both")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if getattr(mesh, "ndim", None) != 2 or set(names) != {"dp", "tp"}:
-        raise ValueError(f"device_mesh must be a 2-D DeviceMesh with dims named 'dp' and 'tp', got "
-                         f"{getattr(mesh, 'ndim', '?')}-D with names {names}")
-    return mesh.get_group("dp"), mesh.get_group("tp")
+    if getattr(mesh, "ndim", None) == 2 and set(names) == {"dp", "tp"}:
+        return mesh.get_group("dp"), mesh.get_group("tp"), None
+    if getattr(mesh, "ndim", None) == 2 and names == ("edp", "ep"):
+        whole = None if mesh.size() == dist.get_world_size() else mesh._flatten().get_group()
+        return whole, None, mesh.get_group("edp")
+    raise ValueError(f"device_mesh must be a 2-D DeviceMesh with dims named 'dp' and 'tp' (or, "
+                     f"for expert parallelism, 'edp' and 'ep' in that order), got "
+                     f"{getattr(mesh, 'ndim', '?')}-D with names {names}")
 
 
 def check_group_size(plan: Plan, dp: int) -> None:
@@ -207,13 +238,20 @@ def plan_params(plan: Plan) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]]) -> str | None:
+def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
+                        held: set[str] | None = None) -> str | None:
     """None if the plan's fingerprint matches the live parameters, else one line naming the first
-    parameter that differs (name, shape or dtype)."""
+    parameter that differs (name, shape or dtype). Under expert parallelism (``held``: the
+    parameters this rank holds, :func:`held_params`) the rank's parameters are compared with
+    the plan's, name by name: the fingerprint covers every EP rank's experts."""
     planned = plan_params(plan)
     spec = _unpadded_vocab(inventory(pairs), planned, plan.inputs.tp)
     live = [(p.name, tuple(p.shape), p.dtype) for p in spec.params]
-    if spec.fingerprint() == plan.fingerprint:
+    if held is not None:
+        planned = [x for x in planned if x[0] in held]
+        if planned == live:
+            return None
+    elif spec.fingerprint() == plan.fingerprint:
         # The fingerprint is one string; the runtime acts on the tasks (a matrix task's shape is
         # how its slice is viewed). A plan whose tasks contradict its own fingerprint was edited.
         if planned == live:
@@ -358,11 +396,12 @@ def check_work_order(schedule: Schedule, names: list[str]) -> None:
     pieces: list[list[tuple[int, int]]] = [[] for _ in names]
     for order in schedule.work:
         for bi in range(len(schedule.buckets)):
-            size = schedule.buckets[bi].sizes[order.rank]
             items = [(t.param, t.name, t.lo, t.hi, t.row0 * t.shape[1]) for t in order.matrix[bi]]
             items += [(a.param, a.name, a.lo, a.hi, a.offset) for a in order.adamw[bi]]
             if order.split:
                 items += [(x.param, x.name, x.lo, x.hi, x.offset) for x in order.split[bi]]
+            sizes = schedule.buckets[bi].sizes  # an expert bucket's group can be smaller
+            size = sizes[order.rank] if order.rank < len(sizes) else 0
             for i, name, lo, hi, start in items:
                 if not 0 <= lo <= hi <= size:
                     raise PlanMismatchError(f"the plan's work order puts '{name}' outside DP rank "

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.plan import Plan
-from canzona.runtime import checks, replicated, update, weights
+from canzona.runtime import checks, experts, replicated, update, weights
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.introspect import local_tensor, named_params
@@ -47,15 +47,17 @@ class Construction:
 
     def _check_arguments(self, plan: Plan, *, collective_timeout: float | None,
                          device_mesh: Any, dp_group: Any, tp_group: Any,
-                         main_params: str | None, grad_sync: str) -> tuple[Any, Any]:
+                         expert_dp_group: Any, main_params: str | None,
+                         grad_sync: str) -> tuple[Any, Any, Any]:
         """The arguments and the plan's sizes, checked without a collective. Returns
-        ``(dp_group, tp_group)``, the ``device_mesh``'s when one is given."""
+        ``(dp_group, tp_group, expert_dp_group)``, the ``device_mesh``'s when one is given."""
         self._timeout = checks.checked_timeout(collective_timeout)
         if device_mesh is not None:
-            dp_group, tp_group = checks.mesh_groups(device_mesh, dp_group, tp_group)
+            dp_group, tp_group, expert_dp_group = checks.mesh_groups(
+                device_mesh, dp_group, tp_group, expert_dp_group)
         checks.check_main_params(main_params)
         checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
-        return dp_group, tp_group
+        return dp_group, tp_group, expert_dp_group
 
     def _take_parameters(self, model: nn.Module | Any, plan: Plan,
                          grad_sync: str) -> list[tuple[str, Tensor]]:
@@ -96,13 +98,53 @@ class Construction:
         self._tp_rank = dist.get_rank(tp_group) if self._tp > 1 else 0
         return distributed
 
+    def _place_experts(self, plan: Plan, distributed: bool) -> None:
+        """Under expert parallelism (``runtime.experts``): this rank's EP and expert-DP ranks
+        and the parameter names as the plan has them (experts by their global index)."""
+        self._experts = experts.expert_layout(plan, self._rank)
+        self._expert_group = None
+        self._flag_positions: tuple[list[int], int] | None = None
+        self._names = self._experts.plan_names(self._names)  # messages, schedule, checkpoints
+        self._expert_names = {s.name for buf in plan.buffers if buf.expert
+                              and buf.ep_rank == self._experts.ep_rank
+                              for b in buf.buckets for s in b.slots}
+        if self._experts.ep == 1:
+            return
+        if not distributed:
+            raise PlanMismatchError(f"the plan is for ep={plan.inputs.ep}: initialise "
+                                    "torch.distributed (every EP rank holds other experts).")
+        # The gradient flags are all-reduced over the DP group, where every EP rank holds other
+        # experts at the same local index: they are laid out by the plan's parameters.
+        order = {n: i for i, n in enumerate(dict.fromkeys(t.param for t in plan.tasks))}
+        self._flag_positions = ([order[n] for n in self._names], len(order))
+
+    def _join_expert_group(self, plan: Plan, expert_dp_group: Any) -> None:
+        """The expert-DP group (given, or derived from Megatron's rank order: the first
+        collective of its own, after the ranks agreed on the plan), checked against the plan's
+        expert-DP size."""
+        if self._experts.ep == 1:
+            if expert_dp_group is not None:
+                raise PlanMismatchError("expert_dp_group= is for plans with ep > 1; the plan is "
+                                        "for ep=1.")
+            return
+        group = (expert_dp_group if expert_dp_group is not None
+                 else experts.expert_dp_group(self._experts, self._group, self._tp))
+        size = dist.get_world_size(group)
+        if size != self._experts.edp:
+            raise PlanMismatchError(
+                f"expert_dp_group has {size} ranks but the plan's expert-data-parallel size is "
+                f"dp/ep = {plan.inputs.dp}/{plan.inputs.ep} = {self._experts.edp}.")
+        self._expert_group = group
+
     def _agree_on_plan(self, plan: Plan, pairs: list[tuple[str, Tensor]]) -> None:
         """Every rank agrees before it acts: the plan's hash and the model's fingerprint (and,
         for DTensors, their local shards), in one collective over DP (and TP), so that a rank
         that finds a problem and its peers all raise."""
+        held = checks.held_params(plan, self._experts.ep_rank)
+        pairs = list(zip(self._names, (p for _, p in pairs)))  # experts by global index
         local_pairs = list(zip(self._names, self._params))
-        global_check = functools.partial(checks.fingerprint_problem, plan, pairs)
-        local_check = functools.partial(checks.local_layout_problem, plan, local_pairs)
+        global_check = functools.partial(checks.fingerprint_problem, plan, pairs, held)
+        local_check = functools.partial(checks.local_layout_problem, plan, local_pairs, held)
         problem = global_check() if self._tp == 1 else local_check()
         if problem is None and any(p is not q for p, q in zip(self._live, self._params)):
             # DTensors: global shapes and layouts (fingerprint) and local shards, both checked
@@ -117,11 +159,26 @@ class Construction:
         """Every DP rank starts from the same weights: checked (one all-reduce of a digest per
         parameter), or DP rank 0's broadcast to the others with ``sync_init``
         (``runtime.weights``)."""
-        if sync_init:
-            weights.broadcast_weights(self._params, size=self._dp, group=self._group)
-        else:
-            weights.agree_weights(self._params, self._names, size=self._dp, group=self._group,
-                                  device=self._device())
+        dense, expert = self._dense_and_expert_params()
+        for ids, size, group in ((dense, self._dp, self._group),
+                                 (expert, self._experts.edp, self._expert_group)):
+            if not ids:
+                continue
+            params = [self._params[i] for i in ids]
+            if sync_init:
+                weights.broadcast_weights(params, size=size, group=group)
+            else:
+                weights.agree_weights(params, [self._names[i] for i in ids], size=size,
+                                      group=group, device=self._device())
+
+    def _dense_and_expert_params(self) -> tuple[list[int], list[int]]:
+        """The parameter indices every DP rank holds, and those of this EP rank's experts (the
+        expert-DP group holds them alike); all dense at ep = 1."""
+        if self._experts.ep == 1:
+            return list(range(len(self._params))), []
+        expert = set(self._expert_names)
+        return ([i for i, n in enumerate(self._names) if n not in expert],
+                [i for i, n in enumerate(self._names) if n in expert])
 
     def _build_kernels(self, plan: Plan, *, optimizer: str | None,
                        matrix_options: dict[str, Any] | None, ns_dtype: torch.dtype,
@@ -153,7 +210,7 @@ class Construction:
         every element of every parameter exactly once."""
         self.plan = plan
         self._digest = checks.plan_digest(plan)
-        self._schedule = build_schedule(plan, self._names, self._rank)
+        self._schedule = build_schedule(plan, self._names, self._rank, self._experts)
         checks.check_work_order(self._schedule, self._names)
 
     def _keep_options(self, *, grad_sync: str, main_params: str | None, overlap_tp: bool,
@@ -178,7 +235,8 @@ class Construction:
             self._schedule, self._params, self._live, self._names, rank=self._rank,
             size=self._dp, group=self._group, external=self._external,
             main_params=self._main_params, method=collective, distributed=distributed,
-            timeout_s=self._timeout, flight=self._flight)
+            timeout_s=self._timeout, flight=self._flight, expert_group=self._expert_group,
+            expert_rank=self._experts.edp_rank, expert_size=self._experts.edp)
 
     def _init_owned_state(self) -> None:
         """fp32 state for every matrix task and AdamW slice this rank owns."""
@@ -190,7 +248,7 @@ class Construction:
         and of its TP micro-groups and TP-shared matrices (tp > 1), with their state."""
         self._pairs = PairRunner(self._schedule.mine, dp_group=self._group, dp_rank=self._rank,
                                  timeout_s=self._timeout, flight=self._flight)
-        own_start = [b.cuts[self._rank] for b in self._schedule.buckets]
+        own_start = [self._schedule.own_range(b.index)[0] for b in self._schedule.buckets]
         self._micro = MicroGroupRunner(
             build_tp_groups(plan, self._names, self._schedule.param_bucket,
                             self._schedule.param_range, own_start, self._rank, self._tp_rank),

@@ -38,37 +38,60 @@ def all_reduce_max(t: Tensor, *, dp: int, group: Any, tp: int, tp_group: Any, fl
 
 def agree(grads: GradientCollector, buffers: Sequence[BucketBuffers], work: WorkOrder,
           params: list[Tensor], reduce_max: Callable[[Tensor], None], *, rank: int,
-          size: int) -> tuple[list[int], list[int]]:
+          size: int, positions: tuple[Sequence[int], int] | None = None
+          ) -> tuple[list[int], list[int]]:
     """Per parameter, whether any rank got a gradient for it (into ``grads.received_anywhere``),
     per DP rank whether it got any gradient (this rank ``rank`` of ``size``), and per bucket
     whether any rank's averaged slice holds NaN or Inf: one MAX all-reduce (``reduce_max``) and
     one copy to the host. Only when a bucket is non-finite somewhere, a second all-reduce names
     the parameters. Returns (the non-finite parameters, the DP ranks that got no gradient while
-    others did), the same on every rank."""
+    others did), the same on every rank.
+
+    ``positions``: under expert parallelism, each parameter's place among the plan's ``total``
+    parameters, ``(places, total)``: the flags are laid out so, so that another EP rank's
+    experts never stand in for this rank's."""
     n = len(params)
     device = params[0].device
+    if positions is not None:
+        places, total = positions
+        where = torch.tensor(list(places), dtype=torch.long)
+
+        def spread(x: Tensor) -> Tensor:
+            out = torch.zeros(total, dtype=x.dtype)
+            out[where] = x.cpu()
+            return out.to(x.device)
+
+        def gather(x: list[int]) -> list[int]:
+            return [x[k] for k in places]
+    else:
+        def spread(x: Tensor) -> Tensor:
+            return x
+
+        def gather(x: list[int]) -> list[int]:
+            return x
+        total = n
     finite = [torch.isfinite(b.own).all() for b in buffers if b.own.numel()]
     bad_bucket = (~torch.stack(finite)).any().to(torch.int32).reshape(1) if finite else \
         torch.zeros(1, dtype=torch.int32, device=device)
     had = torch.zeros(size, dtype=torch.int32)
     had[rank] = int(bool(grads.received.any()))
-    flags = torch.cat([grads.received, had]).to(device)
+    flags = torch.cat([spread(grads.received), had]).to(device)
     flags = torch.cat([flags, bad_bucket.to(device)])
     reduce_max(flags)
     flags = flags.cpu().tolist()
-    grads.received_anywhere = flags[:n]
-    ranks = flags[n:n + size]
+    grads.received_anywhere = gather(flags[:total])
+    ranks = flags[total:total + size]
     missing = [r for r, x in enumerate(ranks) if not x] if any(ranks) else []
-    if missing or not flags[n + size]:
+    if missing or not flags[total + size]:
         return [], missing
     bad = torch.zeros(n, dtype=torch.int32)
     for bi, buf in enumerate(buffers):
         for x in own_pieces(work, bi):
             if not bool(torch.isfinite(buf.own[x.lo:x.hi]).all()):
                 bad[x.param] = 1
-    bad = bad.to(device)
+    bad = spread(bad).to(device)
     reduce_max(bad)
-    return [i for i, f in enumerate(bad.cpu().tolist()) if f], []
+    return [i for i, f in enumerate(gather(bad.cpu().tolist())) if f], []
 
 
 def apply_policy(agreed: tuple[list[int], list[int]], *, grads: GradientCollector,

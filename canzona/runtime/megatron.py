@@ -13,8 +13,11 @@ each parameter's dtype from the model, so that a bare ``GPTModel`` (float32 norm
 matrices) plans with its real buffers.
 
 Supported: the decoder-only models the planner describes (Llama and Qwen3 style: RMSNorm, GQA,
-gated SwiGLU, no linear biases, optional QK layernorm; Qwen3-MoE at expert-parallel size 1),
-pipeline-parallel size 1. Anything else is refused with the setting that differs.
+gated SwiGLU, no linear biases, optional QK layernorm; Qwen3-MoE with per-expert weights, at
+any expert-parallel size with expert TP = TP), pipeline-parallel size 1. Under expert
+parallelism a rank holds E/ep experts numbered from 0 (``local_experts.{j}``, its first global
+index is the ``MoELayer``'s ``local_expert_indices[0]``); the inventory names every expert by
+its global index. Anything else is refused with the setting that differs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from canzona.planner.models import ModelConfig
 from canzona.planner.shards import shard_map
 from canzona.runtime.introspect import dtype_name, local_tensor, named_params
 
-__all__ = ["MEGATRON_SUM_GRADS", "find_gpt", "megatron_config", "megatron_spec",
+__all__ = ["MEGATRON_SUM_GRADS", "find_gpt", "megatron_config", "megatron_ep", "megatron_spec",
            "megatron_sum_grads", "megatron_tp"]
 
 #: Replicated parameters whose gradient each TP rank holds only in part under Megatron: the
@@ -48,7 +51,6 @@ _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("pipeline_model_parallel_size", 1, "pipeline parallelism is not planned"),
     ("context_parallel_size", 1, "context parallelism is not planned"),
-    ("expert_model_parallel_size", 1, "plan_model reads MoE models at expert-parallel size 1"),
     ("add_bias_linear", False, "linear biases are not in the planner's models"),
     ("add_qkv_bias", False, "QKV biases are not in the planner's models"),
     ("gated_linear_unit", True, "fc1 must be the gated [gate; up] SwiGLU weight"),
@@ -101,6 +103,17 @@ def megatron_config(gpt: nn.Module, *, vocab: int | None = None,
         ModelError: a setting the planner's models do not have, naming the TransformerConfig field.
     """
     c = gpt.config  # type: ignore[attr-defined]
+    ep = int(getattr(c, "expert_model_parallel_size", 1) or 1)
+    etp = getattr(c, "expert_tensor_parallel_size", None)
+    if ep > 1 and etp is not None and int(etp) != int(getattr(c, "tensor_model_parallel_size", 1)
+                                                     or 1):
+        raise ModelError(f"TransformerConfig.expert_tensor_parallel_size is {etp!r}; canzona "
+                         "executes expert parallelism with expert TP equal to "
+                         "tensor_model_parallel_size (Megatron's default, None).")
+    if ep > 1 and getattr(c, "moe_grouped_gemm", False):
+        raise ModelError("TransformerConfig.moe_grouped_gemm is True; canzona reads Megatron's "
+                         "per-expert weights (SequentialMLP, moe_grouped_gemm=False) under "
+                         "expert parallelism.")
     for field, want, why in _REQUIRED:
         got = getattr(c, field, want)
         if got != want and not (want is None and not got):
@@ -152,6 +165,24 @@ def _megatron_attrs(t: Any) -> tuple[bool, int | None, int]:
     return (True, int(getattr(t, "partition_dim", 0)), int(getattr(t, "partition_stride", 1) or 1))
 
 
+def megatron_ep(model: Any) -> int:
+    """The expert-parallel size a Megatron-core model was built for (1 for other models)."""
+    found = find_gpt(model)
+    if found is None:
+        return 1
+    return int(getattr(found[1].config, "expert_model_parallel_size", 1) or 1)
+
+
+def _expert_offset(gpt: nn.Module) -> int:
+    """The global index of this rank's first expert (Megatron's ``MoELayer``
+    ``local_expert_indices``); 0 for a dense model."""
+    for m in gpt.modules():
+        indices = getattr(m, "local_expert_indices", None)
+        if indices:
+            return int(indices[0])
+    return 0
+
+
 def megatron_tp(model: Any) -> int:
     """The tensor-parallel size a Megatron-core model was built for (1 for other models)."""
     found = find_gpt(model)
@@ -181,7 +212,13 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
         g.removeprefix(prefix) for g in matrix_globs), adamw_globs=tuple(
         g.removeprefix(prefix) for g in adamw_globs))
     live = named_params(model)
-    planned = [prefix + p.name for p in spec.params]
+    # Under expert parallelism the rank holds E/ep experts, numbered from 0 in its names.
+    ep = megatron_ep(gpt)
+    offset, per_rank = _expert_offset(gpt), cfg.num_experts // ep if ep > 1 else 0
+    local = [p for p in spec.params if ep == 1 or not p.is_expert
+             or offset <= p.expert < offset + per_rank]
+    planned = [prefix + (_local_expert_name(p.name, p.expert, offset) if ep > 1 and p.is_expert
+                         else p.name) for p in local]
     names = [n for n, _ in live]
     if names != planned:
         k = next((k for k, (a, b) in enumerate(zip(planned, names)) if a != b),
@@ -192,7 +229,15 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
                          f"describes '{a}' there; canzona.plan_model reads GPTModels built with "
                          "the local or Transformer-Engine-free layer spec of a Llama/Qwen3 model.")
     params = []
-    for p, (n, t) in zip(spec.params, live):
+    live_of = {p.name: nt for p, nt in zip(local, live)}
+    expert_dtype = next((dtype_name(live_of[p.name][1].dtype) for p in local if p.is_expert),
+                        None)
+    for p in spec.params:
+        if p.name not in live_of:  # another EP rank's expert: the dtype of this rank's experts
+            params.append(dataclasses.replace(p, name=prefix + p.name,
+                                              dtype=expert_dtype or p.dtype))
+            continue
+        n, t = live_of[p.name]
         want = shard_map(p, tp, kv_groups=cfg.kv_heads).local_shape if tp > 1 else (
             (padded_vocab(p.shape[0], 1), *p.shape[1:]) if p.tp_layout == "vocab" else p.shape)
         got = tuple(local_tensor(t).shape)
@@ -209,5 +254,10 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
                 and p.kind not in ("embedding", "output")):
             raise ModelError(f"the Megatron model marks '{n}' is_embedding_or_output_parameter but "
                              f"its TransformerConfig gives a {p.kind} there.")
-        params.append(dataclasses.replace(p, name=n, dtype=dtype_name(t.dtype, n)))
+        params.append(dataclasses.replace(p, name=prefix + p.name, dtype=dtype_name(t.dtype, n)))
     return ModelSpec(config=cfg, params=tuple(params), label=cfg.name)
+
+
+def _local_expert_name(name: str, expert: int, offset: int) -> str:
+    """A Megatron expert weight's name on the EP rank whose first expert is ``offset``."""
+    return name.replace(f".local_experts.{expert}.", f".local_experts.{expert - offset}.", 1)

@@ -115,8 +115,17 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
             tp=)``) work the same way: canzona works on each DTensor's local shard (its buffers
             hold that shard; the DTensor keeps pointing at them), parameters that are not
             DTensors are replicated over TP and updated identically on every TP rank.
+        expert_dp_group: plans with ep > 1 (``runtime.experts``): the expert-data-parallel
+            group of this rank, the DP ranks that hold the same experts (Megatron's
+            ``parallel_state.get_expert_data_parallel_group()``). None (default): derived from
+            the DP group in Megatron's rank order (DP rank d holds EP rank d mod ep's experts),
+            built once by every rank. The model holds its EP rank's experts numbered from 0
+            (``local_experts.{j}``, ``experts.{j}``); the plan names them by global index.
+            Expert gradients are summed over this group and divided by the DP size.
         device_mesh: instead of ``dp_group``/``tp_group``: a 2-D ``DeviceMesh`` with dims named
-            ``"dp"`` and ``"tp"`` (``init_device_mesh(..., mesh_dim_names=("dp", "tp"))``).
+            ``"dp"`` and ``"tp"`` (``init_device_mesh(..., mesh_dim_names=("dp", "tp"))``); for
+            a plan with ep > 1 at tp = 1, dims ``"edp"`` and ``"ep"`` in that order (the DP
+            group is the whole mesh, the expert-DP group its ``edp`` dim).
         grad_sync: ``"reduce_scatter"`` (canzona reduces the gradients) or ``"external"``
             (gradients are already averaged, e.g. by DDP; the owned parts are read from ``.grad``).
         optimizer, ns_steps: optional; when given they must agree with the plan.
@@ -188,6 +197,7 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         dp_group: Any = None,
         tp_group: Any = None,
         device_mesh: Any = None,
+        expert_dp_group: Any = None,
         grad_sync: str = "reduce_scatter",
         optimizer: str | None = None,
         ns_steps: int | None = None,
@@ -202,15 +212,18 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         sync_init: bool = False,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
-        dp_group, tp_group = self._check_arguments(
+        dp_group, tp_group, expert_dp_group = self._check_arguments(
             plan, collective_timeout=collective_timeout, device_mesh=device_mesh,
-            dp_group=dp_group, tp_group=tp_group, main_params=main_params, grad_sync=grad_sync)
+            dp_group=dp_group, tp_group=tp_group, expert_dp_group=expert_dp_group,
+            main_params=main_params, grad_sync=grad_sync)
         pairs = self._take_parameters(model, plan, grad_sync)
         distributed = self._join_groups(plan, dp_group, tp_group)
+        self._place_experts(plan, distributed)
         checks.check_overlap_target(model, overlap_param_gather)
 
         # -- every rank agrees before it acts: the plan (hash + fingerprint), then the weights -
         self._agree_on_plan(plan, pairs)
+        self._join_expert_group(plan, expert_dp_group)
         self._agree_on_weights(sync_init)
 
         # -- kernels, schedule, param groups --------------------------------------------------
@@ -301,7 +314,8 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
             tp_group=self._tp_group, flight=self._flight, timeout_s=self._timeout, rank=self._rank)
         storage = self._storage
         agreed = flags.agree(storage.grads, storage.buffers, self._schedule.mine, self._params,
-                             reduce_max, rank=self._rank, size=self._dp)
+                             reduce_max, rank=self._rank, size=self._dp,
+                             positions=self._flag_positions)
         flags.apply_policy(agreed, grads=storage.grads, buffers=storage.buffers,
                            work=self._schedule.mine, names=self._names,
                            matrix_params=self._schedule.matrix_params, matrix=self._matrix,

@@ -16,6 +16,7 @@ from typing import Any
 
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.experts import ExpertLayout
 
 __all__ = ["AdamWSlice", "Bucket", "MatrixTask", "ParamSlot", "Schedule", "SplitParam", "WorkOrder",
            "build_schedule"]
@@ -41,6 +42,10 @@ class Bucket:
     slots: tuple[ParamSlot, ...]
     grad_dtype: str  # the plan's name: "fp32" | "bf16" | "fp16"
     method: str  # the plan's collective method (canzona.planner.comm.METHODS)
+    #: This rank's place in the group the bucket is sharded over: its DP rank, or for an expert
+    #: bucket its expert-DP rank (``runtime.experts``).
+    rank: int = 0
+    expert: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,20 +120,18 @@ class Schedule:
     dp: int
     rank: int
     buckets: tuple[Bucket, ...]
-    work: tuple[WorkOrder, ...]  # per DP rank
+    #: Per place r in the buckets' groups, what that rank updates: a dense bucket's r is a DP
+    #: rank, an expert bucket's an expert-DP rank (fewer: its entries past edp are empty).
+    work: tuple[WorkOrder, ...]
     param_bucket: tuple[int, ...]  # per parameter, its bucket
     param_range: tuple[tuple[int, int], ...]  # per parameter, [lo, hi) in its bucket
     matrix_params: tuple[int, ...]  # parameters the plan gives the matrix optimizer, plan order
-
-    @property
-    def mine(self) -> WorkOrder:
-        """This rank's work order."""
-        return self.work[self.rank]
+    mine: WorkOrder  # this rank's work order: per bucket, its place's in that bucket's group
 
     def own_range(self, bucket: int) -> tuple[int, int]:
         """This rank's slice ``[lo, hi)`` of a bucket."""
-        cuts = self.buckets[bucket].cuts
-        return cuts[self.rank], cuts[self.rank + 1]
+        b = self.buckets[bucket]
+        return b.cuts[b.rank], b.cuts[b.rank + 1]
 
 
 def _pieces(x: Any, name: str, lo: int, rows: int, cols: int, cuts: Sequence[int],
@@ -149,8 +152,12 @@ def _pieces(x: Any, name: str, lo: int, rows: int, cols: int, cuts: Sequence[int
     return out
 
 
-def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
-    """Convert the plan (already checked against the model) into records for DP rank ``rank``.
+def build_schedule(plan: Plan, names: list[str], rank: int,
+                   experts: ExpertLayout = ExpertLayout()) -> Schedule:
+    """Convert the plan (already checked against the model) into records for DP rank ``rank``
+    (``names``: the parameters as the plan names them). Under expert parallelism the schedule
+    holds the dense buckets and this rank's EP rank's expert buckets (``experts``), whose
+    owners are places in the expert-DP group.
 
     Raises:
         PlanMismatchError: the plan cuts a matrix across DP ranks (a baseline such as ``asc``).
@@ -161,6 +168,9 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     param_bucket = [-1] * len(names)
     param_range = [(0, 0)] * len(names)
     for buf in plan.buffers:
+        if not experts.holds(buf):
+            continue
+        place = experts.edp_rank if buf.expert else rank
         for b in buf.buckets:
             slots = []
             for s in b.slots:
@@ -171,7 +181,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
             cuts = tuple(c - b.start for c in b.cuts)
             sizes = tuple(y - x for x, y in zip(cuts, cuts[1:]))
             buckets.append(Bucket(len(buckets), b.end - b.start, cuts, sizes, tuple(slots),
-                                  buf.grad_dtype, b.method))
+                                  buf.grad_dtype, b.method, place, buf.expert))
     matrix = [[[] for _ in buckets] for _ in range(dp)]
     adamw = [[[] for _ in buckets] for _ in range(dp)]
     split: list[list[list[SplitParam]]] = [[[] for _ in buckets] for _ in range(dp)]
@@ -184,9 +194,13 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp == 1 else {}
     shares = plan.inputs.optimizer.spec.gram_shared  # shared Newton–Schulz; else blocks apart
     for t in plan.tasks:
-        i = index[t.param]
+        i = index.get(t.param)
+        if i is None:  # another EP rank's expert
+            continue
         bi = param_bucket[i]
         cuts = buckets[bi].cuts
+        if buckets[bi].expert and t.owner is not None:
+            t = t.model_copy(update={"owner": experts.group_rank(t.owner)})
         lo, hi = param_range[i]
         if t.optimizer == "matrix" and t.id in tp_pairs:
             # Shared by two TP groups: each DP index holds rows of every TP shard (the cut is
@@ -203,7 +217,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
             # TP-split: the whole local shard (every part) on its owner; runtime.tp updates it
             # (hosted in a micro-group, or shared by the TP group).
             matrix_params[i] = None
-            holders = [r for r in range(dp) if cuts[r] < hi and lo < cuts[r + 1]]
+            holders = [r for r in range(len(cuts) - 1) if cuts[r] < hi and lo < cuts[r + 1]]
             if holders != [t.owner]:
                 raise PlanMismatchError(
                     f"the plan cuts matrix '{t.param}' across DP ranks {holders} (owner "
@@ -235,7 +249,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
             rows_done[t.param] += rows
             matrix_params[i] = None
             a, z = lo + row0 * cols, lo + (row0 + rows) * cols
-            holders = [r for r in range(dp) if cuts[r] < z and a < cuts[r + 1]]
+            holders = [r for r in range(len(cuts) - 1) if cuts[r] < z and a < cuts[r + 1]]
             if holders != [t.owner]:
                 raise PlanMismatchError(
                     f"the plan cuts matrix '{t.param}' across DP ranks {holders} (owner "
@@ -247,7 +261,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
                                                   row0, (rows, cols)))
         else:
             # AdamW elements need no atomicity: every rank holding a piece updates it.
-            for r in range(dp):
+            for r in range(len(cuts) - 1):
                 a, z = max(lo, cuts[r]), min(hi, cuts[r + 1])
                 if a < z:
                     adamw[r][bi].append(AdamWSlice(i, t.param, bi, a - cuts[r], z - cuts[r],
@@ -255,5 +269,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int) -> Schedule:
     work = tuple(WorkOrder(r, tuple(map(tuple, matrix[r])), tuple(map(tuple, adamw[r])),
                            tuple(map(tuple, split[r])))
                  for r in range(dp))
+    mine = WorkOrder(rank, *(tuple(tuple(getattr(work[b.rank], f)[b.index]) for b in buckets)
+                             for f in ("matrix", "adamw", "split")))
     return Schedule(dp, rank, tuple(buckets), work, tuple(param_bucket), tuple(param_range),
-                    tuple(matrix_params))
+                    tuple(matrix_params), mine)

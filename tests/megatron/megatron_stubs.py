@@ -51,9 +51,16 @@ def megatron_available() -> bool:
 @contextlib.contextmanager
 def cpu_cuda_stand_ins() -> Iterator[None]:
     """``torch.cuda.current_device()`` returns ``torch.device("cpu")`` inside the block (Megatron
-    allocates its DDP buffers and some model tensors on that device); restored on exit."""
+    allocates its DDP buffers and some model tensors on that device); restored on exit. The MoE
+    router's Transformer Engine GEMM is set to None where Transformer Engine is missing."""
     import torch
 
+    # megatron-core 0.16.1's MoE router names te_general_gemm only when Transformer Engine
+    # imports; without it the name is undefined (a NameError in every MoE forward on CPU).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     original = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     try:

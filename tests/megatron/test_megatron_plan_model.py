@@ -1,10 +1,10 @@
 """``canzona.plan_model`` reads a live Megatron-core GPTModel through its TransformerConfig:
 the plan equals the one made offline from the matching config under Megatron names (same
-fingerprint, buffers and tasks) at dp 1-2 × tp 1-2, for Llama-style (tied),
-Qwen3-style and Qwen3-MoE (ep 1) models, bf16 under ``Float16Module`` and float32; a bare bf16
-GPTModel (float32 norms) records each parameter's own dtype; the TP size is the model's; bad input
-is refused in one line naming the setting. The offline plan (the tokenizer's vocabulary) applies to
-the live model whose vocabulary Megatron padded, at tp 1 too.
+fingerprint, buffers and tasks) at dp 1-2 × tp 1-2, for Llama-style (tied), Qwen3-style and
+Qwen3-MoE (ep 1, and ep 2 on every EP rank) models, bf16 under ``Float16Module`` and float32;
+a bare bf16 GPTModel (float32 norms) records each parameter's own dtype; the TP and EP sizes
+are the model's; bad input is refused in one line naming the setting. The offline plan (the
+tokenizer's vocabulary) applies to the live model whose vocabulary Megatron padded, at tp 1 too.
 
 One process: the ``fake`` process group lets rank 0 of a dp·tp world build the models.
 """
@@ -80,14 +80,36 @@ def test_moe_at_ep1_equals_offline_plan(sizes):
     _same_plan(live, _offline(MOE, dp, tp))
 
 
-def test_expert_parallel_model_is_refused():
+@pytest.mark.parametrize("rank", [0, 1, 2, 3], ids=lambda r: f"rank{r}")
+def test_moe_at_ep2_equals_offline_plan_on_every_ep_rank(rank):
+    """Each EP rank holds 4 experts numbered from 0; its plan names all 8 by global index and
+    equals the offline plan at ep 2 (dp 4: expert-DP 2)."""
     import canzona
-    from canzona.planner.errors import ModelError
+    from canzona.planner import ParallelSizes, TPOptions
+    from canzona.planner.pipeline import plan
 
-    with megatron_world(2, 1, ep=2):
+    with megatron_world(4, 1, ep=2, rank=rank):
         _, gpt = gpt_model(MOE, 1, ep=2)
-        with pytest.raises(ModelError, match=r"TransformerConfig\.expert_model_parallel_size is 2"):
-            canzona.plan_model(gpt, dp=2)
+        live = canzona.plan_model(gpt, dp=4, vocab=MOE.vocab, comm_dtype="fp32")
+    assert live.inputs.ep == 2
+    assert sum(b.expert for b in live.buffers) == 2
+    _same_plan(live, plan(MOE, ParallelSizes(dp=4, tp=1, ep=2),
+                          tp_options=TPOptions(comm_dtype="fp32")))
+
+
+def test_expert_parallel_settings_are_checked():
+    import canzona
+    from canzona.planner.errors import ModelError, SizeError
+
+    with megatron_world(4, 1, ep=2):
+        _, gpt = gpt_model(MOE, 1, ep=2)
+        with pytest.raises(SizeError, match=r"ep=4, but the Megatron model is built for "
+                                            r"expert-parallel size 2"):
+            canzona.plan_model(gpt, dp=4, ep=4)
+    with megatron_world(4, 1, ep=2):
+        _, gpt = gpt_model(MOE, 1, ep=2, moe_grouped_gemm=True)
+        with pytest.raises(ModelError, match=r"TransformerConfig\.moe_grouped_gemm is True"):
+            canzona.plan_model(gpt, dp=4)
 
 
 def test_default_vocab_is_the_models_padded_one():

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FORMAT", "KEY_UPGRADES", "Placement", "global_name", "upgrade_key"]
+__all__ = ["FORMAT", "KEY_UPGRADES", "Placement", "expert_index", "global_name", "upgrade_key"]
 
 #: The key scheme this canzona writes: 2 names layers and experts by their global index.
 FORMAT = 2
@@ -65,6 +65,15 @@ def global_name(name: str, placement: Placement = Placement()) -> str:
             if renamed != name:
                 return renamed
     return name
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index ``name`` carries (in any of the layouts above), or None."""
+    for pattern in _EXPERT:
+        m = pattern.search(name)
+        if m is not None:
+            return int(m[2])
+    return None
 
 
 def upgrade_key(key: str, version: int) -> str:

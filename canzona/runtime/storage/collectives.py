@@ -58,6 +58,9 @@ class BucketCollective:
         self.bucket = bucket
         self.rank = rank
         self.dp = dp
+        #: what the summed gradient is divided by: the group's size, or for an expert bucket
+        #: the DP size (the expert-DP sum of gradients that each cover an EP group's tokens)
+        self.average_over = dp
         self.buffers = buffers
         self.reduces = reduce  # False under grad_sync="external": no reduce scratch
         self.reduce_work: Any = None
@@ -94,8 +97,8 @@ class BucketCollective:
         """Wait, then leave the averaged gradient of this rank's slice in ``buffers.own``."""
         self.wait_reduce()
         self._unpack_reduce()
-        if self.dp > 1:
-            self.buffers.own.div_(self.dp)
+        if self.average_over > 1:
+            self.buffers.own.div_(self.average_over)
 
     # -- all-gather --------------------------------------------------------------------------------
 

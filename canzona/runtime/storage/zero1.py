@@ -34,6 +34,9 @@ class Zero1Buckets(Storage):
         names: their names, for messages.
         rank, size: this rank's place in the DP group and its size.
         group: the DP group (None: the default group).
+        expert_group, expert_rank, expert_size: the expert-DP group that expert buckets are
+            sharded over (``runtime.experts``), this rank's place in it and its size; their
+            summed gradients are divided by the DP size ``size``.
         external: ``grad_sync="external"``: gradients arrive averaged in ``.grad``; no
             accumulator, no reduction.
         main_params: ``"fp32"``: fp32 main copies of this rank's slices of low-precision buckets.
@@ -46,18 +49,21 @@ class Zero1Buckets(Storage):
     def __init__(self, schedule: Schedule, params: list[Tensor], live: list[Tensor],
                  names: list[str], *, rank: int, size: int, group: Any, external: bool,
                  main_params: str | None, method: str | None, distributed: bool,
-                 timeout_s: float | None, flight: Any) -> None:
+                 timeout_s: float | None, flight: Any, expert_group: Any = None,
+                 expert_rank: int = 0, expert_size: int = 1) -> None:
         self._schedule = schedule
         self.rank, self.size, self.group = rank, size, group
+        self.expert_group = expert_group
         self.external = external
         self.buffers = build_buffers(schedule, params, names, external=external,
                                      main_params=main_params)
-        self.collectives: list[BucketCollective] = [
-            make_collective(b, rank, size, buf, reduce=not external, method=method,
-                            distributed=distributed)
-            for b, buf in zip(schedule.buckets, self.buffers)]
-        for c in self.collectives:
-            c.timeout_s, c.flight = timeout_s, flight
+        self.collectives: list[BucketCollective] = []
+        for b, buf in zip(schedule.buckets, self.buffers):
+            place, n = (expert_rank, expert_size) if b.expert else (rank, size)
+            c = make_collective(b, place, n, buf, reduce=not external, method=method,
+                                distributed=distributed)
+            c.timeout_s, c.flight, c.average_over = timeout_s, flight, size
+            self.collectives.append(c)
         self.grads = GradientCollector(schedule, live, names, self.buffers)
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -68,7 +74,11 @@ class Zero1Buckets(Storage):
 
     def _launch_ready(self) -> None:
         for bi in self.grads.take_ready():
-            self.collectives[bi].launch_reduce(self.group)
+            self.collectives[bi].launch_reduce(self._group_of(bi))
+
+    def _group_of(self, bucket: int) -> Any:
+        """The group bucket ``bucket`` is sharded over: the DP group, or the expert-DP group."""
+        return self.expert_group if self._schedule.buckets[bucket].expert else self.group
 
     def reduce(self) -> None:
         self.grads.complete_all()
@@ -98,7 +108,7 @@ class Zero1Buckets(Storage):
     # -- parameters ------------------------------------------------------------------------------
 
     def gather(self, bucket: int) -> None:
-        self.collectives[bucket].launch_gather(self.group)
+        self.collectives[bucket].launch_gather(self._group_of(bucket))
 
     def wait_gathers(self) -> None:
         for c in self.collectives:
@@ -114,7 +124,7 @@ class Zero1Buckets(Storage):
     def release(self) -> None:
         for c in self.collectives:
             c.drop()
-        self.group = None  # an explicit dp_group is no longer kept alive by this storage
+        self.group = self.expert_group = None  # explicit groups are no longer kept alive here
 
     @property
     def methods(self) -> tuple[str, ...]:

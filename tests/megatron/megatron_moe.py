@@ -1,0 +1,175 @@
+"""A Megatron-core Qwen3-MoE-style GPTModel trained by canzona under expert parallelism in a
+spawned gloo world, and the one-process reference with every expert on one rank.
+
+Every rank loads the same canonical weights (the planner's full views, every expert by its
+global index; a rank of EP rank k takes experts [k·E/ep, (k+1)·E/ep) as its ``local_experts``).
+Each DP rank takes its own tokens; Megatron's ``allgather`` token dispatcher (megatron-core
+0.16.1's alltoall dispatcher creates CUDA streams) sends them to the EP rank of their expert.
+The reference concatenates the DP ranks' batches in one ep = 1 model: its gradient is their
+average, the Muon kernel (float32 Newton–Schulz) updates every matrix, every expert included,
+``torch.optim.AdamW`` the rest.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from canzona.planner.inventory import build_inventory
+from canzona.planner.layout import padded_vocab
+from canzona.planner.models import ModelConfig
+from canzona.planner.shards import shard_map, split_full
+
+#: Qwen3-MoE-style: QK layernorm, GQA 4:2, 4 experts of width 32, top-2; float32 (exactness).
+CFG = ModelConfig(name="qwen3-moe-megatron-tiny", arch="qwen3_moe", hidden=64, ffn=0, layers=2,
+                  q_heads=4, kv_heads=2, head_dim=16, vocab=1000, tied_embeddings=False,
+                  qk_norm=True, num_experts=4, experts_per_token=2, moe_ffn=32, dtype="fp32")
+STEPS = 10
+SEQ = 16
+BATCH = 2
+LR, ADAMW_LR = 0.02, 3e-3
+CLIP = 0.5  # below the gradients' global norm: clipping is active every step
+PADDED = padded_vocab(CFG.vocab, 2)
+_LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def canonical() -> dict[str, torch.Tensor]:
+    """The model's logical weights, every expert by its global index, from a fixed seed."""
+    spec = build_inventory(CFG.model_copy(update={"vocab": PADDED}))
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for p in spec.params:
+        t = torch.randn(p.shape, generator=g)
+        out[p.name] = 1.0 + 0.1 * t if len(p.shape) == 1 else 0.08 * t
+    return out
+
+
+def global_name(name: str, offset: int) -> str:
+    return _LOCAL.sub(lambda m: f".local_experts.{int(m[1]) + offset}.", name, count=1)
+
+
+def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, offset: int) -> None:
+    """This rank's experts (its first one global index ``offset``) and TP shards."""
+    spec = build_inventory(CFG.model_copy(update={"vocab": PADDED}))
+    maps = {p.name: shard_map(p, tp, kv_groups=CFG.kv_heads) for p in spec.params}
+    full = canonical()
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            key = global_name(name, offset)
+            m = maps[key]
+            if m.dim is None:
+                p.copy_(full[key])
+                continue
+            for ls, piece in split_full(m, full[key], tp_rank):
+                n = piece.shape[m.dim]
+                (p[ls:ls + n] if m.dim == 0 else p[:, ls:ls + n]).copy_(piece)
+
+
+def tokens(dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"megatron-moe/{dp_rank}".encode()))
+    return torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=g)
+
+
+def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    from megatron_stubs import causal_attention_mask
+
+    x, y = ids[:, :-1], ids[:, 1:]
+    pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+    return model(x, pos, causal_attention_mask(x.shape[1]), labels=y).mean()
+
+
+def _expert_offset(gpt: torch.nn.Module) -> int:
+    for m in gpt.modules():
+        if getattr(m, "local_expert_indices", None):
+            return int(m.local_expert_indices[0])
+    return 0
+
+
+def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str = "muon",
+             wrong_group: bool = False, steps: int = STEPS) -> dict:
+    """Rank ``rank`` of a Megatron world (Megatron's dp: the world over tp) with ``ep``-way
+    expert parallelism, trained by CanzonaOptimizer with clipping. ``wrong_group``: the expert
+    buckets reduced over the whole DP group instead of the expert-DP group (must fail)."""
+    import canzona
+    from canzona.runtime.errors import WeightsDifferError
+    from megatron.core import parallel_state as ps
+    from megatron_stubs import gpt_model, megatron_world
+
+    with megatron_world(dp, tp, ep=ep, backend="gloo", rank=rank, init_method=init,
+                        timeout_s=60):
+        # Megatron runs MoE under TP only with sequence parallelism
+        _, gpt = gpt_model(CFG, tp, ep, moe_token_dispatcher_type="allgather",
+                           sequence_parallel=tp > 1)
+        tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+        tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+        offset = _expert_offset(gpt)
+        load_canonical(gpt, tp, tp_rank, offset)
+        plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32",
+                                  optimizer=optimizer, bucket_size=20000)
+        # the wrong group has the right size: the EP group, whose ranks hold other experts
+        edp_group = (ps.get_expert_model_parallel_group() if wrong_group
+                     else ps.get_expert_data_parallel_group())
+        losses = []
+        kwargs = dict(tp_group=tp_group if tp > 1 else None, dp_group=dp_group,
+                      ns_dtype=torch.float32, lr=LR, adamw_lr=ADAMW_LR,
+                      adamw_weight_decay=0.01, collective_timeout=60, optimizer=optimizer)
+        refused = ""
+        if wrong_group:  # the weights check sees other experts; forced, the run goes wrong
+            try:
+                canzona.CanzonaOptimizer(gpt, plan, expert_dp_group=edp_group, **kwargs).close()
+            except WeightsDifferError as exc:
+                refused = str(exc)
+            kwargs["sync_init"] = True
+        opt = canzona.CanzonaOptimizer(gpt, plan, expert_dp_group=edp_group, **kwargs)
+        with opt:
+            for _ in range(steps):
+                loss = forward_loss(gpt, tokens(dp_rank))
+                loss.backward()
+                opt.clip_grad_norm_(CLIP)
+                opt.step()
+                opt.zero_grad()
+                mean = loss.detach().clone()
+                dist.all_reduce(mean, group=dp_group)
+                losses.append(float(mean) / dp)
+            opt.finish()
+        experts = {global_name(n, offset): p.detach().clone() for n, p in gpt.named_parameters()}
+        return {"losses": losses, "weights": experts, "ep": plan.inputs.ep, "refused": refused,
+                "expert_buffers": sum(b.expert for b in plan.buffers)}
+
+
+def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
+    """One process, ep = 1: every DP rank's batch concatenated; Muon on every matrix (every
+    expert too), AdamW on the rest; the global norm clipped as canzona does."""
+    from canzona.runtime.introspect import inventory
+    from canzona.runtime.optim import Muon, MuonConfig
+    from megatron_stubs import gpt_model, megatron_world
+
+    with megatron_world(1, 1, backend="gloo", rank=0, init_method=init, timeout_s=60):
+        _, gpt = gpt_model(CFG, 1, 1, moe_token_dispatcher_type="allgather")
+        load_canonical(gpt, 1, 0, 0)
+        route = {p.name: p.optimizer for p in inventory(gpt).params}
+        named = list(gpt.named_parameters())
+        mats = [p for n, p in named if route[n] == "matrix"]
+        kernel = Muon(MuonConfig(lr=LR, ns_dtype=torch.float32))
+        states = [kernel.init_state(tuple(p.shape)) for p in mats]
+        adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
+                                  weight_decay=0.01)
+        losses = []
+        for _ in range(steps):
+            ids = torch.cat([tokens(d) for d in range(dp)])
+            loss = forward_loss(gpt, ids)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
+            with torch.no_grad():
+                for p, st in zip(mats, states):
+                    kernel.step([p], [p.grad], [st], lr=LR)
+            adamw.step()
+            adamw.zero_grad()
+            for p in mats:
+                p.grad = None
+            losses.append(float(loss))
+        return {"losses": losses,
+                "weights": {n: p.detach().clone() for n, p in gpt.named_parameters()}}

@@ -1,0 +1,65 @@
+"""Megatron-core MoE under expert parallelism, trained by canzona on 4 gloo ranks, equals the
+one-process run with every expert on one rank (float32 Newton–Schulz, clipping active), and
+the expert gradients are reduced over the expert-DP group: the same run with the EP group in
+its place (the right size, other experts) does not match."""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_moe import STEPS, reference, train_ep
+from megatron_train import run_phases
+
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("moe-ep"))
+
+    def init(name: str) -> str:
+        return f"file://{os.path.join(out, name)}"
+
+    phases = [
+        ("dp4-ep2", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init("a"))
+                     for r in range(4)}),
+        ("wrong", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init("b"), wrong_group=True,
+                              steps=2) for r in range(4)}),
+        ("reference", {0: partial(reference, 0, dp=4, init=init("c"))}),
+        ("reference-2", {0: partial(reference, 0, dp=4, init=init("d"), steps=2)}),
+    ]
+    return run_phases(4, phases, out)
+
+
+def _check(runs, name: str, ref: str) -> float:
+    want = runs[0][ref]
+    worst = 0.0
+    for r, res in enumerate(runs):
+        got = res[name]
+        assert got["ep"] == 2 and got["expert_buffers"] == 2
+        for n, w in got["weights"].items():
+            worst = max(worst, _rel(w, want["weights"][n]))
+    return worst
+
+
+def test_dp4_ep2_equals_one_process(runs):
+    got, want = runs[0]["dp4-ep2"], runs[0]["reference"]
+    assert len(got["losses"]) == STEPS
+    assert got["losses"][-1] < got["losses"][0]
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) <= TOL * abs(b)
+    assert _check(runs, "dp4-ep2", "reference") <= TOL
+
+
+def test_reducing_experts_over_the_ep_group_does_not_match(runs):
+    assert all("hold different weights" in r["wrong"]["refused"] for r in runs)
+    assert _check(runs, "wrong", "reference-2") > 1e-3
+
