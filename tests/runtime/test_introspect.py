@@ -71,7 +71,7 @@ def test_megatron_module_fingerprints_like_the_preset_inventory():
 def test_configless_spec_sizes():
     spec = inventory(H.TinyGPT())
     make_problem(spec, ParallelSizes(dp=4, tp=1))
-    with pytest.raises(SizeError, match="only ep=1"):
+    with pytest.raises(SizeError, match="ep=2 needs per-expert weights"):
         make_problem(spec, ParallelSizes(dp=2, tp=1, ep=2))
     # tp > 1 needs plain column/row splits that divide evenly (fused layouts need a config)
     pairs = [(n, p) for n, p in H.TinyGPT().named_parameters()]
