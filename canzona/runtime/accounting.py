@@ -131,21 +131,24 @@ def measured_state_bytes(state: Mapping[Any, Mapping[str, Any]],
     return total
 
 
-def comm_bytes(methods: Sequence[str], sizes: Sequence[tuple[int, ...]], rank: int, *,
-               grad_bytes: Sequence[int], param_bytes: Sequence[int],
-               external: bool) -> dict[str, int]:
+def comm_bytes(methods: Sequence[str], sizes: Sequence[tuple[int, ...]],
+               rank: int | Sequence[int], *, grad_bytes: Sequence[int],
+               param_bytes: Sequence[int], external: bool) -> dict[str, int]:
     """Bytes one rank sends per step: per bucket (its collective method and slice sizes), what
     the planner's communication model has rank ``rank`` send in the reduce
     (:func:`canzona.planner.comm.reduce_traffic`, ring for equal/padded — padding included —,
     chain per root for per_root, ring all-reduce for all_reduce, direct sends for all_to_all)
     and in the gather (:func:`~canzona.planner.comm.gather_traffic`), summed over the buckets.
     ``grad_bytes``/``param_bytes``: element sizes per bucket. ``external``: the gradients are
-    reduced outside the optimizer (no reduce). One rank (``local``) sends nothing."""
+    reduced outside the optimizer (no reduce). One rank (``local``) sends nothing. ``rank``:
+    the rank's place in every bucket's group, or per bucket (an expert bucket's is its
+    expert-DP rank)."""
+    ranks = [rank] * len(methods) if isinstance(rank, int) else list(rank)
     rs = ag = 0
-    for method, s, ge, pe in zip(methods, sizes, grad_bytes, param_bytes):
+    for method, s, ge, pe, r in zip(methods, sizes, grad_bytes, param_bytes, ranks):
         if len(s) == 1:  # dp = 1 ("local"): nothing moves
             continue
         if not external:
-            rs += comm_model.reduce_traffic(method, s, ge).sent[rank]
-        ag += comm_model.gather_traffic(method, s, pe).sent[rank]
+            rs += comm_model.reduce_traffic(method, s, ge).sent[r]
+        ag += comm_model.gather_traffic(method, s, pe).sent[r]
     return {"reduce_scatter": rs, "all_gather": ag}

@@ -205,7 +205,8 @@ def mesh_groups(mesh: Any, dp_group: Any, tp_group: Any,
         return mesh.get_group("dp"), mesh.get_group("tp"), None
     if getattr(mesh, "ndim", None) == 2 and names == ("edp", "ep"):
         whole = None if mesh.size() == dist.get_world_size() else mesh._flatten().get_group()
-        return whole, None, mesh.get_group("edp")
+        experts = mesh.get_group("edp") if mesh.size(1) > 1 else None  # ep 1: no expert group
+        return whole, None, experts
     raise ValueError(f"device_mesh must be a 2-D DeviceMesh with dims named 'dp' and 'tp' (or, "
                      f"for expert parallelism, 'edp' and 'ep' in that order), got "
                      f"{getattr(mesh, 'ndim', '?')}-D with names {names}")

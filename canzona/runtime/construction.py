@@ -104,6 +104,7 @@ class Construction:
         self._experts = experts.expert_layout(plan, self._rank)
         self._expert_group = None
         self._flag_positions: tuple[list[int], int] | None = None
+        self._local_names = list(self._names)  # as the model names them
         self._names = self._experts.plan_names(self._names)  # messages, schedule, checkpoints
         self._expert_names = {s.name for buf in plan.buffers if buf.expert
                               and buf.ep_rank == self._experts.ep_rank

@@ -60,7 +60,7 @@ class Reporting:
         constructor chose; padding included)."""
         buckets, buffers = self._schedule.buckets, self._storage.buffers
         return accounting.comm_bytes(
-            list(self._storage.methods), [b.sizes for b in buckets], self._rank,
+            list(self._storage.methods), [b.sizes for b in buckets], [b.rank for b in buckets],
             grad_bytes=[4 if self._external else buf.grads.element_size() for buf in buffers],
             param_bytes=[buf.params.element_size() for buf in buffers],
             external=self._external)

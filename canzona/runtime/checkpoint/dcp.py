@@ -132,7 +132,7 @@ def _check_model(model: nn.Module | None, opt: Any) -> None:
     if model is None:
         return
     names = [n for n, _ in named_params(model)]
-    if names != list(opt._names):
+    if names != list(opt._local_names):
         raise CheckpointError("the model is not the one the optimizer was built for (its "
                               "parameters differ): pass the same model.")
 

@@ -8,7 +8,8 @@ under every pipeline and expert-parallel layout); every value is a canonical ten
 out), saved as the boxes each rank holds and read back as the boxes each rank needs under *its*
 plan::
 
-    model.<name>                   the weights (DP rank 0 of each TP rank saves its shard)
+    model.<name>                   the weights (DP rank 0 of each TP rank saves its shard; an
+                                   expert's first expert-DP rank)
     optim.<name>.main              fp32 main copies (main_params="fp32"): each rank's own pieces
     optim.<name>.exp_avg|exp_avg_sq|step        AdamW: each rank's element ranges (+ its step)
     optim.<name>.momentum_buffer   Muon: each matrix task's rows, saved by its owner (a fused
@@ -45,8 +46,8 @@ from canzona.runtime.introspect import local_tensor
 
 __all__ = ["FORMAT", "Entries", "entries"]
 
-#: The runtime executes one pipeline stage and one expert-parallel rank: every offset 0, and
-#: the global names are the local ones (``names.Placement``).
+#: The runtime executes one pipeline stage, and names every expert by its global index already
+#: (``runtime.experts``): every offset 0, the optimizer's names are the global ones.
 PLACEMENT = Placement()
 
 
@@ -109,10 +110,11 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
     E = Entries()
     opt.wait_params()
     weights = model is not None
-    # -- weights: DP rank 0 writes its TP shard; every rank reads its own -----------------------
+    # -- weights: DP rank 0 (an expert's first expert-DP rank) writes its TP shard; every rank
+    # reads its own
     if weights:
         for i, (view, local) in enumerate(zip(L.views, opt._params)):
-            if saving and (L.dp_rank != 0 or not L.writes(i)):
+            if saving and (not L.first_holder(i) or not L.writes(i)):
                 continue
             flat = local.detach().view(-1)
             if not saving:

@@ -203,6 +203,12 @@ class RankLayout:
         return axis_of(self.opt._live[i], self.logical.get(name, tuple(self.opt._live[i].shape)),
                        self.tp, rank)
 
+    def first_holder(self, i: int) -> bool:
+        """This rank is the first of the group parameter i is sharded over (DP rank 0, or for an
+        expert the first of its expert-DP group): it writes the weights of its shard."""
+        s = self.opt._schedule
+        return s.buckets[s.param_bucket[i]].rank == 0
+
     def writes(self, i: int) -> bool:
         """This TP rank writes parameter i's pieces (TP rank 0 for what TP replicates)."""
         return self.views[i].axis.dim is not None or self.tp_rank == 0
