@@ -24,8 +24,10 @@ from torch import Tensor, nn
 from canzona.planner.inventory import EXPERT_PART, ModelSpec
 from canzona.planner.layout import padded_vocab
 from canzona.planner.plan import Plan
+from canzona.runtime.checkpoint.names import expert_index
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import dtype_name, inventory
+from canzona.runtime.megatron import find_gpt
 from canzona.runtime.optim import registry
 from canzona.runtime.schedule import Schedule
 
@@ -210,6 +212,41 @@ def mesh_groups(mesh: Any, dp_group: Any, tp_group: Any,
     raise ValueError(f"device_mesh must be a 2-D DeviceMesh with dims named 'dp' and 'tp' (or, "
                      f"for expert parallelism, 'edp' and 'ep' in that order), got "
                      f"{getattr(mesh, 'ndim', '?')}-D with names {names}")
+
+
+def check_experts(plan: Plan, names: list[str], model: Any) -> None:
+    """The experts the model holds against the plan's, without a collective: a Megatron-core
+    model's expert-parallel size and number of experts (its ``TransformerConfig``), and for any
+    model the number of experts it holds per rank (E / ep of the plan's)."""
+    ep = plan.inputs.ep
+    planned = {expert_index(s.name) for buf in plan.buffers for b in buf.buckets
+               for s in b.slots} - {None}
+    found = find_gpt(model)
+    if found is not None:
+        c = found[1].config
+        built = int(getattr(c, "expert_model_parallel_size", 1) or 1)
+        if built != ep:
+            raise PlanMismatchError(
+                f"the plan is for ep={ep} but the model is built with "
+                f"TransformerConfig.expert_model_parallel_size={built}; plan it at ep={built} "
+                "(canzona.plan_model reads it from the model).")
+        experts = int(getattr(c, "num_moe_experts", None) or 0)
+        if experts != len(planned):
+            raise PlanMismatchError(
+                f"the plan has {len(planned)} experts but the model's "
+                f"TransformerConfig.num_moe_experts is {experts}; plan this model.")
+    held = {expert_index(n) for n in names} - {None}
+    if held and not planned:
+        first = next(n for n in names if expert_index(n) is not None)
+        raise PlanMismatchError(
+            f"the plan has no experts (a dense model's) but the model holds expert weights "
+            f"('{first}', …); plan this model.")
+    if planned and held and len(held) * ep != len(planned):
+        raise PlanMismatchError(
+            f"the model holds {len(held)} experts on this rank but the plan, for "
+            f"{len(planned)} experts at ep={ep}, gives each rank {len(planned) // ep}; plan the "
+            f"model at the expert-parallel size it is built for (ep="
+            f"{len(planned) // len(held) if len(planned) % len(held) == 0 else '?'}).")
 
 
 def check_group_size(plan: Plan, dp: int) -> None:

@@ -67,6 +67,7 @@ class Construction:
         checks.check_not_ddp(model, grad_sync)
         pairs = named_params(model)
         checks.check_split_parts(plan, pairs)
+        checks.check_experts(plan, [n for n, _ in pairs], model)
         self._names = [n for n, _ in pairs]
         #: The model's parameters (hooks, ``.grad``, TP attributes) and the tensors canzona works
         #: on: the same, except a DTensor's local shard for each DTensor parameter.

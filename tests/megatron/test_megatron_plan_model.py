@@ -219,3 +219,21 @@ def test_tp_attributes_must_be_the_configs():
                                  r"tensor_model_parallel, partition_dim, partition_stride "
                                  r"= \(True, 0, 1\) .* 'gate_up' layout \(True, 0, 2\)"):
             canzona.plan_model(gpt, dp=1)
+
+
+def test_a_plan_for_another_ep_or_expert_count_is_refused_before_any_collective():
+    import canzona
+    from canzona.planner import ParallelSizes
+    from canzona.planner.pipeline import plan
+    from canzona.runtime.errors import PlanMismatchError
+
+    fewer = MOE.model_copy(update={"num_experts": 4})
+    with megatron_world(4, 1, ep=2):
+        _, gpt = gpt_model(MOE, 1, ep=2)
+        with pytest.raises(PlanMismatchError, match=r"the plan is for ep=1 but the model is built "
+                                                    r"with TransformerConfig\.expert_model_"
+                                                    r"parallel_size=2"):
+            canzona.CanzonaOptimizer(gpt, plan(MOE, ParallelSizes(dp=4, tp=1)))
+        with pytest.raises(PlanMismatchError, match=r"the plan has 4 experts but the model's "
+                                                    r"TransformerConfig\.num_moe_experts is 8"):
+            canzona.CanzonaOptimizer(gpt, plan(fewer, ParallelSizes(dp=4, tp=1, ep=2)))

@@ -257,3 +257,30 @@ def test_a_checkpoint_at_ep2_resumes_at_another_ep(world4, ep):
     for res in results(world4, f"resume-ep{ep}"):
         assert res["bytes_ok"]
         assert max_rel_err(res["params"], {k: want[k] for k in res["params"]}) <= 1e-5
+
+
+def test_wrong_expert_layouts_fail_before_any_collective():
+    """One process, no process group: each refusal comes from the checks before the first
+    collective, in one line."""
+    import canzona
+    from canzona.planner.errors import ModelError, SizeError
+    from canzona.runtime.errors import PlanMismatchError
+
+    torch.set_num_threads(1)
+    at_ep2 = canzona.plan_model(ToyEP(0, 2), dp=4, ep=2, bucket_size=3000)
+    with pytest.raises(PlanMismatchError, match=r"holds 4 experts on this rank but the plan, "
+                                                r"for 4 experts at ep=2, gives each rank 2; "
+                                                r".*\(ep=1\)"):
+        canzona.CanzonaOptimizer(ToyEP(), at_ep2)  # every expert: a model built at ep 1
+    with pytest.raises(PlanMismatchError, match=r"holds 2 experts .* at ep=4, gives each rank 1"):
+        canzona.CanzonaOptimizer(ToyEP(0, 2), canzona.plan_model(ToyEP(0, 4), dp=4, ep=4))
+    from dp_helpers import TinyGPT
+
+    dense = canzona.plan_model(TinyGPT(), dp=4)
+    with pytest.raises(PlanMismatchError, match=r"the plan has no experts \(a dense model's\)"):
+        canzona.CanzonaOptimizer(ToyEP(0, 2), dense)
+    with pytest.raises(SizeError, match=r"ep=3 must divide .* the world size dp·tp=4; nearest "
+                                        r"valid ep: 2"):
+        canzona.plan_model(ToyEP(0, 2), dp=4, ep=3)
+    with pytest.raises(ModelError, match=r"ep=2 needs per-expert 2-D weights"):
+        canzona.plan_model(TinyGPT(), dp=4, ep=2)
