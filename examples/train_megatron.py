@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train_megatron.py --tp 2   # dp 2 × tp 2
     torchrun --standalone --nproc-per-node 2 examples/train_megatron.py --tp 2   # dp 1 × tp 2
     torchrun --standalone --nproc-per-node 2 examples/train_megatron.py --tp 1   # dp 2
+    torchrun --standalone --nproc-per-node 4 examples/train_megatron.py --tp 1 --ep 2  # MoE
+
 
 Needs megatron-core (``pip install 'canzona[runtime,megatron]'``; 0.16.1 on Python 3.11). The
 model is Qwen3-style (RMSNorm, grouped-query attention with QK layernorm, gated SwiGLU, no biases,
@@ -14,6 +16,13 @@ parameter names are Megatron's). ``CanzonaOptimizer`` gets Megatron's TP and DP 
 reduce-scatters the gradients over DP in Megatron's bucket layout, updates whole matrices (each
 TP-split one gathered to its host TP rank in micro-groups), sums the QK layernorm gradients over
 TP as Megatron does, and all-gathers the parameters. Megatron's DDP wrapper is not used.
+
+With ``--ep N`` the MLPs are mixtures of ``--experts`` (default 4) per-expert SwiGLUs, top-2
+routed (Qwen3-MoE style), each rank holding E/N of them: the expert gradients are reduced over
+Megatron's expert-data-parallel group (dp/ep ranks), the rest over DP. Megatron runs MoE under TP
+only with sequence parallelism, which its local layer spec does not offer: ``--ep`` needs
+``--tp 1`` here. The token dispatcher is ``allgather`` on CPU (megatron-core 0.16.1's
+``alltoall`` dispatcher creates CUDA streams), ``alltoall`` on GPUs.
 
 On a machine without GPUs the script runs on CPU with gloo: ``torch.cuda.current_device`` is
 pointed at the CPU while the model is built (Megatron allocates a few tensors there), Megatron's
@@ -44,6 +53,11 @@ def _cpu_device(cuda: bool):
     if cuda:
         yield
         return
+    # megatron-core 0.16.1's MoE router names Transformer Engine's GEMM only where it imports
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     original = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     try:
@@ -58,14 +72,20 @@ def build_gpt(args, tp: int, cuda: bool):
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    moe = {}
+    if args.experts:
+        moe = dict(num_moe_experts=args.experts, moe_ffn_hidden_size=args.moe_ffn,
+                   moe_router_topk=2, expert_model_parallel_size=args.ep,
+                   moe_token_dispatcher_type="alltoall" if cuda else "allgather")
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
         num_attention_heads=args.heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
         tensor_model_parallel_size=tp, use_cpu_initialization=not cuda, params_dtype=dtype,
-        bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=args.experts or None, qk_layernorm=True,
+                                    normalization="RMSNorm")
     gpt = GPTModel(config=config, transformer_layer_spec=spec,
                    vocab_size=padded_vocab(args.vocab, tp), max_sequence_length=args.seq,
                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
@@ -87,6 +107,10 @@ def progressions(gen: torch.Generator, batch: int, seq: int, vocab: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (divides the world)")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE; --tp 1)")
+    ap.add_argument("--experts", type=int, help="experts per MoE layer (default: 4 with --ep > 1, "
+                                                "else a dense model)")
+    ap.add_argument("--moe-ffn", type=int, default=96, help="each expert's ffn size")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
     ap.add_argument("--plan", help="a saved plan for this model and sizes (default: plan_model)")
@@ -108,6 +132,14 @@ def main() -> None:
     if args.tp < 1 or world % args.tp:
         raise SystemExit(f"--tp {args.tp} must divide the world size {world}")
     dp = world // args.tp
+    if args.experts is None:
+        args.experts = 4 if args.ep > 1 else 0
+    if args.ep < 1 or dp % args.ep or (args.ep > 1 and args.experts % args.ep):
+        raise SystemExit(f"--ep {args.ep} must divide the DP size {dp} and --experts "
+                         f"{args.experts}")
+    if args.experts and args.tp > 1:
+        raise SystemExit("--ep/--experts need --tp 1: Megatron runs MoE under TP only with "
+                         "sequence parallelism, which its local layer spec does not offer")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
@@ -120,7 +152,8 @@ def main() -> None:
 def train(args, dp: int, rank: int, cuda: bool) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                             expert_model_parallel_size=args.ep)
     # the same initial weights on every rank, as Megatron's _set_random_seed
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=not cuda)
@@ -136,12 +169,14 @@ def train(args, dp: int, rank: int, cuda: bool) -> None:
         gpt, plan, lr=0.02 if plan.inputs.optimizer.name == "muon" else 3e-3, adamw_lr=3e-3,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         dp_group=parallel_state.get_data_parallel_group(),
+        expert_dp_group=parallel_state.get_expert_data_parallel_group() if args.ep > 1 else None,
         main_params="fp32" if args.bf16 else None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
     if rank == 0:
         groups = [len(ix.groups) for ix in plan.tp.indices] if plan.tp else []
-        print(f"Megatron GPTModel dp={dp} tp={args.tp}: {plan.total_params:,} params "
+        experts = f" ep={args.ep} ({args.experts} experts)" if args.experts else ""
+        print(f"Megatron GPTModel dp={dp} tp={args.tp}{experts}: {plan.total_params:,} params "
               f"(vocabulary {args.vocab} padded to {gpt.vocab_size}), "
               f"{plan.inputs.optimizer.name}; micro-groups per DP index {groups}", flush=True)
 

@@ -1,8 +1,8 @@
 """examples/train_megatron.py end to end under torchrun (gloo), as the README runs it: a
 Megatron-core GPTModel trained by canzona at dp 2 × tp 2 with ``plan_model``, again with the same
 plan made offline from the matching config (Megatron names; ``--plan``), which must print the
-same losses, and at tp 2 with bf16 parameters and fp32 main copies. Each run exits 0 with a
-falling loss and no abort at shutdown."""
+same losses, at tp 2 with bf16 parameters and fp32 main copies, and a MoE model at ep 2 (twice,
+the same losses). Each run exits 0 with a falling loss and no abort at shutdown."""
 
 from __future__ import annotations
 
@@ -32,3 +32,12 @@ def test_example_plan_model_and_offline_plan(tmp_path, examples):
 def test_example_bf16_tp2(examples):
     losses = examples.losses("train_megatron.py", 2, "--tp", "2", "--steps", "30", "--bf16")
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+
+
+def test_example_moe_ep2_twice(examples):
+    """A Qwen3-MoE-style model at dp 4 × ep 2: the loss falls, and a second run prints the same
+    losses."""
+    losses = examples.losses("train_megatron.py", 4, "--tp", "1", "--ep", "2", "--steps", "20")
+    assert losses[-1] < losses[0] - 0.5, f"the loss did not fall: {losses}"
+    assert examples.losses("train_megatron.py", 4, "--tp", "1", "--ep", "2", "--steps",
+                           "20") == losses
