@@ -124,10 +124,12 @@ class Construction:
         """The expert-DP group (given, or derived from Megatron's rank order: the first
         collective of its own, after the ranks agreed on the plan), checked against the plan's
         expert-DP size."""
-        if self._experts.ep == 1:
-            if expert_dp_group is not None:
-                raise PlanMismatchError("expert_dp_group= is for plans with ep > 1; the plan is "
-                                        "for ep=1.")
+        if self._experts.ep == 1:  # Megatron's expert-DP group at ep 1 is the DP group
+            if expert_dp_group is not None and dist.get_world_size(expert_dp_group) != self._dp:
+                raise PlanMismatchError(
+                    f"expert_dp_group has {dist.get_world_size(expert_dp_group)} ranks but the "
+                    f"plan is for ep=1, where the experts are sharded over the DP group "
+                    f"({self._dp} ranks); leave expert_dp_group out.")
             return
         group = (expert_dp_group if expert_dp_group is not None
                  else experts.expert_dp_group(self._experts, self._group, self._tp))

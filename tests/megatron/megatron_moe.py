@@ -31,6 +31,21 @@ STEPS = 10
 SEQ = 16
 BATCH = 2
 LR, ADAMW_LR = 0.02, 3e-3
+#: per matrix optimizer: its learning rate, the plan's settings and the kernel's options (Shampoo's
+#: ε regularises the inverse roots of the experts' rank-deficient statistics)
+OPTIMIZERS = {"muon": (LR, {}, {}),
+              "shampoo": (0.01, {"shampoo_precondition_frequency": 3},
+                          {"precondition_frequency": 3, "eps": 1e-4})}
+
+
+def kernel(optimizer: str):
+    """The reference's matrix kernel (float32 Newton–Schulz for Muon)."""
+    from canzona.runtime.optim import Muon, MuonConfig, Shampoo, ShampooConfig
+
+    lr, _, options = OPTIMIZERS[optimizer]
+    if optimizer == "muon":
+        return Muon(MuonConfig(lr=lr, ns_dtype=torch.float32))
+    return Shampoo(ShampooConfig(lr=lr, **options))
 CLIP = 0.5  # below the gradients' global norm: clipping is active every step
 PADDED = padded_vocab(CFG.vocab, 2)
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
@@ -107,15 +122,18 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
         tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         offset = _expert_offset(gpt)
         load_canonical(gpt, tp, tp_rank, offset)
+        lr, settings, options = OPTIMIZERS[optimizer]
         plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32",
-                                  optimizer=optimizer, bucket_size=20000)
+                                  optimizer=optimizer, bucket_size=20000, **settings)
         # the wrong group has the right size: the EP group, whose ranks hold other experts
         edp_group = (ps.get_expert_model_parallel_group() if wrong_group
                      else ps.get_expert_data_parallel_group())
         losses = []
         kwargs = dict(tp_group=tp_group if tp > 1 else None, dp_group=dp_group,
-                      ns_dtype=torch.float32, lr=LR, adamw_lr=ADAMW_LR,
-                      adamw_weight_decay=0.01, collective_timeout=60, optimizer=optimizer)
+                      ns_dtype=torch.float32, lr=lr, adamw_lr=ADAMW_LR,
+                      adamw_weight_decay=0.01, collective_timeout=60, optimizer=optimizer,
+                      matrix_options={k: v for k, v in options.items()
+                                      if k != "precondition_frequency"} or None)
         refused = ""
         if wrong_group:  # the weights check sees other experts; forced, the run goes wrong
             try:
@@ -140,11 +158,11 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
                 "expert_buffers": sum(b.expert for b in plan.buffers)}
 
 
-def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
-    """One process, ep = 1: every DP rank's batch concatenated; Muon on every matrix (every
-    expert too), AdamW on the rest; the global norm clipped as canzona does."""
+def reference(rank: int, *, dp: int, init: str, optimizer: str = "muon",
+              steps: int = STEPS) -> dict:
+    """One process, ep = 1: every DP rank's batch concatenated; the matrix kernel on every matrix
+    (every expert too), AdamW on the rest; the global norm clipped as canzona does."""
     from canzona.runtime.introspect import inventory
-    from canzona.runtime.optim import Muon, MuonConfig
     from megatron_stubs import gpt_model, megatron_world
 
     with megatron_world(1, 1, backend="gloo", rank=0, init_method=init, timeout_s=60):
@@ -153,8 +171,8 @@ def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
         route = {p.name: p.optimizer for p in inventory(gpt).params}
         named = list(gpt.named_parameters())
         mats = [p for n, p in named if route[n] == "matrix"]
-        kernel = Muon(MuonConfig(lr=LR, ns_dtype=torch.float32))
-        states = [kernel.init_state(tuple(p.shape)) for p in mats]
+        step_kernel, lr = kernel(optimizer), OPTIMIZERS[optimizer][0]
+        states = [step_kernel.init_state(tuple(p.shape)) for p in mats]
         adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
                                   weight_decay=0.01)
         losses = []
@@ -165,7 +183,7 @@ def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
             with torch.no_grad():
                 for p, st in zip(mats, states):
-                    kernel.step([p], [p.grad], [st], lr=LR)
+                    step_kernel.step([p], [p.grad], [st], lr=lr)
             adamw.step()
             adamw.zero_grad()
             for p in mats:

@@ -1,5 +1,6 @@
 """Megatron-core MoE under expert parallelism, trained by canzona on 4 gloo ranks, equals the
-one-process run with every expert on one rank (float32 Newton–Schulz, clipping active), and
+one-process run with every expert on one rank (Muon with float32 Newton–Schulz, and Shampoo;
+clipping active), and
 the expert gradients are reduced over the expert-DP group: the same run with the EP group in
 its place (the right size, other experts) does not match."""
 
@@ -34,6 +35,10 @@ def runs(tmp_path_factory):
         ("wrong", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init("b"), wrong_group=True,
                               steps=2) for r in range(4)}),
         ("reference", {0: partial(reference, 0, dp=4, init=init("c"))}),
+        *((f"dp4-ep2-{o}", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init(f"{o}-a"),
+                                       optimizer=o) for r in range(4)}) for o in ("shampoo",)),
+        *((f"reference-{o}", {0: partial(reference, 0, dp=4, init=init(f"{o}-r"), optimizer=o)})
+          for o in ("shampoo",)),
         ("reference-2", {0: partial(reference, 0, dp=4, init=init("d"), steps=2)}),
     ]
     return run_phases(4, phases, out)
@@ -63,3 +68,7 @@ def test_reducing_experts_over_the_ep_group_does_not_match(runs):
     assert all("hold different weights" in r["wrong"]["refused"] for r in runs)
     assert _check(runs, "wrong", "reference-2") > 1e-3
 
+
+
+def test_shampoo_at_dp4_ep2_equals_one_process(runs):
+    assert _check(runs, "dp4-ep2-shampoo", "reference-shampoo") <= TOL
