@@ -14,8 +14,9 @@ with those compute rooms; they meet at the storage's per-bucket buffers
 A step runs ``collect`` (from backward's hooks) → :meth:`Storage.reduce` → the compute rooms →
 :meth:`Storage.gather` per bucket → :meth:`Storage.wait_gathers`. One implementation exists,
 :class:`~canzona.runtime.storage.zero1.Zero1Buckets`: Megatron's (or canzona's own) ZeRO-1
-buckets over the DP group. The layouts to come plug in here as storages, or groups of storages,
-of their own (``docs/architecture.md``, *The storage seam*).
+buckets over the DP group (an expert bucket over its expert-DP group). The layouts to come plug
+in here as storages, or groups of storages, of their own (``docs/architecture.md``, *The
+storage seam*).
 """
 
 from __future__ import annotations
