@@ -358,7 +358,8 @@ def plan(
     default = default_plan_name(name, sizes, settings.name)
     out = output / default if output is not None and output.is_dir() else output or Path(default)
     _check_output(out)
-    with _render.progress(f"planning {name} dp={dp} tp={tp}") as say:
+    ep_text = f" ep={ep}" if ep > 1 else ""
+    with _render.progress(f"planning {name} dp={dp} tp={tp}{ep_text}") as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
                                tp_options=tp_options, progress=say,
                                names=_choice(names, NAMINGS, "--names"))
