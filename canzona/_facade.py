@@ -112,18 +112,20 @@ def plan_model(
         if ep != 1:  # this rank's experts, numbered from 0: the whole model's, by global index
             spec = global_inventory(spec, ep)
     else:
-        built = megatron_tp(model)
-        if tp is not None and tp != built:
-            raise SizeError(f"tp={tp}, but the Megatron model is built for tensor-parallel size "
-                            f"{built} (TransformerConfig.tensor_model_parallel_size); pass "
-                            f"tp={built} or leave tp out.")
-        tp = built
-        built_ep = megatron_ep(model)
-        if ep is not None and ep != built_ep:
-            raise SizeError(f"ep={ep}, but the Megatron model is built for expert-parallel size "
-                            f"{built_ep} (TransformerConfig.expert_model_parallel_size); pass "
-                            f"ep={built_ep} or leave ep out.")
-        ep = built_ep
+        tp = _built(tp, "tp", megatron_tp(model), "tensor_model_parallel_size",
+                    "tensor-parallel")
+        ep = _built(ep, "ep", megatron_ep(model), "expert_model_parallel_size",
+                    "expert-parallel")
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
                          tp_options=tp_options, progress=progress)
+
+
+def _built(given: int | None, arg: str, built: int, field: str, what: str) -> int:
+    """A Megatron model's parallel size: ``built`` (its TransformerConfig's ``field``), which
+    ``given`` (the argument ``arg``) must equal when not None."""
+    if given is not None and given != built:
+        raise SizeError(f"{arg}={given}, but the Megatron model is built for {what} size "
+                        f"{built} (TransformerConfig.{field}); pass {arg}={built} or leave {arg} "
+                        "out.")
+    return built

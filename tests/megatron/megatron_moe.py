@@ -13,23 +13,18 @@ average, the Muon kernel (float32 Newton–Schulz) updates every matrix, every e
 from __future__ import annotations
 
 import re
-import zlib
 
 import torch
 import torch.distributed as dist
 
-from canzona.planner.inventory import build_inventory
-from canzona.planner.layout import padded_vocab
+import megatron_train as train
 from canzona.planner.models import ModelConfig
-from canzona.planner.shards import shard_map, split_full
 
 #: Qwen3-MoE-style: QK layernorm, GQA 4:2, 4 experts of width 32, top-2; float32 (exactness).
 CFG = ModelConfig(name="qwen3-moe-megatron-tiny", arch="qwen3_moe", hidden=64, ffn=0, layers=2,
                   q_heads=4, kv_heads=2, head_dim=16, vocab=1000, tied_embeddings=False,
                   qk_norm=True, num_experts=4, experts_per_token=2, moe_ffn=32, dtype="fp32")
 STEPS = 10
-SEQ = 16
-BATCH = 2
 LR, ADAMW_LR = 0.02, 3e-3
 #: per matrix optimizer: its learning rate, the plan's settings and the kernel's options (Shampoo's
 #: ε regularises the inverse roots of the experts' rank-deficient statistics)
@@ -47,19 +42,7 @@ def kernel(optimizer: str):
         return Muon(MuonConfig(lr=lr, ns_dtype=torch.float32))
     return Shampoo(ShampooConfig(lr=lr, **options))
 CLIP = 0.5  # below the gradients' global norm: clipping is active every step
-PADDED = padded_vocab(CFG.vocab, 2)
 _LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
-
-
-def canonical() -> dict[str, torch.Tensor]:
-    """The model's logical weights, every expert by its global index, from a fixed seed."""
-    spec = build_inventory(CFG.model_copy(update={"vocab": PADDED}))
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for p in spec.params:
-        t = torch.randn(p.shape, generator=g)
-        out[p.name] = 1.0 + 0.1 * t if len(p.shape) == 1 else 0.08 * t
-    return out
 
 
 def global_name(name: str, offset: int) -> str:
@@ -68,32 +51,11 @@ def global_name(name: str, offset: int) -> str:
 
 def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, offset: int) -> None:
     """This rank's experts (its first one global index ``offset``) and TP shards."""
-    spec = build_inventory(CFG.model_copy(update={"vocab": PADDED}))
-    maps = {p.name: shard_map(p, tp, kv_groups=CFG.kv_heads) for p in spec.params}
-    full = canonical()
-    with torch.no_grad():
-        for name, p in gpt.named_parameters():
-            key = global_name(name, offset)
-            m = maps[key]
-            if m.dim is None:
-                p.copy_(full[key])
-                continue
-            for ls, piece in split_full(m, full[key], tp_rank):
-                n = piece.shape[m.dim]
-                (p[ls:ls + n] if m.dim == 0 else p[:, ls:ls + n]).copy_(piece)
+    train.load_canonical(gpt, tp, tp_rank, CFG, lambda n: global_name(n, offset))
 
 
 def tokens(dp_rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(zlib.crc32(f"megatron-moe/{dp_rank}".encode()))
-    return torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=g)
-
-
-def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
-    from megatron_stubs import causal_attention_mask
-
-    x, y = ids[:, :-1], ids[:, 1:]
-    pos = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
-    return model(x, pos, causal_attention_mask(x.shape[1]), labels=y).mean()
+    return train.tokens(dp_rank, "megatron-moe")
 
 
 def _expert_offset(gpt: torch.nn.Module) -> int:
@@ -144,7 +106,7 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
         opt = canzona.CanzonaOptimizer(gpt, plan, expert_dp_group=edp_group, **kwargs)
         with opt:
             for _ in range(steps):
-                loss = forward_loss(gpt, tokens(dp_rank))
+                loss = train.forward_loss(gpt, tokens(dp_rank))
                 loss.backward()
                 opt.clip_grad_norm_(CLIP)
                 opt.step()
@@ -162,32 +124,13 @@ def reference(rank: int, *, dp: int, init: str, optimizer: str = "muon",
               steps: int = STEPS) -> dict:
     """One process, ep = 1: every DP rank's batch concatenated; the matrix kernel on every matrix
     (every expert too), AdamW on the rest; the global norm clipped as canzona does."""
-    from canzona.runtime.introspect import inventory
     from megatron_stubs import gpt_model, megatron_world
 
     with megatron_world(1, 1, backend="gloo", rank=0, init_method=init, timeout_s=60):
         _, gpt = gpt_model(CFG, 1, 1, moe_token_dispatcher_type="allgather")
         load_canonical(gpt, 1, 0, 0)
-        route = {p.name: p.optimizer for p in inventory(gpt).params}
-        named = list(gpt.named_parameters())
-        mats = [p for n, p in named if route[n] == "matrix"]
-        step_kernel, lr = kernel(optimizer), OPTIMIZERS[optimizer][0]
-        states = [step_kernel.init_state(tuple(p.shape)) for p in mats]
-        adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
-                                  weight_decay=0.01)
-        losses = []
-        for _ in range(steps):
-            ids = torch.cat([tokens(d) for d in range(dp)])
-            loss = forward_loss(gpt, ids)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
-            with torch.no_grad():
-                for p, st in zip(mats, states):
-                    step_kernel.step([p], [p.grad], [st], lr=lr)
-            adamw.step()
-            adamw.zero_grad()
-            for p in mats:
-                p.grad = None
-            losses.append(float(loss))
+        losses = train.reference_steps(
+            gpt, kernel(optimizer), OPTIMIZERS[optimizer][0],
+            lambda: torch.cat([tokens(d) for d in range(dp)]), steps, clip=CLIP)
         return {"losses": losses,
                 "weights": {n: p.detach().clone() for n, p in gpt.named_parameters()}}

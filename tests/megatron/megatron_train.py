@@ -45,11 +45,12 @@ PADDED = padded_vocab(CFG.vocab, 2)
 assert PADDED == padded_vocab(CFG.vocab, 1)
 
 
-def canonical() -> dict[str, torch.Tensor]:
+def canonical(cfg: ModelConfig = CFG) -> dict[str, torch.Tensor]:
     """The model's logical weights (padded vocabulary rows included), from a fixed seed: the
-    planner's full views (QKV as [Q; K; V], fc1 as [gate; up]), which the shard maps place in
-    Megatron's layout at any tp (at tp 1 too: Megatron's QKV rows are grouped per KV group)."""
-    spec = build_inventory(CFG.model_copy(update={"vocab": PADDED}))
+    planner's full views (QKV as [Q; K; V], fc1 as [gate; up], every expert by its global
+    index), which the shard maps place in Megatron's layout at any tp (at tp 1 too: Megatron's
+    QKV rows are grouped per KV group)."""
+    spec = build_inventory(cfg.model_copy(update={"vocab": PADDED}))
     g = torch.Generator().manual_seed(0)
     out = {}
     for p in spec.params:
@@ -58,16 +59,19 @@ def canonical() -> dict[str, torch.Tensor]:
     return out
 
 
-def _maps(tp: int) -> dict:
-    spec = build_inventory(CFG.model_copy(update={"vocab": PADDED}))
-    return {p.name: shard_map(p, tp, kv_groups=CFG.kv_heads) for p in spec.params}
+def _maps(tp: int, cfg: ModelConfig = CFG) -> dict:
+    spec = build_inventory(cfg.model_copy(update={"vocab": PADDED}))
+    return {p.name: shard_map(p, tp, kv_groups=cfg.kv_heads) for p in spec.params}
 
 
-def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int) -> None:
-    """Write this TP rank's shard of :func:`canonical` into the Megatron model."""
-    full, maps = canonical(), _maps(tp)
+def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, cfg: ModelConfig = CFG,
+                   rename: Callable[[str], str] = str) -> None:
+    """Write this TP rank's shard of :func:`canonical` into the Megatron model (``rename``: a
+    live name to the canonical one, e.g. a local expert to its global index)."""
+    full, maps = canonical(cfg), _maps(tp, cfg)
     with torch.no_grad():
-        for name, p in gpt.named_parameters():
+        for live, p in gpt.named_parameters():
+            name = rename(live)
             m = maps[name]
             if m.dim is None:
                 p.copy_(full[name])
@@ -93,9 +97,9 @@ def gather_canonical(gpt: torch.nn.Module, tp: int, group) -> dict[str, torch.Te
     return out
 
 
-def tokens(dp_rank: int) -> torch.Tensor:
+def tokens(dp_rank: int, tag: str = "megatron") -> torch.Tensor:
     """DP rank ``dp_rank``'s batch: the same every step, so that 10 steps visibly lower the loss."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"megatron/{dp_rank}".encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(f"{tag}/{dp_rank}".encode()))
     return torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=g)
 
 
@@ -157,34 +161,46 @@ def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "
 def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
     """One process, tp = 1: the DP ranks' batches concatenated; the Muon kernel per matrix
     (float32 Newton–Schulz), ``torch.optim.AdamW`` on the rest (Megatron's routing)."""
-    from canzona.runtime.introspect import inventory
     from canzona.runtime.optim import Muon, MuonConfig
     from megatron_stubs import gpt_model, megatron_world
 
     with megatron_world(1, 1, backend="gloo", rank=0, init_method=init, timeout_s=60):
         _, gpt = gpt_model(CFG, 1)
         load_canonical(gpt, 1, 0)
-        route = {p.name: p.optimizer for p in inventory(gpt).params}
-        named = list(gpt.named_parameters())
-        mats = [p for n, p in named if route[n] == "matrix"]
         kernel = Muon(MuonConfig(lr=LR, ns_dtype=torch.float32))
-        states = [kernel.init_state(tuple(p.shape)) for p in mats]
-        adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
-                                  weight_decay=0.01)
-        losses = []
-        for step in range(steps):
-            ids = torch.cat([tokens(d) for d in range(dp)])
-            loss = forward_loss(gpt, ids)
-            loss.backward()
-            with torch.no_grad():
-                for p, st in zip(mats, states):
-                    kernel.step([p], [p.grad], [st], lr=LR)
-            adamw.step()
-            adamw.zero_grad()
-            for p in mats:
-                p.grad = None
-            losses.append(float(loss))
+        losses = reference_steps(gpt, kernel, LR, lambda: torch.cat([tokens(d) for d in range(dp)]),
+                                 steps)
         return {"losses": losses, "weights": gather_canonical(gpt, 1, None)}
+
+
+def reference_steps(gpt, kernel, lr: float, batch: Callable[[], torch.Tensor], steps: int,
+                    clip: float | None = None) -> list[float]:
+    """``steps`` one-process steps of ``gpt`` on ``batch()``: ``kernel`` on every matrix
+    (Megatron's routing: ``inventory``), ``torch.optim.AdamW`` on the rest, the global norm
+    clipped to ``clip`` first when given. Returns the losses."""
+    from canzona.runtime.introspect import inventory
+
+    route = {p.name: p.optimizer for p in inventory(gpt).params}
+    named = list(gpt.named_parameters())
+    mats = [p for n, p in named if route[n] == "matrix"]
+    states = [kernel.init_state(tuple(p.shape)) for p in mats]
+    adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
+                              weight_decay=0.01)
+    losses = []
+    for _ in range(steps):
+        loss = forward_loss(gpt, batch())
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
+        with torch.no_grad():
+            for p, st in zip(mats, states):
+                kernel.step([p], [p.grad], [st], lr=lr)
+        adamw.step()
+        adamw.zero_grad()
+        for p in mats:
+            p.grad = None
+        losses.append(float(loss))
+    return losses
 
 
 Phase = dict[int, Callable[[int], dict]]  # world rank → its job (given its rank in its world)
