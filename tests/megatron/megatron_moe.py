@@ -73,13 +73,14 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
     import canzona
     from canzona.runtime.errors import WeightsDifferError
     from megatron.core import parallel_state as ps
-    from megatron_stubs import gpt_model, megatron_world
+    from megatron_stubs import gpt_model, megatron_world, torch_norms_under_sequence_parallelism
 
     with megatron_world(dp, tp, ep=ep, backend="gloo", rank=rank, init_method=init,
                         timeout_s=60):
         # Megatron runs MoE under TP only with sequence parallelism
-        _, gpt = gpt_model(CFG, tp, ep, moe_token_dispatcher_type="allgather",
-                           sequence_parallel=tp > 1)
+        with torch_norms_under_sequence_parallelism():
+            _, gpt = gpt_model(CFG, tp, ep, moe_token_dispatcher_type="allgather",
+                               sequence_parallel=tp > 1)
         tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         offset = _expert_offset(gpt)
@@ -115,7 +116,8 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
                 dist.all_reduce(mean, group=dp_group)
                 losses.append(float(mean) / dp)
             opt.finish()
-        experts = {global_name(n, offset): p.detach().clone() for n, p in gpt.named_parameters()}
+        experts = train.gather_canonical(gpt, tp, tp_group, CFG,
+                                         lambda n: global_name(n, offset))
         return {"losses": losses, "weights": experts, "ep": plan.inputs.ep, "refused": refused,
                 "expert_buffers": sum(b.expert for b in plan.buffers)}
 
@@ -132,5 +134,4 @@ def reference(rank: int, *, dp: int, init: str, optimizer: str = "muon",
         losses = train.reference_steps(
             gpt, kernel(optimizer), OPTIMIZERS[optimizer][0],
             lambda: torch.cat([tokens(d) for d in range(dp)]), steps, clip=CLIP)
-        return {"losses": losses,
-                "weights": {n: p.detach().clone() for n, p in gpt.named_parameters()}}
+        return {"losses": losses, "weights": train.gather_canonical(gpt, 1, None, CFG)}

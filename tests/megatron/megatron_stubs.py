@@ -198,3 +198,31 @@ def causal_attention_mask(seq_len: int) -> "torch.Tensor":
     import torch
 
     return torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)[None, None]
+
+
+@contextlib.contextmanager
+def torch_norms_under_sequence_parallelism() -> Iterator[None]:
+    """Megatron's local spec builds its norms with ``torch.nn.RMSNorm``, which refuses
+    ``sequence_parallel`` (Transformer Engine's norms take it); Megatron runs MoE under TP only
+    with it. Inside the block a local-spec norm is built as if sequence parallelism were off and
+    its weight marked ``sequence_parallel``, as Megatron marks Transformer Engine's: each TP rank
+    normalises its part of the sequence, and the weight's gradient is summed over TP."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def build(cls, config, *args, **kwargs):
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = build
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = original

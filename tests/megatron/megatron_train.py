@@ -81,10 +81,13 @@ def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, cfg: ModelConfig
                 (p[ls:ls + n] if m.dim == 0 else p[:, ls:ls + n]).copy_(piece)
 
 
-def gather_canonical(gpt: torch.nn.Module, tp: int, group) -> dict[str, torch.Tensor]:
-    """The canonical weights from every TP rank's shards (all-gather over the TP group)."""
-    maps, out = _maps(tp), {}
-    for name, p in gpt.named_parameters():
+def gather_canonical(gpt: torch.nn.Module, tp: int, group, cfg: ModelConfig = CFG,
+                     rename: Callable[[str], str] = str) -> dict[str, torch.Tensor]:
+    """The canonical weights from every TP rank's shards (all-gather over the TP group), by
+    canonical name (``rename``, as :func:`load_canonical`)."""
+    maps, out = _maps(tp, cfg), {}
+    for live, p in gpt.named_parameters():
+        name = rename(live)
         m = maps[name]
         if m.dim is None:
             out[name] = p.detach().clone()

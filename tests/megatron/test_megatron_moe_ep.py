@@ -1,6 +1,6 @@
 """Megatron-core MoE under expert parallelism, trained by canzona on 4 gloo ranks, equals the
 one-process run with every expert on one rank (Muon with float32 Newton–Schulz, and Shampoo;
-clipping active), and
+clipping active) at dp 4 × ep 2 and at dp 2 × tp 2 × ep 2 (expert TP 2), and
 the expert gradients are reduced over the expert-DP group: the same run with the EP group in
 its place (the right size, other experts) does not match."""
 
@@ -34,6 +34,9 @@ def runs(tmp_path_factory):
                      for r in range(4)}),
         ("wrong", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init("b"), wrong_group=True,
                               steps=2) for r in range(4)}),
+        ("dp2-tp2-ep2", {r: partial(train_ep, r, dp=2, tp=2, ep=2, init=init("t"))
+                         for r in range(4)}),
+        ("reference-dp2", {0: partial(reference, 0, dp=2, init=init("t-r"))}),
         ("reference", {0: partial(reference, 0, dp=4, init=init("c"))}),
         *((f"dp4-ep2-{o}", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init(f"{o}-a"),
                                        optimizer=o) for r in range(4)}) for o in ("shampoo",)),
@@ -72,3 +75,14 @@ def test_reducing_experts_over_the_ep_group_does_not_match(runs):
 
 def test_shampoo_at_dp4_ep2_equals_one_process(runs):
     assert _check(runs, "dp4-ep2-shampoo", "reference-shampoo") <= TOL
+
+
+
+def test_dp2_tp2_ep2_equals_one_process(runs):
+    """Expert TP = TP = 2 (expert-DP 1), sequence parallel as Megatron requires for MoE under
+    TP (``megatron_stubs.torch_norms_under_sequence_parallelism``), the plan's defaults
+    (matrices shared by their TP group)."""
+    got, want = runs[0]["dp2-tp2-ep2"], runs[0]["reference-dp2"]
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) <= TOL * abs(b)
+    assert _check(runs, "dp2-tp2-ep2", "reference-dp2") <= TOL
