@@ -26,6 +26,7 @@ from canzona.planner.layout import padded_vocab
 from canzona.planner.plan import Plan
 from canzona.runtime.checkpoint.names import expert_index
 from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.experts import plan_experts
 from canzona.runtime.introspect import dtype_name, inventory
 from canzona.runtime.megatron import find_gpt
 from canzona.runtime.optim import registry
@@ -89,9 +90,10 @@ def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
                 f"the plan is for ep={plan.inputs.ep} but has no expert buffers; expert "
                 "parallelism needs a mixture-of-experts model's plan (plan a dense model at "
                 "ep=1).")
+        in_experts = {sl.name for b in plan.buffers if b.expert for k in b.buckets
+                      for sl in k.slots}
         expert_pairs = [plan.tasks[x.id].param for x in plan.dp_shared
-                        if any(b.expert for b in plan.buffers for k in b.buckets for sl in k.slots
-                               if sl.name == plan.tasks[x.id].param)]
+                        if plan.tasks[x.id].param in in_experts]
         if expert_pairs:
             raise PlanMismatchError(
                 f"the plan shares expert matrix '{expert_pairs[0]}' between two DP indices; the "
@@ -113,21 +115,12 @@ def check_plan_sizes(plan: Any, *, grad_sync: str, tp_group: Any) -> None:
                                 "plan); make it with 'canzona plan' or canzona.plan_model.")
 
 
-def held_params(plan: Plan, ep_rank: int) -> set[str] | None:
-    """Under expert parallelism, the plan's parameters a rank of EP rank ``ep_rank`` holds (the
-    dense ones and its experts); None at ep = 1 (every parameter)."""
-    if plan.inputs.ep == 1:
-        return None
-    return {s.name for buf in plan.buffers if not buf.expert or buf.ep_rank == ep_rank
-            for b in buf.buckets for s in b.slots}
-
-
 def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
                          held: set[str] | None = None) -> str | None:
     """Under TP (the live parameters are local shards): None if names, order, dtypes and local
     sizes match the plan's buckets and every TP-split matrix has its layout's local shape, else
     one line naming the first parameter that differs (``held``: the parameters this rank holds,
-    :func:`held_params`)."""
+    ``ExpertLayout.held``)."""
     slots = {s.name: (s.end - s.start, buf.dtype) for buf in plan.buffers for b in buf.buckets
              for s in b.slots}
     order = [n for n in dict.fromkeys(t.param for t in plan.tasks) if held is None or n in held]
@@ -219,8 +212,7 @@ def check_experts(plan: Plan, names: list[str], model: Any) -> None:
     model's expert-parallel size and number of experts (its ``TransformerConfig``), and for any
     model the number of experts it holds per rank (E / ep of the plan's)."""
     ep = plan.inputs.ep
-    planned = {expert_index(s.name) for buf in plan.buffers for b in buf.buckets
-               for s in b.slots} - {None}
+    planned = plan_experts(plan)
     found = find_gpt(model)
     if found is not None:
         c = found[1].config
@@ -280,7 +272,7 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
                         held: set[str] | None = None) -> str | None:
     """None if the plan's fingerprint matches the live parameters, else one line naming the first
     parameter that differs (name, shape or dtype). Under expert parallelism (``held``: the
-    parameters this rank holds, :func:`held_params`) the rank's parameters are compared with
+    parameters this rank holds, ``ExpertLayout.held``) the rank's parameters are compared with
     the plan's, name by name: the fingerprint covers every EP rank's experts."""
     planned = plan_params(plan)
     spec = _unpadded_vocab(inventory(pairs), planned, plan.inputs.tp)

@@ -107,9 +107,7 @@ class Construction:
         self._flag_positions: tuple[list[int], int] | None = None
         self._local_names = list(self._names)  # as the model names them
         self._names = self._experts.plan_names(self._names)  # messages, schedule, checkpoints
-        self._expert_names = {s.name for buf in plan.buffers if buf.expert
-                              and buf.ep_rank == self._experts.ep_rank
-                              for b in buf.buckets for s in b.slots}
+        self._expert_names = self._experts.held(plan, experts_only=True) or set()
         if self._experts.ep == 1:
             return
         if not distributed:
@@ -144,7 +142,7 @@ class Construction:
         """Every rank agrees before it acts: the plan's hash and the model's fingerprint (and,
         for DTensors, their local shards), in one collective over DP (and TP), so that a rank
         that finds a problem and its peers all raise."""
-        held = checks.held_params(plan, self._experts.ep_rank)
+        held = self._experts.held(plan)
         pairs = list(zip(self._names, (p for _, p in pairs)))  # experts by global index
         local_pairs = list(zip(self._names, self._params))
         global_check = functools.partial(checks.fingerprint_problem, plan, pairs, held)
@@ -180,7 +178,7 @@ class Construction:
         expert-DP group holds them alike); all dense at ep = 1."""
         if self._experts.ep == 1:
             return list(range(len(self._params))), []
-        expert = set(self._expert_names)
+        expert = self._expert_names
         return ([i for i, n in enumerate(self._names) if n not in expert],
                 [i for i, n in enumerate(self._names) if n in expert])
 

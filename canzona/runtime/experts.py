@@ -31,7 +31,8 @@ from canzona.planner.plan import Plan
 from canzona.runtime.checkpoint.names import Placement, expert_index, global_name
 from canzona.runtime.errors import PlanMismatchError
 
-__all__ = ["ExpertLayout", "expert_dp_group", "expert_layout", "global_inventory"]
+__all__ = ["ExpertLayout", "expert_dp_group", "expert_layout", "global_inventory",
+           "plan_experts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,14 @@ class ExpertLayout:
         """Whether this rank holds the plan buffer ``buf`` (dense, or its EP rank's experts)."""
         return not buf.expert or buf.ep_rank == self.ep_rank
 
+    def held(self, plan: Plan, *, experts_only: bool = False) -> set[str] | None:
+        """The plan's parameters this rank holds (the dense ones and its EP rank's experts; with
+        ``experts_only`` its experts alone); None at ep = 1 (every parameter)."""
+        if self.ep == 1:
+            return None
+        return {s.name for buf in plan.buffers if self.holds(buf)
+                and (buf.expert or not experts_only) for b in buf.buckets for s in b.slots}
+
     def plan_names(self, names: list[str]) -> list[str]:
         """The live parameter names as the plan names them (experts by global index)."""
         if self.ep == 1:
@@ -88,12 +97,15 @@ def expert_layout(plan: Plan, dp_rank: int) -> ExpertLayout:
             f"the plan is for expert tp={plan.inputs.etp} under tp={plan.inputs.tp}; the runtime "
             "executes expert parallelism with expert TP = TP (Megatron's default); plan with "
             "etp equal to tp.")
-    experts = {expert_index(s.name) for buf in plan.buffers if buf.expert for b in buf.buckets
-               for s in b.slots}
-    experts.discard(None)
     dp = plan.inputs.dp
     return ExpertLayout(ep=ep, ep_rank=dp_rank % ep, edp=dp // ep, edp_rank=dp_rank // ep,
-                        experts=len(experts))
+                        experts=len(plan_experts(plan)))
+
+
+def plan_experts(plan: Plan) -> set[int]:
+    """The global expert indices the plan's parameters carry (empty for a dense model)."""
+    return {expert_index(s.name) for buf in plan.buffers for b in buf.buckets
+            for s in b.slots} - {None}  # type: ignore[operator]
 
 
 def expert_dp_group(layout: ExpertLayout, dp_group: Any, tp: int) -> Any:
