@@ -115,6 +115,10 @@ ConfigOpt = Annotated[Optional[Path], typer.Option(
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel size.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE models).")]
+EtpOpt = Annotated[Optional[int], typer.Option(
+    "--etp", show_default="tp",
+    help="Expert tensor-parallel size (MoE models): 1 keeps every expert matrix whole on its "
+         "GPU, or tp.")]
 BucketSizeOpt = Annotated[Optional[int], typer.Option(
     "--bucket-size", show_default="Megatron's max(40M, 1M·dp)", help="Elements per bucket.")]
 NoOverlapOpt = Annotated[bool, typer.Option(
@@ -210,6 +214,7 @@ def layout(
     dp: DpOpt = 1,
     tp: TpOpt = 1,
     ep: EpOpt = 1,
+    etp: EtpOpt = None,
     bucket_size: BucketSizeOpt = None,
     no_overlap: NoOverlapOpt = False,
     buckets: Annotated[bool, typer.Option("--buckets", help="List every bucket.")] = False,
@@ -221,7 +226,8 @@ def layout(
 
     cfg = resolve_model(model, config)
     with _render.progress(f"layout of {cfg.name} dp={dp} tp={tp}") as say:
-        spec, lay = layout_of(cfg, ParallelSizes(dp=dp, tp=tp, ep=ep), bucket_size=bucket_size,
+        spec, lay = layout_of(cfg, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
+                              bucket_size=bucket_size,
                               overlap_grad_reduce=not no_overlap, progress=say)
     if as_json:
         _render.json_out(layout_dict(spec, lay))
@@ -256,6 +262,7 @@ def plan(
     dp: DpOpt = 1,
     tp: TpOpt = 1,
     ep: EpOpt = 1,
+    etp: EtpOpt = None,
     optimizer: Annotated[str, typer.Option(
         "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
     alpha: Annotated[float, typer.Option(
@@ -353,7 +360,7 @@ def plan(
     settings = OptimizerSettings(
         name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
         split_qkv=split_qkv, split_gate_up=split_gate_up)
-    sizes = ParallelSizes(dp=dp, tp=tp, ep=ep)
+    sizes = ParallelSizes(dp=dp, tp=tp, ep=ep, etp=None if etp == tp else etp)
     name = resolve_model(model, config).name
     default = default_plan_name(name, sizes, settings.name)
     out = output / default if output is not None and output.is_dir() else output or Path(default)

@@ -314,8 +314,8 @@ def megatron_packed(problem: DPProblem) -> PackedLayout:
     for buf_i, refs in sorted(by_buffer.items()):
         buf = layout.buffers[buf_i]
         R = buf.dp_size
-        index = [r * ep + buf.ep_rank if buf.expert else r  # type: ignore[operator]
-                 for r in range(R)]
+        index, share = cm.bucket_places(buf, R, ep=ep, tp=problem.sizes.tp,
+                                        etp=problem.sizes.expert_tp)
         g, p = cm.ELEMENT_BYTES[buf.grad_dtype], cm.ELEMENT_BYTES[buf.dtype]
 
         def item(ref: tuple[int, int]):
@@ -350,7 +350,7 @@ def megatron_packed(problem: DPProblem) -> PackedLayout:
             shard = _pad(max(fill), divisor)
             out.append(PackedBucket(buf_i, True, R, shard, tuple(fill), sum(n_of),
                                     tuple(tuple(x) for x in shards)))
-            slices.append(cm.BucketSlices((shard,) * R, g, p, tuple(index)))
+            slices.append(cm.BucketSlices((shard,) * R, g, p, index, share))
 
         # Bucket formation (backprop order), with Megatron's estimate of the packing.
         chunk: list[tuple[int, int]] = []
@@ -392,7 +392,7 @@ def megatron_packed(problem: DPProblem) -> PackedLayout:
                     state[d] += it.state_bytes * z // n - it.state_bytes * a // n
             out.append(PackedBucket(buf_i, False, R, chunk_size, (chunk_size,) * R,
                                     sum(h - lo for _, lo, h in group), ()))
-            slices.append(cm.BucketSlices((chunk_size,) * R, g, p, tuple(index)))
+            slices.append(cm.BucketSlices((chunk_size,) * R, g, p, index, share))
             start = start + size
             group = []
 
@@ -430,7 +430,9 @@ def _cut_slices(problem: DPProblem, cuts: dict) -> list[cm.BucketSlices]:
         c = cuts[(b.buffer, b.bucket)]
         out.append(cm.BucketSlices(tuple(y - x for x, y in zip(c, c[1:])),
                                    cm.ELEMENT_BYTES[buf.grad_dtype], cm.ELEMENT_BYTES[buf.dtype],
-                                   tuple(problem.dp_index(b, r) for r in range(b.ranks))))
+                                   *cm.bucket_places(buf, b.ranks, ep=problem.sizes.ep,
+                                                     tp=problem.sizes.tp,
+                                                     etp=problem.sizes.expert_tp)))
     return out
 
 

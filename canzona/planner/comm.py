@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile, LinkProfile
+from .settings import expert_place
 
 #: The bucket collective methods, by the names plans, the plan schema and the runtime's
 #: collectives (``canzona.runtime.storage.collectives``) use; this is their one spelling.
@@ -217,12 +218,16 @@ def plan_link(hw: HardwareProfile, dp: int, tp: int) -> tuple[str, LinkProfile]:
 
 @dataclass(frozen=True, slots=True)
 class BucketSlices:
-    """What the model needs of one bucket: its slices, dtypes and the DP index of each rank."""
+    """What the model needs of one bucket: its slices, dtypes and the DP index of each rank.
+    ``share``: the part of its collectives' time and bytes a DP index bears per rank; 1/tp for
+    expert buckets at expert TP 1 under tp > 1, whose TP ranks each join their own EP rank's
+    buckets side by side (alike buckets: Megatron lays every EP rank's experts out alike)."""
 
     sizes: tuple[int, ...]
     grad_bytes: int
     param_bytes: int
     dp_indices: tuple[int, ...]
+    share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +254,9 @@ class CommSummary:
             c = getattr(line, attr)
             per_rank = ((c.seconds,) * len(line.slices.dp_indices) if what == "seconds"
                         else c.sent)  # one tuple per line: ``sent`` builds it anew each time
+            share = line.slices.share
             for r, d in enumerate(line.slices.dp_indices):
-                out[d] += per_rank[r]
+                out[d] += per_rank[r] * share if share != 1 else per_rank[r]
         return tuple(out)
 
     @property
@@ -292,15 +298,26 @@ def summarise(buckets: Sequence[BucketSlices], dp: int, link: LinkProfile,
     return CommSummary(tuple(lines), dp)
 
 
-def buffer_slices(buffers: Sequence, ep: int) -> list[BucketSlices]:
+def bucket_places(buf, ranks: int, *, ep: int, tp: int = 1, etp: int | None = None  # noqa: ANN001
+                  ) -> tuple[tuple[int, ...], float]:
+    """The DP index of each of a buffer's ``ranks`` bucket ranks (an expert buffer's by
+    ``layout.expert_place``) and the :attr:`BucketSlices.share` of its collectives."""
+    if not buf.expert:
+        return tuple(range(ranks)), 1.0
+    places = [expert_place(r, buf.ep_rank, ep=ep, tp=tp, etp=etp) for r in range(ranks)]
+    return tuple(d for d, _ in places), (1.0 / tp if places and places[0][1] is not None else 1.0)
+
+
+def buffer_slices(buffers: Sequence, ep: int, *, tp: int = 1,
+                  etp: int | None = None) -> list[BucketSlices]:
     """Every bucket of a plan's ``buffers`` (``BufferPlan``s, or anything with their fields) as
-    :class:`BucketSlices`, in plan order. Rank r of an expert buffer of EP rank e is DP index
-    r·ep + e."""
+    :class:`BucketSlices`, in plan order (the places of an expert buffer's ranks:
+    :func:`bucket_places`)."""
     out = []
     for buf in buffers:
         for b in buf.buckets:
             sizes = tuple(y - x for x, y in zip(b.cuts, b.cuts[1:]))
-            idx = tuple(r * ep + buf.ep_rank if buf.expert else r for r in range(len(sizes)))
+            idx, share = bucket_places(buf, len(sizes), ep=ep, tp=tp, etp=etp)
             out.append(BucketSlices(sizes, ELEMENT_BYTES[buf.grad_dtype],
-                                    ELEMENT_BYTES[buf.dtype], idx))
+                                    ELEMENT_BYTES[buf.dtype], idx, share))
     return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from .errors import SizeError
 from .inventory import ModelSpec, ParamSpec
 from .models import ModelConfig
-from .settings import PARAM_ALIGN  # defined there: the plan schema checks it without loading layout
+from .settings import PARAM_ALIGN, expert_place  # there: the plan schema reads them without layout
 
 #: Megatron's make_vocab_size_divisible_by default.
 VOCAB_DIVISOR = 128
@@ -79,6 +79,11 @@ class ParallelSizes:
         """Expert-data-parallel size: dp·tp / (ep·etp)."""
         return self.world // (self.ep * self.expert_tp)
 
+    def expert_place(self, ep_rank: int, r: int) -> tuple[int, int | None]:
+        """Where rank ``r`` of EP rank ``ep_rank``'s expert-data-parallel group sits
+        (:func:`expert_place`)."""
+        return expert_place(r, ep_rank, ep=self.ep, tp=self.tp, etp=self.expert_tp)
+
 
 def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     """Check the sizes against the model and Megatron's divisibility rules.
@@ -115,7 +120,10 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
             valid_ep = [d for d in _divisors(cfg.num_experts) if sizes.world % (d * etp) == 0]
             problems.append(f"{' and '.join(ep_failed)}; "
                             f"nearest valid ep: {_nearest(sizes.ep, valid_ep)}.")
-        if cfg.moe_ffn % etp:
+        if etp not in (1, tp):
+            problems.append(f"expert tp={etp} must be 1 or tp={tp}: an expert matrix is either "
+                            "whole on each GPU or split like the dense ones.")
+        elif cfg.moe_ffn % etp:
             problems.append(f"expert tp={etp} must divide the expert ffn size of {cfg.name} "
                             f"({cfg.moe_ffn}); nearest valid: "
                             f"{_nearest(etp, _divisors(cfg.moe_ffn))}.")

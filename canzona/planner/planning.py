@@ -145,7 +145,15 @@ class DPProblem:
         buf = self.layout.buffers[bucket.buffer]
         if not buf.expert:
             return r
-        return r * self.sizes.ep + buf.ep_rank  # type: ignore[operator]
+        return self.sizes.expert_place(buf.ep_rank, r)[0]  # type: ignore[arg-type]
+
+    def tp_rank(self, bucket: BucketProblem, r: int) -> int | None:
+        """The one TP rank that holds rank ``r``'s part of ``bucket`` (expert buckets at expert
+        TP 1 under tp > 1), or None when every TP rank of its DP index holds a shard."""
+        buf = self.layout.buffers[bucket.buffer]
+        if not buf.expert:
+            return None
+        return self.sizes.expert_place(buf.ep_rank, r)[1]  # type: ignore[arg-type]
 
     def total_load(self) -> int:
         return self.total
@@ -178,6 +186,8 @@ class Partition(Protocol):
 
     def dp_index(self, bucket: BucketProblem, r: int) -> int: ...
 
+    def tp_rank(self, bucket: BucketProblem, r: int) -> int | None: ...
+
 
 def make_problem(
     spec: ModelSpec,
@@ -193,9 +203,6 @@ def make_problem(
     """Build the layout, the tasks and their costs, and group them per bucket. ``hardware``:
     the profile a cost model in seconds (``roofline``) prices the tasks under."""
     settings = settings or OptimizerSettings()
-    if sizes.etp is not None and sizes.etp != sizes.tp:
-        raise SizeError(f"expert tensor parallel size {sizes.etp} differs from tp={sizes.tp}; "
-                        "only etp = tp (Megatron's default) is supported yet.")
     layout = build_layout(spec, sizes, bucket_size=bucket_size,
                           overlap_grad_reduce=overlap_grad_reduce)
     model = make_cost_model(cost, settings, sizes, hardware) if isinstance(cost, str) else cost
@@ -366,6 +373,8 @@ def evaluate(problem: Partition, cuts: Cuts,
 
 def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str) -> str:
     ep = f"-ep{sizes.ep}" if sizes.ep > 1 else ""
+    if sizes.expert_tp != sizes.tp:
+        ep += f"-etp{sizes.expert_tp}"
     return f"{model}-dp{sizes.dp}-tp{sizes.tp}{ep}-{optimizer}.plan.json"
 
 

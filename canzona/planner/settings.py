@@ -1,11 +1,11 @@
 """What a plan records about its inputs, with no planner machinery behind it.
 
-:class:`OptimizerSettings` (the matrix optimizer and the settings of it that change the plan) and
-Megatron's :data:`PARAM_ALIGN` live here so that the plan schema (``canzona.planner.plan``) can
-import them without loading the cost model, the inventory or the layout. This module imports only
-pydantic, the standard library, :mod:`canzona.planner.formulas` (itself stdlib-only, for the
-optimizer kernels' defaults) and the optimizer registry :mod:`canzona.planner.optimizers` (which
-names are valid).
+:class:`OptimizerSettings` (the matrix optimizer and the settings of it that change the plan),
+Megatron's :data:`PARAM_ALIGN` and its expert rank order (:func:`expert_place`) live here so
+that the plan schema (``canzona.planner.plan``) can import them without loading the cost model,
+the inventory or the layout. This module imports only pydantic, the standard library,
+:mod:`canzona.planner.formulas` (itself stdlib-only, for the optimizer kernels' defaults) and
+the optimizer registry :mod:`canzona.planner.optimizers` (which names are valid).
 """
 
 from __future__ import annotations
@@ -16,10 +16,25 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from . import formulas, optimizers
 
-__all__ = ["PARAM_ALIGN", "OptimizerName", "OptimizerSettings"]
+__all__ = ["PARAM_ALIGN", "OptimizerName", "OptimizerSettings", "expert_place"]
 
 #: Megatron pads each parameter's start to 64 elements (128-byte addresses at 16 bits).
 PARAM_ALIGN = 64
+
+
+def expert_place(r: int, ep_rank: int, *, ep: int, tp: int, etp: int | None = None
+                 ) -> tuple[int, int | None]:
+    """Where rank ``r`` of EP rank ``ep_rank``'s expert-data-parallel group sits: its DP index,
+    and its TP rank when expert TP is 1 under tp > 1 (its experts are whole there, on that TP
+    rank alone; None at etp = tp, where every TP rank of the index holds a shard).
+
+    Megatron orders dense ranks TP fastest, then DP (global rank g = d·tp + t), and expert ranks
+    expert-TP fastest, then EP, then expert-DP (g = (r·ep + k)·etp + e)."""
+    etp = tp if etp is None else etp
+    g = (r * ep + ep_rank) * etp
+    if etp == tp:
+        return g // tp, None
+    return g // tp, g % tp
 
 
 def _registered(name: str) -> str:

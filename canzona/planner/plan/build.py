@@ -54,8 +54,8 @@ def build_plan(
             sl = comm_model.BucketSlices(
                 tuple(y - x for x, y in zip(c, c[1:])), comm_model.ELEMENT_BYTES[buf.grad_dtype],
                 comm_model.ELEMENT_BYTES[buf.dtype],
-                tuple(r * sizes.ep + buf.ep_rank if buf.expert else r  # type: ignore[operator]
-                      for r in range(len(c) - 1)))
+                *comm_model.bucket_places(buf, len(c) - 1, ep=sizes.ep, tp=sizes.tp,
+                                          etp=sizes.expert_tp))
             method = comm_model.choose(sl.sizes, grad_bytes=sl.grad_bytes,
                                        param_bytes=sl.param_bytes, link=link).method
             slices.append(sl)

@@ -35,4 +35,5 @@ def plan_summary(plan: Plan, link: LinkProfile | None = None) -> CommSummary:
     plan recorded)."""
     link = link or LinkProfile(busbw=plan.comm.busbw, latency_s=plan.comm.latency_s)
     methods = [b.method for buf in plan.buffers for b in buf.buckets]
-    return summarise(buffer_slices(plan.buffers, plan.inputs.ep), plan.inputs.dp, link, methods)
+    return summarise(buffer_slices(plan.buffers, plan.inputs.ep, tp=plan.inputs.tp,
+                                   etp=plan.inputs.etp), plan.inputs.dp, link, methods)

@@ -72,11 +72,18 @@ class PlanProblem:
 
     def dp_index(self, bucket: BucketProblem, r: int) -> int:
         """DP index of rank ``r`` of ``bucket``'s sharding group (an expert buffer's rank r of EP
-        rank k is DP index r·ep + k), as :meth:`DPProblem.dp_index`."""
+        rank k: ``ParallelSizes.expert_place``), as :meth:`DPProblem.dp_index`."""
         buf = self.buffers[bucket.buffer]
         if buf.ep_rank is None or not buf.expert:
             return r
-        return r * self.sizes.ep + buf.ep_rank
+        return self.sizes.expert_place(buf.ep_rank, r)[0]
+
+    def tp_rank(self, bucket: BucketProblem, r: int) -> int | None:
+        """As :meth:`DPProblem.tp_rank`."""
+        buf = self.buffers[bucket.buffer]
+        if buf.ep_rank is None or not buf.expert:
+            return None
+        return self.sizes.expert_place(buf.ep_rank, r)[1]
 
     def lower_bound(self) -> int:
         """max(⌈total / dp⌉, largest atomic item), as :meth:`DPProblem.lower_bound`."""

@@ -266,7 +266,8 @@ class TPIndexPlan(_Frozen):
 
     dp_index: int = Field(ge=0)
     local_load: tuple[int, ...] = Field(
-        description="per TP rank: AdamW on its shards plus replicated matrices.")
+        description="per TP rank: AdamW on its shards plus replicated matrices (at expert TP 1 "
+                    "under tp > 1, plus the experts whole on that rank).")
     groups: tuple[MicroGroupPlan, ...]
     modelled_s: float = Field(default=0.0, description="modelled pipelined makespan, seconds.")
     shared: tuple[SharedTaskPlan, ...] = Field(

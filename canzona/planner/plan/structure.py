@@ -45,9 +45,9 @@ def check_structure(plan: Plan, source: str = "<plan>") -> None:
         raise bad("rank_layout.dp", f"is {rl.dp} but inputs.dp is {dp}; they must agree")
     if rl.tp != tp:
         raise bad("rank_layout.tp", f"is {rl.tp} but inputs.tp is {tp}; they must agree")
-    if etp != tp:
+    if etp not in (1, tp):
         raise bad("inputs.etp", f"is {etp} but inputs.tp is {tp}; canzona plans expert tensor "
-                                f"parallelism only with etp = tp")
+                                f"parallelism with etp = 1 or etp = tp")
 
     # Buffers and buckets: the sizes their cuts are made for.
     has_expert = any(b.expert for b in plan.buffers)
@@ -310,10 +310,10 @@ def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
         if len(ix.local_load) != tp:
             raise bad(f"{xf}.local_load", f"has {len(ix.local_load)} entries but inputs.tp is "
                                           f"{tp} (one per TP rank)")
-        if len(set(ix.local_load)) > 1:
+        if len(set(ix.local_load)) > 1 and plan.inputs.etp == tp:  # etp 1: own experts
             raise bad(f"{xf}.local_load", f"is {list(ix.local_load)} but every TP rank of a DP "
                                           f"index carries the same AdamW shards and replicated "
-                                          f"matrices")
+                                          f"matrices (at expert TP = TP)")
         for gi, g in enumerate(ix.groups):
             gf = f"{xf}.groups[{gi}]"
             groups += 1

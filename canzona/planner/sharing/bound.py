@@ -92,8 +92,9 @@ def _useful_total(problem: DPProblem) -> float:
     TP does not split once per TP rank (every rank of the index computes them)."""
     ctx = TPContext.build(problem, problem.comm_dtype)
     cuts = {(b.buffer, b.bucket): equal_cuts(b) for b in problem.buckets}
-    base, owned = index_work(problem, cuts, ctx)
-    return sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+    base, owned, pinned = index_work(problem, cuts, ctx)
+    return (sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+            + sum(map(sum, pinned or ())))
 
 
 def sharing_bound(problem: DPProblem, *, hardware: str | HardwareProfile = "h100",

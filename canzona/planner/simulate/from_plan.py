@@ -13,6 +13,7 @@ from ..errors import CanzonaError
 from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from ..inventory import ModelSpec
+from ..settings import expert_place
 from ..plan import Plan
 from ..plan.inverse import rebuild_model
 from ..planning import coupled
@@ -27,6 +28,25 @@ def _a2a(matrix: Sequence[Sequence[int]], elem_bytes: int,
     """All-to-all time and busiest rank's off-rank bytes for ``matrix[src][dst]`` elements."""
     b = all_to_all_busiest(matrix) * elem_bytes
     return (link.seconds(b) if b else 0.0), b
+
+
+def _pinned_ranks(plan: Plan) -> dict[str, int]:
+    """Parameter → the one TP rank of its owner that computes it: expert matrices at expert TP
+    1 under tp > 1, whole on the GPU whose expert-DP rank the cuts give them."""
+    inp = plan.inputs
+    if inp.etp == inp.tp:
+        return {}
+    out = {}
+    for buf in plan.buffers:
+        if not buf.expert:
+            continue
+        for b in buf.buckets:
+            for s in b.slots:
+                r = max(i for i, c in enumerate(b.cuts[:-1]) if c <= s.start)
+                t = expert_place(r, buf.ep_rank, ep=inp.ep, tp=inp.tp, etp=inp.etp)[1]
+                if t is not None:
+                    out[s.name] = t
+    return out
 
 
 def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "bf16",
@@ -52,7 +72,7 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
 
     # Buckets: collectives under the recorded method; ready at their end's share of the buffer.
     buckets: list[BucketWork] = []
-    slices = buffer_slices(plan.buffers, ep)
+    slices = buffer_slices(plan.buffers, ep, tp=tp, etp=inp.etp)
     k = 0
     for bi, buf in enumerate(plan.buffers):
         total = max((b.end for b in buf.buckets), default=0) or 1
@@ -84,9 +104,10 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
                     lo, hi = max(slot.start, b.cuts[r]), min(slot.end, b.cuts[r + 1])
                     if hi <= lo:
                         continue
-                    d = r * ep + buf.ep_rank if buf.expert else r
+                    d, pin = (expert_place(r, buf.ep_rank, ep=ep, tp=tp, etp=inp.etp)
+                              if buf.expert else (r, None))
                     f = acc[0] * (hi - lo) / acc[1]  # the slot is this TP rank's shard
-                    for t in range(tp):
+                    for t in range(tp) if pin is None else (pin,):
                         adam_flops[d * tp + t] += f
                         adam_elems[d * tp + t] += hi - lo
 
@@ -103,9 +124,11 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
     mat_flops = [0] * (dp * tp)
     mat_s = [0.0] * (dp * tp)
     waits = [0.0] * (dp * tp)  # DP pairs: their runs' time beyond the pieces' own compute
+    pinned = _pinned_ranks(plan)
     for task in plan.tasks:
         if task.owner is not None and task.id not in grouped and task.id not in pairs:
-            for t in range(tp):
+            pin = pinned.get(task.param)
+            for t in range(tp) if pin is None else (pin,):
                 mat_flops[task.owner * tp + t] += task.flops
                 mat_s[task.owner * tp + t] += seconds(task.id)
     runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}

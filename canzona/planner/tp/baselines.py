@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..dp.greedy import greedy
 from ..planning import Cuts, DPProblem
-from .context import TPContext, index_work, lb_gpu
+from .context import TPContext, index_work, lb_gpu, pinned_at
 from .schedule import TPSchedule, gpu_loads
 
 
@@ -47,9 +47,9 @@ def sc_row(x: TPBaselineInputs, name: str) -> TPBaselineRow:
     """Every TP rank all-gathers and computes every matrix of its DP index (Megatron's
     ``duplicated``), on the same DP partition."""
     p = x.problem
-    base, owned = index_work(p, x.cuts, x.ctx)
-    return x.row(name, [[base[d] + sum(p.loads[i] for i in owned[d])] * p.sizes.tp
-                        for d in range(p.dp)])
+    base, owned, pinned = index_work(p, x.cuts, x.ctx)
+    return x.row(name, [[base[d] + sum(p.loads[i] for i in owned[d]) + pin
+                         for pin in pinned_at(pinned, d, p.sizes.tp)] for d in range(p.dp)])
 
 
 def greedy_row(x: TPBaselineInputs, name: str) -> TPBaselineRow:

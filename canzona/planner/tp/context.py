@@ -74,23 +74,30 @@ def _item_gpu_load(problem: DPProblem, item_task: int, load: int, tp: int) -> fl
 
 
 def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
-               ) -> tuple[list[float], list[list[int]]]:
+               ) -> tuple[list[float], list[list[int]], list[list[float]] | None]:
     """Per DP index: the load every TP rank carries anyway (AdamW shards, replicated matrices,
     its piece of every task the TP group shares, alone or with a partner index:
-    ``problem.pairs`` at tp > 1), and the TP-split matrix tasks it owns and must host (ids,
-    ascending)."""
+    ``problem.pairs`` at tp > 1), the TP-split matrix tasks it owns and must host (ids,
+    ascending), and the load pinned to one TP rank (per index, per TP rank: expert weights at
+    expert TP 1 under tp > 1, whole on the one GPU that holds them), None when there is none."""
     ctx = ctx or TPContext.build(problem)
     dp = problem.dp
     base = [0.0] * dp
     owned: list[list[int]] = [[] for _ in range(dp)]
+    pinned: list[list[float]] | None = None
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
+        pin = problem.tp_rank(b, 0) is not None
+        if pin and pinned is None:
+            pinned = [[0.0] * problem.sizes.tp for _ in range(dp)]
         for it in b.items:
             first = owner_of(c, it.start)
             if it.atomic:
                 d = problem.dp_index(b, first)
                 for i in it.tasks:
-                    if i in problem.pairs and ctx.split[i]:  # its half, every TP rank
+                    if pin:  # whole on the one GPU that holds it
+                        pinned[d][problem.tp_rank(b, first)] += problem.loads[i]  # type: ignore
+                    elif i in problem.pairs and ctx.split[i]:  # its half, every TP rank
                         base[d] += it.load
                     elif i in problem.shared:  # every TP rank of d computes its piece
                         base[d] += problem.shared[i][0]
@@ -105,11 +112,27 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
             for r in range(first, last + 1):
                 lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
                 if hi > lo:
-                    base[problem.dp_index(b, r)] += _item_gpu_load(
-                        problem, it.tasks[0], it.load * (hi - lo) // n, tp)
+                    share = it.load * (hi - lo) // n
+                    if pin:
+                        t = problem.tp_rank(b, r)
+                        pinned[problem.dp_index(b, r)][t] += share  # type: ignore[index]
+                    else:
+                        base[problem.dp_index(b, r)] += _item_gpu_load(
+                            problem, it.tasks[0], share, tp)
     for ids in owned:
         ids.sort()
-    return base, owned
+    return base, owned, pinned
+
+
+def has_pinned(problem: DPProblem) -> bool:
+    """Whether any load is pinned to one TP rank (:func:`index_work`): expert buckets at expert
+    TP 1 under tp > 1."""
+    return any(problem.tp_rank(b, 0) is not None for b in problem.buckets)
+
+
+def pinned_at(pinned: list[list[float]] | None, d: int, tp: int) -> list[float]:
+    """DP index ``d``'s pinned load per TP rank (:func:`index_work`), zeros when none."""
+    return list(pinned[d]) if pinned is not None else [0.0] * tp
 
 
 # --- shared tasks in lockstep ---------------------------------------------------------------------
@@ -332,11 +355,13 @@ def lpt_bins(loads: Sequence[int], tp: int) -> list[int]:
     return heap
 
 
-def lpt_makespan(loads: Sequence[int], tp: int) -> int:
-    """Longest-processing-time packing of ``loads`` on ``tp`` ranks: the busiest rank's load."""
+def lpt_makespan(loads: Sequence[int], tp: int, start: Sequence[float] | None = None) -> float:
+    """Longest-processing-time packing of ``loads`` on ``tp`` ranks that already carry
+    ``start`` (default: nothing): the busiest rank's load."""
     if tp <= 1:
-        return int(sum(loads))
-    heap = [0] * tp
+        return sum(loads) + (start[0] if start else 0)
+    heap = list(start) if start else [0] * tp
+    heapq.heapify(heap)
     for x in sorted(loads, reverse=True):
         heapq.heapreplace(heap, heap[0] + x)
     return max(heap)
@@ -373,9 +398,10 @@ def gpu_total(problem: DPProblem, grid: list[list[int]] | None = None,
     if grid is not None:
         return sum(sum(r) for r in grid)
     ctx = ctx or TPContext.build(problem)
-    base, owned = index_work(problem, {(b.buffer, b.bucket): equal_cuts(b)
-                                       for b in problem.buckets}, ctx)
-    return sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+    base, owned, pinned = index_work(problem, {(b.buffer, b.bucket): equal_cuts(b)
+                                               for b in problem.buckets}, ctx)
+    return (sum(base) * problem.sizes.tp + sum(problem.loads[i] for ids in owned for i in ids)
+            + sum(map(sum, pinned or ())))
 
 
 def gpu_packing_bound(problem: DPProblem, upper: float, ctx: TPContext | None = None) -> int:
@@ -406,7 +432,7 @@ def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) 
     Use in place of the DP load (``evaluate(...).load``) when judging cuts under TP.
     """
     ctx = ctx or TPContext.build(problem)
-    base, owned = index_work(problem, cuts, ctx)
+    base, owned, pinned = index_work(problem, cuts, ctx)
     tp = problem.sizes.tp
     if problem.pairs and tp > 1:  # the halves first: partners end those batches together
         whole, partners = index_halves(problem, cuts)
@@ -415,5 +441,6 @@ def index_gpu_max(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None) 
         lock = [e + rest - w.pieces for e, (_, rest), w in zip(ends, parts, whole)]
     else:
         lock = [s.load() - s.pieces for s in index_lockstep(problem, cuts)]
-    return [base[d] + lock[d] + lpt_makespan([problem.loads[i] for i in owned[d]], tp)
+    return [base[d] + lock[d] + lpt_makespan([problem.loads[i] for i in owned[d]], tp,
+                                             pinned[d] if pinned else None)
             for d in range(problem.dp)]

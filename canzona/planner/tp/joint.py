@@ -6,8 +6,8 @@ import heapq
 
 from ..objective import MAX_LOAD, Objective
 from ..planning import Cuts, DPProblem, owner_of
-from .context import (Lockstep, Piece, TPContext, index_gpu_max, index_work, lb_gpu,
-                      lockstep_piece, lpt_bins, lpt_makespan, shared_by_index)
+from .context import (Lockstep, Piece, TPContext, has_pinned, index_gpu_max, index_work,
+                      lb_gpu, lockstep_piece, lpt_bins, lpt_makespan, shared_by_index)
 
 
 def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None,
@@ -34,7 +34,9 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     ctx = ctx or TPContext.build(problem)
     tp = problem.sizes.tp
     loads = problem.loads
-    base, owned = index_work(problem, cuts, ctx)
+    if has_pinned(problem):  # loads pinned to one TP rank move with their item: not modelled
+        return cuts
+    base, owned, _ = index_work(problem, cuts, ctx)
     bag = [[loads[i] for i in ids] for ids in owned]
     shared = problem.shared
     # an index's shared pieces run in lockstep: kept apart from the rest of its base
@@ -206,7 +208,9 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
     tp = problem.sizes.tp
     loads, shared = problem.loads, problem.shared
     dp = problem.dp
-    base, _ = index_work(problem, cuts, ctx)
+    if has_pinned(problem):  # loads pinned to one TP rank move with their item: not modelled
+        return None
+    base, _, _ = index_work(problem, cuts, ctx)
     # classes of alike matrices: (hosted loads, load on every TP rank, shared pieces, allowed)
     classes: dict[tuple, int] = {}
     sig: list[tuple] = []

@@ -16,7 +16,8 @@ from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import LinkProfile, load_hardware
 from ..options import TPOptions
 from ..planning import Cuts, DPProblem, coupled, pair_owners
-from .context import TPContext, index_work, lockstep_scratch, lockstep_seconds, shared_by_index
+from .context import (TPContext, index_work, lockstep_scratch, lockstep_seconds, pinned_at,
+                      shared_by_index)
 
 # --- schedule records -----------------------------------------------------------------------------
 
@@ -342,13 +343,14 @@ def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[
 
 def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
                    settings: TPOptions, budget: list[float] | None = None,
-                   runs: tuple[SharedRun, ...] = (), phase_at_least: float = 0.0
-                   ) -> tuple[IndexSchedule, str]:
+                   runs: tuple[SharedRun, ...] = (), phase_at_least: float = 0.0,
+                   pinned: Sequence[float] | None = None) -> tuple[IndexSchedule, str]:
     """Schedule one DP index's TP-split tasks. ``budget``: remaining CP-SAT time (mutable);
     ``runs``: the tasks this index's TP group shares (``problem.shared``), run before the
     groups, in task order (halves shared with a partner index among them);
     ``phase_at_least``: seconds its shared phase lasts at least (its halves' part as long as
-    its partner's: they exchange every iteration, so they finish it together)."""
+    its partner's: they exchange every iteration, so they finish it together); ``pinned``: the
+    load each TP rank alone carries (:func:`~.context.index_work`), hosted around."""
     pr = ctx.problem
     tp = pr.sizes.tp
     if any(ctx.tp_of[i] != tp for i in ids):
@@ -370,7 +372,7 @@ def schedule_index(ctx: TPContext, d: int, ids: list[int], base_value: float,
         base_value += phase_load - sum(x.load for x in runs)
     else:
         phase_load = 0.0
-    base = [base_value] * tp  # the shared phase included
+    base = [base_value + p for p in (pinned or [0.0] * tp)]  # the shared phase included
     raw = _greedy_groups(ctx, ids, base, tp, cap)
     status = "greedy"
     if settings.solver == "cpsat" and tp > 1:
@@ -423,7 +425,7 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     if ctx.comm_dtype != settings.comm_dtype:
         raise ValueError(f"the TP context was built for comm dtype {ctx.comm_dtype}, the options "
                          f"say {settings.comm_dtype}")
-    base, owned = index_work(problem, cuts, ctx)
+    base, owned, pinned = index_work(problem, cuts, ctx)
     budget = [settings.total_time_limit_s]
     runs: list[list[SharedRun]] = [[] for _ in range(problem.dp)]
     owners = {i: d for d, ids in enumerate(shared_by_index(problem, cuts)) for i in ids}
@@ -451,7 +453,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     statuses = []
     for d in range(problem.dp):
         s, st = schedule_index(ctx, d, owned[d], base[d], settings, budget, tuple(runs[d]),
-                               phase[d] if partners[d] else 0.0)
+                               phase[d] if partners[d] else 0.0,
+                               pinned[d] if pinned else None)
         indices.append(s)
         statuses.append(st)
     oversized = tuple(problem.tasks[i].name for s in indices for g in s.groups if g.oversized
@@ -488,12 +491,13 @@ def gpu_loads(problem: DPProblem, cuts: Cuts, schedule: TPSchedule | None = None
     if schedule is not None:
         return [s.gpu_load() for s in schedule.indices]
     ctx = ctx or TPContext.build(problem)
-    base, owned = index_work(problem, cuts, ctx)
+    base, owned, pinned = index_work(problem, cuts, ctx)
     tp = problem.sizes.tp
     out = []
     for d in range(problem.dp):
-        heap = [(base[d], t) for t in range(tp)]
-        load = [base[d]] * tp
+        load = [base[d] + p for p in pinned_at(pinned, d, tp)]
+        heap = [(x, t) for t, x in enumerate(load)]
+        heapq.heapify(heap)
         for i in sorted(owned[d], key=lambda i: (-problem.loads[i], i)):
             _, t = heapq.heappop(heap)
             load[t] += problem.loads[i]

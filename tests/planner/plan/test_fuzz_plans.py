@@ -88,6 +88,8 @@ def _bases() -> dict[str, dict]:
     out["shampoo-split-dp2-tp2"] = json.loads(p.to_json())
     p = make_plan(tiny("qwen3_moe"), ParallelSizes(dp=2, tp=2, ep=2), dp_options=small)
     out["moe-dp2-tp2-ep2"] = json.loads(p.to_json())
+    p = make_plan(tiny("qwen3_moe"), ParallelSizes(dp=2, tp=2, ep=2, etp=1), dp_options=small)
+    out["moe-dp2-tp2-ep2-etp1"] = json.loads(p.to_json())
     out["v1-tiny-dp2-tp2"] = as_version_1(out["tiny-dp2-tp2"])
     # schema version 3: matrices shared by their TP group (with and without the polynomial
     # split), beside hosted ones

@@ -108,7 +108,7 @@ def test_each_half_counts_on_its_index_and_partners_finish_together(small):
     used = with_pairs(pr, {i: pairs[i]})
     cuts = _cuts(used, i)
     ctx = TPContext.build(used)
-    base, owned = index_work(used, cuts, ctx)
+    base, owned, _ = index_work(used, cuts, ctx)
     assert all(i not in ids for ids in owned)  # never hosted whole by a micro-group
     from canzona.planner.tp.context import HALF, index_halves
 
@@ -119,7 +119,7 @@ def test_each_half_counts_on_its_index_and_partners_finish_together(small):
     assert [len(h) for h in halves] == [1, 1] and halves[0][0][3] == pairs[i].loads[0]
     # the same cuts without the pair: each half would be a matrix to host; with it, each
     # index carries its half's load on every TP rank instead
-    base0, owned0 = index_work(dataclasses.replace(used, pairs={}), cuts, ctx)
+    base0, owned0, _ = index_work(dataclasses.replace(used, pairs={}), cuts, ctx)
     assert [ids.count(i) for ids in owned0] == [1, 1]
     assert [b - b0 for b, b0 in zip(base, base0)] == [pytest.approx(x) for x in pairs[i].loads]
     # partners end the batches holding their halves together
