@@ -96,7 +96,7 @@ def plan_model(
     tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware, share=share)
     from canzona.runtime.experts import global_inventory
     from canzona.runtime.introspect import inventory
-    from canzona.runtime.megatron import megatron_ep, megatron_spec, megatron_tp
+    from canzona.runtime.megatron import megatron_ep, megatron_etp, megatron_spec, megatron_tp
 
     # A Megatron-core GPTModel is read through its TransformerConfig: the plan is the one made
     # offline from that config (Megatron names, fused layouts), with the live dtypes.
@@ -109,6 +109,7 @@ def plan_model(
         spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
         tp = 1 if tp is None else tp
         ep = 1 if ep is None else ep
+        etp = None
         if ep != 1:  # this rank's experts, numbered from 0: the whole model's, by global index
             spec = global_inventory(spec, ep)
     else:
@@ -116,7 +117,8 @@ def plan_model(
                     "tensor-parallel")
         ep = _built(ep, "ep", megatron_ep(model), "expert_model_parallel_size",
                     "expert-parallel")
-    return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep),
+        etp = megatron_etp(model)
+    return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
                          tp_options=tp_options, progress=progress)
 

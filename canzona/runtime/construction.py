@@ -102,7 +102,7 @@ class Construction:
     def _place_experts(self, plan: Plan, distributed: bool) -> None:
         """Under expert parallelism (``runtime.experts``): this rank's EP and expert-DP ranks
         and the parameter names as the plan has them (experts by their global index)."""
-        self._experts = experts.expert_layout(plan, self._rank)
+        self._experts = experts.expert_layout(plan, self._rank, self._tp_rank)
         self._expert_group = None
         self._flag_positions: tuple[list[int], int] | None = None
         self._local_names = list(self._names)  # as the model names them
@@ -135,7 +135,8 @@ class Construction:
         if size != self._experts.edp:
             raise PlanMismatchError(
                 f"expert_dp_group has {size} ranks but the plan's expert-data-parallel size is "
-                f"dp/ep = {plan.inputs.dp}/{plan.inputs.ep} = {self._experts.edp}.")
+                f"dp·tp/(ep·etp) = {plan.inputs.dp}·{plan.inputs.tp}/({plan.inputs.ep}·"
+                f"{plan.inputs.etp}) = {self._experts.edp}.")
         self._expert_group = group
 
     def _agree_on_plan(self, plan: Plan, pairs: list[tuple[str, Tensor]]) -> None:
@@ -269,8 +270,8 @@ class Construction:
         (``runtime.replicated``): all of them, counted once by clipping, and those whose
         gradients are partial per TP rank, summed over TP before the update."""
         self._tp_duplicates = (replicated.duplicate_ranges(
-            self._schedule, self._live, (t.param for t in self._micro.tasks))
-            if self._tp > 1 else ())
+            self._schedule, self._live, (t.param for t in self._micro.tasks),
+            whole_experts=self._experts.whole) if self._tp > 1 else ())
         self._sum_globs = tuple(tp_sum_grads) + megatron_sum_grads(model)
         self._sp_ranges = (replicated.partial_grad_ranges(
             self._schedule, self._names, self._live, self._sum_globs) if self._tp > 1 else [])

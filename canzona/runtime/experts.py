@@ -4,11 +4,17 @@ plan knows them, and over which group their buckets are sharded.
 Megatron's layout, which the planner emulates (``canzona.planner.layout``): with ep > 1 the
 expert weights leave the dense buffers for buffers of their own, one set per EP rank k holding
 experts [k·E/ep, (k+1)·E/ep), each sharded over the expert-data-parallel group of edp =
-dp·tp / (ep·etp) ranks. With expert TP = TP, Megatron's rank order (TP fastest, then EP, then
-expert-DP) makes the dense DP index d of a rank the pair d = j·ep + k of its EP rank k and its
-expert-DP rank j: the expert-DP group of DP rank d is the DP ranks with the same d mod ep. The
-plan's expert buckets have edp + 1 cuts indexed by j, and an expert task's ``owner`` is the DP
-index j·ep + k that computes it (the planner reports every load per DP index).
+dp·tp / (ep·etp) ranks. Megatron orders expert ranks expert-TP fastest, then EP, then expert-DP
+(``canzona.planner.layout.expert_place``):
+* with expert TP = TP the dense DP index d of a rank is the pair d = j·ep + k of its EP rank k
+  and its expert-DP rank j: the expert-DP group of DP rank d is the DP ranks with the same
+  d mod ep, and every TP rank of d holds a shard of the same experts;
+* with expert TP 1 under tp > 1 the global rank g = d·tp + t is j·ep + k: the TP ranks of one
+  DP index hold different experts, each whole, and the expert-DP group of g is the global ranks
+  with the same g mod ep.
+The plan's expert buckets have edp + 1 cuts indexed by j, and an expert task's ``owner`` is the
+DP index that computes it (the planner reports every load per DP index); the runtime takes j
+from the cuts.
 
 A rank's model names its experts from 0 (Megatron's ``local_experts.{j}``, a ``ModuleList`` of
 experts); the plan names them by their global index (``checkpoint.names.global_name``).
@@ -27,6 +33,7 @@ import torch.distributed as dist
 
 from canzona.planner.errors import ModelError
 from canzona.planner.inventory import ModelSpec, ParamSpec
+from canzona.planner.settings import expert_place
 from canzona.planner.plan import Plan
 from canzona.runtime.checkpoint.names import Placement, expert_index, global_name
 from canzona.runtime.errors import PlanMismatchError
@@ -41,10 +48,12 @@ class ExpertLayout:
 
     Attributes:
         ep: the plan's expert-parallel size (1: experts live in the dense buffers).
-        ep_rank: which EP rank's experts this rank holds (k = d mod ep).
-        edp: the expert-data-parallel size, dp / ep at expert TP = TP.
-        edp_rank: this rank's place in its expert-DP group (j = d div ep).
+        ep_rank: which EP rank's experts this rank holds (k = d mod ep, or g mod ep at expert
+            TP 1).
+        edp: the expert-data-parallel size, dp·tp / (ep·etp).
+        edp_rank: this rank's place in its expert-DP group (j = d div ep, or g div ep).
         experts: the plan's number of experts (0 for a dense model).
+        tp, etp: the plan's TP and expert TP sizes.
     """
 
     ep: int = 1
@@ -52,6 +61,18 @@ class ExpertLayout:
     edp: int = 1
     edp_rank: int = 0
     experts: int = 0
+    tp: int = 1
+    etp: int = 1
+
+    @property
+    def whole(self) -> bool:
+        """Whether this rank's experts are whole on it under tp > 1 (expert TP 1): no TP rank
+        shares them, so clipping counts them on this rank alone."""
+        return self.ep > 1 and self.etp < self.tp
+
+    def dp_index(self, r: int) -> int:
+        """The DP index of rank ``r`` of this rank's expert-DP group."""
+        return expert_place(r, self.ep_rank, ep=self.ep, tp=self.tp, etp=self.etp)[0]
 
     @property
     def placement(self) -> Placement:
@@ -76,30 +97,18 @@ class ExpertLayout:
             return list(names)
         return [global_name(n, self.placement) for n in names]
 
-    def group_rank(self, owner: int) -> int:
-        """The place in its bucket's expert-DP group of the DP index ``owner`` of an expert task
-        this rank holds."""
-        return owner // self.ep
 
 
-def expert_layout(plan: Plan, dp_rank: int) -> ExpertLayout:
-    """The expert layout of DP rank ``dp_rank`` under ``plan``.
-
-    Raises:
-        PlanMismatchError: the plan's expert tensor parallelism differs from its TP (expert TP
-            of 1 under tp > 1 is not executed yet).
-    """
+def expert_layout(plan: Plan, dp_rank: int, tp_rank: int = 0) -> ExpertLayout:
+    """The expert layout of the rank at DP index ``dp_rank`` and TP rank ``tp_rank`` under
+    ``plan`` (expert TP = TP, or 1)."""
     ep = plan.inputs.ep
     if ep == 1:
         return ExpertLayout()
-    if plan.inputs.etp != plan.inputs.tp:
-        raise PlanMismatchError(
-            f"the plan is for expert tp={plan.inputs.etp} under tp={plan.inputs.tp}; the runtime "
-            "executes expert parallelism with expert TP = TP (Megatron's default); plan with "
-            "etp equal to tp.")
-    dp = plan.inputs.dp
-    return ExpertLayout(ep=ep, ep_rank=dp_rank % ep, edp=dp // ep, edp_rank=dp_rank // ep,
-                        experts=len(plan_experts(plan)))
+    dp, tp, etp = plan.inputs.dp, plan.inputs.tp, plan.inputs.etp
+    g = dp_rank if etp == tp else dp_rank * tp + tp_rank  # the expert-TP group's index
+    return ExpertLayout(ep=ep, ep_rank=g % ep, edp=dp * tp // (ep * etp), edp_rank=g // ep,
+                        experts=len(plan_experts(plan)), tp=tp, etp=etp)
 
 
 def plan_experts(plan: Plan) -> set[int]:
@@ -109,11 +118,14 @@ def plan_experts(plan: Plan) -> set[int]:
 
 
 def expert_dp_group(layout: ExpertLayout, dp_group: Any, tp: int) -> Any:
-    """The expert-DP group of this rank: the DP ranks with its EP rank, built once by every rank
-    of the world (``new_subgroups_by_enumeration`` is collective over the world).
+    """The expert-DP group of this rank: the ranks holding its EP rank's experts (at expert TP =
+    TP the DP ranks with its EP rank; at expert TP 1 the global ranks g ≡ its g mod ep), built
+    once by every rank of the world (``new_subgroups_by_enumeration`` is collective over the
+    world).
 
     The DP groups are Megatron's (global rank = d·tp + t, the plan's ``rank_layout``): every rank
-    enumerates the expert-DP groups of every TP rank alike. A DP group that is not (its ranks
+    enumerates the expert-DP groups alike, global rank (j·ep + k)·etp + e for expert-DP rank j,
+    EP rank k and expert-TP rank e. A DP group that is not (its ranks
     are not those of this TP rank in that order) must come with an explicit
     ``expert_dp_group``.
     """
@@ -128,8 +140,9 @@ def expert_dp_group(layout: ExpertLayout, dp_group: Any, tp: int) -> Any:
             f"Megatron's order for TP rank {t} ({[d * tp + t for d in range(min(dp, 8))]}…), so "
             "the expert-DP groups cannot be derived: pass expert_dp_group= (the DP ranks holding "
             "this rank's experts).")
-    ranks = [[d * tp + t for d in range(k, dp, layout.ep)] for t in range(tp)
-             for k in range(layout.ep)]
+    ep, etp = layout.ep, layout.etp
+    ranks = [[(j * ep + k) * etp + e for j in range(layout.edp)] for e in range(etp)
+             for k in range(ep)]
     group, _ = dist.new_subgroups_by_enumeration(ranks)
     return group
 

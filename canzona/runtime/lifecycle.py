@@ -74,6 +74,9 @@ class Lifecycle:
         self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
         self._pairs.groups = {}  # nor by the DP pairs' peers
         self._micro.dp_group = None  # nor by the TP pairs' (tp > 1)
+        # nor the expert-DP group: one derived here stays in torch's registry, as every
+        # subgroup does, until torch.distributed.destroy_process_group()
+        self._expert_group = None
         if self._flight is not None:
             self._flight.close()
         self._closed = True

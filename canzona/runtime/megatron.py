@@ -105,11 +105,11 @@ def megatron_config(gpt: nn.Module, *, vocab: int | None = None,
     c = gpt.config  # type: ignore[attr-defined]
     ep = int(getattr(c, "expert_model_parallel_size", 1) or 1)
     etp = getattr(c, "expert_tensor_parallel_size", None)
-    if ep > 1 and etp is not None and int(etp) != int(getattr(c, "tensor_model_parallel_size", 1)
-                                                     or 1):
+    tp = int(getattr(c, "tensor_model_parallel_size", 1) or 1)
+    if ep > 1 and etp is not None and int(etp) not in (1, tp):
         raise ModelError(f"TransformerConfig.expert_tensor_parallel_size is {etp!r}; canzona "
-                         "executes expert parallelism with expert TP equal to "
-                         "tensor_model_parallel_size (Megatron's default, None).")
+                         "executes expert parallelism with expert TP 1 or equal to "
+                         f"tensor_model_parallel_size ({tp}; Megatron's default, None).")
     if ep > 1 and getattr(c, "moe_grouped_gemm", False):
         raise ModelError("TransformerConfig.moe_grouped_gemm is True; canzona reads Megatron's "
                          "per-expert weights (SequentialMLP, moe_grouped_gemm=False) under "
@@ -173,6 +173,19 @@ def megatron_ep(model: Any) -> int:
     return int(getattr(found[1].config, "expert_model_parallel_size", 1) or 1)
 
 
+def megatron_etp(model: Any) -> int | None:
+    """The expert tensor-parallel size a Megatron-core MoE model was built for, when it differs
+    from its TP size (``ParallelSizes.etp``); None otherwise and for other models."""
+    found = find_gpt(model)
+    if found is None:
+        return None
+    c = found[1].config
+    etp = getattr(c, "expert_tensor_parallel_size", None)
+    if etp is None or not getattr(c, "num_moe_experts", None):
+        return None
+    return None if int(etp) == megatron_tp(model) else int(etp)
+
+
 def _expert_offset(gpt: nn.Module) -> int:
     """The global index of this rank's first expert (Megatron's ``MoELayer``
     ``local_expert_indices``); 0 for a dense model."""
@@ -208,6 +221,7 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
     prefix, gpt = found
     cfg = megatron_config(gpt, vocab=vocab, name=name)
     tp = megatron_tp(gpt)
+    etp = megatron_etp(gpt) or tp
     spec = build_inventory(cfg, names="megatron", matrix_globs=tuple(
         g.removeprefix(prefix) for g in matrix_globs), adamw_globs=tuple(
         g.removeprefix(prefix) for g in adamw_globs))
@@ -238,12 +252,13 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
                                               dtype=expert_dtype or p.dtype))
             continue
         n, t = live_of[p.name]
-        want = shard_map(p, tp, kv_groups=cfg.kv_heads).local_shape if tp > 1 else (
+        t_p = etp if p.is_expert else tp  # experts: Megatron's expert TP
+        want = shard_map(p, t_p, kv_groups=cfg.kv_heads).local_shape if t_p > 1 else (
             (padded_vocab(p.shape[0], 1), *p.shape[1:]) if p.tp_layout == "vocab" else p.shape)
         got = tuple(local_tensor(t).shape)
         if got != tuple(want):
             raise ModelError(f"the Megatron model's '{n}' is {list(got)} on this rank but its "
-                             f"TransformerConfig at tp={tp} gives {list(want)}.")
+                             f"TransformerConfig at tp={t_p} gives {list(want)}.")
         attrs = _megatron_attrs(t)
         if attrs != (p.tp_layout != "replicated", p.tp_dim, p.tp_stride):
             raise ModelError(f"the Megatron model's '{n}' has tensor_model_parallel, "

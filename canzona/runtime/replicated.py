@@ -35,24 +35,27 @@ def partial_grad_ranges(schedule: Schedule, names: list[str], live: list[Tensor]
     return out
 
 
-def duplicate_ranges(schedule: Schedule, live: list[Tensor],
-                     tp_split: Iterable[int]) -> list[list[tuple[int, int]]]:
+def duplicate_ranges(schedule: Schedule, live: list[Tensor], tp_split: Iterable[int], *,
+                     whole_experts: bool = False) -> list[list[tuple[int, int]]]:
     """Per bucket, the ranges of this rank's own slice holding parameters replicated over TP:
     neither a TP-split matrix of the plan (``tp_split``: the micro-groups' parameters) nor a TP
-    shard (Megatron's ``tensor_model_parallel``, a sharded DTensor)."""
+    shard (Megatron's ``tensor_model_parallel``, a sharded DTensor), nor, with
+    ``whole_experts`` (expert TP 1), an expert bucket's: each TP rank holds other experts."""
     split = set(tp_split)
     split |= {x.param for order in schedule.work for xs in order.split for x in xs}
     out = []
     for b in schedule.buckets:
         c0, c1 = schedule.own_range(b.index)
-        ranges = []
+        ranges: list[tuple[int, int]] = []
+        out.append(ranges)
+        if whole_experts and b.expert:
+            continue
         for sl in b.slots:
             if sl.param in split or is_tp_split(live[sl.param]):
                 continue
             lo, hi = max(sl.lo, c0), min(sl.hi, c1)
             if lo < hi:
                 ranges.append((lo - c0, hi - c0))
-        out.append(ranges)
     return out
 
 

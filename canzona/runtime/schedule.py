@@ -9,6 +9,7 @@ together update every element of every parameter exactly once (``checks.check_wo
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,7 +122,8 @@ class Schedule:
     rank: int
     buckets: tuple[Bucket, ...]
     #: Per place r in the buckets' groups, what that rank updates: a dense bucket's r is a DP
-    #: rank, an expert bucket's an expert-DP rank (fewer: its entries past edp are empty).
+    #: rank, an expert bucket's an expert-DP rank (max(dp, edp) places: a group's entries past
+    #: its size are empty).
     work: tuple[WorkOrder, ...]
     param_bucket: tuple[int, ...]  # per parameter, its bucket
     param_range: tuple[tuple[int, int], ...]  # per parameter, [lo, hi) in its bucket
@@ -182,9 +184,10 @@ def build_schedule(plan: Plan, names: list[str], rank: int,
             sizes = tuple(y - x for x, y in zip(cuts, cuts[1:]))
             buckets.append(Bucket(len(buckets), b.end - b.start, cuts, sizes, tuple(slots),
                                   buf.grad_dtype, b.method, place, buf.expert))
-    matrix = [[[] for _ in buckets] for _ in range(dp)]
-    adamw = [[[] for _ in buckets] for _ in range(dp)]
-    split: list[list[list[SplitParam]]] = [[[] for _ in buckets] for _ in range(dp)]
+    places = max(dp, experts.edp)  # a bucket's group: DP ranks, or expert-DP ranks
+    matrix = [[[] for _ in buckets] for _ in range(places)]
+    adamw = [[[] for _ in buckets] for _ in range(places)]
+    split: list[list[list[SplitParam]]] = [[[] for _ in buckets] for _ in range(places)]
     split_seen: set[int] = set()
     rows_done: dict[str, int] = defaultdict(int)
     matrix_params: dict[int, None] = {}  # ordered set
@@ -199,8 +202,14 @@ def build_schedule(plan: Plan, names: list[str], rank: int,
             continue
         bi = param_bucket[i]
         cuts = buckets[bi].cuts
-        if buckets[bi].expert and t.owner is not None:
-            t = t.model_copy(update={"owner": experts.group_rank(t.owner)})
+        if buckets[bi].expert and t.owner is not None:  # its place in the expert-DP group
+            j = bisect_right(cuts, param_range[i][0]) - 1
+            if experts.dp_index(j) != t.owner:
+                raise PlanMismatchError(
+                    f"the plan's owner of expert matrix '{t.param}' is DP index {t.owner} but its "
+                    f"cuts put it on expert-DP rank {j} (DP index {experts.dp_index(j)}); the "
+                    "plan is inconsistent: regenerate it.")
+            t = t.model_copy(update={"owner": j})
         lo, hi = param_range[i]
         if t.optimizer == "matrix" and t.id in tp_pairs:
             # Shared by two TP groups: each DP index holds rows of every TP shard (the cut is
@@ -268,7 +277,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int,
                                                    a - lo))
     work = tuple(WorkOrder(r, tuple(map(tuple, matrix[r])), tuple(map(tuple, adamw[r])),
                            tuple(map(tuple, split[r])))
-                 for r in range(dp))
+                 for r in range(places))
     mine = WorkOrder(rank, *(tuple(tuple(getattr(work[b.rank], f)[b.index]) for b in buckets)
                              for f in ("matrix", "adamw", "split")))
     return Schedule(dp, rank, tuple(buckets), work, tuple(param_bucket), tuple(param_range),

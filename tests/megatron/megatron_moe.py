@@ -49,9 +49,10 @@ def global_name(name: str, offset: int) -> str:
     return _LOCAL.sub(lambda m: f".local_experts.{int(m[1]) + offset}.", name, count=1)
 
 
-def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, offset: int) -> None:
+def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, offset: int,
+                   etp: int | None = None) -> None:
     """This rank's experts (its first one global index ``offset``) and TP shards."""
-    train.load_canonical(gpt, tp, tp_rank, CFG, lambda n: global_name(n, offset))
+    train.load_canonical(gpt, tp, tp_rank, CFG, lambda n: global_name(n, offset), etp)
 
 
 def tokens(dp_rank: int) -> torch.Tensor:
@@ -66,25 +67,27 @@ def _expert_offset(gpt: torch.nn.Module) -> int:
 
 
 def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str = "muon",
-             wrong_group: bool = False, steps: int = STEPS) -> dict:
+             wrong_group: bool = False, steps: int = STEPS, etp: int | None = None) -> dict:
     """Rank ``rank`` of a Megatron world (Megatron's dp: the world over tp) with ``ep``-way
-    expert parallelism, trained by CanzonaOptimizer with clipping. ``wrong_group``: the expert
-    buckets reduced over the whole DP group instead of the expert-DP group (must fail)."""
+    expert parallelism (expert TP ``etp``, default tp), trained by CanzonaOptimizer with
+    clipping. ``wrong_group``: the expert buckets reduced over the whole DP group instead of the
+    expert-DP group (must fail)."""
     import canzona
     from canzona.runtime.errors import WeightsDifferError
     from megatron.core import parallel_state as ps
     from megatron_stubs import gpt_model, megatron_world, torch_norms_under_sequence_parallelism
 
-    with megatron_world(dp, tp, ep=ep, backend="gloo", rank=rank, init_method=init,
+    with megatron_world(dp, tp, ep=ep, etp=etp, backend="gloo", rank=rank, init_method=init,
                         timeout_s=60):
         # Megatron runs MoE under TP only with sequence parallelism
         with torch_norms_under_sequence_parallelism():
             _, gpt = gpt_model(CFG, tp, ep, moe_token_dispatcher_type="allgather",
-                               sequence_parallel=tp > 1)
+                               sequence_parallel=tp > 1,
+                               **({"expert_tensor_parallel_size": etp} if etp else {}))
         tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         offset = _expert_offset(gpt)
-        load_canonical(gpt, tp, tp_rank, offset)
+        load_canonical(gpt, tp, tp_rank, offset, etp)
         lr, settings, options = OPTIMIZERS[optimizer]
         plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32",
                                   optimizer=optimizer, bucket_size=20000, **settings)
@@ -117,8 +120,9 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
                 losses.append(float(mean) / dp)
             opt.finish()
         experts = train.gather_canonical(gpt, tp, tp_group, CFG,
-                                         lambda n: global_name(n, offset))
+                                         lambda n: global_name(n, offset), etp)
         return {"losses": losses, "weights": experts, "ep": plan.inputs.ep, "refused": refused,
+                "etp": plan.inputs.etp,
                 "expert_buffers": sum(b.expert for b in plan.buffers)}
 
 

@@ -71,7 +71,7 @@ def cpu_cuda_stand_ins() -> Iterator[None]:
 
 @contextlib.contextmanager
 def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, seed: int = 1234,
-                   ep: int = 1, init_method: str | None = None,
+                   ep: int = 1, etp: int | None = None, init_method: str | None = None,
                    timeout_s: float | None = None) -> Iterator[None]:
     """``torch.distributed`` (world size ``dp·tp``) and Megatron's model-parallel groups, on CPU.
 
@@ -80,6 +80,7 @@ def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, se
     multi-process world (``init_method`` or the ``MASTER_ADDR``/``MASTER_PORT`` environment).
     Also seeds Megatron's RNG trackers the CPU way and applies :func:`cpu_cuda_stand_ins`.
     ``timeout_s``: the process group's collective timeout (a failing peer fails the rest fast).
+    ``etp``: the expert tensor-parallel size (None: tp, Megatron's default).
     Everything is torn down on exit, so the next world may have other sizes.
 
     Raises:
@@ -107,7 +108,7 @@ def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, se
         with cpu_cuda_stand_ins():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                create_gloo_process_groups=backend != "fake")
+                expert_tensor_parallel_size=etp, create_gloo_process_groups=backend != "fake")
             try:
                 tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
                 yield

@@ -59,16 +59,19 @@ def canonical(cfg: ModelConfig = CFG) -> dict[str, torch.Tensor]:
     return out
 
 
-def _maps(tp: int, cfg: ModelConfig = CFG) -> dict:
+def _maps(tp: int, cfg: ModelConfig = CFG, etp: int | None = None) -> dict:
+    """Every parameter's shard map at ``tp`` (experts at ``etp``, default tp)."""
     spec = build_inventory(cfg.model_copy(update={"vocab": PADDED}))
-    return {p.name: shard_map(p, tp, kv_groups=cfg.kv_heads) for p in spec.params}
+    return {p.name: shard_map(p, etp if p.is_expert and etp is not None else tp,
+                              kv_groups=cfg.kv_heads) for p in spec.params}
 
 
 def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, cfg: ModelConfig = CFG,
-                   rename: Callable[[str], str] = str) -> None:
+                   rename: Callable[[str], str] = str, etp: int | None = None) -> None:
     """Write this TP rank's shard of :func:`canonical` into the Megatron model (``rename``: a
-    live name to the canonical one, e.g. a local expert to its global index)."""
-    full, maps = canonical(cfg), _maps(tp, cfg)
+    live name to the canonical one, e.g. a local expert to its global index; ``etp``: expert TP
+    1 keeps every expert whole)."""
+    full, maps = canonical(cfg), _maps(tp, cfg, etp)
     with torch.no_grad():
         for live, p in gpt.named_parameters():
             name = rename(live)
@@ -76,16 +79,17 @@ def load_canonical(gpt: torch.nn.Module, tp: int, tp_rank: int, cfg: ModelConfig
             if m.dim is None:
                 p.copy_(full[name])
                 continue
-            for ls, piece in split_full(m, full[name], tp_rank):
+            for ls, piece in split_full(m, full[name], tp_rank if m.tp > 1 else 0):
                 n = piece.shape[m.dim]
                 (p[ls:ls + n] if m.dim == 0 else p[:, ls:ls + n]).copy_(piece)
 
 
 def gather_canonical(gpt: torch.nn.Module, tp: int, group, cfg: ModelConfig = CFG,
-                     rename: Callable[[str], str] = str) -> dict[str, torch.Tensor]:
+                     rename: Callable[[str], str] = str,
+                     etp: int | None = None) -> dict[str, torch.Tensor]:
     """The canonical weights from every TP rank's shards (all-gather over the TP group), by
-    canonical name (``rename``, as :func:`load_canonical`)."""
-    maps, out = _maps(tp, cfg), {}
+    canonical name (``rename`` and ``etp``, as :func:`load_canonical`)."""
+    maps, out = _maps(tp, cfg, etp), {}
     for live, p in gpt.named_parameters():
         name = rename(live)
         m = maps[name]
@@ -93,7 +97,7 @@ def gather_canonical(gpt: torch.nn.Module, tp: int, group, cfg: ModelConfig = CF
             out[name] = p.detach().clone()
             continue
         shards = [p.detach().clone()]
-        if tp > 1:
+        if m.tp > 1:
             shards = [torch.empty_like(p) for _ in range(tp)]
             dist.all_gather(shards, p.detach().contiguous(), group=group)
         out[name] = concat_shards(m, shards, lambda xs, d: torch.cat(xs, d))

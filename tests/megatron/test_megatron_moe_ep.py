@@ -1,6 +1,6 @@
 """Megatron-core MoE under expert parallelism, trained by canzona on 4 gloo ranks, equals the
 one-process run with every expert on one rank (Muon with float32 Newton–Schulz, and Shampoo;
-clipping active) at dp 4 × ep 2 and at dp 2 × tp 2 × ep 2 (expert TP 2), and
+clipping active) at dp 4 × ep 2 and at dp 2 × tp 2 × ep 2 (expert TP 2, and expert TP 1), and
 the expert gradients are reduced over the expert-DP group: the same run with the EP group in
 its place (the right size, other experts) does not match."""
 
@@ -36,6 +36,8 @@ def runs(tmp_path_factory):
                               steps=2) for r in range(4)}),
         ("dp2-tp2-ep2", {r: partial(train_ep, r, dp=2, tp=2, ep=2, init=init("t"))
                          for r in range(4)}),
+        ("dp2-tp2-ep2-etp1", {r: partial(train_ep, r, dp=2, tp=2, ep=2, etp=1,
+                                         init=init("e")) for r in range(4)}),
         ("reference-dp2", {0: partial(reference, 0, dp=2, init=init("t-r"))}),
         ("reference", {0: partial(reference, 0, dp=4, init=init("c"))}),
         *((f"dp4-ep2-{o}", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init(f"{o}-a"),
@@ -86,3 +88,14 @@ def test_dp2_tp2_ep2_equals_one_process(runs):
     for a, b in zip(got["losses"], want["losses"]):
         assert abs(a - b) <= TOL * abs(b)
     assert _check(runs, "dp2-tp2-ep2", "reference-dp2") <= TOL
+
+
+def test_dp2_tp2_ep2_with_expert_tp_1_equals_one_process(runs):
+    """Expert TP 1 under TP 2 (expert-DP 2): the two TP ranks of a DP index hold different
+    experts, each whole, and their expert buckets are reduced over the global ranks of their EP
+    rank; clipping counts every expert once."""
+    got, want = runs[0]["dp2-tp2-ep2-etp1"], runs[0]["reference-dp2"]
+    assert got["etp"] == 1
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) <= TOL * abs(b)
+    assert _check(runs, "dp2-tp2-ep2-etp1", "reference-dp2") <= TOL
