@@ -212,25 +212,29 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
 
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
               clip: float | None = None, steps: int = STEPS, bf16: bool = False,
-              block: int | None = None, untouched: tuple[str, int] | None = None) -> dict:
+              block: int | None = None, untouched: tuple[str, int] | None = None,
+              matrix_options: dict | None = None) -> dict:
     """One process, the logical matrices: the kernel per matrix task (per part when split),
     torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
     micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
     non-square gradient are rank deficient, and LAPACK's basis of their null space depends on the
     thread count. ``block``: Shampoo's max_preconditioner_dim (default its 1024); ``untouched``:
-    (name, step): that parameter's ``grad`` is None at that step, so its kernel skips it."""
+    (name, step): that parameter's ``grad`` is None at that step, so its kernel skips it;
+    ``matrix_options``: the kernel's settings, as ``train_tp`` passes them."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps,
-                          bf16=bf16, block=block, untouched=untouched)
+                          bf16=bf16, block=block, untouched=untouched,
+                          matrix_options=matrix_options)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float | None,
                steps: int, bf16: bool = False, block: int | None = None,
-               untouched: tuple[str, int] | None = None) -> dict:
+               untouched: tuple[str, int] | None = None,
+               matrix_options: dict | None = None) -> dict:
     """``bf16``: the fp32 master (the main copies) starts as the bf16 parameters; every step's
     gradient is taken at the bf16 parameters and rounded to bf16 as the ranks hand it over."""
     import dp_helpers as H
@@ -239,10 +243,12 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
     low = torch.bfloat16 if bf16 else torch.float32
     full = {n: t.to(low).float().requires_grad_(True) for n, t in initial_full().items()}
     kernel = H.matrix_kernel(optimizer, LR[optimizer])
-    if block is not None:
+    if block is not None or matrix_options:
         import dataclasses
 
-        kernel = type(kernel)(dataclasses.replace(kernel.config, max_preconditioner_dim=block))
+        kernel = type(kernel)(dataclasses.replace(
+            kernel.config, **({} if block is None else {"max_preconditioner_dim": block}),
+            **(matrix_options or {})))
     tasks = []  # (parameter, first row, rows)
     for p in ps:
         if p.optimizer != "matrix":

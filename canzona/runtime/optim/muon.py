@@ -11,10 +11,31 @@ Scalable for LLM Training" (arXiv 2502.16982) for ``adjust_lr_fn="match_rms_adam
   matrix shape, so it can be applied shard by shard.
 
 With the default ``ns_dtype`` the result is bitwise equal to ``torch.optim.Muon`` on the CPU
-(``tests/runtime/optim/test_muon_kernel.py``). ``ns_coefficients="quintic"`` selects the per-step
-coefficient schedule used by Megatron-LM / NVIDIA Emerging-Optimizers (``coefficient_type=
-"quintic"``), from modded-nanogpt and Cesista's coefficient search
-(https://leloykun.github.io/ponder/muon-opt-coeffs/); it cycles every 5 steps.
+(``tests/runtime/optim/test_muon_kernel.py``).
+
+Coefficient schedules (``ns_coefficients``, :data:`NS_SCHEDULES`), by name:
+
+* ``"simple"``: Keller Jordan's (a, b, c) = (3.4445, −4.7750, 2.0315) at every step (torch's
+  default; the default here too);
+* ``"quintic"``: the 5 per-step triples of modded-nanogpt and Cesista's coefficient search
+  (https://leloykun.github.io/ponder/muon-opt-coeffs/), Megatron-LM's ``coefficient_type=
+  "quintic"``;
+* ``"polar_express"``: the 8 per-step triples of Polar Express (Amsel et al., arXiv 2505.16932,
+  safety 1e-2), as ``pytorch-optimizer`` ships them;
+
+or one (a, b, c), or a per-step list of triples. A run has ``ns_steps`` steps: step i takes
+entry min(i, len − 1) of the list, so a shorter list repeats its last step (Polar Express's
+rule) and a longer one is cut. Megatron-LM cycles its ``quintic`` list instead and refuses
+``polar_express`` below 8 steps; at its default 5 steps ``quintic`` agrees.
+
+Update scalings (``adjust_lr_fn``, :data:`LR_SCALINGS`), the factor the learning rate of an
+m × n matrix (m rows: its output dimension) is multiplied by:
+
+* ``"original"`` (default): max(1, m/n)^½ (``torch.optim.Muon``);
+* ``"match_rms_adamw"``: 0.2·max(m, n)^½ (``torch.optim.Muon``; Moonlight);
+* ``"spectral"``: max(m, n)^½ (Megatron-LM / Emerging-Optimizers ``scale_mode``);
+* ``"shape_scaling"``: max(1, m/n)^½ (Megatron-LM; equals ``original``);
+* ``"unit_rms_norm"``: (m/n)^½ (Megatron-LM; Scion).
 
 Batching: ``direction`` groups the matrices by shape, stacks each group and runs Newton–Schulz
 with ``bmm``/``baddbmm`` in one call per group — one kernel per product instead of one per
@@ -24,7 +45,7 @@ matrix, which pays for small matrices (see ``benchmarks/bench_kernels.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,15 +66,15 @@ from canzona.runtime.optim._base import (
     param_names,
 )
 
-__all__ = ["QUINTIC_COEFFICIENTS", "Muon", "MuonConfig", "adjust_lr", "newton_schulz"]
+__all__ = ["LR_SCALINGS", "NS_SCHEDULES", "POLAR_EXPRESS_COEFFICIENTS", "QUINTIC_COEFFICIENTS",
+           "Muon", "MuonConfig", "adjust_lr", "newton_schulz"]
 
 Coefficients = tuple[float, float, float]
 
 #: torch.optim.Muon's (and Keller Jordan's) fixed quintic coefficients (a, b, c).
 DEFAULT_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
 
-#: Per-step coefficients of the "quintic" schedule (Megatron-LM / Emerging-Optimizers); the
-#: schedule repeats, so ``ns_steps`` must be a multiple of its length.
+#: Per-step coefficients of the "quintic" schedule (Megatron-LM / Emerging-Optimizers).
 QUINTIC_COEFFICIENTS: tuple[Coefficients, ...] = (
     (4.0848, -6.8946, 2.9270),
     (3.9505, -6.3029, 2.6377),
@@ -62,7 +83,39 @@ QUINTIC_COEFFICIENTS: tuple[Coefficients, ...] = (
     (2.8366, -3.0525, 1.2012),
 )
 
-AdjustLrFn = Literal["original", "match_rms_adamw"] | None
+#: Per-step coefficients of Polar Express (arXiv 2505.16932, safety 1e-2); its last step is the
+#: one that repeats.
+POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (8.237312490495555, -23.157747414558198, 16.680568411445915),
+    (4.082441999064835, -2.893047735332586, 0.5252849256975648),
+    (3.9263479922546582, -2.8547468034765298, 0.5318022422894988),
+    (3.2982187133085143, -2.424541981026706, 0.48632008358844075),
+    (2.2970369434552573, -1.63662558125903, 0.4002628455953627),
+    (1.8763805351440397, -1.2347896577722228, 0.35891887501668385),
+    (1.8564423485617974, -1.2132449880935525, 0.3568003487825883),
+    (1.8749994008682747, -1.2499988017229169, 0.3749994008546422),
+)
+
+#: The named coefficient schedules (``MuonConfig.ns_coefficients``).
+NS_SCHEDULES: dict[str, tuple[Coefficients, ...]] = {
+    "simple": (DEFAULT_COEFFICIENTS,),
+    "quintic": QUINTIC_COEFFICIENTS,
+    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
+}
+
+#: The update scalings (``MuonConfig.adjust_lr_fn``): the factor an m × n matrix's learning rate
+#: is multiplied by, from (m, n).
+LR_SCALINGS: dict[str, Callable[[int, int], float]] = {
+    "original": lambda m, n: math.sqrt(max(1.0, m / n)),
+    "match_rms_adamw": lambda m, n: 0.2 * math.sqrt(max(m, n)),
+    "spectral": lambda m, n: math.sqrt(max(m, n)),
+    "shape_scaling": lambda m, n: math.sqrt(max(1.0, m / n)),
+    "unit_rms_norm": lambda m, n: math.sqrt(m / n),
+}
+
+AdjustLrFn = Literal["original", "match_rms_adamw", "spectral", "shape_scaling",
+                     "unit_rms_norm"] | None
+ScheduleName = Literal["simple", "quintic", "polar_express"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,16 +130,18 @@ class MuonConfig:
     """Momentum μ in [0, 1)."""
     nesterov: bool = True
     """Nesterov momentum (``lerp(G, B, μ)``) instead of the buffer itself."""
-    ns_coefficients: Coefficients | tuple[Coefficients, ...] | Literal["quintic"] = (
+    ns_coefficients: Coefficients | tuple[Coefficients, ...] | ScheduleName = (
         DEFAULT_COEFFICIENTS
     )
-    """(a, b, c) used at every step; or a tuple of triples cycled step by step; or "quintic"."""
+    """A schedule's name ("simple", "quintic", "polar_express"), one (a, b, c) used at every
+    step, or a per-step tuple of triples (a shorter one repeats its last step)."""
     eps: float = 1e-7
     """Floor of the Frobenius norm the update is divided by, > 0."""
     ns_steps: int = 5
-    """Newton–Schulz steps in [1, 99] (a multiple of the schedule length for a schedule)."""
+    """Newton–Schulz steps in [1, 99], whatever the schedule's length."""
     adjust_lr_fn: AdjustLrFn = None
-    """None/"original": lr·max(1, rows/cols)^½; "match_rms_adamw": 0.2·lr·max(rows, cols)^½."""
+    """The update scaling, a name of :data:`LR_SCALINGS` (None: "original",
+    lr·max(1, rows/cols)^½)."""
     ns_dtype: torch.dtype = torch.bfloat16
     """dtype of the Newton–Schulz iteration: bfloat16 (torch's) or float32/float64."""
     nonfinite: NonFinitePolicy = "raise"
@@ -101,9 +156,7 @@ class MuonConfig:
         check_range(owner, "eps", self.eps, 0.0, lo_open=True)
         check_range(owner, "ns_steps", self.ns_steps, 1, 99, integer=True)
         check_choice(owner, "nesterov", self.nesterov, (True, False))
-        check_choice(
-            owner, "adjust_lr_fn", self.adjust_lr_fn, (None, "original", "match_rms_adamw")
-        )
+        check_choice(owner, "adjust_lr_fn", self.adjust_lr_fn, (None, *LR_SCALINGS))
         check_choice(
             owner, "ns_dtype", self.ns_dtype, (torch.bfloat16, torch.float32, torch.float64)
         )
@@ -133,34 +186,29 @@ def _coefficient_schedule(spec: object, ns_steps: int) -> tuple[Coefficients, ..
             raise ValueError(f"{owner}: {t!r} is not a triple (a, b, c) of finite numbers")
         return (float(t[0]), float(t[1]), float(t[2]))
 
-    if spec == "quintic":
-        cycle = QUINTIC_COEFFICIENTS
+    if isinstance(spec, str):
+        if spec not in NS_SCHEDULES:
+            raise ValueError(f"{owner}: unknown schedule {spec!r}; choose one of "
+                             f"{', '.join(map(repr, NS_SCHEDULES))}, one (a, b, c) or a per-step "
+                             "list of them")
+        steps = NS_SCHEDULES[spec]
     elif (
         isinstance(spec, (tuple, list))
         and len(spec) > 0
         and all(isinstance(x, (tuple, list)) for x in spec)
     ):
-        cycle = tuple(triple(t) for t in spec)
+        steps = tuple(triple(t) for t in spec)
     else:
         return (triple(spec),) * ns_steps
-    if ns_steps % len(cycle):
-        raise ValueError(
-            f"MuonConfig.ns_steps = {ns_steps} is not allowed with a {len(cycle)}-step coefficient "
-            f"schedule; use a multiple of {len(cycle)}"
-        )
-    return cycle * (ns_steps // len(cycle))
+    return tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
 
 
 def adjust_lr(lr: float, adjust_lr_fn: AdjustLrFn, shape: Sequence[int]) -> float:
-    """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``_adjust_lr``)."""
+    """Muon's shape-dependent learning rate: ``lr`` times the :data:`LR_SCALINGS` factor of the
+    logical matrix shape (rows, cols); None is ``"original"`` (``torch.optim.Muon``'s
+    ``_adjust_lr``)."""
     rows, cols = int(shape[0]), int(shape[1])
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        ratio = math.sqrt(max(1, rows / cols))
-    elif adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(rows, cols))
-    else:  # pragma: no cover - rejected by MuonConfig
-        raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
-    return lr * ratio
+    return lr * LR_SCALINGS[adjust_lr_fn or "original"](rows, cols)
 
 
 def newton_schulz(

@@ -165,8 +165,8 @@ def shared_newton_schulz(
             :class:`PeerPair` (two DP ranks) or a :class:`TPPair` (a TP group and its partner
             DP index, k = 2·tp). Without an initialised process group, or with k = 1, the
             single-device kernel runs on ``block``.
-        coefficients: As ``MuonConfig.ns_coefficients``: one (a, b, c), a tuple of triples
-            cycled step by step, or ``"quintic"``; ``MuonConfig.schedule`` works too.
+        coefficients: As ``MuonConfig.ns_coefficients``: a schedule's name, one (a, b, c) or a
+            per-step tuple of triples; ``MuonConfig.schedule`` works too.
         steps: Newton–Schulz steps (``MuonConfig.ns_steps``).
         eps: Floor of the Frobenius norm (``MuonConfig.eps``).
         dtype: Iteration dtype (``MuonConfig.ns_dtype``); ``None`` keeps ``block.dtype``. The

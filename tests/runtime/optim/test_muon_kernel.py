@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from canzona.runtime.optim import Muon, MuonConfig, newton_schulz
-from canzona.runtime.optim.muon import QUINTIC_COEFFICIENTS
+from canzona.runtime.optim.muon import LR_SCALINGS, QUINTIC_COEFFICIENTS, adjust_lr
 from optim_helpers import rel_err
 
 # Square, tall and wide; repeated shapes make direction() take its batched path.
@@ -157,14 +157,70 @@ def test_mixed_shapes_are_grouped_in_order():
         assert torch.equal(t, a)
 
 
-def test_quintic_schedule_cycles_and_checks_steps():
-    cfg = MuonConfig(ns_coefficients="quintic", ns_steps=10)
-    assert cfg.schedule == QUINTIC_COEFFICIENTS * 2
-    assert MuonConfig(
-        ns_coefficients=((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)), ns_steps=4
-    ).schedule[3] == (4.0, 5.0, 6.0)
-    with pytest.raises(ValueError, match="ns_steps = 3.*multiple of 5"):
-        MuonConfig(ns_coefficients="quintic", ns_steps=3)
+def test_a_per_step_list_repeats_its_last_step_and_a_longer_one_is_cut():
+    cfg = MuonConfig(ns_coefficients="quintic", ns_steps=7)
+    assert cfg.schedule == QUINTIC_COEFFICIENTS + (QUINTIC_COEFFICIENTS[-1],) * 2
+    assert MuonConfig(ns_coefficients="quintic", ns_steps=3).schedule == QUINTIC_COEFFICIENTS[:3]
+    assert MuonConfig(ns_coefficients=((1.0, 2.0, 3.0), (4.0, 5.0, 6.0)),
+                      ns_steps=4).schedule == ((1.0, 2.0, 3.0),) + ((4.0, 5.0, 6.0),) * 3
+    assert MuonConfig(ns_coefficients="simple", ns_steps=4).schedule == (
+        MuonConfig().schedule[0],) * 4
+
+
+def test_an_unknown_schedule_or_scaling_names_the_choices():
+    with pytest.raises(ValueError) as e:
+        MuonConfig(ns_coefficients="polar")
+    assert "'simple', 'quintic', 'polar_express'" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        MuonConfig(adjust_lr_fn="spectral_norm")
+    for name in LR_SCALINGS:
+        assert name in str(e.value)
+
+
+@pytest.mark.parametrize("ns_steps", [5, 10])
+@pytest.mark.parametrize("name,theirs", [("simple", "original"), ("quintic", "quintic"),
+                                         ("polar_express", "polar_express")])
+@pytest.mark.parametrize("shape", [(64, 40), (40, 96)])
+def test_named_schedules_equal_pytorch_optimizers(name, theirs, ns_steps, shape):
+    """pytorch-optimizer's quintic Newton–Schulz with the same named coefficients (its safety
+    factor 1: the Frobenius norm, as torch.optim.Muon) and its rule for a short list."""
+    matrix = pytest.importorskip("pytorch_optimizer.optimizer.utils.matrix")
+    cfg = MuonConfig(ns_coefficients=name, ns_steps=ns_steps, ns_dtype=torch.float32)
+    theirs_steps = [tuple(w) for w in matrix.get_newton_schulz_weights(theirs)]
+    assert list(cfg.schedule) == [theirs_steps[min(i, len(theirs_steps) - 1)]
+                                  for i in range(ns_steps)]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    ours = newton_schulz(x, cfg.schedule, eps=cfg.eps, dtype=torch.float32)
+    ref = matrix.zero_power_via_newton_schulz_5(x, num_steps=ns_steps, eps=cfg.eps,
+                                                weights=theirs, dtype=torch.float32)
+    assert rel_err(ours, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name,formula", [
+    (None, lambda m, n: max(1, m / n) ** 0.5),
+    ("original", lambda m, n: max(1, m / n) ** 0.5),
+    ("match_rms_adamw", lambda m, n: 0.2 * max(m, n) ** 0.5),
+    ("spectral", lambda m, n: max(m, n) ** 0.5),
+    ("shape_scaling", lambda m, n: max(1, m / n) ** 0.5),
+    ("unit_rms_norm", lambda m, n: (m / n) ** 0.5),
+])
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (48, 48)])
+def test_each_scaling_is_its_formula_and_scales_the_update(name, formula, shape):
+    assert adjust_lr(0.02, name, shape) == pytest.approx(0.02 * formula(*shape), rel=1e-12)
+    # the kernel applies it: one step from zero momentum and weights, no weight decay, against
+    # the same step at lr 1 under unit_rms_norm
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(8))
+
+    def step(lr: float, scaling: str | None) -> torch.Tensor:
+        opt = Muon(MuonConfig(lr=lr, weight_decay=0.0, adjust_lr_fn=scaling,
+                              ns_dtype=torch.float32))
+        p = torch.zeros(shape)
+        opt.step([p], [g], [opt.init_state(shape)])
+        return p
+
+    ratio = float(step(0.02, name).norm() / step(1.0, "unit_rms_norm").norm())
+    assert ratio == pytest.approx(0.02 * formula(*shape) / (shape[0] / shape[1]) ** 0.5,
+                                  rel=1e-5)
 
 
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
