@@ -121,8 +121,9 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
             problems.append(f"{' and '.join(ep_failed)}; "
                             f"nearest valid ep: {_nearest(sizes.ep, valid_ep)}.")
         if etp not in (1, tp):
-            problems.append(f"expert tp={etp} must be 1 or tp={tp}: an expert matrix is either "
-                            "whole on each GPU or split like the dense ones.")
+            problems.append(f"expert tp={etp} must be 1 or tp={tp} (set {{ParallelSizes.etp}} "
+                            "to 1 or leave it out): an expert matrix is either whole on each GPU "
+                            "or split like the dense ones.")
         elif cfg.moe_ffn % etp:
             problems.append(f"expert tp={etp} must divide the expert ffn size of {cfg.name} "
                             f"({cfg.moe_ffn}); nearest valid: "
@@ -130,8 +131,11 @@ def validate_sizes(cfg: ModelConfig, sizes: ParallelSizes) -> None:
     elif sizes.ep != 1:
         problems.append(f"ep={sizes.ep} needs a mixture-of-experts model; {cfg.name} is dense "
                         "(set {ParallelSizes.ep} to 1).")
+    elif sizes.etp not in (None, tp):
+        problems.append(f"expert tp={sizes.etp} needs a mixture-of-experts model; {cfg.name} is "
+                        "dense (leave {ParallelSizes.etp} out).")
     if problems:
-        raise SizeError(" ".join(problems), fields=("ParallelSizes.ep",))
+        raise SizeError(" ".join(problems), fields=("ParallelSizes.ep", "ParallelSizes.etp"))
 
 
 def _check_positive(sizes: ParallelSizes) -> None:

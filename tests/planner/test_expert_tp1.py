@@ -106,3 +106,12 @@ def test_expert_tp_other_than_1_or_tp_is_refused_in_one_line():
                      ParallelSizes(dp=1, tp=4, ep=2, etp=2))
     msg = str(e.value)
     assert "\n" not in msg and "expert tp=2 must be 1 or tp=4" in msg
+
+
+def test_expert_tp_on_a_dense_model_is_refused_naming_the_field():
+    dense = MOE.model_copy(update={"arch": "qwen3", "ffn": 128, "num_experts": 0,
+                                   "experts_per_token": 0, "moe_ffn": 0})
+    with pytest.raises(SizeError) as e:
+        make_problem(build_inventory(dense), ParallelSizes(dp=2, tp=2, etp=1))
+    assert "needs a mixture-of-experts model" in str(e.value)
+    assert "ParallelSizes.etp" in e.value.fields
