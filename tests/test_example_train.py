@@ -57,11 +57,11 @@ def test_tp_example_shares_matrices_over_the_tp_group(examples):
     symmetric Gram and polynomial over DTensor shards), and with the column-parallel ones
     shared by both DP indices' TP groups (``--share pairs``, k = 2·tp): the same losses as with
     hosted matrices (bf16 Newton–Schulz: to 2e-3) and nothing gathered."""
-    shared = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "30",
+    shared = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "12",
                              "--share", "all-split", timeout=240)
-    pairs = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "30",
+    pairs = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "12",
                             "--share", "pairs", timeout=240)
-    hosted = examples.losses("train_tp.py", 4, "--tp", "2", "--steps", "30", timeout=240)
+    hosted = examples.losses("train_tp.py", 4, "--tp", "2", "--steps", "12", timeout=240)
     assert "micro-groups per DP index [0, 0], matrices shared by the TP group [7, 7]" in shared
     assert re.search(r"micro-groups per DP index \[0, 0\], matrices shared by the TP group "
                      r"\[\d+, \d+\] \([1-9]\d* of them with the partner DP index's", pairs), pairs
@@ -75,9 +75,9 @@ def test_tp_example_preconditions_shampoo_blocks_shard_by_shard(examples):
     """examples/train_tp.py with Shampoo and blocks of 16: every TP shard is whole blocks, so
     each rank preconditions its own (nothing gathered), with the losses of the hosted plan of
     the same blocks (the same math: each block's update is the same)."""
-    shard = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "20", "--optimizer",
+    shard = examples.stdout("train_tp.py", 4, "--tp", "2", "--steps", "10", "--optimizer",
                             "shampoo", "--block", "16", "--share", "all", timeout=240)
-    hosted = examples.losses("train_tp.py", 4, "--tp", "2", "--steps", "20", "--optimizer",
+    hosted = examples.losses("train_tp.py", 4, "--tp", "2", "--steps", "10", "--optimizer",
                              "shampoo", "--block", "16", timeout=240)
     assert "micro-groups per DP index [0, 0], matrices shared by the TP group [7, 7]" in shard
     got = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", shard, re.M)]
