@@ -59,7 +59,8 @@ def plan_model(
         ep: expert-parallel size (default: a Megatron-core model's
             ``expert_model_parallel_size``, else 1). With ep > 1 each rank holds E/ep experts;
             ``dp`` is the whole data-parallel size (Megatron's: ep folds into it), the expert
-            buffers are sharded over expert-DP = dp / ep ranks.
+            buffers are sharded over expert-DP = dp·tp / (ep·etp) ranks (a Megatron model's
+            expert TP is read from its ``expert_tensor_parallel_size``: tp or 1).
         optimizer: a name in the optimizer registry, ``canzona.planner.optimizers`` (built in:
             ``muon``, ``shampoo``, ``soap``); another raises ``CanzonaError`` listing them.
         bucket_size: elements per gradient bucket (Megatron's default max(40M, 1M·dp) if None).

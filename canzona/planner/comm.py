@@ -211,7 +211,7 @@ def plan_link(hw: HardwareProfile, dp: int, tp: int) -> tuple[str, LinkProfile]:
     """The link of a plan's DP groups and its name (``intra_node`` | ``inter_node``).
 
     A DP group of ``dp`` ranks at stride ``tp`` (Megatron's order, TP fastest) spans dp·tp
-    global ranks; an expert DP group (dp/ep ranks at stride tp·ep) spans the same."""
+    global ranks; an expert DP group (dp·tp/(ep·etp) ranks at stride ep·etp) spans the same."""
     link = hw.link(dp * tp)
     return ("intra_node" if link is hw.intra_node else "inter_node"), link
 

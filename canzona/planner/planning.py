@@ -8,7 +8,9 @@ A strategy chooses cut points per bucket; :func:`evaluate` turns cuts into owner
 
 DP indices: dense buffers are sharded over the DP group (index d); expert buffers of EP rank k over
 the expert-data-parallel group (index j). With expert TP = TP, Megatron's rank order makes that
-expert group the TP group of DP index d = j·ep + k, so every load is reported per DP index.
+expert group the TP group of DP index d = j·ep + k; with expert TP 1 it is one GPU, TP rank
+g mod tp of DP index g div tp for g = j·ep + k (``settings.expert_place``). Every load is
+reported per DP index, and a GPU's own experts per TP rank (``tp.context.index_work``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ matrices) plans with its real buffers.
 
 Supported: the decoder-only models the planner describes (Llama and Qwen3 style: RMSNorm, GQA,
 gated SwiGLU, no linear biases, optional QK layernorm; Qwen3-MoE with per-expert weights, at
-any expert-parallel size with expert TP = TP), pipeline-parallel size 1. Under expert
+any expert-parallel size with expert TP = TP or 1), pipeline-parallel size 1. Under expert
 parallelism a rank holds E/ep experts numbered from 0 (``local_experts.{j}``, its first global
 index is the ``MoELayer``'s ``local_expert_indices[0]``); the inventory names every expert by
 its global index. Anything else is refused with the setting that differs.
