@@ -331,9 +331,10 @@ def plan(
                            f"{HARDWARE_CHOICES}.")] = "h100",
     names: Annotated[str, typer.Option(
         "--names", help="Parameter names of the plan: megatron (Megatron-core's: fused QKV and "
-                        "gate/up, per-expert weights) or hf (the transformers model's own: "
-                        "separate projections, 3-D experts; tp 1), so the plan fits that live "
-                        "model.")] = "megatron",
+                        "gate/up, per-expert weights as SequentialMLP's), megatron-grouped (the "
+                        "same, experts as TEGroupedMLP's: experts.linear_fc1.weight<e>) or hf "
+                        "(the transformers model's own: separate projections, 3-D experts; "
+                        "tp 1), so the plan fits that live model.")] = "megatron",
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically); an existing folder: that default name inside "
@@ -369,7 +370,7 @@ def plan(
     with _render.progress(f"planning {name} dp={dp} tp={tp}{ep_text}") as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
                                tp_options=tp_options, progress=say,
-                               names=_choice(names, NAMINGS, "--names"))
+                               names=_choice(names, tuple(NAMINGS), "--names"))
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)

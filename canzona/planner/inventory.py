@@ -13,7 +13,10 @@ The inventory follows Megatron-core's module structure and registration order (t
     decoder.layers.{i}.mlp.linear_fc1.weight                  (fused gate/up, TP stride 2)
     decoder.layers.{i}.mlp.linear_fc2.weight
       or, for MoE layers: mlp.router.weight, mlp.experts.local_experts.{e}.linear_fc{1,2}.weight
-      (e is the global expert index)
+      (SequentialMLP: expert by expert; e is the global expert index)
+      or, named ``megatron-grouped``: mlp.router.weight, mlp.experts.linear_fc1.weight{e} for
+      every e, then mlp.experts.linear_fc2.weight{e} (TEGroupedMLP: one TE GroupedLinear per
+      projection, each registering one 2-D weight per expert)
     decoder.final_layernorm.weight
     output_layer.weight                                       (absent when embeddings are tied)
 
@@ -26,8 +29,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from .errors import ModelError
@@ -206,11 +210,6 @@ def _hf_prefix(cfg: ModelConfig) -> str:
     return "model"
 
 
-#: How an inventory names parameters: Megatron-core's (fused QKV and gate/up, per-expert weights)
-#: or the live Hugging Face ``transformers`` model's (separate projections, 3-D stacked experts).
-NAMINGS = ("megatron", "hf")
-
-
 def build_inventory(
     cfg: ModelConfig,
     *,
@@ -224,16 +223,45 @@ def build_inventory(
         cfg: the model config.
         matrix_globs: name globs forced onto the matrix optimizer (must be 2-D).
         adamw_globs: name globs forced onto AdamW (take precedence over ``matrix_globs``).
-        names: ``megatron`` (Megatron-core's parameters: fused QKV and gate/up, per-expert
-            weights) or ``hf`` (the ``transformers`` 5 model's own: q/k/v and gate/up separate —
-            so the separate-projection update rule —, MoE experts as 3-D tensors, its
-            registration order), so a plan made offline fits that live model's fingerprint.
+        names: a key of :data:`NAMINGS`: ``megatron`` (Megatron-core's parameters: fused QKV
+            and gate/up, SequentialMLP's per-expert weights), ``megatron-grouped`` (the same
+            with TEGroupedMLP's per-expert weights) or ``hf`` (the ``transformers`` 5 model's
+            own: q/k/v and gate/up separate — so the separate-projection update rule —, MoE
+            experts as 3-D tensors, its registration order), so a plan made offline fits that
+            live model's fingerprint.
     """
     if names not in NAMINGS:
         raise ModelError(f"names must be one of: {', '.join(NAMINGS)}; got {names!r}.")
     check_config(cfg)  # sizes that no model has fail here, in one line, before any building
-    if names == "hf":
-        return _hf_inventory(cfg, matrix_globs, adamw_globs)
+    return NAMINGS[names].build(cfg, matrix_globs, adamw_globs)
+
+
+#: A MoE layer's expert weights under one Megatron expert module: ``(cfg, layer prefix)`` →
+#: (name, global expert index, ``fc1``/``fc2``) in registration order.
+ExpertWeights = Callable[[ModelConfig, str], Iterator[tuple[str, int, str]]]
+
+
+def _sequential_experts(cfg: ModelConfig, pre: str) -> Iterator[tuple[str, int, str]]:
+    """SequentialMLP (``moe_grouped_gemm=False``): one MLP module per expert in a
+    ``local_experts`` ModuleList, each registering its fc1 then its fc2. Yields (name, expert,
+    ``fc1``/``fc2``) in registration order."""
+    for e in range(cfg.num_experts):
+        for fc in ("fc1", "fc2"):
+            yield f"{pre}.mlp.experts.local_experts.{e}.linear_{fc}.weight", e, fc
+
+
+def _grouped_experts(cfg: ModelConfig, pre: str) -> Iterator[tuple[str, int, str]]:
+    """TEGroupedMLP (``moe_grouped_gemm=True`` with Transformer Engine): ``linear_fc1`` then
+    ``linear_fc2``, each a GroupedLinear registering ``weight{e}`` for every expert in turn."""
+    for fc in ("fc1", "fc2"):
+        for e in range(cfg.num_experts):
+            yield f"{pre}.mlp.experts.linear_{fc}.weight{e}", e, fc
+
+
+def _megatron_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
+                        adamw_globs: Sequence[str], *, experts: ExpertWeights) -> ModelSpec:
+    """Megatron-core's parameters of ``cfg`` (the local layer spec's names), a MoE layer's
+    experts named and ordered by ``experts``."""
     h, hd, dt = cfg.hidden, cfg.head_dim, cfg.dtype
     nq, nkv = cfg.q_heads, cfg.kv_heads
     hf = _hf_prefix(cfg)
@@ -267,13 +295,15 @@ def build_inventory(
             add(f"{pre}.mlp.router.weight", (cfg.num_experts, h), "router", "replicated",
                 [f"{hpre}.mlp.gate.weight"], layer=i)
             f = cfg.moe_ffn
-            for e in range(cfg.num_experts):
-                epre, hepre = f"{pre}.mlp.experts.local_experts.{e}", f"{hpre}.mlp.experts.{e}"
-                add(f"{epre}.linear_fc1.weight", (2 * f, h), "expert", "gate_up",
-                    [f"{hepre}.gate_proj.weight", f"{hepre}.up_proj.weight"], layer=i, expert=e,
-                    parts=(Part("gate", f), Part("up", f)))
-                add(f"{epre}.linear_fc2.weight", (h, f), "expert", "row",
-                    [f"{hepre}.down_proj.weight"], layer=i, expert=e)
+            for name, e, fc in experts(cfg, pre):
+                hepre = f"{hpre}.mlp.experts.{e}"
+                if fc == "fc1":  # [gate; up], column-parallel with stride 2
+                    add(name, (2 * f, h), "expert", "gate_up",
+                        [f"{hepre}.gate_proj.weight", f"{hepre}.up_proj.weight"], layer=i,
+                        expert=e, parts=(Part("gate", f), Part("up", f)))
+                else:
+                    add(name, (h, f), "expert", "row", [f"{hepre}.down_proj.weight"], layer=i,
+                        expert=e)
         else:
             f = cfg.ffn
             add(f"{pre}.mlp.linear_fc1.weight", (2 * f, h), "matrix", "gate_up",
@@ -375,3 +405,31 @@ def _hf_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
         add("lm_head.weight", (cfg.vocab, h), "output")
     return ModelSpec(config=cfg, label=f"{cfg.name} (transformers names)",
                      params=tuple(route(out, matrix_globs=matrix_globs, adamw_globs=adamw_globs)))
+
+
+@dataclass(frozen=True, slots=True)
+class Naming:
+    """One way of naming a model's parameters.
+
+    Attributes:
+        build: the inventory of a config under these names (``cfg, matrix_globs,
+            adamw_globs``), in the registration order of the model that carries them.
+        parallel: the names carry tensor- and expert-parallel layouts (Megatron-core's modules
+            do; a plain ``transformers`` model holds one process's whole parameters).
+    """
+
+    build: Callable[[ModelConfig, Sequence[str], Sequence[str]], ModelSpec]
+    parallel: bool
+
+
+#: How an inventory names parameters (``build_inventory(names=)``, ``canzona plan --names``):
+#: Megatron-core's (fused QKV and gate/up; experts per SequentialMLP, or per TEGroupedMLP under
+#: ``megatron-grouped``) or the live Hugging Face ``transformers`` model's (separate
+#: projections, 3-D stacked experts).
+NAMINGS: dict[str, Naming] = {
+    "megatron": Naming(partial(_megatron_inventory, experts=_sequential_experts),
+                       parallel=True),
+    "megatron-grouped": Naming(partial(_megatron_inventory, experts=_grouped_experts),
+                               parallel=True),
+    "hf": Naming(_hf_inventory, parallel=False),
+}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import CanzonaError, SizeError
 from .hardware import HardwareProfile, load_hardware
-from .inventory import ModelSpec, build_inventory
+from .inventory import NAMINGS, ModelSpec, build_inventory
 from .layout import ParallelSizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .objective import objective_name
@@ -47,7 +47,8 @@ __all__ = ["Behind", "Source", "greedy_options", "inventory_of", "plan", "plan_p
 
 def inventory_of(source: Source, names: str = "megatron") -> tuple[ModelSpec, str]:
     """The inventory of ``source`` and the plan's ``model_source`` for it (``names``: the
-    parameter names of a config's inventory, ``megatron`` or ``hf``; an inventory keeps its own)."""
+    parameter names of a config's inventory, a key of ``inventory.NAMINGS``; an inventory keeps
+    its own)."""
     if isinstance(source, ModelSpec):
         if source.config is None:
             return source, "module"
@@ -89,8 +90,10 @@ def plan(
         dp_only: stop after the DP stage: no TP section even for tp > 1 (for studies of the DP
             partition; the runtime and ``check_plan`` want the TP section).
         progress: told the name of each stage as it starts.
-        names: a config's parameter names: ``megatron`` (Megatron-core's) or ``hf`` (the live
-            ``transformers`` model's, so the plan fits it; tp = 1).
+        names: a config's parameter names, a key of
+            :data:`~canzona.planner.inventory.NAMINGS`: ``megatron`` (Megatron-core's, experts
+            as SequentialMLP's), ``megatron-grouped`` (experts as TEGroupedMLP's) or ``hf`` (the
+            live ``transformers`` model's, so the plan fits it; tp = 1).
 
     Raises:
         CanzonaError: bad input (unknown model, sizes the model does not allow, an option out of
@@ -102,11 +105,13 @@ def plan(
     settings = (OptimizerSettings(name=optimizer)  # type: ignore[arg-type]
                 if isinstance(optimizer, str) else optimizer)
     say("model inventory and ZeRO-1 layout")
-    if names == "hf" and (sizes.tp > 1 or sizes.ep > 1):
-        raise SizeError(f"parameter names 'hf' describe a plain transformers model at tp 1 and "
-                        f"ep 1; got {{ParallelSizes.tp}} {sizes.tp}, {{ParallelSizes.ep}} "
-                        f"{sizes.ep}. Megatron-core's names ('megatron') carry the tensor- and "
-                        "expert-parallel layout.", fields=("ParallelSizes.tp", "ParallelSizes.ep"))
+    naming = NAMINGS.get(names)
+    if naming is not None and not naming.parallel and (sizes.tp > 1 or sizes.ep > 1):
+        raise SizeError(f"parameter names '{names}' describe a plain transformers model at tp 1 "
+                        f"and ep 1; got {{ParallelSizes.tp}} {sizes.tp}, {{ParallelSizes.ep}} "
+                        f"{sizes.ep}. Megatron-core's names ('megatron', 'megatron-grouped') "
+                        "carry the tensor- and expert-parallel layout.",
+                        fields=("ParallelSizes.tp", "ParallelSizes.ep"))
     spec, model_source = inventory_of(source, names)
     problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
                            overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=t.comm_dtype,

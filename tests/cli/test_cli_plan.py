@@ -113,6 +113,27 @@ def test_plan_from_hf_config_and_inspect_needs_it_again(tmp_path):
     assert "canzona-greedy" in r.output
 
 
+def test_plan_with_te_grouped_expert_names_and_inspect_it(tmp_path):
+    """``--names megatron-grouped``: a Megatron MoE whose experts are TEGroupedMLP's; inspect
+    rebuilds the model under that naming."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=1000, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32)))
+    out = tmp_path / "g.json"
+    r = run("plan", "--config", cfg, "--dp", 2, "--ep", 2, "--names", "megatron-grouped",
+            "-o", out)
+    assert r.exit_code == 0, r.output
+    names = {t.param for t in load_plan(out).tasks}
+    assert "decoder.layers.1.mlp.experts.linear_fc2.weight7" in names
+    assert not any("local_experts" in n for n in names)
+    r = run("inspect", out, "--config", cfg)
+    assert r.exit_code == 0, r.output
+    one_error_line(run("plan", "--config", cfg, "--dp", 2, "--names", "te", "-o", out),
+                   "--names must be one of: megatron, megatron-grouped, hf")
+
+
 @pytest.mark.parametrize("args, needles", [
     (("-m", "qwen3-99b"), ("unknown model", "qwen3-99b")),
     (("-m", "qwen3-0.6b", "--alpha", "1.5"), ("--alpha", "1.5")),

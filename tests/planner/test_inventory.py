@@ -52,6 +52,39 @@ def test_moe_router_is_adamw_experts_are_matrix():
     assert e.kind == "expert" and e.expert == 127 and e.optimizer == "matrix"
 
 
+def test_megatron_grouped_names_te_grouped_experts():
+    """``megatron-grouped``: each MoE layer's experts as TEGroupedMLP registers them (fc1's
+    ``weight{e}`` for every expert, then fc2's), the same matrices as SequentialMLP's; the rest
+    of the model as ``megatron``. A dense model has one Megatron naming."""
+    cfg = get_preset("qwen3-30b-a3b").model_copy(update={"layers": 2})
+    seq, grouped = build_inventory(cfg), build_inventory(cfg, names="megatron-grouped")
+    pre = "decoder.layers.1.mlp.experts"
+    assert [p.name for p in grouped.params if p.layer == 1 and p.is_expert] == (
+        [f"{pre}.linear_fc1.weight{e}" for e in range(128)]
+        + [f"{pre}.linear_fc2.weight{e}" for e in range(128)])
+    e = grouped[f"{pre}.linear_fc1.weight5"]
+    assert (e.kind, e.expert, e.shape, e.tp_layout, e.optimizer) == (
+        "expert", 5, (2 * 768, 2048), "gate_up", "matrix")
+
+    def matrix(p):
+        return (p.layer, p.expert, p.shape, p.tp_layout, p.parts, p.hf_names, p.optimizer)
+
+    same = {matrix(p): p.name for p in seq.params}
+    assert {matrix(p) for p in grouped.params} == set(same)
+    assert [p for p in grouped.params if not p.is_expert] == [
+        p for p in seq.params if not p.is_expert]
+    assert same[matrix(e)] == f"{pre}.local_experts.5.linear_fc1.weight"
+    dense = get_preset("qwen3-0.6b")
+    assert (build_inventory(dense, names="megatron-grouped").fingerprint()
+            == build_inventory(dense).fingerprint())
+
+
+def test_unknown_naming_lists_the_namings():
+    with pytest.raises(ModelError, match="names must be one of: megatron, megatron-grouped, hf; "
+                                         "got 'te'"):
+        build_inventory(get_preset("qwen3-0.6b"), names="te")
+
+
 def test_tied_embeddings_have_no_output_layer():
     assert "output_layer.weight" not in build_inventory(get_preset("qwen3-1.7b"))
     assert "output_layer.weight" in build_inventory(get_preset("qwen3-8b"))

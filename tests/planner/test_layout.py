@@ -106,6 +106,22 @@ def test_experts_stay_in_the_dense_buffer_at_ep1():
     assert order == [p.name for p in reversed(spec.params)]
 
 
+def test_te_grouped_expert_buffers_reverse_their_registration():
+    """TEGroupedMLP's weights (``megatron-grouped``) enter each EP rank's expert buffer in
+    reverse registration order: per layer, last to first, fc2's weights then fc1's, each from
+    the rank's last expert to its first (checked against megatron-core in tests/megatron)."""
+    cfg = get_preset("qwen3-30b-a3b").model_copy(update={"layers": 2, "num_experts": 8})
+    spec = build_inventory(cfg, names="megatron-grouped")
+    lay = build_layout(spec, ParallelSizes(dp=4, tp=1, ep=2), overlap_grad_reduce=False)
+    experts = [b for b in lay.buffers if b.expert]
+    for k, buf in enumerate(experts):
+        order = [s.name for s in sorted(buf.buckets[0].slots, key=lambda s: s.start)]
+        mine = [p.name for p in spec.params if p.is_expert and 4 * k <= p.expert < 4 * k + 4]
+        assert order == mine[::-1]
+    assert order[:2] == ["decoder.layers.1.mlp.experts.linear_fc2.weight7",
+                         "decoder.layers.1.mlp.experts.linear_fc2.weight6"]
+
+
 @settings(max_examples=25, deadline=None)
 @given(name=st.sampled_from([n for n, c in PRESETS.items() if not c.is_moe]),
        dp=st.sampled_from([1, 2, 3, 8, 24, 64]), tp=st.sampled_from([1, 2, 4, 8]),

@@ -65,6 +65,19 @@ def test_hf_config_plans_need_their_config_and_the_right_one(tmp_path):
         rebuild_model(p, other)
 
 
+def test_a_te_grouped_plan_rebuilds_under_its_naming(tmp_path):
+    """A plan made with ``names='megatron-grouped'`` is inspected with TEGroupedMLP's names."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=1000, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32)))
+    p = plan(cfg, ParallelSizes(1, 1), names="megatron-grouped")
+    spec = rebuild_model(p, cfg)
+    assert spec.fingerprint() == p.fingerprint
+    assert "decoder.layers.0.mlp.experts.linear_fc2.weight7" in spec
+
+
 def test_layout_dict_counts_what_the_layout_splits():
     phases = []
     spec, lay = layout_of(get_preset("qwen3-0.6b"), ParallelSizes(8, 1), progress=phases.append)

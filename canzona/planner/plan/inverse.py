@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CanzonaError
-from ..inventory import ModelSpec, build_inventory
+from ..inventory import NAMINGS, ModelSpec, build_inventory
 from ..layout import ParallelSizes
 from ..models import get_preset, load_hf_config
 from ..hardware import HardwareProfile, hardware_names, load_hardware
@@ -158,9 +158,9 @@ def recorded_hardware(plan: Plan) -> HardwareProfile | None:
 
 
 def rebuild_model(plan: Plan, config: Path | None = None) -> ModelSpec | None:
-    """The inventory of the model ``plan`` was made for, checked against its fingerprint:
-    Megatron's parameter names, or the live ``transformers`` model's (a plan made with
-    ``names='hf'``).
+    """The inventory of the model ``plan`` was made for, checked against its fingerprint, under
+    the naming it was made with (``inventory.NAMINGS``: Megatron's parameter names, with either
+    expert module's, or the live ``transformers`` model's).
 
     Args:
         config: the Hugging Face ``config.json`` the plan was made from (plans whose
@@ -185,9 +185,12 @@ def rebuild_model(plan: Plan, config: Path | None = None) -> ModelSpec | None:
     else:
         cfg = get_preset(inp.model)
     spec = build_inventory(cfg)
-    if spec.fingerprint() != plan.fingerprint and inp.tp == 1 and inp.ep == 1:
-        hf = build_inventory(cfg, names="hf")
-        spec = hf if hf.fingerprint() == plan.fingerprint else spec
+    for names, naming in NAMINGS.items():  # the naming the plan was made with
+        if spec.fingerprint() == plan.fingerprint:
+            break
+        if naming.parallel or (inp.tp == 1 and inp.ep == 1):
+            other = build_inventory(cfg, names=names)
+            spec = other if other.fingerprint() == plan.fingerprint else spec
     if spec.fingerprint() != plan.fingerprint:
         src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"
         raise CanzonaError(f"plan fingerprint {plan.fingerprint[:19]}… does not match {src} "
