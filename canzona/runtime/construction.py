@@ -22,7 +22,7 @@ from canzona.runtime import checks, experts, replicated, update, weights
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.introspect import local_tensor, named_params
-from canzona.runtime.megatron import megatron_sum_grads
+from canzona.runtime.megatron import check_megatron_model, megatron_sum_grads
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.optim._base import SettingError
 from canzona.runtime.pairs import PairRunner
@@ -65,6 +65,7 @@ class Construction:
         wrapper only with ``grad_sync="external"``), and the tensors canzona works on. Returns
         the ``(name, parameter)`` pairs."""
         checks.check_not_ddp(model, grad_sync)
+        check_megatron_model(model)  # FSDP storage, legacy GroupedMLP: before any collective
         pairs = named_params(model)
         checks.check_split_parts(plan, pairs)
         checks.check_experts(plan, [n for n, _ in pairs], model)

@@ -14,10 +14,14 @@ matrices) plans with its real buffers.
 
 Supported: the decoder-only models the planner describes (Llama and Qwen3 style: RMSNorm, GQA,
 gated SwiGLU, no linear biases, optional QK layernorm; Qwen3-MoE with per-expert weights, at
-any expert-parallel size with expert TP = TP or 1), pipeline-parallel size 1. Under expert
-parallelism a rank holds E/ep experts numbered from 0 (``local_experts.{j}``, its first global
-index is the ``MoELayer``'s ``local_expert_indices[0]``); the inventory names every expert by
-its global index. Anything else is refused with the setting that differs.
+any expert-parallel size with expert TP = TP or 1), pipeline-parallel size 1, canzona as the
+data parallelism (no FSDP storage). The experts are read from either of Megatron's expert
+modules that hold one 2-D weight per expert (:data:`EXPERT_MODULES`): ``SequentialMLP``
+(``local_experts.{j}.linear_fc1.weight``) and ``TEGroupedMLP`` (``linear_fc1.weight{j}``, the
+planner's ``megatron-grouped`` naming); the legacy ``GroupedMLP``, every local expert in one
+matrix, is refused. Under expert parallelism a rank holds E/ep experts numbered from 0 (its
+first global index is the ``MoELayer``'s ``local_expert_indices[0]``); the inventory names every
+expert by its global index. Anything else is refused with the setting that differs.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import torch
 from torch import nn
 
 from canzona.planner.errors import ModelError
-from canzona.planner.inventory import ModelSpec, build_inventory
+from canzona.planner.inventory import ModelSpec, ParamSpec, build_inventory
 from canzona.planner.layout import padded_vocab
 from canzona.planner.models import ModelConfig
 from canzona.planner.shards import shard_map
+from canzona.runtime.checkpoint.names import Placement, global_name
 from canzona.runtime.introspect import dtype_name, local_tensor, named_params
 
-__all__ = ["MEGATRON_SUM_GRADS", "find_gpt", "megatron_config", "megatron_ep", "megatron_spec",
-           "megatron_sum_grads", "megatron_tp"]
+__all__ = ["EXPERT_MODULES", "MEGATRON_SUM_GRADS", "check_megatron_model", "find_gpt",
+           "megatron_config", "megatron_ep", "megatron_spec", "megatron_sum_grads", "megatron_tp"]
 
 #: Replicated parameters whose gradient each TP rank holds only in part under Megatron: the
 #: QK layernorms see only the rank's attention heads (Megatron's ``finalize_model_grads`` sums
@@ -57,6 +62,16 @@ _REQUIRED: tuple[tuple[str, Any, str], ...] = (
     ("normalization", "RMSNorm", "LayerNorm biases are not in the planner's models"),
     ("multi_latent_attention", False, "multi-latent attention is not in the planner's models"),
     ("moe_shared_expert_intermediate_size", None, "shared experts are not in the planner's models"),
+)
+
+
+#: Megatron-core's expert modules, by the name part their first weight carries: (name part,
+#: the module, the planner naming that lists its weights — ``inventory.NAMINGS`` —, or None where
+#: canzona does not read it).
+EXPERT_MODULES: tuple[tuple[str, str, str | None], ...] = (
+    (".mlp.experts.local_experts.", "SequentialMLP", "megatron"),
+    (".mlp.experts.linear_fc1.weight", "TEGroupedMLP", "megatron-grouped"),
+    (".mlp.experts.weight1", "GroupedMLP", None),
 )
 
 
@@ -110,10 +125,6 @@ def megatron_config(gpt: nn.Module, *, vocab: int | None = None,
         raise ModelError(f"TransformerConfig.expert_tensor_parallel_size is {etp!r}; canzona "
                          "executes expert parallelism with expert TP 1 or equal to "
                          f"tensor_model_parallel_size ({tp}; Megatron's default, None).")
-    if ep > 1 and getattr(c, "moe_grouped_gemm", False):
-        raise ModelError("TransformerConfig.moe_grouped_gemm is True; canzona reads Megatron's "
-                         "per-expert weights (SequentialMLP, moe_grouped_gemm=False) under "
-                         "expert parallelism.")
     for field, want, why in _REQUIRED:
         got = getattr(c, field, want)
         if got != want and not (want is None and not got):
@@ -157,12 +168,100 @@ def megatron_config(gpt: nn.Module, *, vocab: int | None = None,
                          f"canzona plans: {exc}") from None
 
 
-def _megatron_attrs(t: Any) -> tuple[bool, int | None, int]:
+#: (tensor_model_parallel, partition_dim, partition_stride): Megatron's TP attributes.
+TPAttrs = tuple[bool, int | None, int]
+
+
+def _megatron_attrs(t: Any) -> TPAttrs:
     """(tensor_model_parallel, partition_dim, partition_stride) as Megatron sets them (None and 1
     for a replicated parameter)."""
     if not getattr(t, "tensor_model_parallel", False):
         return (False, None, 1)
     return (True, int(getattr(t, "partition_dim", 0)), int(getattr(t, "partition_stride", 1) or 1))
+
+
+def _planned_attrs(p: ParamSpec, grouped: bool, explicit_comm: bool) -> TPAttrs:
+    """The TP attributes Megatron gives ``p`` in a model that the planner's layout describes
+    (``grouped``: its experts are TEGroupedMLP's).
+
+    Megatron's own layers mark the split they make. TEGroupedMLP's per-expert weights are marked
+    by Transformer Engine's ``GroupedLinear``: every weight tensor-parallel with stride 1, dim 1
+    in row-parallel mode and 0 otherwise; Megatron gives it no parallel mode where it exchanges
+    the expert activations itself (expert TP > 1 or ep > 1: ``explicit_comm``), so there fc2 is
+    marked dim 0 as well. Their split is SequentialMLP's all the same (fc1's shard holds
+    [gate_r; up_r], fc2's its columns), which is what the plan lays out.
+    """
+    if grouped and p.is_expert:
+        return (True, 1 if p.tp_layout == "row" and not explicit_comm else 0, 1)
+    return (p.tp_layout != "replicated", p.tp_dim, p.tp_stride)
+
+
+def _expert_naming(names: list[str]) -> str:
+    """The planner naming of the expert module whose weights ``names`` carries (``megatron``
+    for a dense model).
+
+    Raises:
+        ModelError: the legacy GroupedMLP (every local expert concatenated in one matrix).
+    """
+    for name in names:
+        for part, module, naming in EXPERT_MODULES:
+            if part not in name:
+                continue
+            if naming is None:
+                raise ModelError(
+                    f"the Megatron model's experts are the legacy {module} ('{name}' holds every "
+                    "local expert in one matrix); canzona reads one 2-D weight per expert: build "
+                    "the MoE layers with TransformerConfig.moe_grouped_gemm=False "
+                    "(SequentialMLP) or, with Transformer Engine, moe_grouped_gemm=True and "
+                    "moe_use_legacy_grouped_gemm=False (TEGroupedMLP).")
+            return naming
+    return "megatron"
+
+
+def check_megatron_model(model: Any) -> None:
+    """Refuse, before any collective, a Megatron-core model whose storage canzona does not read:
+    parameters under Megatron's or torch's fully sharded data parallelism (canzona's ZeRO-1 is
+    the data parallelism: it takes the model in place of Megatron's ``DistributedDataParallel``
+    and distributed optimizer), or experts in the legacy GroupedMLP. Other models pass.
+
+    Megatron-FSDP shows in the ``ddp_config`` of a wrapper between ``model`` and the GPTModel
+    (``use_megatron_fsdp``, or its deprecated ``use_custom_fsdp``) and in the
+    ``_megatron_fsdp_model`` it attaches to every parameter; torch FSDP2 (Megatron-LM's
+    ``--use-torch-fsdp2``, a training argument that no config of the model records) only in the
+    parameters, which it turns into DTensors.
+
+    Raises:
+        ModelError: naming the setting and the fix.
+    """
+    found = find_gpt(model)
+    if found is None:
+        return
+    m = model
+    while m is not found[1] and isinstance(m, nn.Module):
+        ddp = getattr(m, "ddp_config", None)
+        for field in ("use_megatron_fsdp", "use_custom_fsdp"):
+            if getattr(ddp, field, False):
+                raise ModelError(
+                    f"DistributedDataParallelConfig.{field} is True: the Megatron model's "
+                    "parameters are stored by Megatron-FSDP, which canzona does not execute; "
+                    "give canzona the model without the FSDP wrapper (canzona's ZeRO-1 replaces "
+                    "Megatron's data parallelism).")
+        m = getattr(m, "module", None)
+    pairs = named_params(found[1])
+    for name, t in pairs:
+        if getattr(t, "_megatron_fsdp_model", None) is not None:
+            raise ModelError(
+                f"the Megatron model's '{name}' is stored by Megatron-FSDP "
+                "(DistributedDataParallelConfig.use_megatron_fsdp=True), which canzona does not "
+                "execute; build the model without it (canzona's ZeRO-1 replaces Megatron's data "
+                "parallelism).")
+        if local_tensor(t) is not t:
+            raise ModelError(
+                f"the Megatron model's '{name}' is a DTensor: its parameters are sharded by "
+                "torch FSDP2 (Megatron-LM's --use-torch-fsdp2, TorchFullyShardedDataParallel), "
+                "which canzona does not execute; build the model without it (canzona's ZeRO-1 "
+                "replaces Megatron's data parallelism).")
+    _expert_naming([n for n, _ in pairs])
 
 
 def megatron_ep(model: Any) -> int:
@@ -220,28 +319,31 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
         return None
     prefix, gpt = found
     cfg = megatron_config(gpt, vocab=vocab, name=name)
+    check_megatron_model(model)
     tp = megatron_tp(gpt)
     etp = megatron_etp(gpt) or tp
-    spec = build_inventory(cfg, names="megatron", matrix_globs=tuple(
+    live = named_params(model)
+    naming = _expert_naming([n for n, _ in live])
+    spec = build_inventory(cfg, names=naming, matrix_globs=tuple(
         g.removeprefix(prefix) for g in matrix_globs), adamw_globs=tuple(
         g.removeprefix(prefix) for g in adamw_globs))
-    live = named_params(model)
-    # Under expert parallelism the rank holds E/ep experts, numbered from 0 in its names.
+    # Under expert parallelism the rank holds E/ep experts, numbered from 0 in its names: named
+    # by their global index, they are the plan's.
     ep = megatron_ep(gpt)
     offset, per_rank = _expert_offset(gpt), cfg.num_experts // ep if ep > 1 else 0
     local = [p for p in spec.params if ep == 1 or not p.is_expert
              or offset <= p.expert < offset + per_rank]
-    planned = [prefix + (_local_expert_name(p.name, p.expert, offset) if ep > 1 and p.is_expert
-                         else p.name) for p in local]
-    names = [n for n, _ in live]
+    planned = [prefix + p.name for p in local]
+    names = [global_name(n, Placement(expert_offset=offset)) for n, _ in live]
     if names != planned:
         k = next((k for k, (a, b) in enumerate(zip(planned, names)) if a != b),
                  min(len(planned), len(names)))
         a = planned[k] if k < len(planned) else "nothing"
-        b = names[k] if k < len(names) else "nothing"
+        b = live[k][0] if k < len(names) else "nothing"
         raise ModelError(f"the Megatron model's parameter #{k} is '{b}' but its TransformerConfig "
                          f"describes '{a}' there; canzona.plan_model reads GPTModels built with "
-                         "the local or Transformer-Engine-free layer spec of a Llama/Qwen3 model.")
+                         "the local layer spec of a Llama/Qwen3 model (experts as SequentialMLP "
+                         "or TEGroupedMLP).")
     params = []
     live_of = {p.name: nt for p, nt in zip(local, live)}
     expert_dtype = next((dtype_name(live_of[p.name][1].dtype) for p in local if p.is_expert),
@@ -260,19 +362,14 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
             raise ModelError(f"the Megatron model's '{n}' is {list(got)} on this rank but its "
                              f"TransformerConfig at tp={t_p} gives {list(want)}.")
         attrs = _megatron_attrs(t)
-        if attrs != (p.tp_layout != "replicated", p.tp_dim, p.tp_stride):
+        planned_attrs = _planned_attrs(p, naming == "megatron-grouped", etp > 1 or ep > 1)
+        if attrs != planned_attrs:
             raise ModelError(f"the Megatron model's '{n}' has tensor_model_parallel, "
                              f"partition_dim, partition_stride = {attrs} but its TransformerConfig "
-                             f"gives the '{p.tp_layout}' layout "
-                             f"{(p.tp_layout != 'replicated', p.tp_dim, p.tp_stride)}.")
+                             f"gives the '{p.tp_layout}' layout {planned_attrs}.")
         if (getattr(t, "is_embedding_or_output_parameter", False)
                 and p.kind not in ("embedding", "output")):
             raise ModelError(f"the Megatron model marks '{n}' is_embedding_or_output_parameter but "
                              f"its TransformerConfig gives a {p.kind} there.")
         params.append(dataclasses.replace(p, name=prefix + p.name, dtype=dtype_name(t.dtype, n)))
     return ModelSpec(config=cfg, params=tuple(params), label=cfg.name)
-
-
-def _local_expert_name(name: str, expert: int, offset: int) -> str:
-    """A Megatron expert weight's name on the EP rank whose first expert is ``offset``."""
-    return name.replace(f".local_experts.{expert}.", f".local_experts.{expert - offset}.", 1)
