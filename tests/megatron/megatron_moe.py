@@ -67,11 +67,13 @@ def _expert_offset(gpt: torch.nn.Module) -> int:
 
 
 def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str = "muon",
-             wrong_group: bool = False, steps: int = STEPS, etp: int | None = None) -> dict:
+             wrong_group: bool = False, steps: int = STEPS, etp: int | None = None,
+             save: str | None = None, resume: str | None = None) -> dict:
     """Rank ``rank`` of a Megatron world (Megatron's dp: the world over tp) with ``ep``-way
     expert parallelism (expert TP ``etp``, default tp), trained by CanzonaOptimizer with
     clipping. ``wrong_group``: the expert buckets reduced over the whole DP group instead of the
-    expert-DP group (must fail)."""
+    expert-DP group (must fail); ``save``/``resume``: a logical checkpoint folder written after
+    the steps / loaded before them."""
     import canzona
     from canzona.runtime.errors import WeightsDifferError
     from megatron.core import parallel_state as ps
@@ -89,7 +91,10 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
         offset = _expert_offset(gpt)
         load_canonical(gpt, tp, tp_rank, offset, etp)
         lr, settings, options = OPTIMIZERS[optimizer]
-        plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32",
+        # a checkpoint keeps the logical vocabulary's rows: the padded one is logical here, as
+        # the padded output rows enter the loss's softmax and are trained
+        plan = canzona.plan_model(gpt, dp=dp, vocab=None if save or resume else CFG.vocab,
+                                  comm_dtype="fp32",
                                   optimizer=optimizer, bucket_size=20000, **settings)
         # the wrong group has the right size: the EP group, whose ranks hold other experts
         edp_group = (ps.get_expert_model_parallel_group() if wrong_group
@@ -108,6 +113,8 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
                 refused = str(exc)
             kwargs["sync_init"] = True
         opt = canzona.CanzonaOptimizer(gpt, plan, expert_dp_group=edp_group, **kwargs)
+        if resume:
+            canzona.load_checkpoint(resume, gpt, opt)
         with opt:
             for _ in range(steps):
                 loss = train.forward_loss(gpt, tokens(dp_rank))
@@ -119,6 +126,8 @@ def train_ep(rank: int, *, dp: int, tp: int, ep: int, init: str, optimizer: str 
                 dist.all_reduce(mean, group=dp_group)
                 losses.append(float(mean) / dp)
             opt.finish()
+            if save:
+                canzona.save_checkpoint(save, gpt, opt)
         experts = train.gather_canonical(gpt, tp, tp_group, CFG,
                                          lambda n: global_name(n, offset), etp)
         return {"losses": losses, "weights": experts, "ep": plan.inputs.ep, "refused": refused,

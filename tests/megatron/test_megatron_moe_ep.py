@@ -38,6 +38,13 @@ def runs(tmp_path_factory):
                          for r in range(4)}),
         ("dp2-tp2-ep2-etp1", {r: partial(train_ep, r, dp=2, tp=2, ep=2, etp=1,
                                          init=init("e")) for r in range(4)}),
+        # a checkpoint saved at expert TP 1 resumes at expert TP 2 (half the steps each)
+        ("etp1-save", {r: partial(train_ep, r, dp=2, tp=2, ep=2, etp=1, init=init("s"),
+                                  steps=STEPS // 2, save=os.path.join(out, "ck-etp1"))
+                       for r in range(4)}),
+        ("etp2-resume", {r: partial(train_ep, r, dp=2, tp=2, ep=2, init=init("u"),
+                                    steps=STEPS - STEPS // 2, resume=os.path.join(out, "ck-etp1"))
+                         for r in range(4)}),
         ("reference-dp2", {0: partial(reference, 0, dp=2, init=init("t-r"))}),
         ("reference", {0: partial(reference, 0, dp=4, init=init("c"))}),
         *((f"dp4-ep2-{o}", {r: partial(train_ep, r, dp=4, tp=1, ep=2, init=init(f"{o}-a"),
@@ -88,6 +95,16 @@ def test_dp2_tp2_ep2_equals_one_process(runs):
     for a, b in zip(got["losses"], want["losses"]):
         assert abs(a - b) <= TOL * abs(b)
     assert _check(runs, "dp2-tp2-ep2", "reference-dp2") <= TOL
+
+
+def test_a_checkpoint_at_expert_tp_1_resumes_at_expert_tp_2(runs):
+    """Each TP rank writes its own whole experts (no TP rank shares them), by global index; the
+    run resumed under expert TP 2 (each expert split over the TP group) ends as the
+    uninterrupted one."""
+    got, want = runs[0]["etp2-resume"], runs[0]["reference-dp2"]
+    for a, b in zip(got["losses"], want["losses"][STEPS // 2:]):
+        assert abs(a - b) <= TOL * abs(b)
+    assert _check(runs, "etp2-resume", "reference-dp2") <= TOL
 
 
 def test_dp2_tp2_ep2_with_expert_tp_1_equals_one_process(runs):

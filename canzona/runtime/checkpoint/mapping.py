@@ -192,14 +192,18 @@ class RankLayout:
         self.opt = opt
         self.tp, self.tp_rank, self.dp_rank = opt._tp, opt._tp_rank, opt._rank
         self.logical = {n: s for n, s, _ in plan_params(opt.plan)}
+        # expert TP 1 under tp > 1: this rank's experts are whole here, no TP rank shares them
+        self.whole = opt._expert_names if opt._experts.whole else set()
         self.views: list[ParamView] = []
-        for name, live, local in zip(opt._names, opt._live, opt._params):
+        for i, (name, live, local) in enumerate(zip(opt._names, opt._live, opt._params)):
             shape = self.logical.get(name, tuple(live.shape))
-            axis = axis_of(live, shape, self.tp, self.tp_rank)
-            self.views.append(ParamView(name, logical_key_shape(shape), view_2d(local.shape), axis))
+            self.views.append(ParamView(name, logical_key_shape(shape), view_2d(local.shape),
+                                        self.axis(i, self.tp_rank)))
 
     def axis(self, i: int, rank: int) -> Axis:
         name = self.opt._names[i]
+        if name in self.whole:
+            return Axis(None)
         return axis_of(self.opt._live[i], self.logical.get(name, tuple(self.opt._live[i].shape)),
                        self.tp, rank)
 
@@ -210,8 +214,10 @@ class RankLayout:
         return s.buckets[s.param_bucket[i]].rank == 0
 
     def writes(self, i: int) -> bool:
-        """This TP rank writes parameter i's pieces (TP rank 0 for what TP replicates)."""
-        return self.views[i].axis.dim is not None or self.tp_rank == 0
+        """This TP rank writes parameter i's pieces (TP rank 0 for what TP replicates; every
+        TP rank its own whole experts)."""
+        return (self.views[i].axis.dim is not None or self.tp_rank == 0
+                or self.views[i].name in self.whole)
 
     def own(self, i: int) -> tuple[int, int, int]:
         """(bucket, a, z): parameter i's elements [a, z) of its local shard in this rank's own
@@ -252,12 +258,15 @@ class RankLayout:
         return torch.arange(t.row0, t.row0 + t.shape[0])
 
     def matrix_tasks(self) -> list[tuple[Any, dict[str, Tensor], bool]]:
-        """(task, its state, this rank writes it) of every task whose state this rank holds."""
+        """(task, its state, this rank writes it) of every task whose state this rank holds
+        (whole matrices: TP rank 0, as every TP rank of the owner holds the same state, but for
+        this rank's own whole experts)."""
         opt = self.opt
         out = []
         for ts in opt._schedule.mine.matrix:
             for t in ts:
-                out.append((t, task_state(t, opt._params, opt.state), self.tp_rank == 0))
+                out.append((t, task_state(t, opt._params, opt.state),
+                            self.tp_rank == 0 or self.views[t.param].name in self.whole))
         for t in opt._micro.hosted:
             st = opt.state[opt._params[t.param]]
             out.append((t, st if t.part is None else st[t.part], True))
