@@ -281,3 +281,22 @@ def test_expert_parallel_model_settings_name_the_field(field, value, extra):
         _, gpt = gpt_model(MOE, 1, ep=2, **{field: value}, **extra)
         with pytest.raises(ModelError, match=rf"TransformerConfig\.{field} is {value!r}; "):
             canzona.plan_model(gpt, dp=4)
+
+
+def test_te_grouped_checkpoints_at_expert_tp_above_1_are_refused_before_any_collective():
+    """Transformer Engine's attributes do not describe a grouped expert's TP shard layout, so a
+    checkpoint of one split over expert TP > 1 is refused (at expert TP 1 it is whole)."""
+    from types import SimpleNamespace
+
+    from canzona.runtime.checkpoint.dcp import _check_model
+    from canzona.runtime.errors import CheckpointError
+
+    names = ["decoder.layers.0.mlp.experts.linear_fc1.weight3"]
+    for etp, refused in ((2, True), (1, False)):
+        opt = SimpleNamespace(_names=names, _local_names=names,
+                              plan=SimpleNamespace(inputs=SimpleNamespace(etp=etp)))
+        if refused:
+            with pytest.raises(CheckpointError, match="expert_tensor_parallel_size=1"):
+                _check_model(None, opt)
+        else:
+            _check_model(None, opt)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -128,7 +129,19 @@ def _metadata(opt: Any, extra: list[str], weights: bool) -> dict[str, Any]:
     }
 
 
+#: Megatron's TEGroupedMLP expert weights (``linear_fc1.weight{j}``, ``linear_fc2.weight{j}``).
+_TE_GROUPED = re.compile(r"\.experts\.linear_fc[12]\.weight\d+$")
+
+
 def _check_model(model: nn.Module | None, opt: Any) -> None:
+    grouped = [n for n in opt._names if _TE_GROUPED.search(n)]
+    if grouped and opt.plan.inputs.etp > 1:
+        raise CheckpointError(
+            f"'{grouped[0]}' is a TEGroupedMLP expert weight split over expert TP = "
+            f"{opt.plan.inputs.etp}, whose shard layout Transformer Engine's attributes do not "
+            "describe: checkpoints of grouped experts need expert TP 1 "
+            "(TransformerConfig.expert_tensor_parallel_size=1) or SequentialMLP experts "
+            "(moe_grouped_gemm=False).")
     if model is None:
         return
     names = [n for n, _ in named_params(model)]
