@@ -220,11 +220,23 @@ def dp_scope(plan: Plan) -> str:
     return "per DP index" if tp == 1 else f"per DP index (its {tp} TP ranks summed)"
 
 
+def ns_text(settings: Any) -> str:
+    """`` (NS polar_express × 8)`` for an optimizer that reads a Newton–Schulz schedule, when it
+    is not the default (``simple``, 5 steps); ``""`` otherwise."""
+    if "ns_coefficients" not in settings.spec.settings or (
+            settings.ns_coefficients == "simple" and settings.ns_steps == 5):
+        return ""
+    sched = settings.ns_coefficients
+    name = sched if isinstance(sched, str) else f"{len(sched)} custom steps"
+    return f" (NS {name} × {settings.ns_steps})"
+
+
 def plan_header(plan: Plan) -> str:
     inp = plan.inputs
     ep = f" ep={inp.ep}" if inp.ep > 1 else ""
     return (f"[bold]{escape(inp.model)}[/]  dp={inp.dp} tp={inp.tp}{ep} ({gpus(inp.dp * inp.tp)})  "
-            f"{inp.optimizer.name}, cost {inp.cost_model}, solver {inp.solver.solver}, "
+            f"{inp.optimizer.name}{escape(ns_text(inp.optimizer))}, cost {inp.cost_model}, "
+            f"solver {inp.solver.solver}, "
             f"α={inp.solver.alpha:g}")
 
 

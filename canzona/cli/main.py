@@ -26,6 +26,7 @@ from canzona import __version__
 from canzona.planner import CanzonaError, CanzonaWarning, optimizers
 from canzona.planner.hardware import hardware_names
 from canzona.planner.options import DEFAULT_COST, DEFAULT_SHARE
+from canzona.planner.settings import NS_SCHEDULES, ns_schedule
 
 from . import _render
 
@@ -243,6 +244,26 @@ def _choice(value: str, allowed: tuple[str, ...], option: str) -> str:
     return v
 
 
+def _ns_schedule(text: str) -> str | tuple[tuple[float, float, float], ...]:
+    """``--ns``: a schedule's name, or per-step triples ``a,b,c;a,b,c``; a one-line error
+    naming the choices otherwise."""
+    v = text.strip().lower()
+    if v in NS_SCHEDULES:
+        return v
+    try:
+        steps = tuple(tuple(float(x) for x in step.split(",")) for step in v.split(";")
+                      if step.strip())
+        ns_schedule(steps, 1)
+    except ValueError:
+        raise CanzonaError(f"--ns must be one of: {', '.join(NS_SCHEDULES)}, or per-step "
+                           f"coefficients 'a,b,c;a,b,c' (finite numbers, three per step); got "
+                           f"'{text}'.") from None
+    if not steps:
+        raise CanzonaError(f"--ns must be one of: {', '.join(NS_SCHEDULES)}, or per-step "
+                           f"coefficients 'a,b,c;a,b,c'; got '{text}'.")
+    return steps  # type: ignore[return-value]
+
+
 def _check_output(path: Path, what: str = "plan") -> None:
     """Fail before any work if the file could not be written there."""
     folder = path.parent if str(path.parent) else Path(".")
@@ -265,6 +286,14 @@ def plan(
     etp: EtpOpt = None,
     optimizer: Annotated[str, typer.Option(
         "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
+    ns: Annotated[str, typer.Option(
+        "--ns", help=f"Muon's Newton–Schulz schedule, recorded in the plan (the runtime takes "
+                     f"it from there): {', '.join(NS_SCHEDULES)}, or per-step coefficients "
+                     "'a,b,c;a,b,c;…' (a shorter list than --ns-steps repeats its last "
+                     "step, a longer one is cut).")] = "simple",
+    ns_steps: Annotated[int, typer.Option(
+        "--ns-steps", min=1, max=99, help="Muon's Newton–Schulz steps, what the planner "
+                                          "costs.")] = 5,
     alpha: Annotated[float, typer.Option(
         "--alpha",
         help="The paper's α in [0, 1] for the greedy: 0 even split, 1 fill deficits.")] = 1.0,
@@ -360,6 +389,7 @@ def plan(
                            share=share.strip().lower())
     settings = OptimizerSettings(
         name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
+        ns_steps=ns_steps, ns_coefficients=_ns_schedule(ns),
         split_qkv=split_qkv, split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep, etp=None if etp == tp else etp)
     name = resolve_model(model, config).name

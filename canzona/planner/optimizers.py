@@ -135,7 +135,7 @@ def get(name: str) -> OptimizerSpec:
 register(OptimizerSpec(
     name="muon",
     summary="Muon: momentum orthogonalised by Newton–Schulz.",
-    settings=("ns_steps",),
+    settings=("ns_steps", "ns_coefficients"),
     flops=lambda m, n, s: formulas.muon_flops(m, n, ns_steps=s.ns_steps),
     state_numel=lambda m, n, s: formulas.muon_state_numel(m, n),
     share="gram",

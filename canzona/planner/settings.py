@@ -10,13 +10,15 @@ the optimizer registry :mod:`canzona.planner.optimizers` (which names are valid)
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 from . import formulas, optimizers
 
-__all__ = ["PARAM_ALIGN", "OptimizerName", "OptimizerSettings", "expert_place"]
+__all__ = ["NS_SCHEDULES", "PARAM_ALIGN", "Coefficients", "OptimizerName", "OptimizerSettings",
+           "expert_place", "ns_schedule"]
 
 #: Megatron pads each parameter's start to 64 elements (128-byte addresses at 16 bits).
 PARAM_ALIGN = 64
@@ -35,6 +37,81 @@ def expert_place(r: int, ep_rank: int, *, ep: int, tp: int, etp: int | None = No
     if etp == tp:
         return g // tp, None
     return g // tp, g % tp
+
+
+#: One Newton–Schulz step's polynomial coefficients (a, b, c): X ← aX + b(XXᵀ)X + c(XXᵀ)²X.
+Coefficients = tuple[float, float, float]
+
+#: The named Newton–Schulz coefficient schedules (``OptimizerSettings.ns_coefficients``,
+#: ``canzona plan --ns``, Muon's ``ns_coefficients``): per-step (a, b, c).
+#:
+#: * ``"simple"``: Keller Jordan's (3.4445, −4.7750, 2.0315) at every step (torch.optim.Muon's);
+#: * ``"quintic"``: the 5 per-step triples of modded-nanogpt and Cesista's coefficient search,
+#:   Megatron-LM's ``coefficient_type="quintic"``;
+#: * ``"polar_express"``: the 8 per-step triples of Polar Express (Amsel et al.,
+#:   arXiv 2505.16932, safety 1e-2), as ``pytorch-optimizer`` ships them.
+NS_SCHEDULES: dict[str, tuple[Coefficients, ...]] = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (
+        (8.237312490495555, -23.157747414558198, 16.680568411445915),
+        (4.082441999064835, -2.893047735332586, 0.5252849256975648),
+        (3.9263479922546582, -2.8547468034765298, 0.5318022422894988),
+        (3.2982187133085143, -2.424541981026706, 0.48632008358844075),
+        (2.2970369434552573, -1.63662558125903, 0.4002628455953627),
+        (1.8763805351440397, -1.2347896577722228, 0.35891887501668385),
+        (1.8564423485617974, -1.2132449880935525, 0.3568003487825883),
+        (1.8749994008682747, -1.2499988017229169, 0.3749994008546422),
+    ),
+}
+
+
+def ns_schedule(spec: object, ns_steps: int, owner: str = "ns_coefficients"
+                ) -> tuple[Coefficients, ...]:
+    """The (a, b, c) of each of ``ns_steps`` Newton–Schulz steps from ``spec``: a name of
+    :data:`NS_SCHEDULES`, one (a, b, c) used at every step, or a per-step list of them. Step i
+    takes entry min(i, len − 1) of a list, so a shorter list repeats its last step (Polar
+    Express's rule) and a longer one is cut.
+
+    Raises:
+        ValueError: an unknown name or a malformed triple (the message starts with ``owner``
+            and lists the names).
+    """
+
+    def triple(t: object) -> Coefficients:
+        if (not isinstance(t, (tuple, list)) or len(t) != 3
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                           and math.isfinite(x) for x in t)):
+            raise ValueError(f"{owner}: {t!r} is not a triple (a, b, c) of finite numbers")
+        return (float(t[0]), float(t[1]), float(t[2]))
+
+    if isinstance(spec, str):
+        if spec not in NS_SCHEDULES:
+            raise ValueError(f"{owner}: unknown schedule {spec!r}; choose one of "
+                             f"{', '.join(NS_SCHEDULES)}, one (a, b, c) or a per-step list of "
+                             "them")
+        steps = NS_SCHEDULES[spec]
+    elif (isinstance(spec, (tuple, list)) and len(spec) > 0
+          and all(isinstance(x, (tuple, list)) for x in spec)):
+        steps = tuple(triple(t) for t in spec)
+    else:
+        return (triple(spec),) * ns_steps
+    return tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
+
+
+def _known_schedule(spec: str | tuple[Coefficients, ...]) -> str | tuple[Coefficients, ...]:
+    ns_schedule(spec, 1)
+    return spec
+
+
+#: A plan's Newton–Schulz schedule: a name of :data:`NS_SCHEDULES` or per-step (a, b, c).
+NSCoefficients = Annotated[str | tuple[Coefficients, ...], AfterValidator(_known_schedule)]
 
 
 def _registered(name: str) -> str:
@@ -65,6 +142,9 @@ class OptimizerSettings(BaseModel):
 
     name: OptimizerName = Field(default="muon", json_schema_extra=_enum_of_registered)
     ns_steps: int = Field(default=5, ge=1, description="Muon: Newton–Schulz iterations.")
+    ns_coefficients: NSCoefficients = Field(
+        default="simple", description="Muon: the Newton–Schulz schedule, a name (simple, "
+        "quintic, polar_express) or per-step (a, b, c); written only when not simple.")
     max_preconditioner_dim: int = Field(default=1024, ge=1,
                                         description="Shampoo: block size of the logical matrix.")
     shampoo_precondition_frequency: int = Field(
@@ -74,6 +154,21 @@ class OptimizerSettings(BaseModel):
     soap_max_precond_dim: int = Field(default=10000, ge=1)
     split_qkv: bool = Field(default=False, description="Q, K, V as separate matrices.")
     split_gate_up: bool = Field(default=False, description="gate and up as separate matrices.")
+
+    @model_serializer(mode="wrap")
+    def _without_default_schedule(self, handler):  # noqa: ANN001, ANN202
+        """The default schedule is not written, so a plan that keeps it has the text it had
+        before schedules were recorded (and an older canzona reads it)."""
+        out = handler(self)
+        if self.ns_coefficients == "simple":
+            out.pop("ns_coefficients", None)
+        return out
+
+    @property
+    def records_recipe(self) -> bool:
+        """The settings record a choice an older plan schema has no field for (a Newton–Schulz
+        schedule other than ``simple``)."""
+        return self.ns_coefficients != "simple"
 
     @property
     def spec(self) -> optimizers.OptimizerSpec:

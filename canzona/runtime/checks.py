@@ -455,6 +455,10 @@ def check_work_order(schedule: Schedule, names: list[str]) -> None:
 # --- settings: the constructor's against the plan --------------------------
 
 
+#: The ``canzona plan`` flag that records a kernel setting, for the fix of a mismatch.
+PLAN_FLAGS = {"ns_steps": "canzona plan --ns-steps", "ns_coefficients": "canzona plan --ns"}
+
+
 def build_matrix_kernel(plan: Plan, *, optimizer: str | None, explicit: dict[str, Any],
                         options: dict[str, Any], ns_dtype: torch.dtype) -> tuple[Any, Any, dict]:
     """The matrix kernel's spec (``canzona.runtime.optim.registry``), the kernel, and the config
@@ -480,11 +484,13 @@ def build_matrix_kernel(plan: Plan, *, optimizer: str | None, explicit: dict[str
             raise PlanMismatchError(f"{spec.kernel.name} has no {key} setting (the plan is for "
                                     f"{s.name!r}){'; ' + hint if hint else ''}.")
         given[key] = value
-    for key, value in given.items():
-        if key in recorded and value != recorded[key]:
-            raise PlanMismatchError(f"{key}={value!r} disagrees with the plan, which was made "
-                                    f"with {key}={recorded[key]!r}.")
     cfg = {**recorded, **given}
+    for key, value in given.items():
+        if key in recorded and not spec.agrees(key, value, recorded[key], cfg):
+            flag = PLAN_FLAGS.get(key)
+            fix = f" (plan with {flag} to change it)" if flag else ""
+            raise PlanMismatchError(f"{key}={value!r} disagrees with the plan, which was made "
+                                    f"with {key}={recorded[key]!r}{fix}.")
     if "ns_dtype" in fields:
         cfg.setdefault("ns_dtype", ns_dtype)
     return spec, spec.build(spec.config(**cfg)), recorded

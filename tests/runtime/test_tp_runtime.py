@@ -41,9 +41,10 @@ CASES4 = {
     # preconditions its own shard's blocks (no gather), with a state_dict round trip
     "shampoo_shard_blocks": dict(optimizer="shampoo", share="all", block=16, roundtrip=True),
     "shampoo_hosted_blocks": dict(optimizer="shampoo", block=16, steps=5),
-    # named Newton–Schulz schedules and update scalings, on hosted and on shared matrices
-    "muon_quintic_unit_rms": dict(optimizer="muon", steps=5, matrix_options=dict(
-        ns_coefficients="quintic", adjust_lr_fn="unit_rms_norm")),
+    # named Newton–Schulz schedules and update scalings, on hosted and on shared matrices;
+    # quintic from the plan alone (the runtime takes the schedule the plan records)
+    "muon_quintic_unit_rms": dict(optimizer="muon", steps=5, ns="quintic",
+                                  matrix_options=dict(adjust_lr_fn="unit_rms_norm")),
     "muon_polar_express_spectral": dict(optimizer="muon", share="all-split", steps=5,
                                         matrix_options=dict(ns_coefficients="polar_express",
                                                             adjust_lr_fn="spectral")),

@@ -38,15 +38,17 @@ def spec():
 
 def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
              cmax_mib: float = 0.05, dtype: str = "fp32", share: str = "off",
-             block: int | None = None, comm_dtype: str = "fp32"):
+             block: int | None = None, comm_dtype: str = "fp32", ns: str = "simple"):
     """The plan: fp32 gather/scatter (exactness; ``comm_dtype`` another), a C_max small enough
     for several groups;
     ``share``: ``TPOptions.share`` (the TP group shares matrices); ``block``: Shampoo's
-    max_preconditioner_dim (default its 1024)."""
+    max_preconditioner_dim (default its 1024); ``ns``: Muon's Newton–Schulz schedule."""
     extra = {"shampoo": {"shampoo_precondition_frequency": 3},
              "soap": {"soap_precondition_frequency": 3}}.get(optimizer, {})
     if block is not None:
         extra["max_preconditioner_dim"] = block
+    if ns != "simple":
+        extra["ns_coefficients"] = ns
     settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
     return make_plan(CFG.model_copy(update={"dtype": dtype}), ParallelSizes(dp=dp, tp=tp), settings,
                      dp_options=DPOptions(bucket_size=20_000),
@@ -142,13 +144,15 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
              sequence_parallel: bool = False, bf16: bool = False,
              share: str = "off", cmax_mib: float = 0.05, plan=None,
              block: int | None = None, untouched: tuple[str, int] | None = None,
-             matrix_options: dict | None = None) -> dict:
+             matrix_options: dict | None = None, ns: str | None = None) -> dict:
     """Train the TP shards with CanzonaOptimizer over dp × tp (the counterpart of
     :func:`reference`); return the logical parameters at the end.
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
     instead of ``plan_for``'s (a zero-argument callable making it); ``untouched``: (name, step):
     no rank produces that parameter's gradient at that step (its shard is left out of the
-    backward, so its ``grad`` stays None); ``matrix_options``: added to the kernel's options."""
+    backward, so its ``grad`` stays None); ``matrix_options``: added to the kernel's options;
+    ``ns``: the Newton–Schulz schedule the plan records, which the runtime takes from it (else
+    ``matrix_options``'s, recorded too)."""
     import canzona
 
     assert world == dp * tp
@@ -156,7 +160,8 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
     dp_rank, tp_rank = rank // tp, rank % tp
     plan = plan() if plan is not None else plan_for(
         dp, tp, optimizer, split=split, dtype="bf16" if bf16 else "fp32", share=share,
-        cmax_mib=cmax_mib, block=block)
+        cmax_mib=cmax_mib, block=block,
+        ns=ns or (matrix_options or {}).get("ns_coefficients", "simple"))
     low = torch.bfloat16 if bf16 else torch.float32
     ps = spec().params
     start = initial_full()
@@ -213,14 +218,17 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
               clip: float | None = None, steps: int = STEPS, bf16: bool = False,
               block: int | None = None, untouched: tuple[str, int] | None = None,
-              matrix_options: dict | None = None) -> dict:
+              matrix_options: dict | None = None, ns: str | None = None) -> dict:
     """One process, the logical matrices: the kernel per matrix task (per part when split),
     torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
     micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
     non-square gradient are rank deficient, and LAPACK's basis of their null space depends on the
     thread count. ``block``: Shampoo's max_preconditioner_dim (default its 1024); ``untouched``:
     (name, step): that parameter's ``grad`` is None at that step, so its kernel skips it;
-    ``matrix_options``: the kernel's settings, as ``train_tp`` passes them."""
+    ``matrix_options``: the kernel's settings, as ``train_tp`` passes them; ``ns``: the
+    Newton–Schulz schedule."""
+    if ns is not None:
+        matrix_options = {**(matrix_options or {}), "ns_coefficients": ns}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

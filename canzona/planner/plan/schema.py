@@ -10,7 +10,9 @@ model, ``planning`` and the torch runtime import the schema without the planner'
 Versions: ``schema_version`` is the lowest version that holds the plan — 2 (:data:`BASE_VERSION`)
 for a plan that shares no matrix, 3 (:data:`TP_SHARE_VERSION`) when its TP groups share matrices
 (``tp.share``, ``tp.indices[d].shared``), 4 (:data:`DP_PAIR_VERSION`) when DP pairs do
-(``dp_shared``), 5 (:data:`TP_PAIR_VERSION`) when TP groups share with a partner DP index's; an
+(``dp_shared``), 5 (:data:`TP_PAIR_VERSION`) when TP groups share with a partner DP index's, 6
+(:data:`RECIPE_VERSION`) when its optimizer settings record a Newton–Schulz schedule other than
+``simple`` (``inputs.optimizer.ns_coefficients``); an
 older canzona then asks for an upgrade instead of running a plan without its shared tasks, and a
 plan without them keeps the text version 2 wrote. Reading a file — the version checks, the
 converters of older versions (:mod:`canzona.planner.plan.convert`), this schema and every
@@ -35,13 +37,16 @@ from ..errors import PlanFileError
 from ..settings import OptimizerSettings
 
 #: The newest plan version this canzona reads and writes.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
 TP_SHARE_VERSION = 3
 #: The version of a plan whose DP pairs share matrices (tp = 1).
 DP_PAIR_VERSION = 4
+#: The version of a plan whose optimizer settings record what version 5 has no field for (a
+#: Newton–Schulz schedule other than ``simple``), whatever it shares.
+RECIPE_VERSION = 6
 #: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
@@ -382,9 +387,10 @@ class PairTaskPlan(_Frozen):
 
 class Plan(_Frozen):
     """A canzona plan (schema version 2; 3 when its TP groups share matrices; 4 when DP pairs
-    do; 5 when TP groups share with a partner DP index's)."""
+    do; 5 when TP groups share with a partner DP index's; 6 when its optimizer settings record
+    a Newton–Schulz schedule)."""
 
-    schema_version: Literal[2, 3, 4, 5] = BASE_VERSION
+    schema_version: Literal[2, 3, 4, 5, 6] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(

@@ -13,7 +13,8 @@ Scalable for LLM Training" (arXiv 2502.16982) for ``adjust_lr_fn="match_rms_adam
 With the default ``ns_dtype`` the result is bitwise equal to ``torch.optim.Muon`` on the CPU
 (``tests/runtime/optim/test_muon_kernel.py``).
 
-Coefficient schedules (``ns_coefficients``, :data:`NS_SCHEDULES`), by name:
+Coefficient schedules (``ns_coefficients``, :data:`NS_SCHEDULES`; the table and the rule below
+live in ``canzona.planner.settings``, because a plan records the schedule), by name:
 
 * ``"simple"``: Keller Jordan's (a, b, c) = (3.4445, −4.7750, 2.0315) at every step (torch's
   default; the default here too);
@@ -53,6 +54,7 @@ import torch
 from torch import Tensor
 
 from canzona.planner import formulas
+from canzona.planner.settings import NS_SCHEDULES, Coefficients, ns_schedule
 from canzona.runtime.optim._base import (
     MatrixOptimizer,
     NonFinitePolicy,
@@ -69,39 +71,15 @@ from canzona.runtime.optim._base import (
 __all__ = ["LR_SCALINGS", "NS_SCHEDULES", "POLAR_EXPRESS_COEFFICIENTS", "QUINTIC_COEFFICIENTS",
            "Muon", "MuonConfig", "adjust_lr", "newton_schulz"]
 
-Coefficients = tuple[float, float, float]
-
 #: torch.optim.Muon's (and Keller Jordan's) fixed quintic coefficients (a, b, c).
-DEFAULT_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
+DEFAULT_COEFFICIENTS: Coefficients = NS_SCHEDULES["simple"][0]
 
 #: Per-step coefficients of the "quintic" schedule (Megatron-LM / Emerging-Optimizers).
-QUINTIC_COEFFICIENTS: tuple[Coefficients, ...] = (
-    (4.0848, -6.8946, 2.9270),
-    (3.9505, -6.3029, 2.6377),
-    (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046),
-    (2.8366, -3.0525, 1.2012),
-)
+QUINTIC_COEFFICIENTS: tuple[Coefficients, ...] = NS_SCHEDULES["quintic"]
 
 #: Per-step coefficients of Polar Express (arXiv 2505.16932, safety 1e-2); its last step is the
 #: one that repeats.
-POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = (
-    (8.237312490495555, -23.157747414558198, 16.680568411445915),
-    (4.082441999064835, -2.893047735332586, 0.5252849256975648),
-    (3.9263479922546582, -2.8547468034765298, 0.5318022422894988),
-    (3.2982187133085143, -2.424541981026706, 0.48632008358844075),
-    (2.2970369434552573, -1.63662558125903, 0.4002628455953627),
-    (1.8763805351440397, -1.2347896577722228, 0.35891887501668385),
-    (1.8564423485617974, -1.2132449880935525, 0.3568003487825883),
-    (1.8749994008682747, -1.2499988017229169, 0.3749994008546422),
-)
-
-#: The named coefficient schedules (``MuonConfig.ns_coefficients``).
-NS_SCHEDULES: dict[str, tuple[Coefficients, ...]] = {
-    "simple": (DEFAULT_COEFFICIENTS,),
-    "quintic": QUINTIC_COEFFICIENTS,
-    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
-}
+POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = NS_SCHEDULES["polar_express"]
 
 #: The update scalings (``MuonConfig.adjust_lr_fn``): the factor an m × n matrix's learning rate
 #: is multiplied by, from (m, n).
@@ -172,35 +150,7 @@ class MuonConfig:
 
 
 def _coefficient_schedule(spec: object, ns_steps: int) -> tuple[Coefficients, ...]:
-    owner = "MuonConfig.ns_coefficients"
-
-    def triple(t: object) -> Coefficients:
-        if (
-            not isinstance(t, (tuple, list))
-            or len(t) != 3
-            or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                for x in t
-            )
-        ):
-            raise ValueError(f"{owner}: {t!r} is not a triple (a, b, c) of finite numbers")
-        return (float(t[0]), float(t[1]), float(t[2]))
-
-    if isinstance(spec, str):
-        if spec not in NS_SCHEDULES:
-            raise ValueError(f"{owner}: unknown schedule {spec!r}; choose one of "
-                             f"{', '.join(map(repr, NS_SCHEDULES))}, one (a, b, c) or a per-step "
-                             "list of them")
-        steps = NS_SCHEDULES[spec]
-    elif (
-        isinstance(spec, (tuple, list))
-        and len(spec) > 0
-        and all(isinstance(x, (tuple, list)) for x in spec)
-    ):
-        steps = tuple(triple(t) for t in spec)
-    else:
-        return (triple(spec),) * ns_steps
-    return tuple(steps[min(i, len(steps) - 1)] for i in range(ns_steps))
+    return ns_schedule(spec, ns_steps, "MuonConfig.ns_coefficients")
 
 
 def adjust_lr(lr: float, adjust_lr_fn: AdjustLrFn, shape: Sequence[int]) -> float:

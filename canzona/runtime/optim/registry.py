@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from canzona.planner.settings import OptimizerSettings
+from canzona.planner.settings import OptimizerSettings, ns_schedule
 from canzona.runtime.optim._base import MatrixOptimizer
 from canzona.runtime.optim.muon import Muon, MuonConfig
 from canzona.runtime.optim.shampoo import Shampoo, ShampooConfig
@@ -35,6 +35,22 @@ __all__ = ["KernelSpec", "get", "names", "register"]
 
 def _no_layout(config: Any) -> tuple[tuple[str, Any], ...]:
     return ()
+
+
+def _equal(key: str, given: Any, recorded: Any, config: Mapping[str, Any]) -> bool:
+    return bool(given == recorded)
+
+
+def _same_schedule(key: str, given: Any, recorded: Any, config: Mapping[str, Any]) -> bool:
+    """Muon's recorded settings agree: a Newton–Schulz schedule by the steps it runs (a name,
+    its triples, or the one triple of ``simple`` are the same schedule)."""
+    if key != "ns_coefficients":
+        return bool(given == recorded)
+    steps = int(config.get("ns_steps", 5))
+    try:
+        return ns_schedule(given, steps) == ns_schedule(recorded, steps)
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +65,8 @@ class KernelSpec:
         state_layout: config → ``((what, value), …)``: further values that decide the state
             tensors of a task (``()`` when only the recorded fields do).
         hints: per ``CanzonaOptimizer`` argument the config lacks, what to use instead.
+        agrees: ``(key, given, recorded, config)`` → whether a given value of a recorded
+            field is the plan's (equality unless one value has several spellings).
     """
 
     name: str
@@ -57,6 +75,7 @@ class KernelSpec:
     recorded: Callable[[OptimizerSettings], dict[str, Any]]
     state_layout: Callable[[Any], tuple[tuple[str, Any], ...]] = _no_layout
     hints: Mapping[str, str] = field(default_factory=dict)
+    agrees: Callable[[str, Any, Any, Mapping[str, Any]], bool] = _equal
 
     def build(self, config: Any) -> MatrixOptimizer:
         """The kernel for ``config`` (an instance of :attr:`config`)."""
@@ -88,7 +107,8 @@ def get(name: str) -> KernelSpec | None:
 
 register(KernelSpec(
     name="muon", kernel=Muon, config=MuonConfig,
-    recorded=lambda s: {"ns_steps": s.ns_steps},
+    recorded=lambda s: {"ns_steps": s.ns_steps, "ns_coefficients": s.ns_coefficients},
+    agrees=_same_schedule,
 ))
 
 register(KernelSpec(
