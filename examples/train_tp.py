@@ -81,7 +81,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (divides the world)")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
+    ap.add_argument("--optimizer", default="muon", choices=["muon", "normuon", "shampoo", "soap"])
+    ap.add_argument("--ns", default="simple", choices=["simple", "quintic", "polar_express"],
+                    help="(Nor)Muon's Newton–Schulz schedule, recorded in the plan")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
@@ -122,9 +124,11 @@ def main() -> None:
     parallelize_module(model, mesh["tp"], plan_tp)
 
     extra = {} if args.block is None else {"max_preconditioner_dim": args.block}
+    if args.ns != "simple":
+        extra["ns_coefficients"] = args.ns
     plan = canzona.plan_model(model, dp=dp, tp=args.tp, optimizer=args.optimizer,
                               bucket_size=1_000_000, share=args.share, **extra)
-    lr = 0.02 if args.optimizer == "muon" else 3e-3
+    lr = 0.02 if args.optimizer in ("muon", "normuon") else 3e-3
     opt = canzona.CanzonaOptimizer(model, plan, lr=lr, adamw_lr=3e-3, device_mesh=mesh)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))

@@ -223,7 +223,7 @@ def dp_scope(plan: Plan) -> str:
 def ns_text(settings: Any) -> str:
     """`` (NS polar_express × 8)`` for an optimizer that reads a Newton–Schulz schedule, when it
     is not the default (``simple``, 5 steps); ``""`` otherwise."""
-    if "ns_coefficients" not in settings.spec.settings or (
+    if "ns_steps" not in settings.spec.settings or (
             settings.ns_coefficients == "simple" and settings.ns_steps == 5):
         return ""
     sched = settings.ns_coefficients

@@ -51,6 +51,10 @@ __all__ = [
     "muon_matmul_bytes",
     "muon_state_numel",
     "muon_traffic_bytes",
+    "NORMUON_PASSES",
+    "normuon_state_numel",
+    "normuon_traffic_bytes",
+    "row_stats_numel",
     "poly_blocks",
     "poly_flops",
     "poly_packed_numel",
@@ -82,6 +86,13 @@ MUON_PASSES: tuple[tuple[str, int], ...] = (
     ("cast to the iteration dtype: fp32 read, bf16 written", 6),
     ("Frobenius norm and scaling: bf16 read, read and written", 6),
     ("update applied: weight decay and step on the fp32 weight, the update read", 18),
+)
+#: NorMuon's element-wise passes: Muon's, then the row normalisation of the fp32 update.
+NORMUON_PASSES: tuple[tuple[str, int], ...] = MUON_PASSES + (
+    ("cast of the update to fp32: bf16 read, fp32 written", 6),
+    ("row statistics: the update read (squares summed per row)", 4),
+    ("row normalisation: the update read and written", 8),
+    ("norm-preserving rescale: the update read, read and written", 12),
 )
 #: Shampoo's element-wise passes (its statistics and roots are matmuls, in the FLOPs).
 SHAMPOO_PASSES: tuple[tuple[str, int], ...] = (
@@ -158,6 +169,27 @@ def _traffic(passes: tuple[tuple[str, int], ...], m: int, n: int) -> int:
 def muon_traffic_bytes(m: int, n: int) -> int:
     """Bytes Muon's element-wise passes of an m×n matrix move (:data:`MUON_PASSES`)."""
     return _traffic(MUON_PASSES, m, n)
+
+
+def normuon_traffic_bytes(m: int, n: int) -> int:
+    """Bytes NorMuon's element-wise passes of an m×n matrix move (:data:`NORMUON_PASSES`)."""
+    return _traffic(NORMUON_PASSES, m, n)
+
+
+def normuon_state_numel(m: int, n: int) -> int:
+    """Optimizer-state elements of NorMuon for an m×n matrix: Muon's momentum (m·n) and the
+    second moment of each row of the orthogonalised update (m)."""
+    return muon_state_numel(m, n) + m
+
+
+def row_stats_numel(m: int, n: int, *, whole_rows: bool) -> int:
+    """Elements a rank of a shared NorMuon matrix (m × n, m its output rows) sums with the
+    others after the orthogonalisation: its partial squared sums of all m rows when the pieces
+    are blocks of columns, or when they are blocks of whole rows the two Frobenius norms (the
+    orthogonalised update's and the row-normalised one's)."""
+    _check_positive("m", m)
+    _check_positive("n", n)
+    return 2 if whole_rows else m
 
 
 def shampoo_traffic_bytes(m: int, n: int) -> int:

@@ -64,6 +64,10 @@ class OptimizerSpec:
             roofline cost model charges at the memory bandwidth); None counts none.
         matmul_bytes: ``(m, n, settings)`` → bytes the kernels behind ``flops`` read and write
             (their roofline's memory side); None counts none (compute-bound).
+        row_stats: after the orthogonalisation each row of the update is normalised by a
+            running second moment of it (NorMuon), so a shared matrix's pieces sum their
+            partial row statistics (``formulas.row_stats_numel``): one more all-reduce per
+            matrix and step, which the sharing cost counts.
     """
 
     name: str
@@ -74,6 +78,7 @@ class OptimizerSpec:
     share: str | None = None
     traffic: CostFormula | None = None
     matmul_bytes: CostFormula | None = None
+    row_stats: bool = False
 
     @property
     def title(self) -> str:
@@ -135,7 +140,7 @@ def get(name: str) -> OptimizerSpec:
 register(OptimizerSpec(
     name="muon",
     summary="Muon: momentum orthogonalised by Newton–Schulz.",
-    settings=("ns_steps", "ns_coefficients"),
+    settings=("ns_steps",),
     flops=lambda m, n, s: formulas.muon_flops(m, n, ns_steps=s.ns_steps),
     state_numel=lambda m, n, s: formulas.muon_state_numel(m, n),
     share="gram",
@@ -166,4 +171,16 @@ register(OptimizerSpec(
     state_numel=lambda m, n, s: formulas.soap_state_numel(
         m, n, max_precond_dim=s.soap_max_precond_dim),
     traffic=lambda m, n, s: formulas.soap_traffic_bytes(m, n),
+))
+
+register(OptimizerSpec(
+    name="normuon",
+    summary="NorMuon: Muon with each row of the update normalised by its running second moment.",
+    settings=("ns_steps",),
+    flops=lambda m, n, s: formulas.muon_flops(m, n, ns_steps=s.ns_steps),
+    state_numel=lambda m, n, s: formulas.normuon_state_numel(m, n),
+    share="gram",
+    traffic=lambda m, n, s: formulas.normuon_traffic_bytes(m, n),
+    matmul_bytes=lambda m, n, s: formulas.muon_matmul_bytes(m, n, ns_steps=s.ns_steps),
+    row_stats=True,
 ))

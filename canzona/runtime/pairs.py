@@ -27,7 +27,7 @@ from torch import Tensor
 
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
-from canzona.runtime.optim.transports import PeerPair, pair_exchange
+from canzona.runtime.optim.transports import PeerPair, pair_exchange, sum_each
 from canzona.runtime.schedule import MatrixTask, WorkOrder
 from canzona.runtime.storage.buffers import BucketBuffers
 from canzona.runtime.waits import wait_for
@@ -105,14 +105,32 @@ class PairRunner:
             back = self._swap([(_not_mine_rows(o.mT, t, peer.me) if w else None,
                                 _recv_shape(t, peer.me, False), o.dtype)
                                for o, w, t in zip(orthos, wide, tasks)], peer, "rows")
+            pieces = []
             for k, (t, o, w) in enumerate(zip(tasks, orthos, wide)):
                 if w:
                     mine = _mine_rows(o.mT, t, peer.me)
                     parts = [mine, back[k]] if peer.me == 0 else [back[k], mine]
                     o = torch.cat(parts, 1)
                 assert o.shape[0] == rows[k]
-                out[t.id] = o.to(torch.float32)
+                pieces.append(o)
+            # Each rank holds whole rows of the update now; a kernel that finishes it on the
+            # whole matrix (NorMuon's norms) sums what it needs with the partner.
+            finished = matrix.finish_shared(
+                pieces, [state[params[t.param]] for t in tasks], [t.full_shape for t in tasks],
+                [True] * len(tasks), self._reduce(peer, tasks))
+            for t, u in zip(tasks, finished):
+                out[t.id] = u
         return out
+
+    def _reduce(self, peer: PeerPair, tasks: Sequence[MatrixTask]) -> Any:
+        """Sums ``(k, tensor)`` items with the partner (task k's), for ``finish_shared``."""
+
+        def reduce(items: list[tuple[int, Tensor]]) -> None:
+            sum_each([x for _, x in items], [peer] * len(items),
+                     [f"the row statistics of '{tasks[k].name}' (DP pair {list(peer.ranks)})"
+                      for k, _ in items], timeout_s=self.timeout_s, rank=self.rank,
+                     flight=self.flight)
+        return reduce
 
     def _swap(self, sends: list[tuple[Tensor | None, tuple[int, int], torch.dtype]],
               peer: PeerPair, what: str) -> list[Tensor | None]:

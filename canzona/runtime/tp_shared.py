@@ -25,7 +25,7 @@ from torch import Tensor
 from canzona.planner.formulas import lockstep_batches, lockstep_bytes
 from canzona.runtime.optim.orientation import orientation
 from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
-from canzona.runtime.optim.transports import PeerPair, TPPair
+from canzona.runtime.optim.transports import PeerPair, TPPair, sum_each
 from canzona.runtime.storage.buffers import BucketBuffers
 from canzona.runtime.tp_tasks import SharedTask
 
@@ -158,8 +158,19 @@ class SharedLockstep:
             timeout_s=self.timeout_s,
             what=[f"the shared Newton–Schulz of '{x.name}'" for x in todo],
             flight=self.flight)
-        updates = [(ortho.mT if flip else ortho).to(torch.float32)
-                   for ortho, flip in zip(orthos, flips)]
+        # Kernels that finish the update on the whole matrix (NorMuon's row statistics) sum
+        # what they need over each matrix's sharing ranks; a column-parallel shard (and a TP
+        # pair's piece of one) holds whole rows, a row-parallel one columns.
+        pieces = [ortho.mT if flip else ortho for ortho, flip in zip(orthos, flips)]
+
+        def reduce(items: list[tuple[int, Tensor]]) -> None:
+            sum_each([t for _, t in items], [groups[k] for k, _ in items],
+                     [f"the row statistics of '{todo[k].name}'" for k, _ in items],
+                     timeout_s=self.timeout_s, rank=self.rank, flight=self.flight)
+
+        updates = matrix.finish_shared(
+            pieces, [state[self._params[x.param]] for x in todo], [x.full_shape for x in todo],
+            [x.dim == 0 for x in todo], reduce)
         # The Grams are all-reduced, so a non-finite matrix makes every rank's rows non-finite
         # alike: every rank leaves its shard untouched (as hosted tasks do).
         self._apply_shards(todo, updates, matrix)

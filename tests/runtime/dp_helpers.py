@@ -188,15 +188,18 @@ LR, ADAMW_LR = 0.02, 3e-3
 #: rank); at the kernel default 1e-12 round-off in the null space is amplified ~(λ/ε)^¼ and the
 #: last-bit differences of a distributed gradient sum change results at the 10% level.
 SHAMPOO_OPTIONS = {"eps": 1e-4}
-MATRIX_LR = {"muon": 0.02, "shampoo": 0.01, "soap": 3e-3}
+MATRIX_LR = {"muon": 0.02, "normuon": 0.02, "shampoo": 0.01, "soap": 3e-3}
 
 
 def matrix_kernel(optimizer: str, lr: float):
     """The matrix kernel the references step (the test settings of each optimizer)."""
-    from canzona.runtime.optim import SOAP, Muon, MuonConfig, Shampoo, ShampooConfig, SOAPConfig
+    from canzona.runtime.optim import (SOAP, Muon, MuonConfig, NorMuon, NorMuonConfig, Shampoo,
+                                       ShampooConfig, SOAPConfig)
 
     if optimizer == "muon":
         return Muon(MuonConfig(lr=lr, ns_dtype=torch.float32))
+    if optimizer == "normuon":
+        return NorMuon(NorMuonConfig(lr=lr, ns_dtype=torch.float32))
     if optimizer == "shampoo":
         return Shampoo(ShampooConfig(lr=lr, precondition_frequency=3, **SHAMPOO_OPTIONS))
     return SOAP(SOAPConfig(lr=lr, precondition_frequency=3))

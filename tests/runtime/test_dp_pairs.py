@@ -30,7 +30,7 @@ FORCED = ("linear_fc1", "linear_qkv", "linear_fc2")  # fused gate/up and QKV (ta
 
 
 def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
-                bf16: bool = False):
+                bf16: bool = False, optimizer: str = "muon"):
     """A valid dp-4 plan in which every task of ``kinds`` is shared by two adjacent DP
     indices: the planner's own cuts (each task's pieces on one index), then, per task, the cut
     after its owner moved to the row boundary between its pieces (the next index takes the
@@ -47,7 +47,7 @@ def forced_plan(kinds: tuple[str, ...] = FORCED, split: bool = True,
 
     cfg = T.CFG.model_copy(update={"dtype": "bf16" if bf16 else "fp32"})
     problem = make_problem(build_inventory(cfg), ParallelSizes(dp=DP, tp=1),
-                           OptimizerSettings(name="muon"), bucket_size=20_000,
+                           OptimizerSettings(name=optimizer), bucket_size=20_000,
                            comm_dtype="fp32")
     sol = solve(problem, DPOptions(bucket_size=20_000))
     hw = load_hardware("h100")
@@ -143,6 +143,9 @@ CASES = {
     "forced_split": dict(plan=functools.partial(forced_plan, split=True)),
     "forced": dict(plan=functools.partial(forced_plan, split=False), accum=2, clip=0.05),
     "forced_bf16": dict(plan=functools.partial(forced_plan, bf16=True), bf16=True, steps=5),
+    # NorMuon: each partner's rows normalised by their own moments, the two norms summed
+    "normuon_forced": dict(optimizer="normuon", roundtrip=True, steps=5,
+                           plan=functools.partial(forced_plan, optimizer="normuon")),
     # pairs as bundles: several matrices per pair in one lockstep, on a reordered layout
     "bundles": dict(plan=bundle_plan, roundtrip=True),
     "bundles_nosplit": dict(plan=functools.partial(bundle_plan, split=False), accum=2),

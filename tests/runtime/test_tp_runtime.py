@@ -48,6 +48,12 @@ CASES4 = {
     "muon_polar_express_spectral": dict(optimizer="muon", share="all-split", steps=5,
                                         matrix_options=dict(ns_coefficients="polar_express",
                                                             adjust_lr_fn="spectral")),
+    # NorMuon: hosted (whole matrices), shared by the TP group (fc1's and QKV's shards are
+    # whole rows, their moments kept per shard; proj's and fc2's columns, every row's moments
+    # summed), and by two TP groups (pieces of fc1's rows); with a state_dict round trip
+    "normuon": dict(optimizer="normuon", steps=5),
+    "normuon_shared": dict(optimizer="normuon", share="all-split", roundtrip=True, steps=5),
+    "normuon_tp_pairs": dict(optimizer="normuon", share="pairs", steps=5),
     # k = 2·tp: fc1 shared by the TP groups of both DP indices (each holds half of every
     # shard's rows: the bucket cut inside the shards), the other matrices by their TP group;
     # with a state_dict round trip; bf16
@@ -142,48 +148,65 @@ def world4(tp_world4):
     return tp_world4
 
 
-def _shared_checkpoint(rank, world, *, folder):
+def _shared_checkpoint(rank, world, *, folder, optimizer="muon"):
     """Logical checkpoints across sharing: a momentum saved by a plan whose TP group shares
     every matrix (each rank its shard) loads into the plan that hosts them (the host's full
-    matrix), and back; each side holds exactly the canonical momentum it was given."""
+    matrix), and back; each side holds exactly the canonical momentum it was given. NorMuon's
+    row moments too: a column-parallel shard's rows, a row-parallel one's every row."""
     import canzona
 
     _, tp_group = T.groups(1, 2)
     start = T.initial_full()
     ps = T.spec().params
     g = torch.Generator().manual_seed(11)
-    moment = {p.name: torch.randn(p.shape, generator=g) for p in ps if p.optimizer == "matrix"}
+    keys = ("momentum_buffer",) + (("second_momentum_buffer",) if optimizer == "normuon"
+                                   else ())
+    canon = {key: {p.name: torch.rand(p.shape if key == "momentum_buffer" else (p.shape[0], 1),
+                                      generator=g)
+                   for p in ps if p.optimizer == "matrix"} for key in keys}
     shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], 2, rank), 2)) for p in ps]
     by_name = {p.name: p for p in ps}
 
+    def local(name, full):  # this rank's part of a canonical state tensor
+        p = by_name[name]
+        if full.shape[1] == p.shape[1]:
+            return T.local_of(p, full, 2, rank)
+        if p.tp_dim != 0:  # a row-parallel shard holds every row's moment
+            return full
+        return T.local_of(p, full.expand(p.shape).contiguous(), 2, rank)[:, :1]
+
     def build(share):
-        return canzona.CanzonaOptimizer(shards, T.plan_for(1, 2, share=share), tp_group=tp_group)
+        return canzona.CanzonaOptimizer(shards, T.plan_for(1, 2, optimizer, share=share),
+                                        lr=T.LR[optimizer], tp_group=tp_group)
 
-    def shared_state(opt):  # this rank's shard of each shared matrix's momentum
-        return {x.name: opt.state[opt._params[x.param]]["momentum_buffer"]
-                for x in opt._micro.shared}
+    def shared_state(opt, key):  # this rank's shard of each shared matrix's state
+        return {x.name: opt.state[opt._params[x.param]][key] for x in opt._micro.shared}
 
-    def hosted_state(opt):  # the full momentum of each matrix hosted here
-        return {t.name: opt.state[opt._params[t.param]]["momentum_buffer"]
+    def hosted_state(opt, key):  # the full state of each matrix hosted here
+        return {t.name: opt.state[opt._params[t.param]][key]
                 for t in opt._micro.hosted if t.part is None}
 
-    out = {}
+    out = {"to_hosted": {}, "to_shared": {}}
     opt = build("all")
-    for name, m in shared_state(opt).items():
-        m.copy_(T.local_of(by_name[name], moment[name], 2, rank))
+    for key in keys:
+        for name, m in shared_state(opt, key).items():
+            m.copy_(local(name, canon[key][name]))
     canzona.save_checkpoint(f"{folder}/shared", None, opt)
     opt.close()
     opt = build("off")
     canzona.load_checkpoint(f"{folder}/shared", None, opt)
-    out["to_hosted"] = {n: bool(torch.equal(m, moment[n])) for n, m in hosted_state(opt).items()}
-    for n, m in hosted_state(opt).items():  # and back, from other values
-        m.copy_(moment[n] * 2)
+    for key in keys:
+        out["to_hosted"].update({(key, n): bool(torch.equal(m, canon[key][n]))
+                                 for n, m in hosted_state(opt, key).items()})
+        for n, m in hosted_state(opt, key).items():  # and back, from other values
+            m.copy_(canon[key][n] * 2)
     canzona.save_checkpoint(f"{folder}/hosted", None, opt)
     opt.close()
     opt = build("all")
     canzona.load_checkpoint(f"{folder}/hosted", None, opt)
-    out["to_shared"] = {n: bool(torch.equal(m, T.local_of(by_name[n], moment[n] * 2, 2, rank)))
-                        for n, m in shared_state(opt).items()}
+    for key in keys:
+        out["to_shared"].update({(key, n): bool(torch.equal(m, local(n, canon[key][n] * 2)))
+                                 for n, m in shared_state(opt, key).items()})
     out["state_dict"] = "state" in opt.state_dict()
     opt.close()
     return out
@@ -352,6 +375,9 @@ def world2(tmp_path_factory):
               ("untouched", functools.partial(_case, dp=1, tp=2, **UNTOUCHED))]
     cases += [("refusals", _refusals),
               ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder)),
+              ("normuon_checkpoint", functools.partial(_shared_checkpoint,
+                                                       folder=f"{folder}/normuon",
+                                                       optimizer="normuon")),
               ("shampoo_checkpoint", functools.partial(_shampoo_checkpoint,
                                                        folder=f"{folder}/shampoo"))]
     return H.run_world(2, cases, str(tmp_path_factory.mktemp("tp2")))
@@ -368,15 +394,16 @@ def test_logical_checkpoints_cross_tp_pairs(world4):
     assert len(hosted) == 8  # the hosts of the four ranks hold every matrix between them
 
 
-def test_logical_checkpoints_cross_sharing(world2):
-    got = H.results(world2, "shared_checkpoint")
+@pytest.mark.parametrize("case,keys", [("shared_checkpoint", 1), ("normuon_checkpoint", 2)])
+def test_logical_checkpoints_cross_sharing(world2, case, keys):
+    got = H.results(world2, case)
     hosted = set()
     for res in got:
         assert res["to_hosted"] and all(res["to_hosted"].values()), res["to_hosted"]
         assert res["to_shared"] and all(res["to_shared"].values()), res["to_shared"]
-        assert len(res["to_shared"]) == 8 and res["state_dict"]  # every matrix shared
+        assert len(res["to_shared"]) == 8 * keys and res["state_dict"]  # every matrix shared
         hosted |= set(res["to_hosted"])
-    assert len(hosted) == 8  # the hosts of the two ranks hold every matrix between them
+    assert len(hosted) == 8 * keys  # the hosts of the two ranks hold every matrix between them
 
 
 def test_logical_checkpoints_cross_shampoos_shard_blocks(world2):

@@ -27,7 +27,7 @@ CFG = ModelConfig(name="tiny-tp", arch="qwen3", hidden=64, ffn=96, layers=2, q_h
                   dtype="fp32")
 STEPS = 10
 ROWS = 96  # data rows per DP rank and step (SOAP: statistics of full rank, a unique eigenbasis)
-LR = {"muon": 0.02, "shampoo": 0.01, "soap": 3e-3}
+LR = {"muon": 0.02, "normuon": 0.02, "shampoo": 0.01, "soap": 3e-3}
 ADAMW_LR = 3e-3
 SHAMPOO_OPTIONS = {"eps": 1e-4}
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..cost import Roofline
-from ..formulas import gram_chunks, poly_packed_numel, shared_ns_flops
+from ..formulas import gram_chunks, poly_packed_numel, row_stats_numel, shared_ns_flops
 from ..hardware import HardwareProfile, LinkProfile
 from ..planning import DPProblem
 
@@ -191,6 +191,17 @@ def tp_sub_piece(tp: int, k: int, split: bool, m: int, n: int, steps: int, e: in
     return dataclasses.replace(piece, comm_s=piece.comm_s + a2a)
 
 
+def _row_stats_s(o: ShareOption, tp_dim: int | None, rows: int, cols: int, tp: int,
+                 hw: HardwareProfile) -> float:
+    """Seconds of the all-reduce of a shared NorMuon piece's row statistics (fp32,
+    ``formulas.row_stats_numel``): the pieces of a DP group or of a column-parallel TP split
+    hold whole rows of the rows × cols matrix, a row-parallel split's blocks of columns."""
+    whole = o.group == "dp" or tp_dim == 0
+    numel = row_stats_numel(rows, cols, whole_rows=whole)
+    ranks = {"dp": o.k * tp, "tp_pair": 2 * tp}.get(o.group, tp)
+    return _all_reduce_s(numel, 4, o.k, hw.link(ranks))
+
+
 def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
                   ns_bytes: int = 2, groups: tuple[Group, ...] = ("tp", "tp_pair", "dp"),
                   dp_sizes: tuple[int, ...] = DP_GROUP_SIZES) -> list[ShareOption]:
@@ -235,6 +246,10 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
                 link = hw.link(k * sizes.tp)
                 out += [shared_piece("dp", k, s, m, n, steps, ns_bytes, link, rate=rate,
                                      exchange=rows < cols) for s in (False, True)]
+    if problem.settings.spec.row_stats:  # NorMuon: the pieces sum their row statistics
+        out = [dataclasses.replace(o, comm_s=o.comm_s + _row_stats_s(o, p.tp_dim, rows, cols,
+                                                                     sizes.tp, hw))
+               for o in out]
     if problem.seconds_per_load is not None:  # loads in seconds: the passes count, 1/k each
         memory = Roofline.of(hw, "bf16").memory_s(problem.costs[task])
         out = [dataclasses.replace(o, memory_s=memory / o.k) for o in out]

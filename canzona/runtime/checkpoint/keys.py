@@ -162,6 +162,11 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
         rows = L.task_rows(t)
         if kernel.row_state_only:
             for key, x in st.items():
+                if x.dim() == 2 and x.shape[1] != view.logical[1]:  # per row (NorMuon's moments)
+                    logical = (view.logical[0], x.shape[1])
+                    boxes = [((c, 0), x[i:i + n]) for i, c, n in _runs(rows)]
+                    E.add_pieces(f"optim.{_key(view.name)}.{key}", logical, boxes)
+                    continue
                 boxes = [((c, 0) if len(view.logical) == 2 else (c,),
                           x[i:i + n] if len(view.logical) == 2 else x[i:i + n].view(-1))
                          for i, c, n in _runs(rows)]
@@ -181,10 +186,17 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
             _add_shard_blocks(E, x, opt.state[opt._params[x.param]], L, opt, saving=saving)
             continue
         at = x.row0 * x.local_shape[1]  # its rows of the shard, where a partner holds the rest
-        for key, val in opt.state[opt._params[x.param]].items():
+        st = opt.state[opt._params[x.param]]
+        for key, val in st.items():
+            if val.dim() == 2 and val.shape[1] != x.local_shape[1]:
+                continue  # per row: below
             flat = val.view(-1)
             E.add_pieces(f"optim.{_key(view.name)}.{key}", view.logical,
                          view.pieces(flat, at, at + flat.numel()))
+        for key, val in st.items():
+            if val.dim() == 2 and val.shape[1] != x.local_shape[1]:
+                _add_shard_rows(E, f"optim.{_key(view.name)}.{key}", val, x, view, at, L,
+                                saving=saving)
     # -- hyper-parameters -------------------------------------------------------------------------
     if saving:
         groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}
@@ -194,6 +206,27 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
         E.sd["optim.param_groups"] = ""
         E.after.append(lambda: _load_groups(opt, E.sd["optim.param_groups"]))
     return E
+
+
+def _add_shard_rows(E: Entries, key: str, val: Tensor, x: Any, view: Any, at: int,
+                    L: RankLayout, *, saving: bool) -> None:
+    """A per-row state (NorMuon's second moments, ``val`` rows × 1) of a matrix the TP group
+    shares: a column-parallel shard's rows lie where the shard's weights do (read off the
+    weights' pieces of the same range); a row-parallel shard holds every row's, the same on
+    every TP rank, so TP rank 0 writes them and every rank reads them."""
+    rows = view.logical[0]
+    if x.dim != 0:
+        if not saving or L.tp_rank == 0:
+            E.add_pieces(key, (rows, val.shape[1]), [((0, 0), val)])
+        return
+    cols = x.local_shape[1]
+    probe = torch.empty(val.shape[0] * cols, device="meta")
+    boxes, k = [], 0
+    for origin, piece in view.pieces(probe, at, at + probe.numel()):
+        n = piece.shape[0]
+        boxes.append(((origin[0], 0), val[k:k + n]))
+        k += n
+    E.add_pieces(key, (rows, val.shape[1]), boxes)
 
 
 def _add_shard_blocks(E: Entries, x: Any, st: dict[str, Tensor], L: RankLayout, opt: Any, *,

@@ -1,4 +1,4 @@
-"""Optimizer kernels: Muon, Shampoo and SOAP for whole matrices, AdamW for everything else.
+"""Optimizer kernels: Muon, NorMuon, Shampoo and SOAP for whole matrices, AdamW for everything else.
 
 Each matrix optimizer splits its step into ``direction`` (stateful, whole logical matrices,
 batched) and ``apply`` (elementwise, works on tensor-parallel shards); see ``_base``. State is a
@@ -11,6 +11,7 @@ planner's registry (``canzona.planner.optimizers``) to its kernel and config
 from canzona.runtime.optim._base import MatrixOptimizer, NonFiniteGradientError
 from canzona.runtime.optim.adamw import AdamW, AdamWConfig
 from canzona.runtime.optim.muon import Muon, MuonConfig, newton_schulz
+from canzona.runtime.optim.normuon import NorMuon, NorMuonConfig
 from canzona.runtime.optim.shampoo import Shampoo, ShampooConfig
 from canzona.runtime.optim.registry import KernelSpec
 from canzona.runtime.optim.soap import SOAP, SOAPConfig
@@ -24,6 +25,8 @@ __all__ = [
     "Muon",
     "MuonConfig",
     "NonFiniteGradientError",
+    "NorMuon",
+    "NorMuonConfig",
     "SOAPConfig",
     "Shampoo",
     "ShampooConfig",

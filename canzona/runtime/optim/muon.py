@@ -288,6 +288,15 @@ class Muon(MatrixOptimizer):
                 out[i] = ortho[k]  # views into one batched tensor (transposed for tall shapes)
         return out
 
+    def finish_shared(self, pieces: Sequence[Tensor], states: Sequence[dict[str, Tensor]],
+                      full_shapes: Sequence[Sequence[int]], whole_rows: Sequence[bool],
+                      reduce: Callable[[list[tuple[int, Tensor]]], None] | None) -> list[Tensor]:
+        """The pieces of shared matrices' orthogonalised updates as they are applied (float32):
+        Muon applies them as they are, with no collective. A kernel whose update needs the
+        whole matrix after the orthogonalisation (NorMuon's row statistics) overrides it;
+        ``reduce`` sums ``(k, tensor)`` items in place over matrix k's sharing ranks."""
+        return [p.to(torch.float32) for p in pieces]
+
     def apply(self, param, update, *, lr=None, weight_decay=None, full_shape=None) -> None:
         cfg = self.config
         lr = cfg.lr if lr is None else lr

@@ -27,6 +27,7 @@ from typing import Any
 from canzona.planner.settings import OptimizerSettings, ns_schedule
 from canzona.runtime.optim._base import MatrixOptimizer
 from canzona.runtime.optim.muon import Muon, MuonConfig
+from canzona.runtime.optim.normuon import NorMuon, NorMuonConfig
 from canzona.runtime.optim.shampoo import Shampoo, ShampooConfig
 from canzona.runtime.optim.soap import SOAP, SOAPConfig
 
@@ -125,4 +126,10 @@ register(KernelSpec(
     recorded=lambda s: {"precondition_frequency": s.soap_precondition_frequency,
                         "max_precond_dim": s.soap_max_precond_dim},
     hints={"momentum": "use matrix_options={'betas': …}"},
+))
+
+register(KernelSpec(
+    name="normuon", kernel=NorMuon, config=NorMuonConfig,
+    recorded=lambda s: {"ns_steps": s.ns_steps, "ns_coefficients": s.ns_coefficients},
+    agrees=_same_schedule,
 ))

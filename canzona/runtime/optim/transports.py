@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.waits import wait_within
+from canzona.runtime.waits import wait_for, wait_within
 
 __all__ = ["PeerPair", "TPPair", "all_gather", "all_reduce", "gather_slot", "group_rank",
-           "group_size", "pair_exchange"]
+           "group_size", "pair_exchange", "sum_each"]
 
 # torch ≥ 2.10 renamed the tensor collectives (the old names warn).
 _dist_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -186,6 +186,19 @@ def all_reduce(t: Tensor, group: Any) -> Any:
     # t is the message (untouched until the exchange is waited for), then receives the sum:
     # the same on both sides, as IEEE addition commutes
     return _Exchange(pair_exchange([(t, other)], group), lambda: t.add_(other))
+
+
+def sum_each(tensors: Sequence[Tensor], groups: Sequence[Any], what: Sequence[str], *,
+             timeout_s: float | None, rank: int, flight: Any = None) -> None:
+    """Each tensor summed in place over its group (a process group, :class:`PeerPair` or
+    :class:`TPPair`): every sum launched, then each waited for (``what``: its name for a
+    timeout, ``rank`` this rank's, ``flight`` the flight recorder)."""
+    works = [all_reduce(t, g) for t, g in zip(tensors, groups)]
+    if flight is not None:
+        for w, name in zip(works, what):
+            flight.add(name, w)
+    for w, name in zip(works, what):
+        wait_for(w, name, timeout_s, rank)
 
 
 def all_gather(out: Tensor, block: Tensor, group: Any) -> Any:
