@@ -188,15 +188,13 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
         at = x.row0 * x.local_shape[1]  # its rows of the shard, where a partner holds the rest
         st = opt.state[opt._params[x.param]]
         for key, val in st.items():
-            if val.dim() == 2 and val.shape[1] != x.local_shape[1]:
-                continue  # per row: below
+            if val.dim() == 2 and val.shape[1] != x.local_shape[1]:  # per row (NorMuon's)
+                _add_shard_rows(E, f"optim.{_key(view.name)}.{key}", val, x, view, at, L,
+                                saving=saving)
+                continue
             flat = val.view(-1)
             E.add_pieces(f"optim.{_key(view.name)}.{key}", view.logical,
                          view.pieces(flat, at, at + flat.numel()))
-        for key, val in st.items():
-            if val.dim() == 2 and val.shape[1] != x.local_shape[1]:
-                _add_shard_rows(E, f"optim.{_key(view.name)}.{key}", val, x, view, at, L,
-                                saving=saving)
     # -- hyper-parameters -------------------------------------------------------------------------
     if saving:
         groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}

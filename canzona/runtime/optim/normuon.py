@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from canzona.planner import formulas
-from canzona.runtime.optim._base import check_choice, check_range, check_state, matrix_shape
+from canzona.runtime.optim._base import (check_choice, check_range, check_state, matrix_shape,
+                                          param_names)
 from canzona.runtime.optim.muon import Muon, MuonConfig
 
 __all__ = ["NorMuon", "NorMuonConfig"]
@@ -96,8 +97,7 @@ class NorMuon(Muon):
         return formulas.normuon_state_numel(m, n)
 
     def direction(self, grads, states, *, names=None) -> list[Tensor | None]:
-        for i, (g, s) in enumerate(zip(grads, states)):
-            name = names[i] if names is not None and i < len(names) else f"#{i}"
+        for g, s, name in zip(grads, states, param_names(names, len(grads))):
             if g.dim() == 2:
                 check_state(self.name, name, s, {"second_momentum_buffer": (g.shape[0], 1)},
                             g.device)
