@@ -17,7 +17,7 @@ PLANNER = ROOT / "planner"
 #: and inverse) sits above sharing: nothing below writes or reads a plan.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("formulas", ("errors", "formulas", "hardware", "comm", "settings", "options", "optimizers")),
-    ("model", ("models", "inventory", "shards", "layout")),
+    ("model", ("models", "inventory", "shards", "heads", "layout")),
     ("cost", ("cost", "objective", "planning", "__init__")),
     ("dp", ("dp",)),
     ("tp", ("tp",)),

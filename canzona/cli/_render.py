@@ -231,11 +231,17 @@ def ns_text(settings: Any) -> str:
     return f" (NS {name} × {settings.ns_steps})"
 
 
+def qkv_text(settings: Any) -> str:
+    """``, QKV per head`` (or ``as Q, K, V``) when the QKV is not one matrix; ``""`` else."""
+    return {"heads": ", QKV per head", "qkv": ", QKV as Q, K, V"}.get(settings.qkv_split, "")
+
+
 def plan_header(plan: Plan) -> str:
     inp = plan.inputs
     ep = f" ep={inp.ep}" if inp.ep > 1 else ""
     return (f"[bold]{escape(inp.model)}[/]  dp={inp.dp} tp={inp.tp}{ep} ({gpus(inp.dp * inp.tp)})  "
-            f"{inp.optimizer.name}{escape(ns_text(inp.optimizer))}, cost {inp.cost_model}, "
+            f"{inp.optimizer.name}{escape(ns_text(inp.optimizer))}{qkv_text(inp.optimizer)}, "
+            f"cost {inp.cost_model}, "
             f"solver {inp.solver.solver}, "
             f"α={inp.solver.alpha:g}")
 

@@ -26,7 +26,7 @@ from canzona import __version__
 from canzona.planner import CanzonaError, CanzonaWarning, optimizers
 from canzona.planner.hardware import hardware_names
 from canzona.planner.options import DEFAULT_COST, DEFAULT_SHARE
-from canzona.planner.settings import NS_SCHEDULES, ns_schedule
+from canzona.planner.settings import NS_SCHEDULES, QKV_SPLITS, ns_schedule
 
 from . import _render
 
@@ -236,6 +236,14 @@ def layout(
         _render.layout_view(spec, lay, show_buckets=buckets)
 
 
+def _qkv_split(value: str, alias: bool) -> str:
+    """``--qkv-split``, with ``--split-qkv`` as the alias of ``qkv``."""
+    value = _choice(value, QKV_SPLITS, "--qkv-split")
+    if alias and value not in ("fused", "qkv"):
+        raise CanzonaError(f"--split-qkv means --qkv-split qkv, not {value}; give one of them.")
+    return "qkv" if alias else value
+
+
 def _choice(value: str, allowed: tuple[str, ...], option: str) -> str:
     """Lower-case ``value`` if it is one of ``allowed``; a one-line error otherwise."""
     v = value.strip().lower()
@@ -318,8 +326,12 @@ def plan(
         "--reorder/--no-reorder", help="Let parameters change places inside their bucket (same "
         "buckets, much better balance; the plan records the order and canzona's runtime lays "
         "its buffers out from it). --no-reorder keeps Megatron's order.")] = True,
+    qkv_split: Annotated[str, typer.Option(
+        "--qkv-split", help="Megatron's fused QKV orthogonalised as one matrix (fused), as Q, K "
+        "and V (qkv) or head by head (heads: one matrix per query, key and value head, each "
+        "computed by the TP rank that holds it).")] = "fused",
     split_qkv: Annotated[bool, typer.Option(
-        "--split-qkv", help="Q, K and V as separate matrices.")] = False,
+        "--split-qkv", help="The same as --qkv-split qkv.")] = False,
     split_gate_up: Annotated[bool, typer.Option(
         "--split-gate-up", help="gate and up projections as separate matrices.")] = False,
     bucket_size: BucketSizeOpt = None,
@@ -390,7 +402,7 @@ def plan(
     settings = OptimizerSettings(
         name=_choice(optimizer, optimizers.names(), "--optimizer"),  # type: ignore[arg-type]
         ns_steps=ns_steps, ns_coefficients=_ns_schedule(ns),
-        split_qkv=split_qkv, split_gate_up=split_gate_up)
+        qkv_split=_qkv_split(qkv_split, split_qkv), split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep, etp=None if etp == tp else etp)
     name = resolve_model(model, config).name
     default = default_plan_name(name, sizes, settings.name)

@@ -22,6 +22,7 @@ from typing import Literal, Protocol
 from . import formulas, optimizers
 from .errors import CanzonaError, SizeError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
+from .heads import head_parts, is_head
 from .inventory import EXPERT_PART, ModelSpec
 from .layout import ParallelSizes
 from .settings import OptimizerSettings
@@ -39,10 +40,12 @@ class Task:
     Attributes:
         id: position in the task list (deterministic: parameter order, then part order).
         param: the parameter it updates.
-        part: the part of a fused parameter (``q``, ``k``, ``v``, ``gate``, ``up``) or None.
+        part: the part of a fused parameter (``q``, ``k``, ``v``, ``gate``, ``up``, a head
+            ``q<h>``/``k<g>``/``v<g>``) or None.
         shape: logical shape of the matrix (or of the AdamW tensor).
         optimizer: "matrix" or "adamw".
-        tp_split: whether TP splits the parameter, so the host must gather the whole matrix.
+        tp_split: whether TP splits the task's matrix, so a host must gather it (a head of a
+            fused QKV is whole on one TP rank: not split, ``heads``).
     """
 
     id: int
@@ -91,7 +94,12 @@ def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSiz
         split = p.optimizer == "matrix" and p.parts and (
             (p.tp_layout == "qkv" and settings.split_qkv)
             or (p.tp_layout == "gate_up" and settings.split_gate_up))
-        if split:
+        if p.optimizer == "matrix" and p.head_rows and settings.qkv_split == "heads":
+            # one task per head, each whole on the TP rank whose shard holds it (``heads``)
+            for part in head_parts(p):
+                tasks.append(Task(len(tasks), p.name, part.name, (part.rows, p.shape[1]),
+                                  p.optimizer, False, p.expert))
+        elif split:
             for part in p.parts:
                 tasks.append(Task(len(tasks), p.name, part.name, (part.rows, p.shape[1]),
                                   p.optimizer, tp_split, p.expert))
@@ -106,6 +114,11 @@ def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSiz
                                   p.optimizer, False, p.expert))
         else:
             tasks.append(Task(len(tasks), p.name, None, p.shape, p.optimizer, tp_split, p.expert))
+    if settings.qkv_split == "heads" and not any(is_head(t.part) for t in tasks):
+        raise SizeError(f"qkv_split='heads' cuts attention weights per head, but '{spec.name}' "
+                        "has none on the matrix optimizer whose head size is known (a live "
+                        "module's q, k and v projections need plan_model(..., head_dim=)); use "
+                        "qkv_split='fused'.")
     return tasks
 
 

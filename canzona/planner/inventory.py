@@ -75,6 +75,8 @@ class ParamSpec:
         parts: sub-matrices of a fused weight, in logical (Hugging Face) order.
         hf_names: the Hugging Face parameter names this weight holds (one per part when fused).
         optimizer: "matrix" (Muon/Shampoo/SOAP) or "adamw", by Megatron's rule unless overridden.
+        head_rows: rows per attention head of a weight whose rows are attention heads (the fused
+            QKV, or a q, k or v projection), 0 otherwise: what ``qkv_split="heads"`` cuts.
     """
 
     name: str
@@ -87,6 +89,7 @@ class ParamSpec:
     parts: tuple[Part, ...] = ()
     hf_names: tuple[str, ...] = ()
     optimizer: OptimizerRoute = "adamw"
+    head_rows: int = 0
 
     @property
     def numel(self) -> int:
@@ -269,10 +272,10 @@ def _megatron_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
 
     def add(name: str, shape: tuple[int, ...], kind: Kind, layout: TPLayout,
             hf_names: Iterable[str], layer: int | None = None, expert: int | None = None,
-            parts: tuple[Part, ...] = ()) -> None:
+            parts: tuple[Part, ...] = (), head_rows: int = 0) -> None:
         out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer,
-                             expert=expert,
-                             tp_layout=layout, parts=parts, hf_names=tuple(hf_names)))
+                             expert=expert, tp_layout=layout, parts=parts,
+                             hf_names=tuple(hf_names), head_rows=head_rows))
 
     add("embedding.word_embeddings.weight", (cfg.vocab, h), "embedding", "vocab",
         [f"{hf}.embed_tokens.weight"])
@@ -284,7 +287,7 @@ def _megatron_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
             [f"{hpre}.self_attn.o_proj.weight"], layer=i)
         add(f"{pre}.self_attention.linear_qkv.weight", ((nq + 2 * nkv) * hd, h), "matrix", "qkv",
             [f"{hpre}.self_attn.{x}_proj.weight" for x in "qkv"], layer=i,
-            parts=(Part("q", nq * hd), Part("k", nkv * hd), Part("v", nkv * hd)))
+            parts=(Part("q", nq * hd), Part("k", nkv * hd), Part("v", nkv * hd)), head_rows=hd)
         if cfg.qk_norm:
             for x in "qk":
                 add(f"{pre}.self_attention.{x}_layernorm.weight", (hd,), "vector", "replicated",
@@ -375,16 +378,18 @@ def _hf_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
     nq, nkv = cfg.q_heads, cfg.kv_heads
     out: list[ParamSpec] = []
 
-    def add(name: str, shape: tuple[int, ...], kind: Kind, layer: int | None = None) -> None:
+    def add(name: str, shape: tuple[int, ...], kind: Kind, layer: int | None = None,
+            head_rows: int = 0) -> None:
         out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer,
-                             expert=None, tp_layout="replicated", hf_names=(name,)))
+                             expert=None, tp_layout="replicated", hf_names=(name,),
+                             head_rows=head_rows))
 
     add("model.embed_tokens.weight", (cfg.vocab, h), "embedding")
     for i in range(cfg.layers):
         pre = f"model.layers.{i}"
-        add(f"{pre}.self_attn.q_proj.weight", (nq * hd, h), "matrix", i)
-        add(f"{pre}.self_attn.k_proj.weight", (nkv * hd, h), "matrix", i)
-        add(f"{pre}.self_attn.v_proj.weight", (nkv * hd, h), "matrix", i)
+        add(f"{pre}.self_attn.q_proj.weight", (nq * hd, h), "matrix", i, hd)
+        add(f"{pre}.self_attn.k_proj.weight", (nkv * hd, h), "matrix", i, hd)
+        add(f"{pre}.self_attn.v_proj.weight", (nkv * hd, h), "matrix", i, hd)
         add(f"{pre}.self_attn.o_proj.weight", (h, nq * hd), "matrix", i)
         if cfg.qk_norm:
             add(f"{pre}.self_attn.q_norm.weight", (hd,), "vector", i)

@@ -11,14 +11,15 @@ the optimizer registry :mod:`canzona.planner.optimizers` (which names are valid)
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, model_serializer,
+                      model_validator)
 
 from . import formulas, optimizers
 
 __all__ = ["NS_SCHEDULES", "PARAM_ALIGN", "Coefficients", "OptimizerName", "OptimizerSettings",
-           "expert_place", "ns_schedule"]
+           "QKV_SPLITS", "expert_place", "ns_schedule"]
 
 #: Megatron pads each parameter's start to 64 elements (128-byte addresses at 16 bits).
 PARAM_ALIGN = 64
@@ -128,6 +129,10 @@ def _enum_of_registered(schema: dict[str, Any]) -> None:
     schema.update(enum=list(optimizers.names()), type="string", **rest)
 
 
+#: How Megatron's fused QKV is orthogonalised: one matrix, Q, K and V apart, or head by head.
+QKV_SPLITS = ("fused", "qkv", "heads")
+QKVSplit = Literal[QKV_SPLITS]  # type: ignore[valid-type]
+
 #: A matrix optimizer's name: one registered in :mod:`canzona.planner.optimizers`.
 OptimizerName = Annotated[str, AfterValidator(_registered)]
 
@@ -152,23 +157,59 @@ class OptimizerSettings(BaseModel):
     shampoo_grafting: bool = True
     soap_precondition_frequency: int = Field(default=10, ge=1)
     soap_max_precond_dim: int = Field(default=10000, ge=1)
-    split_qkv: bool = Field(default=False, description="Q, K, V as separate matrices.")
+    qkv_split: QKVSplit = Field(
+        default="fused", description="Megatron's fused QKV: one matrix (fused), Q, K and V as "
+        "three (qkv), or one per attention head of each (heads); written as split_qkv unless "
+        "heads.")
     split_gate_up: bool = Field(default=False, description="gate and up as separate matrices.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _split_qkv_flag(cls, data: Any) -> Any:
+        """``split_qkv`` (a bool: what plans write for ``fused`` and ``qkv``) reads as
+        ``qkv_split``."""
+        if not isinstance(data, dict) or "split_qkv" not in data:
+            return data
+        data = dict(data)
+        flag = data.pop("split_qkv")
+        if not isinstance(flag, bool):
+            raise ValueError(f"split_qkv must be true or false, got {flag!r}; or give "
+                             f"qkv_split: one of {', '.join(QKV_SPLITS)}")
+        if "qkv_split" in data and data["qkv_split"] != ("qkv" if flag else "fused"):
+            raise ValueError(f"split_qkv={flag} and qkv_split={data['qkv_split']!r} disagree; "
+                             "give qkv_split alone")
+        data["qkv_split"] = "qkv" if flag else "fused"
+        return data
+
     @model_serializer(mode="wrap")
-    def _without_default_schedule(self, handler):  # noqa: ANN001, ANN202
-        """The default schedule is not written, so a plan that keeps it has the text it had
-        before schedules were recorded (and an older canzona reads it)."""
+    def _as_written_before(self, handler):  # noqa: ANN001, ANN202
+        """The default schedule is not written, and the QKV split is written as the flag
+        ``split_qkv`` unless it is per head, so a plan that uses neither has the text it had
+        before they were recorded (and an older canzona reads it)."""
         out = handler(self)
         if self.ns_coefficients == "simple":
             out.pop("ns_coefficients", None)
+        if self.qkv_split != "heads" and "qkv_split" in out:
+            out = {("split_qkv" if k == "qkv_split" else k):
+                   (self.qkv_split == "qkv" if k == "qkv_split" else v) for k, v in out.items()}
         return out
 
     @property
+    def split_qkv(self) -> bool:
+        """Q, K and V are three matrices (``qkv_split == "qkv"``)."""
+        return self.qkv_split == "qkv"
+
+    @property
     def records_recipe(self) -> bool:
-        """The settings record a choice an older plan schema has no field for (a Newton–Schulz
+        """The settings record a choice a version-5 plan has no field for (a Newton–Schulz
         schedule other than ``simple``)."""
         return self.ns_coefficients != "simple"
+
+    @property
+    def records_heads(self) -> bool:
+        """The settings record a choice a version-6 plan has no field for (one matrix per
+        attention head)."""
+        return self.qkv_split == "heads"
 
     @property
     def spec(self) -> optimizers.OptimizerSpec:

@@ -14,7 +14,7 @@ from canzona.planner.settings import OptimizerSettings
 SHAPES = [(64, 64), (96, 40), (40, 96), (2048, 300), (5000, 64), (300, 20000)]
 #: OptimizerSettings fields no optimizer's cost formula reads (task shapes, the Newton–Schulz
 #: coefficients: what the runtime computes, not its cost).
-NOT_COSTS = {"name", "split_qkv", "split_gate_up", "ns_coefficients"}
+NOT_COSTS = {"name", "qkv_split", "split_gate_up", "ns_coefficients"}
 
 
 def _other_value(value):

@@ -12,9 +12,10 @@ from .. import comm as comm_model
 from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from ..planning import Cuts, DPProblem, equal_cuts, evaluate, pair_owners, pair_phases
 from .comm_section import comm_section
-from .schema import (BASE_VERSION, DP_PAIR_VERSION, RECIPE_VERSION, TP_PAIR_VERSION,
-                     TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
-                     PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan, TPPlan)
+from .schema import (BASE_VERSION, DP_PAIR_VERSION, HEADS_VERSION, RECIPE_VERSION,
+                     TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics,
+                     PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan,
+                     TPPlan)
 
 __all__ = ["baseline_plan", "build_plan"]
 
@@ -103,7 +104,8 @@ def build_plan(
                      modelled_s=round(x.alone_s, 9))
         for i, x in sorted(problem.pairs.items()))
     tp_shares = tp is not None and any(ix.shared for ix in tp.indices)
-    version = (RECIPE_VERSION if problem.settings.records_recipe
+    version = (HEADS_VERSION if problem.settings.records_heads
+               else RECIPE_VERSION if problem.settings.records_recipe
                else TP_PAIR_VERSION if dp_shared and sizes.tp > 1 else DP_PAIR_VERSION if dp_shared
                else TP_SHARE_VERSION if tp_shares else BASE_VERSION)
     return Plan(schema_version=version,

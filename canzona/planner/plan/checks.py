@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from .. import optimizers
 from ..cost import DTYPE_BYTES, Task, TaskCost, make_cost_model, task_cost
-from ..errors import PlanFileError
+from ..errors import CanzonaError, PlanFileError
+from ..heads import head_ranks, is_head
 from ..layout import ParallelSizes, padded_vocab
 from ..options import HARDWARE_COSTS
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
@@ -172,11 +173,14 @@ def _check(plan: Plan, source: str) -> None:
                                           f"(inputs.cost_model), so it must equal the task's "
                                           f"numel {numel[i]}")
         matrix = t.optimizer == "matrix"
+        # a head of a fused QKV split per head lies whole on one TP rank's shard (``heads``)
+        one_rank = matrix and settings.records_heads and is_head(t.part)
         if plan.tp is not None and matrix:
             hosted = i in scheduled
-            split = kind == "yes" or (kind == "either" and hosted)
+            split = (kind == "yes" and not one_rank) or (kind == "either" and hosted)
             if split != hosted:
                 why = ("TP splits it (its slot holds one shard)" if split
+                       else "it is one attention head, whole on one TP rank" if one_rank
                        else "TP replicates it (its slot holds the whole matrix)")
                 raise bad(f"tasks[{i}].host", f"is {t.host} but task {i} ('{label(t)}'): {why}, "
                                               f"so it {'needs' if split else 'takes no'} host "
@@ -191,6 +195,16 @@ def _check(plan: Plan, source: str) -> None:
                       f"is {t.tp_comm_bytes} but task {i} ('{label(t)}') moves {exp} bytes in the "
                       f"TP gather/scatter ({how}, comm dtype {inp.comm_dtype})")
 
+    if settings.records_heads:  # every head whole in one TP rank's shard
+        heads: dict[str, list[int]] = {}
+        for t in tasks:
+            if t.optimizer == "matrix" and is_head(t.part):
+                heads.setdefault(t.param, []).append(t.shape[0])
+        for name, rows in heads.items():
+            try:
+                head_ranks(rows, slots[name][0])
+            except CanzonaError as e:
+                raise bad(f"tasks (parameter '{name}')", f"cut '{name}' per head but {e}") from None
     _check_loads(plan, slots, bad)
     if plan.tp is not None:
         check_tp(plan, slots, bad)

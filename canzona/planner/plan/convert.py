@@ -34,8 +34,8 @@ from ..errors import PlanFileError
 from ..hardware import DEFAULT_HARDWARE, load_hardware
 from .comm_section import comm_section
 from .messages import REGENERATE, version_error
-from .schema import (BASE_VERSION, DP_PAIR_VERSION, SCHEMA_VERSION, TP_PAIR_VERSION,
-                     TP_SHARE_VERSION, BufferPlan)
+from .schema import (BASE_VERSION, DP_PAIR_VERSION, RECIPE_VERSION, SCHEMA_VERSION,
+                     TP_PAIR_VERSION, TP_SHARE_VERSION, BufferPlan)
 
 #: A converter: a version-n file's data (and its name, for errors) → version n + 1's data.
 Converter = Callable[[dict, str], dict]
@@ -81,8 +81,8 @@ def _v1_to_v2(data: dict, source: str) -> dict:
 
 
 def _adds_optional_fields(data: dict, source: str) -> dict:  # noqa: ARG001
-    """Versions 2 → 3, 3 → 4, 4 → 5 and 5 → 6: the newer version only adds fields a plan without its
-    feature does not write; the data (and its version) stay as they are."""
+    """Versions 2 → 3, 3 → 4, 4 → 5, 5 → 6 and 6 → 7: the newer version only adds fields a
+    plan without its feature does not write; the data (and its version) stay as they are."""
     return data
 
 
@@ -93,6 +93,7 @@ UPGRADES: dict[int, Converter] = {
     TP_SHARE_VERSION: _adds_optional_fields,  # → DP_PAIR_VERSION
     DP_PAIR_VERSION: _adds_optional_fields,  # → TP_PAIR_VERSION
     TP_PAIR_VERSION: _adds_optional_fields,  # → RECIPE_VERSION
+    RECIPE_VERSION: _adds_optional_fields,  # → HEADS_VERSION
 }
 #: The oldest schema version this canzona reads.
 OLDEST_VERSION = min(UPGRADES)

@@ -12,7 +12,8 @@ for a plan that shares no matrix, 3 (:data:`TP_SHARE_VERSION`) when its TP group
 (``tp.share``, ``tp.indices[d].shared``), 4 (:data:`DP_PAIR_VERSION`) when DP pairs do
 (``dp_shared``), 5 (:data:`TP_PAIR_VERSION`) when TP groups share with a partner DP index's, 6
 (:data:`RECIPE_VERSION`) when its optimizer settings record a Newton–Schulz schedule other than
-``simple`` (``inputs.optimizer.ns_coefficients``); an
+``simple`` (``inputs.optimizer.ns_coefficients``), 7 (:data:`HEADS_VERSION`) when they split the
+fused QKV per attention head (``inputs.optimizer.qkv_split``); an
 older canzona then asks for an upgrade instead of running a plan without its shared tasks, and a
 plan without them keeps the text version 2 wrote. Reading a file — the version checks, the
 converters of older versions (:mod:`canzona.planner.plan.convert`), this schema and every
@@ -37,7 +38,7 @@ from ..errors import PlanFileError
 from ..settings import OptimizerSettings
 
 #: The newest plan version this canzona reads and writes.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
@@ -47,6 +48,9 @@ DP_PAIR_VERSION = 4
 #: The version of a plan whose optimizer settings record what version 5 has no field for (a
 #: Newton–Schulz schedule other than ``simple``), whatever it shares.
 RECIPE_VERSION = 6
+#: The version of a plan whose optimizer settings split the fused QKV per attention head (what
+#: version 6 has no field for), whatever else it records.
+HEADS_VERSION = 7
 #: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
@@ -388,9 +392,9 @@ class PairTaskPlan(_Frozen):
 class Plan(_Frozen):
     """A canzona plan (schema version 2; 3 when its TP groups share matrices; 4 when DP pairs
     do; 5 when TP groups share with a partner DP index's; 6 when its optimizer settings record
-    a Newton–Schulz schedule)."""
+    a Newton–Schulz schedule; 7 when they split the fused QKV per head)."""
 
-    schema_version: Literal[2, 3, 4, 5, 6] = BASE_VERSION
+    schema_version: Literal[2, 3, 4, 5, 6, 7] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(
@@ -418,6 +422,13 @@ class Plan(_Frozen):
         if self.dp_shared and self.inputs.tp > 1 and self.schema_version < TP_PAIR_VERSION:
             raise ValueError(f"dp_shared lists tasks two TP groups share (tp > 1), which need "
                              f"schema_version {TP_PAIR_VERSION} (found {self.schema_version})")
+        for needs, version, what in ((self.inputs.optimizer.records_recipe, RECIPE_VERSION,
+                                      "a Newton–Schulz schedule (ns_coefficients)"),
+                                     (self.inputs.optimizer.records_heads, HEADS_VERSION,
+                                      "per-head QKV (qkv_split: heads)")):
+            if needs and self.schema_version < version:
+                raise ValueError(f"inputs.optimizer records {what}, which needs schema_version "
+                                 f"{version} (found {self.schema_version})")
         return self
 
     @model_serializer(mode="wrap")

@@ -45,7 +45,8 @@ class TPPairSearch(Search):
         elif len(it.tasks) == 1 and self._ctx.split[i]:
             kind, load = "host", float(problem.loads[i])
         else:
-            kind, load = "base", float(sum(problem.loads[t] for t in it.tasks))
+            kind, load = "base", float(sum(self._ctx.each_rank(t, problem.loads[t])
+                                           for t in it.tasks))
         x = self.pairs.get(i) if len(it.tasks) == 1 else None
         if x is not None and x.alone_s > 0:
             comp, comm, hidden = x.run_piece()

@@ -12,6 +12,7 @@ from ..cost import Roofline, TaskCost, work_of
 from ..errors import CanzonaError
 from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
+from ..heads import head_ranks, is_head
 from ..inventory import ModelSpec
 from ..settings import expert_place
 from ..plan import Plan
@@ -46,6 +47,22 @@ def _pinned_ranks(plan: Plan) -> dict[str, int]:
                 t = expert_place(r, buf.ep_rank, ep=inp.ep, tp=inp.tp, etp=inp.etp)[1]
                 if t is not None:
                     out[s.name] = t
+    return out
+
+
+def _head_ranks(plan: Plan) -> dict[int, int]:
+    """Task id → the TP rank that computes it, for the heads of a fused QKV split per head at
+    tp > 1 (``heads``): each is whole in one TP rank's shard."""
+    if plan.inputs.tp == 1 or not plan.inputs.optimizer.records_heads:
+        return {}
+    by_param: dict[str, list[int]] = {}
+    for t in plan.tasks:
+        if t.optimizer == "matrix" and is_head(t.part):
+            by_param.setdefault(t.param, []).append(t.id)
+    out: dict[int, int] = {}
+    for ids in by_param.values():
+        ranks = head_ranks([plan.tasks[i].shape[0] for i in ids], plan.inputs.tp)
+        out.update(zip(ids, ranks))
     return out
 
 
@@ -125,9 +142,10 @@ def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "
     mat_s = [0.0] * (dp * tp)
     waits = [0.0] * (dp * tp)  # DP pairs: their runs' time beyond the pieces' own compute
     pinned = _pinned_ranks(plan)
+    heads = _head_ranks(plan)
     for task in plan.tasks:
         if task.owner is not None and task.id not in grouped and task.id not in pairs:
-            pin = pinned.get(task.param)
+            pin = heads.get(task.id, pinned.get(task.param))
             for t in range(tp) if pin is None else (pin,):
                 mat_flops[task.owner * tp + t] += task.flops
                 mat_s[task.owner * tp + t] += seconds(task.id)

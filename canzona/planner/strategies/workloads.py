@@ -92,10 +92,10 @@ class _Builder:
                 b = received * cm.ELEMENT_BYTES[self.problem.comm_dtype]
                 g = self.tp_link.seconds(b) if b else 0.0
                 self.groups[d].append(GroupWork(g, 0.0, (sec,) * self.tp, b, (fl,) * self.tp))
-            else:
+            else:  # replicated: all of it on every rank; a weight's heads: 1/tp each
                 for t in range(self.tp):
-                    self.mat_flops[d * self.tp + t] += fl
-                    self.mat_s[d * self.tp + t] += sec
+                    self.mat_flops[d * self.tp + t] += int(self.ctx.each_rank(i, fl))
+                    self.mat_s[d * self.tp + t] += self.ctx.each_rank(i, sec)
 
     def fragment(self, d: int, item, share: float) -> None:
         """zero1: DP index ``d`` applies the optimizer to ``share`` of a matrix, each TP rank to
@@ -103,7 +103,7 @@ class _Builder:
         self.dp_flops[d] += item.flops * share
         self.dp_state[d] += item.state_bytes * share
         for i in item.tasks:
-            part = share / self.tp if self.ctx.split[i] else share
+            part = share / self.tp if self.ctx.split[i] or self.ctx.one_rank[i] else share
             sec = self.roof.seconds(self.problem.costs[i]) * part
             for t in range(self.tp):
                 self.mat_flops[d * self.tp + t] += int(round(self.problem.costs[i].flops * part))

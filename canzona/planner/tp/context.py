@@ -25,6 +25,9 @@ class TPContext:
     """Per-task facts the TP schedule needs, computed once per problem.
 
     ``split[i]``: task i is a matrix task whose parameter TP splits (it needs a host);
+    ``one_rank[i]``: task i is a matrix lying whole on one TP rank of a parameter TP splits (a
+    head of a fused QKV, ``heads``): computed there, nothing gathered, and every TP rank of an
+    index holds as many of a weight's heads as the others;
     ``gathered[i]``: bytes of its full matrix in the comm dtype; ``layout[i]``: index into
     ``maps`` (distinct shard maps), so ``maps[layout[i]].sent_numel(t)`` is what rank t sends.
     """
@@ -36,7 +39,13 @@ class TPContext:
     layout: list[int]
     maps: list[ShardMap]
     tp_of: list[int]
+    one_rank: list[bool] = field(default_factory=list)
     _map_index: dict = field(default_factory=dict)
+
+    def each_rank(self, i: int, x: float) -> float:
+        """What each TP rank of its owner carries of ``x`` (task i's load, FLOPs or seconds) when
+        task i is not hosted: all of it for a replicated matrix, 1/tp of a weight's heads."""
+        return x / self.tp_of[i] if self.one_rank[i] else x
 
     @classmethod
     def build(cls, problem: DPProblem, comm_dtype: str = "bf16") -> TPContext:
@@ -52,6 +61,8 @@ class TPContext:
             ctx.tp_of.append(tp)
             is_split = t.optimizer == "matrix" and t.tp_split
             ctx.split.append(is_split)
+            ctx.one_rank.append(t.optimizer == "matrix" and not t.tp_split and tp > 1
+                                and p.tp_layout != "replicated")
             if not is_split:
                 ctx.gathered.append(0)
                 ctx.layout.append(-1)
@@ -77,7 +88,8 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
                ) -> tuple[list[float], list[list[int]], list[list[float]] | None]:
     """Per DP index: the load every TP rank carries anyway (AdamW shards, replicated matrices,
     its piece of every task the TP group shares, alone or with a partner index:
-    ``problem.pairs`` at tp > 1), the TP-split matrix tasks it owns and must host (ids,
+    ``problem.pairs`` at tp > 1, its share of the heads of a fused QKV it owns), the TP-split
+    matrix tasks it owns and must host (ids,
     ascending), and the load pinned to one TP rank (per index, per TP rank: expert weights at
     expert TP 1 under tp > 1, whole on the one GPU that holds them), None when there is none."""
     ctx = ctx or TPContext.build(problem)
@@ -103,6 +115,8 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
                         base[d] += problem.shared[i][0]
                     elif ctx.split[i]:
                         owned[d].append(i)
+                    elif ctx.one_rank[i]:  # whole on one rank; each rank holds 1/tp of them
+                        base[d] += ctx.each_rank(i, problem.loads[i])
                     else:  # replicated (or tp = 1): the whole matrix on every rank of d
                         base[d] += problem.loads[i]
                 continue

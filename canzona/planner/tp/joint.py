@@ -60,7 +60,8 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         """(loads to host, load on every TP rank, shared pieces): a shared task is its piece on
         every rank, in the index's lockstep phase."""
         return ([loads[i] for i in it.tasks if ctx.split[i] and i not in shared],
-                float(sum(loads[i] for i in it.tasks if i not in shared and not ctx.split[i])),
+                float(sum(ctx.each_rank(i, loads[i]) for i in it.tasks
+                          if i not in shared and not ctx.split[i])),
                 [lockstep_piece(problem, i) for i in it.tasks if i in shared])
 
     def value(d: int) -> float:
@@ -227,7 +228,8 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
             d = problem.dp_index(b, owner_of(c, it.start))
             sp = tuple(sorted((loads[i] for i in it.tasks if ctx.split[i] and i not in shared),
                               reverse=True))
-            rep = float(sum(loads[i] for i in it.tasks if i not in shared and not ctx.split[i]))
+            rep = float(sum(ctx.each_rank(i, loads[i]) for i in it.tasks
+                            if i not in shared and not ctx.split[i]))
             # a piece's task id only orders the lockstep's batches: alike matrices are one class
             sh = tuple(lockstep_piece(problem, i)[1:] for i in it.tasks if i in shared)
             base[d] -= rep + sum(x[2] for x in sh)  # index_work counted them: the item moves

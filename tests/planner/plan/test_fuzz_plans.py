@@ -86,6 +86,11 @@ def _bases() -> dict[str, dict]:
     p = make_plan(tiny(), ParallelSizes(dp=2, tp=2),
                   OptimizerSettings(name="shampoo", split_qkv=True), dp_options=small)
     out["shampoo-split-dp2-tp2"] = json.loads(p.to_json())
+    # schema version 7: the QKV per head, each head whole on its TP rank
+    for tp in (1, 2):
+        p = make_plan(tiny(), ParallelSizes(dp=2, tp=tp), OptimizerSettings(qkv_split="heads"),
+                      dp_options=small)
+        out[f"heads-dp2-tp{tp}"] = json.loads(p.to_json())
     p = make_plan(tiny("qwen3_moe"), ParallelSizes(dp=2, tp=2, ep=2), dp_options=small)
     out["moe-dp2-tp2-ep2"] = json.loads(p.to_json())
     p = make_plan(tiny("qwen3_moe"), ParallelSizes(dp=2, tp=2, ep=2, etp=1), dp_options=small)
@@ -270,8 +275,9 @@ def runtime_preparation(plan: Plan) -> None:
     names = [name for name, _, _ in plan_params(plan)]
     try:
         for d in range(plan.inputs.dp):
+            for t in range(plan.inputs.tp):  # each TP rank its own heads (qkv_split="heads")
+                check_work_order(build_schedule(plan, names, d, tp_rank=t), names)
             sched = build_schedule(plan, names, d)
-            check_work_order(sched, names)
             for t in range(plan.inputs.tp):
                 build_tp_groups(plan, names, sched.param_bucket, sched.param_range,
                                 [b.cuts[d] for b in sched.buckets], d, t)
@@ -288,6 +294,7 @@ def live_params(plan: Plan) -> list[tuple[str, "torch.Tensor"]]:
     """Stand-ins (meta tensors) for the parameters of the model ``plan`` was made for, as one rank
     holds them: logical shapes at tp = 1; under TP, a split matrix's local shard, a replicated
     matrix whole, anything else as many elements as its slot."""
+    from canzona.planner.heads import is_head
     from canzona.runtime.checks import plan_params
 
     slots = {s.name: s.end - s.start for buf in plan.buffers for b in buf.buckets for s in b.slots}
@@ -297,9 +304,12 @@ def live_params(plan: Plan) -> list[tuple[str, "torch.Tensor"]]:
                    for ix in plan.tp.indices for g in ix.groups for gt in g.tasks}
     hosted = {t.param for t in plan.tasks if t.host is not None}
     whole = {t.param for t in plan.tasks if t.optimizer == "matrix" and t.param not in hosted}
+    heads = {t.param for t in plan.tasks if t.optimizer == "matrix" and is_head(t.part)}
     out = []
     for name, shape, dtype in plan_params(plan):
-        if plan.inputs.tp > 1:
+        if name in heads and plan.inputs.tp > 1:  # a row shard of the fused QKV
+            shape = (shape[0] // plan.inputs.tp, shape[1])
+        elif plan.inputs.tp > 1:
             shape = layouts.get(name) or (shape if name in whole else (slots[name],))
         out.append((name, torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")))
     return out
