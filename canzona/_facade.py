@@ -44,6 +44,7 @@ def plan_model(
     progress: Callable[[str], None] | None = None,
     vocab: int | None = None,
     share: str = DEFAULT_SHARE,
+    head_dim: int | None = None,
     **settings: Any,
 ) -> Plan:
     """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.
@@ -81,8 +82,13 @@ def plan_model(
         share: tp > 1: ``TPOptions.share`` — ``off``, ``auto`` (the TP group shares the Muon
             matrices heavier than the mean per-GPU work: shared Newton–Schulz over its shards),
             ``all`` or ``all-split``.
+        head_dim: rows per attention head of a module's q, k and v projections (named
+            ``*q_proj.weight``, ``*k_proj.weight``, ``*v_proj.weight``), which
+            ``qkv_split="heads"`` orthogonalises head by head; a Megatron-core model's come from
+            its config.
         **settings: further :class:`~canzona.planner.settings.OptimizerSettings` fields
-            (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``, …).
+            (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``,
+            ``qkv_split``: ``fused``, ``qkv`` or ``heads``, …).
 
     Returns:
         The plan, ready for :class:`canzona.CanzonaOptimizer` or
@@ -107,7 +113,11 @@ def plan_model(
         if vocab is not None:
             raise CanzonaError("vocab= is for Megatron-core models (the vocabulary before "
                                "Megatron's padding); this model is not one.")
-        spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs)
+        if settings.get("qkv_split") == "heads" and head_dim is None:
+            raise CanzonaError("qkv_split='heads' needs the rows per attention head of this "
+                               "model's q, k and v projections: pass head_dim=.")
+        spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs,
+                         head_dim=head_dim)
         tp = 1 if tp is None else tp
         ep = 1 if ep is None else ep
         etp = None

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from canzona.planner.heads import is_head
 from canzona.planner.inventory import EXPERT_PART, ModelSpec
 from canzona.planner.layout import padded_vocab
 from canzona.planner.plan import Plan
@@ -150,6 +151,10 @@ def local_layout_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
     for t in plan.tasks:
         if t.optimizer == "matrix" and t.param not in hosted and t.param not in shapes:
             shapes[t.param] = whole[t.param]
+            if is_head(t.part) and plan.inputs.optimizer.records_heads:
+                rows, cols = whole[t.param]  # its heads: each in one TP rank's row shard
+                shapes[t.param] = (rows // plan.inputs.tp, cols)
+                hosted.add(t.param)  # named a TP shard below
     for name, p in pairs:
         numel, dtype = slots[name]
         got = dtype_name(p.dtype, name)

@@ -214,7 +214,8 @@ class Construction:
         every element of every parameter exactly once."""
         self.plan = plan
         self._digest = checks.plan_digest(plan)
-        self._schedule = build_schedule(plan, self._names, self._rank, self._experts)
+        self._schedule = build_schedule(plan, self._names, self._rank, self._experts,
+                                        self._tp_rank)
         checks.check_work_order(self._schedule, self._names)
 
     def _keep_options(self, *, grad_sync: str, main_params: str | None, overlap_tp: bool,

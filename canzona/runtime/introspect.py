@@ -37,6 +37,7 @@ from canzona.planner.inventory import Kind, ModelSpec, ParamSpec, TPLayout, rout
 __all__ = [
     "DEFAULT_EMBEDDING_GLOBS",
     "DEFAULT_EXPERT_GLOBS",
+    "DEFAULT_HEAD_GLOBS",
     "DEFAULT_OUTPUT_GLOBS",
     "DEFAULT_ROUTER_GLOBS",
     "dtype_name",
@@ -60,6 +61,9 @@ DEFAULT_OUTPUT_GLOBS: tuple[str, ...] = (
 #: MoE routers (Megatron mlp.router, HF Qwen3-MoE / Mixtral mlp.gate / block_sparse_moe.gate).
 #: 3-D parameters named so hold E expert matrices ([E, m, n]: transformers' MoE experts).
 DEFAULT_EXPERT_GLOBS: tuple[str, ...] = ("*.experts.*", "experts.*")
+#: Attention projections whose rows are heads of ``head_dim`` rows (HF, Llama and Qwen names),
+#: what ``qkv_split="heads"`` orthogonalises head by head.
+DEFAULT_HEAD_GLOBS: tuple[str, ...] = ("*q_proj.weight", "*k_proj.weight", "*v_proj.weight")
 
 DEFAULT_ROUTER_GLOBS: tuple[str, ...] = ("*mlp.router.weight", "*mlp.gate.weight",
                                          "*moe.gate.weight", "*block_sparse_moe.gate.weight")
@@ -192,6 +196,8 @@ def inventory(
     output_globs: Sequence[str] = DEFAULT_OUTPUT_GLOBS,
     router_globs: Sequence[str] = DEFAULT_ROUTER_GLOBS,
     expert_globs: Sequence[str] = DEFAULT_EXPERT_GLOBS,
+    head_dim: int | None = None,
+    head_globs: Sequence[str] = DEFAULT_HEAD_GLOBS,
 ) -> ModelSpec:
     """Read a model's parameters into a planner ``ModelSpec`` (no model config; tp > 1 for
     DTensor or Megatron column/row shards, whose global shapes are recorded).
@@ -204,6 +210,8 @@ def inventory(
         embedding_globs, output_globs, router_globs: the name rules for kinds routed to AdamW.
         expert_globs: 3-D tensors named so are E stacked expert matrices (each its own matrix
             task); other 3-D tensors (convolutions) take AdamW.
+        head_dim: rows per attention head of the matrices named by ``head_globs`` (q, k and v
+            projections), which ``qkv_split="heads"`` then cuts per head; None: none is.
 
     Raises:
         ModelError: no parameters, an unsupported dtype, or an override matching nothing.
@@ -228,8 +236,10 @@ def inventory(
             kind = "expert"  # E stacked expert matrices (transformers' MoE experts)
         else:
             kind = "matrix"
+        heads = head_dim if head_dim and kind == "matrix" and _match(pname, head_globs) else 0
         specs.append(ParamSpec(name=pname, shape=shape, dtype=dtype_name(p.dtype, pname), kind=kind,
-                               layer=None, expert=None, tp_layout=_tp_layout(pname, p)))
+                               layer=None, expert=None, tp_layout=_tp_layout(pname, p),
+                               head_rows=heads))
     label = name or (type(model).__name__ if isinstance(model, nn.Module) else "module")
     return ModelSpec(config=None, label=label,
                      params=tuple(route(specs, matrix_globs=matrix_globs, adamw_globs=adamw_globs)))

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from canzona.planner.errors import CanzonaError
+from canzona.planner.heads import head_ranks, is_head
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.experts import ExpertLayout
@@ -154,12 +156,39 @@ def _pieces(x: Any, name: str, lo: int, rows: int, cols: int, cuts: Sequence[int
     return out
 
 
+def _my_heads(plan: Plan, tp_rank: int) -> dict[int, int | None]:
+    """Task id → its first row in this TP rank's shard, or None where another TP rank's shard
+    holds it, for every head of a fused QKV split per head (``planner.heads``: the tasks come in
+    storage order, TP rank r's shard holds rows [r·R/t, (r+1)·R/t) of R)."""
+    if not plan.inputs.optimizer.records_heads:
+        return {}
+    tp = plan.inputs.tp
+    by_param: dict[str, list[Any]] = defaultdict(list)
+    for t in plan.tasks:
+        if t.optimizer == "matrix" and is_head(t.part):
+            by_param[t.param].append(t)
+    out: dict[int, int | None] = {}
+    for ts in by_param.values():
+        try:
+            ranks = head_ranks([t.shape[0] for t in ts], tp)
+        except CanzonaError as e:
+            raise PlanMismatchError(f"the plan cuts '{ts[0].param}' per head but {e}") from None
+        local = sum(t.shape[0] for t in ts) // tp
+        at = 0
+        for t, r in zip(ts, ranks):
+            out[t.id] = at - r * local if r == tp_rank else None
+            at += t.shape[0]
+    return out
+
+
 def build_schedule(plan: Plan, names: list[str], rank: int,
-                   experts: ExpertLayout = ExpertLayout()) -> Schedule:
+                   experts: ExpertLayout = ExpertLayout(), tp_rank: int = 0) -> Schedule:
     """Convert the plan (already checked against the model) into records for DP rank ``rank``
-    (``names``: the parameters as the plan names them). Under expert parallelism the schedule
-    holds the dense buckets and this rank's EP rank's expert buckets (``experts``), whose
-    owners are places in the expert-DP group.
+    (``names``: the parameters as the plan names them) and TP rank ``tp_rank``. Under expert
+    parallelism the schedule holds the dense buckets and this rank's EP rank's expert buckets
+    (``experts``), whose owners are places in the expert-DP group. The heads of a fused QKV
+    split per head (``planner.heads``) are the rows of the TP shard that holds them: this TP
+    rank's own heads are its matrix tasks, at their rows of its shard.
 
     Raises:
         PlanMismatchError: the plan cuts a matrix across DP ranks (a baseline such as ``asc``).
@@ -196,6 +225,7 @@ def build_schedule(plan: Plan, names: list[str], rank: int,
     tp_pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp > 1 else {}
     pairs = {x.id: x for x in plan.dp_shared} if plan.inputs.tp == 1 else {}
     shares = plan.inputs.optimizer.spec.gram_shared  # shared Newton–Schulz; else blocks apart
+    heads = _my_heads(plan, tp_rank)
     for t in plan.tasks:
         i = index.get(t.param)
         if i is None:  # another EP rank's expert
@@ -254,8 +284,13 @@ def build_schedule(plan: Plan, names: list[str], rank: int,
                     phase=x.phase, split_poly=x.split_poly))
         elif t.optimizer == "matrix":
             rows, cols = t.shape
-            row0 = rows_done[t.param]
-            rows_done[t.param] += rows
+            if t.id in heads:  # a head in this TP rank's shard, or in another's (skipped)
+                row0 = heads[t.id]
+                if row0 is None:
+                    continue
+            else:
+                row0 = rows_done[t.param]
+                rows_done[t.param] += rows
             matrix_params[i] = None
             a, z = lo + row0 * cols, lo + (row0 + rows) * cols
             holders = [r for r in range(len(cuts) - 1) if cuts[r] < z and a < cuts[r + 1]]

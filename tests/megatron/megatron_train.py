@@ -119,12 +119,12 @@ def forward_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "model",
-                   steps: int = STEPS, share: str = "off") -> dict:
+                   steps: int = STEPS, share: str = "off", qkv_split: str = "fused") -> dict:
     """Rank ``rank`` of a dp × tp Megatron world: a GPTModel trained by CanzonaOptimizer.
 
     ``plan_from``: ``model`` (``canzona.plan_model`` of the live model, the tokenizer's
     vocabulary given) or ``config`` (the plan made offline from :data:`CFG`, Megatron names);
-    ``share``: ``TPOptions.share`` of ``plan_model``.
+    ``share``: ``TPOptions.share`` of ``plan_model``; ``qkv_split``: its QKV split.
     Returns the losses and, on the first rank, the canonical weights after ``steps``.
     """
     import canzona
@@ -139,7 +139,8 @@ def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "
         tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
         load_canonical(gpt, tp, tp_rank)
         if plan_from == "model":
-            plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32", share=share)
+            plan = canzona.plan_model(gpt, dp=dp, vocab=CFG.vocab, comm_dtype="fp32", share=share,
+                                      qkv_split=qkv_split)
         else:
             plan = make_plan(CFG, ParallelSizes(dp=dp, tp=tp),
                              tp_options=TPOptions(comm_dtype="fp32", cmax_mib=0.05))
@@ -159,15 +160,18 @@ def train_megatron(rank: int, *, dp: int, tp: int, init: str, plan_from: str = "
         weights = gather_canonical(gpt, tp, tp_group)
         out = {"losses": losses, "dp_rank": dp_rank, "tp_rank": tp_rank,
                "fingerprint": plan.fingerprint, "tp_groups": len(plan.tp.indices) if plan.tp else 0,
-               "shared": sum(len(ix.shared) for ix in plan.tp.indices) if plan.tp else 0}
+               "shared": sum(len(ix.shared) for ix in plan.tp.indices) if plan.tp else 0,
+               "heads": sum(t.part is not None and t.part[0] in "qkv" and t.part[1:].isdigit()
+                            for t in plan.tasks)}
         if rank == 0:
             out["weights"] = weights
         return out
 
 
-def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
+def reference(rank: int, *, dp: int, init: str, steps: int = STEPS, heads: bool = False) -> dict:
     """One process, tp = 1: the DP ranks' batches concatenated; the Muon kernel per matrix
-    (float32 Newton–Schulz), ``torch.optim.AdamW`` on the rest (Megatron's routing)."""
+    (float32 Newton–Schulz; ``heads``: the fused QKV per head, each ``head_dim`` rows of it a
+    matrix), ``torch.optim.AdamW`` on the rest (Megatron's routing)."""
     from canzona.runtime.optim import Muon, MuonConfig
     from megatron_stubs import gpt_model, megatron_world
 
@@ -176,21 +180,26 @@ def reference(rank: int, *, dp: int, init: str, steps: int = STEPS) -> dict:
         load_canonical(gpt, 1, 0)
         kernel = Muon(MuonConfig(lr=LR, ns_dtype=torch.float32))
         losses = reference_steps(gpt, kernel, LR, lambda: torch.cat([tokens(d) for d in range(dp)]),
-                                 steps)
+                                 steps, head_rows=CFG.head_dim if heads else 0)
         return {"losses": losses, "weights": gather_canonical(gpt, 1, None)}
 
 
 def reference_steps(gpt, kernel, lr: float, batch: Callable[[], torch.Tensor], steps: int,
-                    clip: float | None = None) -> list[float]:
+                    clip: float | None = None, head_rows: int = 0) -> list[float]:
     """``steps`` one-process steps of ``gpt`` on ``batch()``: ``kernel`` on every matrix
-    (Megatron's routing: ``inventory``), ``torch.optim.AdamW`` on the rest, the global norm
-    clipped to ``clip`` first when given. Returns the losses."""
+    (Megatron's routing: ``inventory``; with ``head_rows``, on each head of the fused QKV: its
+    rows, grouped per KV group at tp 1, are heads of that many rows), ``torch.optim.AdamW`` on
+    the rest, the global norm clipped to ``clip`` first when given. Returns the losses."""
     from canzona.runtime.introspect import inventory
 
     route = {p.name: p.optimizer for p in inventory(gpt).params}
     named = list(gpt.named_parameters())
-    mats = [p for n, p in named if route[n] == "matrix"]
-    states = [kernel.init_state(tuple(p.shape)) for p in mats]
+    mats = []  # (parameter, the rows the kernel updates as one matrix)
+    for n, p in named:
+        if route[n] == "matrix":
+            hd = head_rows if head_rows and n.endswith("linear_qkv.weight") else p.shape[0]
+            mats += [(p, slice(r, r + hd)) for r in range(0, p.shape[0], hd)]
+    states = [kernel.init_state(tuple(p[rows].shape)) for p, rows in mats]
     adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
                               weight_decay=0.01)
     losses = []
@@ -200,11 +209,11 @@ def reference_steps(gpt, kernel, lr: float, batch: Callable[[], torch.Tensor], s
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
         with torch.no_grad():
-            for p, st in zip(mats, states):
-                kernel.step([p], [p.grad], [st], lr=lr)
+            for (p, rows), st in zip(mats, states):
+                kernel.step([p[rows]], [p.grad[rows]], [st], lr=lr)
         adamw.step()
         adamw.zero_grad()
-        for p in mats:
+        for p, _ in mats:
             p.grad = None
         losses.append(float(loss))
     return losses

@@ -1,5 +1,6 @@
 """Megatron-core GPTModels trained by canzona in place of Megatron's DDP and distributed optimizer:
-at dp 2, tp 2 and dp 2 × tp 2 (also with every matrix shared by its TP group), 10 steps of a
+at dp 2, tp 2 and dp 2 × tp 2 (also with every matrix shared by its TP group, and with the QKV
+orthogonalised per head against a single process doing the same), 10 steps of a
 Qwen3-style model (QK layernorm,
 GQA, fused QKV and gate/up, vocabulary-parallel embedding and output layer) equal the tp = 1
 single-process run (Muon kernel with float32 Newton–Schulz, torch AdamW) within 1e-5, losses and
@@ -40,15 +41,18 @@ def runs(tmp_path_factory):
         ("grid", {r: functools.partial(train, r, dp=2, tp=2, init=init("grid")) for r in range(4)}),
         ("shared", {r: functools.partial(train, r, dp=2, tp=2, init=init("shared"),
                                          share="all-split") for r in range(4)}),
+        ("heads", {r: functools.partial(train, r, dp=2, tp=2, init=init("heads"),
+                                        qkv_split="heads") for r in range(4)}),
         ("ref", {0: functools.partial(ref, 0, dp=1, init=init("ref1")),
-                 1: functools.partial(ref, 0, dp=2, init=init("ref2"))}),
+                 1: functools.partial(ref, 0, dp=2, init=init("ref2")),
+                 2: functools.partial(ref, 0, dp=2, init=init("ref2h"), heads=True)}),
     ]
     ranks = M.run_phases(4, phases, str(tmp))
     return {"tp2": ranks[0]["side"], "tp2-peer": ranks[1]["side"], "dp2": ranks[2]["side"],
             "dp2-peer": ranks[3]["side"], "grid": ranks[0]["grid"],
             "grid-all": [r["grid"] for r in ranks], "shared": ranks[0]["shared"],
-            "ref1": ranks[0]["ref"],
-            "ref2": ranks[1]["ref"]}
+            "heads": ranks[0]["heads"], "ref1": ranks[0]["ref"], "ref2": ranks[1]["ref"],
+            "ref2-heads": ranks[2]["ref"]}
 
 
 def _rel(a, b) -> float:
@@ -75,7 +79,7 @@ def _check(run: dict, ref: dict) -> None:
 
 
 @pytest.mark.parametrize("case,ref", [("tp2", "ref1"), ("dp2", "ref2"), ("grid", "ref2"),
-                                      ("shared", "ref2")])
+                                      ("shared", "ref2"), ("heads", "ref2-heads")])
 def test_megatron_gpt_equals_single_process(runs, case, ref):
     _check(runs[case], runs[ref])
 
@@ -100,3 +104,17 @@ def test_shared_run_shared_every_matrix(runs):
     """The dp 2 × tp 2 run with ``share="all-split"``: every Muon matrix (QKV, proj, fc1, fc2 of
     both layers) shared by its TP group, and it still equals the single process (above)."""
     assert runs["shared"]["shared"] == 8 and runs["grid"]["shared"] == 0
+
+
+def test_the_heads_run_orthogonalised_each_head_where_it_lies(runs):
+    """The dp 2 × tp 2 run with ``qkv_split="heads"``: every query, key and value head of both
+    layers a task of its own (and it equals the single process per head, above, not the fused
+    one)."""
+    import megatron_train as M
+
+    cfg = M.CFG
+    assert runs["heads"]["heads"] == cfg.layers * (cfg.q_heads + 2 * cfg.kv_heads)
+    assert _rel(runs["ref2-heads"]["weights"][QKV], runs["ref2"]["weights"][QKV]) > 1e-3
+
+
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"

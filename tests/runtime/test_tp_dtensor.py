@@ -19,6 +19,10 @@ DIM, HEADS, FFN, VOCAB, SEQ, LAYERS = 32, 4, 64, 48, 8, 2
 BATCH, STEPS, LR, ADAMW_LR, CLIP = 8, 4, 0.02, 3e-3, 0.5
 WORLD = 4
 GRIDS = {"dp2xtp2": (2, 2), "dp1xtp4": (1, 4)}
+#: q, k and v orthogonalised head by head (``qkv_split="heads"``): 2 heads per TP rank at tp 2,
+#: one at tp 4
+HEAD_GRIDS = {"dp2xtp2_heads": (2, 2), "dp1xtp4_heads": (1, 4)}
+HEAD_GLOBS = ("q_proj", "k_proj", "v_proj")
 
 
 class Block(nn.Module):
@@ -92,11 +96,12 @@ def _train(grid: str, rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    dp, tp = GRIDS[grid]
+    dp, tp = {**GRIDS, **HEAD_GRIDS}[grid]
+    heads = dict(qkv_split="heads", head_dim=DIM // HEADS) if grid in HEAD_GRIDS else {}
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = _parallel_model(mesh)
     plan = canzona.plan_model(model, dp=dp, tp=tp, optimizer="muon", comm_dtype="fp32",
-                              bucket_size=3000)
+                              bucket_size=3000, **heads)
     opt = canzona.CanzonaOptimizer(model, plan, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR,
                                    adamw_weight_decay=0.01, device_mesh=mesh)
     d = mesh.get_local_rank("dp")
@@ -117,7 +122,8 @@ def _train(grid: str, rank: int, world: int) -> dict:
             full[n] = local[n] = p.detach().clone()
     return {"full": full, "replicated": local, "norms": norms, "tp_rank": mesh.get_local_rank("tp"),
             "layouts": {p.name: p.tp_layout for p in inventory(model).params},
-            "split": sum(len(g.tasks) for ix in plan.tp.indices for g in ix.groups)}
+            "split": sum(len(g.tasks) for ix in plan.tp.indices for g in ix.groups),
+            "heads": sum(t.part is not None and t.part.startswith("h") for t in plan.tasks)}
 
 
 def _refusals(rank: int, world: int) -> list[str]:
@@ -144,8 +150,9 @@ def _refusals(rank: int, world: int) -> list[str]:
     return out
 
 
-def _reference(dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process: the unsharded model, the gradient as the DP ranks' mean, Muon per matrix."""
+def _reference(dp: int, heads: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process: the unsharded model, the gradient as the DP ranks' mean, Muon per matrix
+    (``heads``: q, k and v per head, each head's rows a matrix of their own)."""
     from canzona.runtime.introspect import inventory
     from canzona.runtime.optim import Muon, MuonConfig
 
@@ -153,9 +160,14 @@ def _reference(dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = Model()
     route = {p.name: p.optimizer for p in inventory(model).params}
     named = list(model.named_parameters())
-    mats = [p for n, p in named if route[n] == "matrix"]
+    mats = []  # (parameter, its rows the kernel updates as one matrix)
+    for n, p in named:
+        if route[n] != "matrix":
+            continue
+        hd = DIM // HEADS if heads and any(x in n for x in HEAD_GLOBS) else p.shape[0]
+        mats += [(p, slice(r, r + hd)) for r in range(0, p.shape[0], hd)]
     kernel = Muon(MuonConfig(lr=LR, ns_dtype=torch.float32))
-    states = [kernel.init_state(p.shape) for p in mats]
+    states = [kernel.init_state(p[rows].shape) for p, rows in mats]
     adamw = torch.optim.AdamW([p for n, p in named if route[n] != "matrix"], lr=ADAMW_LR,
                               weight_decay=0.01)
     n = BATCH // dp
@@ -166,8 +178,8 @@ def _reference(dp: int) -> tuple[dict[str, torch.Tensor], list[float]]:
             (loss_fn(model, x[d * n:(d + 1) * n], y[d * n:(d + 1) * n]) / dp).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         with torch.no_grad():
-            for p, s in zip(mats, states):
-                kernel.step([p], [p.grad], [s], lr=LR)
+            for (p, rows), s in zip(mats, states):
+                kernel.step([p[rows]], [p.grad[rows]], [s], lr=LR)
         adamw.step()
         model.zero_grad()
     return H.params_of(model), norms
@@ -228,7 +240,7 @@ def _checkpoint(rank: int, world: int) -> float:
 
 def cases() -> list:
     """This module's 4-rank cases (run with test_tp_runtime's: conftest's ``tp_world4``)."""
-    return ([(f"dtensor_{g}", functools.partial(_train, g)) for g in GRIDS]
+    return ([(f"dtensor_{g}", functools.partial(_train, g)) for g in {**GRIDS, **HEAD_GRIDS}]
             + [("dtensor_refusals", _refusals), ("dtensor_checkpoint", _checkpoint)])
 
 
@@ -237,17 +249,20 @@ def world(tp_world4):
     return tp_world4
 
 
-@pytest.mark.parametrize("grid", list(GRIDS))
+@pytest.mark.parametrize("grid", [*GRIDS, *HEAD_GRIDS])
 def test_dtensor_tp_matches_unsharded_reference(world, grid):
-    dp, tp = GRIDS[grid]
+    dp, tp = {**GRIDS, **HEAD_GRIDS}[grid]
+    heads = grid in HEAD_GRIDS
     res = H.results(world, f"dtensor_{grid}")
     layouts = res[0]["layouts"]
     assert layouts["blocks.0.q_proj.weight"] == "column"
     assert layouts["blocks.0.o_proj.weight"] == "row"
     assert layouts["blocks.1.down_proj.weight"] == "row"
     assert layouts["lm_head.weight"] == layouts["norm.weight"] == "replicated"
-    assert res[0]["split"] == 7 * LAYERS  # every TP-split matrix runs in a micro-group
-    ref, norms = _reference(dp)
+    # every TP-split matrix runs in a micro-group; per head, q, k and v run where their heads lie
+    assert res[0]["split"] == (4 if heads else 7) * LAYERS
+    assert res[0]["heads"] == (3 * HEADS * LAYERS if heads else 0)
+    ref, norms = _reference(dp, heads)
     for r in range(WORLD):
         full = res[r]["full"]
         errs = {n: ((full[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref}

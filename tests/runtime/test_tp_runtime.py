@@ -63,10 +63,21 @@ CASES4 = {
     # (index 0: its halves with two own ones, index 1: with one, then another batch)
     "muon_tp_pairs_mixed_batches": dict(optimizer="muon", share="pairs", cmax_mib=0.15,
                                         steps=5),
+    # the QKV per head: each TP rank updates the heads of its own shard, batched, nothing
+    # gathered (with a state_dict round trip); NorMuon's row moments per head; beside sharing;
+    # Shampoo's and SOAP's preconditioners per head
+    "muon_heads": dict(optimizer="muon", split="heads", roundtrip=True),
+    "normuon_heads": dict(optimizer="normuon", split="heads", steps=5),
+    "muon_heads_shared": dict(optimizer="muon", split="heads", share="all-split", steps=5),
+    "shampoo_heads": dict(optimizer="shampoo", split="heads", roundtrip=True, steps=5),
+    "soap_heads": dict(optimizer="soap", split="heads", steps=5),
     # the defaults (roofline cost, share auto): whatever the planner keeps runs exactly
     **{f"{o}_default_share": dict(optimizer=o, share="auto", steps=5)
        for o in ("muon", "shampoo", "soap")},
 }
+#: dp 4 × tp 1 on the same 4 ranks: at tp 1 every head is contiguous rows of Megatron's fused
+#: QKV (grouped per KV group), updated by the owner of the whole weight
+CASES_DP4 = {"muon_heads_dp4": dict(optimizer="muon", split="heads")}
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
 SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")
 FORWARD = ("muon", "shampoo")  # SOAP: its rank-deficient statistics make last bits chaotic
@@ -136,6 +147,7 @@ def cases4(folder: str = "") -> list:
     """This module's dp 2 × tp 2 cases (run with the DTensor ones: conftest's ``tp_world4``;
     ``folder``: where the checkpoint case writes)."""
     cases = [(k, functools.partial(_case, dp=2, tp=2, **v)) for k, v in CASES4.items()]
+    cases += [(k, functools.partial(_case, dp=4, tp=1, **v)) for k, v in CASES_DP4.items()]
     cases.append(("oversized_tp_group", _oversized_tp_group))
     if folder:
         cases.append(("pairs_checkpoint", functools.partial(_pairs_checkpoint, folder=folder)))
@@ -210,6 +222,82 @@ def _shared_checkpoint(rank, world, *, folder, optimizer="muon"):
     out["state_dict"] = "state" in opt.state_dict()
     opt.close()
     return out
+
+
+def _heads_checkpoint(rank, world, *, folder, optimizer="muon"):
+    """Logical checkpoints across the QKV split: the state saved by a plan that orthogonalises
+    the QKV head by head (each TP rank its own heads' rows) loads into the plan that hosts the
+    fused matrix (the host's full matrix), and back; each side holds exactly the canonical state
+    it was given (NorMuon: its row moments too)."""
+    import canzona
+    from canzona.runtime.update import task_state
+
+    _, tp_group = T.groups(1, 2)
+    start = T.initial_full()
+    p = next(x for x in T.spec().params if x.tp_layout == "qkv")
+    g = torch.Generator().manual_seed(13)
+    keys = ("momentum_buffer",) + (("second_momentum_buffer",) if optimizer == "normuon"
+                                   else ())
+    canon = {k: torch.rand(p.shape if k == "momentum_buffer" else (p.shape[0], 1), generator=g)
+             for k in keys}
+    shards = [(q.name, T.megatron_param(q, T.local_of(q, start[q.name], 2, rank), 2))
+              for q in T.spec().params]
+
+    def local(full):  # this rank's shard of a canonical state
+        return T.local_of(p, full.expand(p.shape).contiguous(), 2, rank)[:, :full.shape[1]]
+
+    def build(split):
+        return canzona.CanzonaOptimizer(shards, T.plan_for(1, 2, optimizer, split=split),
+                                        lr=T.LR[optimizer], tp_group=tp_group)
+
+    def heads(opt):  # (task, its state) of this rank's heads
+        return [(t, task_state(t, opt._params, opt.state)) for ts in opt._schedule.mine.matrix
+                for t in ts if t.name.startswith(p.name + "#")]
+
+    def hosted(opt):  # the fused QKV's full state, where this rank hosts it
+        return [opt.state[opt._params[t.param]] for t in opt._micro.hosted if t.name == p.name]
+
+    out = {"heads": 0, "to_fused": [], "to_heads": []}
+    opt = build("heads")
+    for t, st in heads(opt):
+        for k in keys:
+            st[k].copy_(local(canon[k])[t.row0:t.row0 + t.shape[0]])
+        out["heads"] += 1
+    canzona.save_checkpoint(f"{folder}/heads", None, opt)
+    opt.close()
+    opt = build(False)
+    canzona.load_checkpoint(f"{folder}/heads", None, opt)
+    for st in hosted(opt):
+        out["to_fused"] += [bool(torch.equal(st[k], canon[k])) for k in keys]
+        for k in keys:
+            st[k].copy_(canon[k] * 2)
+    canzona.save_checkpoint(f"{folder}/fused", None, opt)
+    opt.close()
+    opt = build("heads")
+    canzona.load_checkpoint(f"{folder}/fused", None, opt)
+    for t, st in heads(opt):
+        rows = slice(t.row0, t.row0 + t.shape[0])
+        out["to_heads"] += [bool(torch.equal(st[k], local(canon[k] * 2)[rows])) for k in keys]
+    opt.close()
+    return out
+
+
+def _heads_batched(rank, world):
+    """The shapes of the batched Newton–Schulz calls of one step with the QKV per head."""
+    from canzona.runtime.optim import muon
+
+    real, shapes = muon._newton_schulz_, []
+
+    def spy(stack, *args, **kwargs):
+        shapes.append(tuple(stack.shape))
+        return real(stack, *args, **kwargs)
+
+    muon._newton_schulz_ = spy
+    try:
+        T.train_tp(rank, world, dp=1, tp=2, steps=1, split="heads")
+    finally:
+        muon._newton_schulz_ = real
+    return shapes
 
 
 def _pairs_checkpoint(rank, world, *, folder):
@@ -373,11 +461,14 @@ def world2(tmp_path_factory):
     cases += [("fp16_overflow", _fp16_overflow),
               ("fp16_overflow_skip", functools.partial(_fp16_overflow, nonfinite="skip")),
               ("untouched", functools.partial(_case, dp=1, tp=2, **UNTOUCHED))]
-    cases += [("refusals", _refusals),
+    cases += [("refusals", _refusals), ("heads_batched", _heads_batched),
               ("shared_checkpoint", functools.partial(_shared_checkpoint, folder=folder)),
               ("normuon_checkpoint", functools.partial(_shared_checkpoint,
                                                        folder=f"{folder}/normuon",
                                                        optimizer="normuon")),
+              *[(f"{o}_heads_checkpoint", functools.partial(
+                  _heads_checkpoint, folder=f"{folder}/{o}-heads", optimizer=o))
+                for o in ("muon", "normuon")],
               ("shampoo_checkpoint", functools.partial(_shampoo_checkpoint,
                                                        folder=f"{folder}/shampoo"))]
     return H.run_world(2, cases, str(tmp_path_factory.mktemp("tp2")))
@@ -404,6 +495,25 @@ def test_logical_checkpoints_cross_sharing(world2, case, keys):
         assert len(res["to_shared"]) == 8 * keys and res["state_dict"]  # every matrix shared
         hosted |= set(res["to_hosted"])
     assert len(hosted) == 8 * keys  # the hosts of the two ranks hold every matrix between them
+
+
+def test_a_tp_rank_orthogonalises_its_heads_in_one_batch(world2):
+    """Each TP rank holds one KV group of each layer's QKV (two query heads, a key and a value
+    head: 16 × 64 each): the 8 heads of its two layers are one batched Newton–Schulz."""
+    for shapes in H.results(world2, "heads_batched"):
+        assert (8, 16, 64) in shapes, shapes
+
+
+@pytest.mark.parametrize("optimizer,keys", [("muon", 1), ("normuon", 2)])
+def test_logical_checkpoints_cross_the_qkv_split_per_head(world2, optimizer, keys):
+    """Every rank holds the state of its 4 heads of layer 0 (its KV group: two query heads, a
+    key and a value head), which the fused plan's host receives whole, and back."""
+    got = H.results(world2, f"{optimizer}_heads_checkpoint")
+    assert [res["heads"] for res in got] == [4, 4]
+    fused = [x for res in got for x in res["to_fused"]]
+    assert fused and all(fused) and len(fused) == keys  # one host holds the fused QKV
+    for res in got:
+        assert len(res["to_heads"]) == 4 * keys and all(res["to_heads"])
 
 
 def test_logical_checkpoints_cross_shampoos_shard_blocks(world2):
@@ -444,6 +554,11 @@ def test_dp2_tp2_equals_one_process(world4, case):
         for res in got:
             assert res["norms"] == pytest.approx(ref["norms"], rel=1e-5)
             assert max(res["norms"]) > kw["clip"]  # clipping did act
+
+
+@pytest.mark.parametrize("case", list(CASES_DP4))
+def test_dp4_tp1_equals_one_process(world4, case):
+    _check(H.results(world4, case), T.reference(4, **CASES_DP4[case]))
 
 
 def test_the_tp_pairs_plan_shares_fc1_over_both_tp_groups():

@@ -40,7 +40,8 @@ def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
              cmax_mib: float = 0.05, dtype: str = "fp32", share: str = "off",
              block: int | None = None, comm_dtype: str = "fp32", ns: str = "simple"):
     """The plan: fp32 gather/scatter (exactness; ``comm_dtype`` another), a C_max small enough
-    for several groups;
+    for several groups; ``split``: True for Q, K, V and gate, up apart, ``"heads"`` for the QKV
+    per head;
     ``share``: ``TPOptions.share`` (the TP group shares matrices); ``block``: Shampoo's
     max_preconditioner_dim (default its 1024); ``ns``: Muon's Newton–Schulz schedule."""
     extra = {"shampoo": {"shampoo_precondition_frequency": 3},
@@ -49,7 +50,9 @@ def plan_for(dp: int, tp: int, optimizer: str = "muon", *, split: bool = False,
         extra["max_preconditioner_dim"] = block
     if ns != "simple":
         extra["ns_coefficients"] = ns
-    settings = OptimizerSettings(name=optimizer, split_qkv=split, split_gate_up=split, **extra)
+    qkv = "heads" if split == "heads" else "qkv" if split else "fused"
+    settings = OptimizerSettings(name=optimizer, qkv_split=qkv, split_gate_up=split is True,
+                                 **extra)
     return make_plan(CFG.model_copy(update={"dtype": dtype}), ParallelSizes(dp=dp, tp=tp), settings,
                      dp_options=DPOptions(bucket_size=20_000),
                      tp_options=TPOptions(cmax_mib=cmax_mib, comm_dtype=comm_dtype,
@@ -261,7 +264,9 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
     for p in ps:
         if p.optimizer != "matrix":
             continue
-        if split and p.parts:
+        if split == "heads" and p.tp_layout == "qkv":  # every head: head_dim logical rows
+            tasks += [(p.name, r, CFG.head_dim) for r in range(0, p.shape[0], CFG.head_dim)]
+        elif split is True and p.parts:
             row = 0
             for part in p.parts:
                 tasks.append((p.name, row, part.rows))

@@ -252,10 +252,15 @@ class RankLayout:
                                           "in the plan's layout; the plan is inconsistent.")
             return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
         ax = self.views[t.param].axis
-        if ax.dim is not None:
+        if ax.dim is None:
+            return torch.arange(t.row0, t.row0 + t.shape[0])
+        # a head of a fused QKV split per head: rows of this rank's own shard
+        rows = [torch.arange(cs + x0 - bs, cs + x1 - bs) for bs, bn, cs in ax.blocks
+                if (x0 := max(t.row0, bs)) < (x1 := min(t.row0 + t.shape[0], bs + bn))]
+        if ax.dim != 0 or sum(len(r) for r in rows) != t.shape[0]:
             raise CheckpointError(f"'{t.name}' is a TP shard updated without its TP group; the "
                                   "plan is inconsistent.")
-        return torch.arange(t.row0, t.row0 + t.shape[0])
+        return torch.cat(rows)
 
     def matrix_tasks(self) -> list[tuple[Any, dict[str, Tensor], bool]]:
         """(task, its state, this rank writes it) of every task whose state this rank holds
@@ -264,9 +269,10 @@ class RankLayout:
         opt = self.opt
         out = []
         for ts in opt._schedule.mine.matrix:
-            for t in ts:
+            for t in ts:  # a head of a TP shard (split per head): its TP rank's alone
                 out.append((t, task_state(t, opt._params, opt.state),
-                            self.tp_rank == 0 or self.views[t.param].name in self.whole))
+                            self.tp_rank == 0 or self.views[t.param].name in self.whole
+                            or self.views[t.param].axis.dim is not None))
         for t in opt._micro.hosted:
             st = opt.state[opt._params[t.param]]
             out.append((t, st if t.part is None else st[t.part], True))
