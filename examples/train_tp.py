@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2     # dp 2 × tp 2, gloo
     torchrun --standalone --nproc-per-node 2 examples/train_tp.py --tp 2     # dp 1 × tp 2
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --share all-split
+    torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --qkv-split heads
 
 The model keeps q/k/v and gate/up as separate projections; ``parallelize_module`` splits them
 column-wise and o/down row-wise over the ``tp`` dim of a 2-D DeviceMesh (dims ``dp``, ``tp``).
@@ -12,7 +13,8 @@ its shards to one host TP rank, updates the whole matrix there (Muon/Shampoo/SOA
 the update back, micro-group by micro-group. The embedding, norms and the output layer are not
 parallelised: replicated, updated identically on every TP rank. ``--share`` (Muon): the TP group
 shares matrices instead (shared Newton–Schulz over the shards, nothing gathered; ``all-split``
-every one, with the polynomial split). Data: arithmetic progressions
+every one, with the polynomial split). ``--qkv-split heads``: q, k and v orthogonalised head by
+head, each TP rank the heads of its own shard in one batch. Data: arithmetic progressions
 (each DP rank its own), so the loss falls within 100 steps.
 """
 
@@ -31,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import canzona
+from canzona.planner.heads import is_head
 
 
 class Block(nn.Module):
@@ -84,6 +87,10 @@ def main() -> None:
     ap.add_argument("--optimizer", default="muon", choices=["muon", "normuon", "shampoo", "soap"])
     ap.add_argument("--ns", default="simple", choices=["simple", "quintic", "polar_express"],
                     help="(Nor)Muon's Newton–Schulz schedule, recorded in the plan")
+    ap.add_argument("--qkv-split", default="fused", choices=["fused", "heads"],
+                    help="heads: orthogonalise q, k and v head by head (each TP rank the heads "
+                         "of its own shard, batched, nothing gathered); fused: each projection "
+                         "whole (the model keeps q, k and v apart, so qkv is the same)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
@@ -126,6 +133,8 @@ def main() -> None:
     extra = {} if args.block is None else {"max_preconditioner_dim": args.block}
     if args.ns != "simple":
         extra["ns_coefficients"] = args.ns
+    if args.qkv_split == "heads":
+        extra.update(qkv_split="heads", head_dim=model.blocks[0].head_dim)
     plan = canzona.plan_model(model, dp=dp, tp=args.tp, optimizer=args.optimizer,
                               bucket_size=1_000_000, share=args.share, **extra)
     lr = 0.02 if args.optimizer in ("muon", "normuon") else 3e-3
@@ -137,9 +146,11 @@ def main() -> None:
         shared = [len(ix.shared) for ix in plan.tp.indices]
         paired = (f" ({len(plan.dp_shared)} of them with the partner DP index's TP group, "
                   f"k = 2·tp)" if plan.dp_shared else "")
+        heads = sum(is_head(t.part) for t in plan.tasks)
+        per_head = f", {heads} attention heads where they lie" if heads else ""
         print(f"dp={dp} tp={args.tp}, {plan.total_params:,} params, {plan.inputs.optimizer.name}; "
               f"micro-groups per DP index {groups}, matrices shared by the TP group {shared}"
-              f"{paired}; "
+              f"{paired}{per_head}; "
               f"TP scratch per rank (gathered matrices or a lockstep batch) "
               f"{opt.tp_scratch_bytes() / 2**10:.0f} KiB", flush=True)
 
