@@ -19,12 +19,13 @@ are those the inventory gives a head size (``ParamSpec.head_rows``).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from .errors import CanzonaError, ModelError
 from .inventory import ParamSpec, Part
 
-__all__ = ["HEAD_PART", "head_parts", "head_ranks", "is_head"]
+__all__ = ["HEAD_PART", "head_parts", "head_places", "head_ranks", "is_head"]
 
 #: A head task's part name: ``q``, ``k`` or ``v`` and the head's global index (a fused QKV), or
 #: ``h`` and its index (a single projection).
@@ -91,4 +92,30 @@ def head_ranks(rows: Sequence[int], tp: int) -> list[int]:
                                f"{r + 1} ({local} rows each); the tasks are not whole heads.")
         out.append(r)
         at += n
+    return out
+
+
+def head_places(tasks: Iterable[Any], tp: int) -> dict[int, tuple[int, int]]:
+    """Task id → (the TP rank whose shard holds it, its first row in that shard) for every head
+    task of ``tasks`` (a plan's, in plan order: each with ``id``, ``param``, ``part``, ``shape``
+    and ``optimizer``).
+
+    Raises:
+        CanzonaError: a weight's head tasks straddle two shards (one line).
+    """
+    by_param: dict[str, list[Any]] = {}
+    for t in tasks:
+        if t.optimizer == "matrix" and is_head(t.part):
+            by_param.setdefault(t.param, []).append(t)
+    out: dict[int, tuple[int, int]] = {}
+    for ts in by_param.values():
+        rows = [t.shape[0] for t in ts]
+        try:
+            ranks = head_ranks(rows, tp)
+        except CanzonaError as e:
+            raise CanzonaError(f"'{ts[0].param}' is cut per head but {e}") from None
+        local, at = sum(rows) // tp, 0
+        for t, r in zip(ts, ranks):
+            out[t.id] = (r, at - r * local)
+            at += t.shape[0]
     return out

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from canzona.planner import comm as comm_model
 from canzona.planner import formulas
+from canzona.planner.heads import head_places
 from canzona.planner.plan import Plan
 from canzona.runtime.checks import check_main_params
 
@@ -42,10 +43,10 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     cut tensor, ``dp_state_bytes`` is short by up to 4 bytes on each rank holding a piece.
 
     Under TP (``tp_rank`` of DP index ``dp_rank``): a TP-split matrix task's (full-matrix) state
-    counts on its host only, a shared one's on every TP rank (Muon's momentum by rows: one
-    TP-th; Shampoo's blocks shard by shard: the state of its shard), a replicated matrix
-    task's whole on every TP rank, and the AdamW fragments are those of the rank's own local
-    slices.
+    counts on its host only, a shared one's on every TP rank (the state of its shard: Muon's
+    momentum by rows, one TP-th; Shampoo's blocks shard by shard), an attention head's (split
+    per head) on the TP rank whose shard holds it, a replicated matrix task's whole on every TP
+    rank, and the AdamW fragments are those of the rank's own local slices.
 
     Raises:
         ValueError: ``main_params``, ``dp_rank`` or ``tp_rank`` is not allowed.
@@ -62,9 +63,12 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
     shared = ({x.id: x for ix in plan.tp.indices for x in ix.shared} if plan.tp is not None
               else {})
     pairs = {x.id: x for x in plan.dp_shared}
+    heads = (head_places(plan.tasks, plan.inputs.tp)
+             if plan.inputs.optimizer.records_heads and plan.inputs.tp > 1 else {})
     total = sum(_shared_state(plan, t, shared[t.id]) if t.id in shared else t.state_bytes
                 for t in plan.tasks if t.optimizer == "matrix" and t.owner == dp_rank
-                and (t.host is None or t.host == tp_rank) and t.id not in pairs)
+                and (t.host is None or t.host == tp_rank) and t.id not in pairs
+                and heads.get(t.id, (tp_rank,))[0] == tp_rank)
     for x in pairs.values():  # split over two DP indices: each holds its piece's state (at
         if dp_rank in x.owners:  # tp > 1 its rows of every shard: one TP-th on each TP rank)
             total += x.state_bytes[x.owners.index(dp_rank)] // plan.inputs.tp
@@ -72,16 +76,14 @@ def predicted_state_bytes(plan: Plan, dp_rank: int, *, tp_rank: int = 0,
 
 
 def _shared_state(plan: Plan, t: Any, x: Any) -> int:
-    """One TP rank's state of a task its TP group shares (``x``, its entry in the plan): Muon's
-    momentum, one TP-th; Shampoo, the kernel's state of its shard (its blocks, moments, and a
-    step counter of its own)."""
-    if not plan.inputs.optimizer.spec.block_hosted:
-        return t.state_bytes // plan.inputs.tp
+    """One TP rank's state of a task its TP group shares (``x``, its entry in the plan): the
+    optimizer's state of its shard (Muon's momentum, one TP-th; NorMuon's adds its rows'
+    moments, every row's for a row-parallel shard; Shampoo's blocks, moments and a step counter
+    of its own), as the planner's registry counts a matrix's state."""
     assert plan.tp is not None
     m, n = plan.tp.layouts[x.layout].local_shape
-    st = plan.inputs.optimizer  # as the planner's Shampoo spec counts a matrix's state
-    return STATE_BYTES * formulas.shampoo_state_numel(
-        m, n, max_preconditioner_dim=st.max_preconditioner_dim, grafting=st.shampoo_grafting)
+    st = plan.inputs.optimizer
+    return STATE_BYTES * st.spec.state_numel(m, n, st)
 
 
 def adamw_and_main_bytes(plan: Plan, d: int, matrix: set[str], main_params: str | None) -> int:

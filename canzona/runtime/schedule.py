@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from canzona.planner.errors import CanzonaError
-from canzona.planner.heads import head_ranks, is_head
+from canzona.planner.heads import head_places
 from canzona.planner.plan import Plan
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.experts import ExpertLayout
@@ -158,27 +158,14 @@ def _pieces(x: Any, name: str, lo: int, rows: int, cols: int, cuts: Sequence[int
 
 def _my_heads(plan: Plan, tp_rank: int) -> dict[int, int | None]:
     """Task id → its first row in this TP rank's shard, or None where another TP rank's shard
-    holds it, for every head of a fused QKV split per head (``planner.heads``: the tasks come in
-    storage order, TP rank r's shard holds rows [r·R/t, (r+1)·R/t) of R)."""
+    holds it, for every head of an attention weight split per head (``planner.heads``)."""
     if not plan.inputs.optimizer.records_heads:
         return {}
-    tp = plan.inputs.tp
-    by_param: dict[str, list[Any]] = defaultdict(list)
-    for t in plan.tasks:
-        if t.optimizer == "matrix" and is_head(t.part):
-            by_param[t.param].append(t)
-    out: dict[int, int | None] = {}
-    for ts in by_param.values():
-        try:
-            ranks = head_ranks([t.shape[0] for t in ts], tp)
-        except CanzonaError as e:
-            raise PlanMismatchError(f"the plan cuts '{ts[0].param}' per head but {e}") from None
-        local = sum(t.shape[0] for t in ts) // tp
-        at = 0
-        for t, r in zip(ts, ranks):
-            out[t.id] = at - r * local if r == tp_rank else None
-            at += t.shape[0]
-    return out
+    try:
+        places = head_places(plan.tasks, plan.inputs.tp)
+    except CanzonaError as e:
+        raise PlanMismatchError(f"the plan is inconsistent: {e}") from None
+    return {i: row0 if r == tp_rank else None for i, (r, row0) in places.items()}
 
 
 def build_schedule(plan: Plan, names: list[str], rank: int,

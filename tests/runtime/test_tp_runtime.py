@@ -609,7 +609,9 @@ def test_overlap_off_gives_the_same_bits(world4):
 
 @pytest.mark.parametrize("case", ["muon", "shampoo", "soap", "muon_split", "muon_bf16_main_fp32",
                                   "muon_shared", "muon_shared_bf16", "shampoo_shard_blocks",
-                                  "muon_tp_pairs", "muon_tp_pairs_bf16"])
+                                  "muon_tp_pairs", "muon_tp_pairs_bf16", "normuon_shared",
+                                  "normuon_tp_pairs", "muon_heads", "normuon_heads",
+                                  "shampoo_heads"])
 def test_state_bytes_equal_the_prediction(world4, case):
     got = H.results(world4, case)
     for res in got:

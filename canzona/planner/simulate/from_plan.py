@@ -12,7 +12,7 @@ from ..cost import Roofline, TaskCost, work_of
 from ..errors import CanzonaError
 from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
-from ..heads import head_ranks, is_head
+from ..heads import head_places
 from ..inventory import ModelSpec
 from ..settings import expert_place
 from ..plan import Plan
@@ -51,19 +51,11 @@ def _pinned_ranks(plan: Plan) -> dict[str, int]:
 
 
 def _head_ranks(plan: Plan) -> dict[int, int]:
-    """Task id → the TP rank that computes it, for the heads of a fused QKV split per head at
-    tp > 1 (``heads``): each is whole in one TP rank's shard."""
+    """Task id → the TP rank that computes it, for the heads of an attention weight split per
+    head (``heads``): each is whole in one TP rank's shard."""
     if plan.inputs.tp == 1 or not plan.inputs.optimizer.records_heads:
         return {}
-    by_param: dict[str, list[int]] = {}
-    for t in plan.tasks:
-        if t.optimizer == "matrix" and is_head(t.part):
-            by_param.setdefault(t.param, []).append(t.id)
-    out: dict[int, int] = {}
-    for ids in by_param.values():
-        ranks = head_ranks([plan.tasks[i].shape[0] for i in ids], plan.inputs.tp)
-        out.update(zip(ids, ranks))
-    return out
+    return {i: r for i, (r, _) in head_places(plan.tasks, plan.inputs.tp).items()}
 
 
 def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "bf16",
