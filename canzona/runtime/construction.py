@@ -22,6 +22,7 @@ from canzona.runtime import checks, experts, replicated, update, weights
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.introspect import local_tensor, named_params
+from canzona.runtime.qk_clip import attention_heads
 from canzona.runtime.megatron import check_megatron_model, megatron_sum_grads
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.optim._base import SettingError
@@ -74,6 +75,8 @@ class Construction:
         #: on: the same, except a DTensor's local shard for each DTensor parameter.
         self._live: list[Tensor] = [p for _, p in pairs]
         self._params: list[Tensor] = [local_tensor(p) for p in self._live]
+        #: The attention layers QK-clip finds in the module (``runtime.qk_clip``).
+        self._attention_layers = attention_heads(model) if isinstance(model, nn.Module) else []
         return pairs
 
     def _join_groups(self, plan: Plan, dp_group: Any, tp_group: Any) -> bool:

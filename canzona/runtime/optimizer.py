@@ -44,19 +44,20 @@ import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from canzona.planner.plan import Plan
-from canzona.runtime import checks, flags, replicated, update
+from canzona.runtime import checks, flags, qk_clip, replicated, update
 from canzona.runtime.construction import Construction
 from canzona.runtime.errors import UnusedParameterWarning
 from canzona.runtime.storage.gradients import clip_owned
 from canzona.runtime.groups import build_param_groups, synced_kernels
 from canzona.runtime.lifecycle import Lifecycle
+from canzona.runtime.qk_clip import AttentionHeads
 from canzona.runtime.reporting import Reporting
 
 __all__ = ["CanzonaOptimizer"]
@@ -402,6 +403,41 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         return clip_owned(self._storage.owned_grads, max_norm, norm_type, dp=self._dp,
                           group=self._storage.group, tp=self._tp, tp_group=self._tp_group,
                           duplicates=self._tp_duplicates)
+
+    def qk_clip_(self, max_logits: Mapping[str, Tensor], *, threshold: float,
+                 alpha: float = 0.5, groups: Sequence[Any] = (),
+                 attention: Iterable[AttentionHeads] | None = None) -> float:
+        """QK-clip (MuonClip): call after ``step()``. Scales the query and key rows of every KV
+        group whose largest attention logit exceeds ``threshold`` (τ), so its logits come back
+        under τ: η_g = min(1, τ / m_g), query rows × η_g^α, key rows × η_g^(1−α)
+        (Megatron-core's ``clip_qk``; ``runtime.qk_clip``).
+
+        Args:
+            max_logits: attention layer name → the largest logit of each of this rank's query
+                heads (``[q_heads / tp]``) over this rank's batch; every layer, every call
+                (``runtime.qk_clip.max_logits`` computes it from queries and keys,
+                ``record_max_logits`` records it from Megatron-core's attention).
+            threshold: τ. alpha: the query rows' share of the scaling (Megatron's
+                ``qk_clip_alpha``, default 0.5).
+            groups: process groups the logits are also reduced over with MAX (context
+                parallelism); the DP group always is.
+            attention: the layers (``AttentionHeads``), when canzona cannot read them from the
+                model (a list of named parameters).
+
+        Every rank of a DP group scales alike (the same reduced maxima), each TP rank its own
+        heads, the fp32 main copies too (the parameters are then gathered from them). Returns
+        the largest logit over every layer after the reduction.
+
+        Raises:
+            ValueError: an unknown layer, a missing one, or maxima of the wrong shape (one line,
+                before any collective).
+        """
+        self._check_open("qk_clip_")
+        return qk_clip.clip(self, max_logits, threshold=threshold, alpha=alpha, groups=groups,
+                            attention=attention)
+
+    def _attention(self) -> list[AttentionHeads]:
+        return self._attention_layers
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the parameters' ``.grad`` and any gradient collected since the last step."""

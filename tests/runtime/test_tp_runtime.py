@@ -71,6 +71,11 @@ CASES4 = {
     "muon_heads_shared": dict(optimizer="muon", split="heads", share="all-split", steps=5),
     "shampoo_heads": dict(optimizer="shampoo", split="heads", roundtrip=True, steps=5),
     "soap_heads": dict(optimizer="soap", split="heads", steps=5),
+    # QK-clip after every step (each rank its heads' maxima, different on every DP rank):
+    # fp32 weights, bf16 weights with fp32 main copies, the QKV shared by its TP group
+    "muon_qk_clip": dict(optimizer="muon", qk_clip=True, steps=5),
+    "muon_qk_clip_bf16": dict(optimizer="muon", qk_clip=True, bf16=True, steps=5),
+    "muon_qk_clip_shared": dict(optimizer="muon", qk_clip=True, share="all", steps=5),
     # the defaults (roofline cost, share auto): whatever the planner keeps runs exactly
     **{f"{o}_default_share": dict(optimizer=o, share="auto", steps=5)
        for o in ("muon", "shampoo", "soap")},
@@ -559,6 +564,25 @@ def test_dp2_tp2_equals_one_process(world4, case):
 @pytest.mark.parametrize("case", list(CASES_DP4))
 def test_dp4_tp1_equals_one_process(world4, case):
     _check(H.results(world4, case), T.reference(4, **CASES_DP4[case]))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES4 if "qk_clip" in c])
+def test_qk_clip_leaves_the_replicas_bit_identical(world4, case):
+    """After QK-clip the two DP replicas of each TP rank hold the same bits (the maxima reduced
+    over DP), and the clipping acted: the DP ranks' maxima differ, so only their maximum gives
+    the reference (above), and some KV groups clip at every step while others do not."""
+    got = H.results(world4, case)
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(got[a]["params"][n], got[b]["params"][n])
+                   for n in got[a]["params"])
+    for step in range(CASES4[case]["steps"]):
+        for layer in range(T.CFG.layers):
+            per_rank = [T.qk_logits(step, d, layer) for d in range(2)]
+            assert not torch.equal(*per_rank)
+            m = torch.stack(per_rank).amax(0).view(T.CFG.kv_heads, -1).amax(1)
+            assert (m > T.QK_TAU).any()
+    if "shared" in case:
+        assert any(x for res in got for x in [res["plan"].tp.indices[0].shared])
 
 
 def test_the_tp_pairs_plan_shares_fc1_over_both_tp_groups():

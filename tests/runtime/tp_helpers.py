@@ -120,6 +120,40 @@ def full_of(p, local: torch.Tensor, tp: int, group) -> torch.Tensor:
     return concat_shards(m, shards, lambda xs, d: torch.cat(xs, d))
 
 
+QK_TAU, QK_ALPHA = 1.0, 0.5  # QK-clip's threshold and the query rows' share
+
+
+def qk_logits(step: int, dp_rank: int, layer: int) -> torch.Tensor:
+    """The largest attention logit of each query head of ``layer`` over DP rank ``dp_rank``'s
+    batch at ``step`` (all heads): in [0, 2τ), so that some KV groups clip and others do not,
+    and different on every DP rank, so that only their maximum gives the reference."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"qk/{step}/{dp_rank}/{layer}".encode()))
+    return torch.rand(CFG.q_heads, generator=g) * 2 * QK_TAU
+
+
+def qk_layers():
+    from canzona.runtime.qk_clip import AttentionHeads
+
+    return [AttentionHeads(f"decoder.layers.{i}.self_attention",
+                           f"decoder.layers.{i}.self_attention.linear_qkv.weight", None,
+                           CFG.q_heads, CFG.kv_heads, CFG.head_dim) for i in range(CFG.layers)]
+
+
+def qk_clip_full(full: dict[str, torch.Tensor], step: int, dp: int) -> None:
+    """QK-clip on the logical (single-device) QKV, [q; k; v], with the maxima over the DP
+    ranks: the reference of ``CanzonaOptimizer.qk_clip_``."""
+    hd, per = CFG.head_dim, CFG.q_heads // CFG.kv_heads
+    for layer in qk_layers():
+        i = int(layer.name.split(".")[2])
+        m = torch.stack([qk_logits(step, d, i) for d in range(dp)]).amax(0)
+        eta = torch.clamp(QK_TAU / m.view(CFG.kv_heads, per).amax(1), max=1.0)
+        w = full[layer.weight]
+        q = CFG.q_heads * hd
+        with torch.no_grad():
+            w[:q] *= eta.pow(QK_ALPHA).repeat_interleave(per * hd).view(-1, 1)
+            w[q:q + CFG.kv_heads * hd] *= eta.pow(1 - QK_ALPHA).repeat_interleave(hd).view(-1, 1)
+
+
 def _partial(g: torch.Tensor, tp_rank: int, step: int, name: str) -> torch.Tensor:
     noise = torch.randn(g.shape, generator=torch.Generator().manual_seed(
         zlib.crc32(f"sp/{step}/{name}".encode()))) * g.abs().max()
@@ -147,9 +181,11 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
              sequence_parallel: bool = False, bf16: bool = False,
              share: str = "off", cmax_mib: float = 0.05, plan=None,
              block: int | None = None, untouched: tuple[str, int] | None = None,
-             matrix_options: dict | None = None, ns: str | None = None) -> dict:
+             matrix_options: dict | None = None, ns: str | None = None,
+             qk_clip: bool = False) -> dict:
     """Train the TP shards with CanzonaOptimizer over dp × tp (the counterpart of
-    :func:`reference`); return the logical parameters at the end.
+    :func:`reference`); return the logical parameters at the end. ``qk_clip``: QK-clip after
+    every step, each rank giving its own heads' maxima (:func:`qk_logits`).
     ``bf16``: bf16 shards with fp32 main copies (``main_params="fp32"``); ``plan``: this plan
     instead of ``plan_for``'s (a zero-argument callable making it); ``untouched``: (name, step):
     no rank produces that parameter's gradient at that step (its shard is left out of the
@@ -202,6 +238,11 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
         opt.zero_grad()
+        if qk_clip:
+            heads = slice(tp_rank * CFG.q_heads // tp, (tp_rank + 1) * CFG.q_heads // tp)
+            logits = {x.name: qk_logits(step, dp_rank, i)[heads]
+                      for i, x in enumerate(qk_layers())}
+            opt.qk_clip_(logits, threshold=QK_TAU, alpha=QK_ALPHA, attention=qk_layers())
         if roundtrip and step == steps // 2:
             sd = opt.state_dict()
             opt.close()
@@ -221,7 +262,8 @@ def train_tp(rank: int, world: int, *, dp: int, tp: int, optimizer: str = "muon"
 def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: int = 1,
               clip: float | None = None, steps: int = STEPS, bf16: bool = False,
               block: int | None = None, untouched: tuple[str, int] | None = None,
-              matrix_options: dict | None = None, ns: str | None = None) -> dict:
+              matrix_options: dict | None = None, ns: str | None = None,
+              qk_clip: bool = False) -> dict:
     """One process, the logical matrices: the kernel per matrix task (per part when split),
     torch.optim.AdamW on the rest. The gradient is summed as the runtime sums it: each DP rank's
     micro-batches, then the ranks, then ÷ dp. One thread, as the ranks: SOAP's statistics of a
@@ -237,7 +279,7 @@ def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: i
     try:
         return _reference(dp, optimizer, split=split, accum=accum, clip=clip, steps=steps,
                           bf16=bf16, block=block, untouched=untouched,
-                          matrix_options=matrix_options)
+                          matrix_options=matrix_options, qk_clip=qk_clip)
     finally:
         torch.set_num_threads(threads)
 
@@ -245,7 +287,7 @@ def reference(dp: int, optimizer: str = "muon", *, split: bool = False, accum: i
 def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float | None,
                steps: int, bf16: bool = False, block: int | None = None,
                untouched: tuple[str, int] | None = None,
-               matrix_options: dict | None = None) -> dict:
+               matrix_options: dict | None = None, qk_clip: bool = False) -> dict:
     """``bf16``: the fp32 master (the main copies) starts as the bf16 parameters; every step's
     gradient is taken at the bf16 parameters and rounded to bf16 as the ranks hand it over."""
     import dp_helpers as H
@@ -303,6 +345,8 @@ def _reference(dp: int, optimizer: str, *, split: bool, accum: int, clip: float 
                 kernel.step([w], [full[n].grad[r0:r0 + rows]], [st], lr=LR[optimizer])
         adamw.step()
         adamw.zero_grad()
+        if qk_clip:
+            qk_clip_full(full, step, dp)
     return {"params": {n: t.detach().to(low).float() for n, t in full.items()}, "norms": norms}
 
 
