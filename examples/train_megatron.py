@@ -4,6 +4,8 @@
     torchrun --standalone --nproc-per-node 2 examples/train_megatron.py --tp 2   # dp 1 × tp 2
     torchrun --standalone --nproc-per-node 2 examples/train_megatron.py --tp 1   # dp 2
     torchrun --standalone --nproc-per-node 4 examples/train_megatron.py --tp 1 --ep 2  # MoE
+    torchrun --standalone --nproc-per-node 4 examples/train_megatron.py --tp 2 --qk-clip 0.25 \
+        --no-qk-layernorm                                                     # MuonClip
 
 
 Needs megatron-core (``pip install 'canzona[runtime,megatron]'``; 0.16.1 on Python 3.11). The
@@ -28,6 +30,13 @@ On a machine without GPUs the script runs on CPU with gloo: ``torch.cuda.current
 pointed at the CPU while the model is built (Megatron allocates a few tensors there), Megatron's
 RNG trackers are seeded without CUDA, and attention gets an explicit causal mask. Data: arithmetic
 progressions (each DP rank its own), so the loss falls within 100 steps.
+
+``--qk-clip TAU`` (MuonClip): forward hooks record each attention layer's largest logit per query
+head (``canzona.runtime.qk_clip.record_max_logits``), and after every step ``opt.qk_clip_``
+reduces them over DP and scales the query and key rows of the KV groups above TAU. With QK
+layernorm (the default Qwen3-style model) the scaling does not reach the logits: QK-clip is for
+attention without it (``--no-qk-layernorm``).
+``--qkv-split heads`` orthogonalises each attention head alone.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch.nn.functional as F
 
 import canzona
 from canzona.planner.layout import padded_vocab
+from canzona.runtime.qk_clip import record_max_logits
 
 
 @contextlib.contextmanager
@@ -81,11 +91,11 @@ def build_gpt(args, tp: int, cuda: bool):
         num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
         num_attention_heads=args.heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=not args.no_qk_layernorm,
         tensor_model_parallel_size=tp, use_cpu_initialization=not cuda, params_dtype=dtype,
         bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0, **moe)
-    spec = get_gpt_layer_local_spec(num_experts=args.experts or None, qk_layernorm=True,
-                                    normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=args.experts or None,
+                                    qk_layernorm=not args.no_qk_layernorm, normalization="RMSNorm")
     gpt = GPTModel(config=config, transformer_layer_spec=spec,
                    vocab_size=padded_vocab(args.vocab, tp), max_sequence_length=args.seq,
                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
@@ -124,6 +134,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
     ap.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 main copies")
+    ap.add_argument("--qkv-split", default="fused", choices=["fused", "qkv", "heads"],
+                    help="orthogonalise the fused QKV whole, as Q, K and V, or head by head")
+    ap.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                    help="QK-clip after every step: KV groups whose largest attention logit "
+                         "exceeds TAU have their query and key rows scaled down")
+    ap.add_argument("--no-qk-layernorm", action="store_true",
+                    help="attention without QK layernorm (where QK-clip reaches the logits)")
+    ap.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                    help="the query rows' share of the QK-clip scaling")
     args = ap.parse_args()
     warnings.filterwarnings("ignore", module="megatron")  # no Transformer Engine / Apex here
     cuda = torch.cuda.is_available()
@@ -164,7 +183,8 @@ def train(args, dp: int, rank: int, cuda: bool) -> None:
     if args.plan:
         plan = canzona.load_plan(args.plan)
     else:
-        plan = canzona.plan_model(gpt, dp=dp, vocab=args.vocab, optimizer=args.optimizer)
+        plan = canzona.plan_model(gpt, dp=dp, vocab=args.vocab, optimizer=args.optimizer,
+                                  qkv_split=args.qkv_split)
     opt = canzona.CanzonaOptimizer(
         gpt, plan, lr=0.02 if plan.inputs.optimizer.name == "muon" else 3e-3, adamw_lr=3e-3,
         tp_group=parallel_state.get_tensor_model_parallel_group(),
@@ -180,6 +200,9 @@ def train(args, dp: int, rank: int, cuda: bool) -> None:
               f"(vocabulary {args.vocab} padded to {gpt.vocab_size}), "
               f"{plan.inputs.optimizer.name}; micro-groups per DP index {groups}", flush=True)
 
+    # QK-clip: the largest attention logit per query head, recorded by forward hooks on
+    # Megatron's attention (it records none on CPU), reduced over DP by qk_clip_
+    logits = record_max_logits(gpt) if args.qk_clip else None
     mask = torch.ones(args.seq, args.seq, dtype=torch.bool, device=device).triu(1)[None, None]
     pos = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
     gen = torch.Generator().manual_seed(1234 + parallel_state.get_data_parallel_rank())
@@ -190,10 +213,14 @@ def train(args, dp: int, rank: int, cuda: bool) -> None:
         loss.backward()
         norm = opt.clip_grad_norm_(1.0)
         opt.step()
+        top = ""
+        if logits is not None:
+            peak = opt.qk_clip_(logits.pop(), threshold=args.qk_clip, alpha=args.qk_clip_alpha)
+            top = f"  max logit {peak:.2f}"
         sched.step()
         opt.zero_grad()
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}  "
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}{top}  "
                   f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)
     opt.close()  # wait for the optimizer's collectives before tearing the groups down
     parallel_state.destroy_model_parallel()

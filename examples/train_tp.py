@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 2 examples/train_tp.py --tp 2     # dp 1 × tp 2
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --share all-split
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --qkv-split heads
+    torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --qk-clip 1
 
 The model keeps q/k/v and gate/up as separate projections; ``parallelize_module`` splits them
 column-wise and o/down row-wise over the ``tp`` dim of a 2-D DeviceMesh (dims ``dp``, ``tp``).
@@ -14,13 +15,16 @@ the update back, micro-group by micro-group. The embedding, norms and the output
 parallelised: replicated, updated identically on every TP rank. ``--share`` (Muon): the TP group
 shares matrices instead (shared Newton–Schulz over the shards, nothing gathered; ``all-split``
 every one, with the polynomial split). ``--qkv-split heads``: q, k and v orthogonalised head by
-head, each TP rank the heads of its own shard in one batch. Data: arithmetic progressions
-(each DP rank its own), so the loss falls within 100 steps.
+head, each TP rank the heads of its own shard in one batch. ``--qk-clip TAU`` (MuonClip): each
+block records its heads' largest logit (``canzona.runtime.qk_clip.max_logits``) and after every
+step ``opt.qk_clip_`` scales the query and key rows of the heads above TAU. Data: arithmetic
+progressions (each DP rank its own), so the loss falls within 100 steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -34,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import canzona
 from canzona.planner.heads import is_head
+from canzona.runtime.qk_clip import LogitRecorder, max_logits
 
 
 class Block(nn.Module):
@@ -45,6 +50,7 @@ class Block(nn.Module):
             nn.Linear(dim, dim, bias=False) for _ in range(4))
         self.gate_proj, self.up_proj = (nn.Linear(dim, 4 * dim, bias=False) for _ in range(2))
         self.down_proj = nn.Linear(4 * dim, dim, bias=False)
+        self.record = None  # QK-clip: called with this rank's heads' largest logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -52,6 +58,8 @@ class Block(nn.Module):
         # Under TP the column-parallel projections hold this rank's heads (-1: their number).
         q, k, v = (m(h).view(b, t, -1, self.head_dim).transpose(1, 2)
                    for m in (self.q_proj, self.k_proj, self.v_proj))
+        if self.record is not None:
+            self.record(max_logits(q, k, causal=True))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         h = self.ln_2(x)
@@ -91,6 +99,9 @@ def main() -> None:
                     help="heads: orthogonalise q, k and v head by head (each TP rank the heads "
                          "of its own shard, batched, nothing gathered); fused: each projection "
                          "whole (the model keeps q, k and v apart, so qkv is the same)")
+    ap.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
+                    help="QK-clip after every step: heads whose largest attention logit exceeds "
+                         "TAU have their query and key rows scaled down")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
@@ -154,6 +165,10 @@ def main() -> None:
               f"TP scratch per rank (gathered matrices or a lockstep batch) "
               f"{opt.tp_scratch_bytes() / 2**10:.0f} KiB", flush=True)
 
+    logits = LogitRecorder()  # QK-clip: each block's largest logits, this rank's heads
+    if args.qk_clip:
+        for i, blk in enumerate(model.blocks):
+            blk.record = functools.partial(logits.add, f"blocks.{i}")
     gen = torch.Generator().manual_seed(1234 + mesh.get_local_rank("dp"))  # data per DP rank
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -162,10 +177,13 @@ def main() -> None:
         loss.backward()
         norm = opt.clip_grad_norm_(1.0)
         opt.step()
+        top = ""
+        if args.qk_clip:  # the maxima reduced over DP, then the heads above TAU scaled
+            top = f"  max logit {opt.qk_clip_(logits.pop(), threshold=args.qk_clip):.2f}"
         sched.step()
         opt.zero_grad()
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}  "
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}{top}  "
                   f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)
     opt.close()  # wait for the optimizer's collectives before tearing the groups down
     dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """examples/train_megatron.py end to end under torchrun (gloo), as the README runs it: a
 Megatron-core GPTModel trained by canzona at dp 2 × tp 2 with ``plan_model``, again with the same
 plan made offline from the matching config (Megatron names; ``--plan``), which must print the
-same losses, at tp 2 with bf16 parameters and fp32 main copies, and a MoE model at ep 2 (twice,
-the same losses). Each run exits 0 with a falling loss and no abort at shutdown."""
+same losses, at tp 2 with bf16 parameters and fp32 main copies, a MoE model at ep 2 (twice,
+the same losses) and QK-clip (twice, the same losses). Each run exits 0 with a falling loss and
+no abort at shutdown."""
 
 from __future__ import annotations
 
@@ -41,3 +42,13 @@ def test_example_moe_ep2_twice(examples):
     assert losses[-1] < losses[0] - 0.5, f"the loss did not fall: {losses}"
     assert examples.losses("train_megatron.py", 4, "--tp", "1", "--ep", "2", "--steps",
                            "20") == losses
+
+
+def test_example_qk_clip_twice(examples):
+    """``--qk-clip`` with bf16 parameters and fp32 main copies at dp 2 × tp 2, on attention
+    without QK layernorm (where the clipping reaches the logits): two runs print the same
+    losses, and the loss falls."""
+    args = ("--tp", "2", "--steps", "20", "--bf16", "--qk-clip", "0.25", "--no-qk-layernorm")
+    losses = examples.losses("train_megatron.py", 4, *args)
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+    assert examples.losses("train_megatron.py", 4, *args) == losses
