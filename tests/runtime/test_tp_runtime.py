@@ -66,7 +66,7 @@ CASES4 = {
     # the QKV per head: each TP rank updates the heads of its own shard, batched, nothing
     # gathered (with a state_dict round trip); NorMuon's row moments per head; beside sharing;
     # Shampoo's and SOAP's preconditioners per head
-    "muon_heads": dict(optimizer="muon", split="heads", roundtrip=True),
+    "muon_heads": dict(optimizer="muon", split="heads", roundtrip=True, steps=5),
     "normuon_heads": dict(optimizer="normuon", split="heads", steps=5),
     "muon_heads_shared": dict(optimizer="muon", split="heads", share="all-split", steps=5),
     "shampoo_heads": dict(optimizer="shampoo", split="heads", roundtrip=True, steps=5),
@@ -82,7 +82,7 @@ CASES4 = {
 }
 #: dp 4 × tp 1 on the same 4 ranks: at tp 1 every head is contiguous rows of Megatron's fused
 #: QKV (grouped per KV group), updated by the owner of the whole weight
-CASES_DP4 = {"muon_heads_dp4": dict(optimizer="muon", split="heads")}
+CASES_DP4 = {"muon_heads_dp4": dict(optimizer="muon", split="heads", steps=5)}
 #: keyword arguments of the runs that leave the math as without them (the reference omits them)
 SAME_MATH = ("roundtrip", "overlap_tp", "sequence_parallel", "share", "cmax_mib")
 FORWARD = ("muon", "shampoo")  # SOAP: its rank-deficient statistics make last bits chaotic
