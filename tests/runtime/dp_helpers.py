@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import socket
 import sys
 import traceback
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -92,23 +92,24 @@ def lr_factor(step: int) -> float:
 # --- the spawned world --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous(folder: str) -> str:
+    """A fresh ``file://`` rendezvous in ``folder`` for one spawned world: no TCP port to pick,
+    which another process could take between the pick and the ranks' bind."""
+    return "file://" + os.path.join(os.path.abspath(folder), f"rendezvous-{uuid.uuid4().hex}")
 
 
-def init_gloo(rank: int, world: int, port: int, timeout_s: float = 30) -> None:
-    """This spawned rank joins the ``world``-rank gloo group on ``127.0.0.1:port`` (one intra-op
-    thread per rank); ``timeout_s``: the group's collective timeout."""
+def init_gloo(rank: int, world: int, init_method: str, timeout_s: float = 30) -> None:
+    """This spawned rank joins the ``world``-rank gloo group at ``init_method``
+    (:func:`rendezvous`; one intra-op thread per rank); ``timeout_s``: the group's collective
+    timeout."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, Callable]]) -> None:
-    init_gloo(rank, world, port)
+def _worker(rank: int, world: int, init_method: str, out: str,
+            cases: list[tuple[str, Callable]]) -> None:
+    init_gloo(rank, world, init_method)
     results = {}
     path = os.path.join(out, f"rank{rank}.pt")
     try:
@@ -133,8 +134,8 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[tuple[str, C
 def run_world(world: int, cases: list[tuple[str, Callable]], out: str) -> list[dict]:
     """Run every case on ``world`` gloo ranks (one spawn); per rank, ``{case: result}``."""
     try:
-        torch.multiprocessing.spawn(_worker, args=(world, free_port(), out, cases), nprocs=world,
-                                    join=True)
+        torch.multiprocessing.spawn(_worker, args=(world, rendezvous(out), out, cases),
+                                    nprocs=world, join=True)
     except Exception as exc:
         # A case that raised on one rank leaves the others in its collectives until they time
         # out, and the spawn reports that timeout: name the case errors the ranks saved.

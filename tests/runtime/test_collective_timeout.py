@@ -18,14 +18,14 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dp_helpers import ADAMW_LR, LR, TinyGPT, batch, free_port, init_gloo, loss_fn, rows
+from dp_helpers import ADAMW_LR, LR, TinyGPT, batch, init_gloo, loss_fn, rendezvous, rows
 
 TIMEOUT_S = 0.5
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, init_method: str, out: str) -> None:
     # the group's own timeout is long: only collective_timeout can end the wait early
-    init_gloo(rank, world, port, timeout_s=120)
+    init_gloo(rank, world, init_method, timeout_s=120)
     import canzona
     from canzona.runtime.errors import CollectiveTimeoutError
 
@@ -66,8 +66,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def test_a_stopped_rank_fails_the_others_within_the_timeout(tmp_path):
     from canzona.runtime.optimizer import CanzonaOptimizer
 
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2,
-                                join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, rendezvous(str(tmp_path)), str(tmp_path)),
+                                nprocs=2, join=True)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert "error" not in r0 and "error" not in r1, (r0, r1)
