@@ -36,7 +36,7 @@ from __future__ import annotations
 from .. import optimizers
 from ..cost import DTYPE_BYTES, Task, TaskCost, make_cost_model, task_cost
 from ..errors import CanzonaError, PlanFileError
-from ..heads import head_ranks, is_head
+from ..heads import head_places, is_head
 from ..layout import ParallelSizes, padded_vocab
 from ..options import HARDWARE_COSTS
 from ..planning import GRAD_BYTES, evaluate, owner_of, pair_owners
@@ -196,15 +196,10 @@ def _check(plan: Plan, source: str) -> None:
                       f"TP gather/scatter ({how}, comm dtype {inp.comm_dtype})")
 
     if settings.records_heads:  # every head whole in one TP rank's shard
-        heads: dict[str, list[int]] = {}
-        for t in tasks:
-            if t.optimizer == "matrix" and is_head(t.part):
-                heads.setdefault(t.param, []).append(t.shape[0])
-        for name, rows in heads.items():
-            try:
-                head_ranks(rows, slots[name][0])
-            except CanzonaError as e:
-                raise bad(f"tasks (parameter '{name}')", f"cut '{name}' per head but {e}") from None
+        try:
+            head_places(tasks, tp)
+        except CanzonaError as e:
+            raise bad("tasks", str(e)) from None
     _check_loads(plan, slots, bad)
     if plan.tp is not None:
         check_tp(plan, slots, bad)
