@@ -18,19 +18,29 @@ _POWERS = {"ssq": 2, "p8": 8}
 
 def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
                slice_cost: np.ndarray | None = None,
-               limit: tuple[np.ndarray, np.ndarray, float] | None = None) -> list[int]:
+               limit: tuple[np.ndarray, np.ndarray, float] | None = None,
+               start: list[int] | None = None) -> list[int]:
     """Optimal cut indices for one bucket given the other buckets' loads ``base`` per rank.
 
     Rank r receives units [c_r, c_{r+1}); minimise Σ (base_r + x_r)^p + Σ h(s_r) or
     max (base_r + x_r) (+ Σ h(s_r)). ``cap`` bounds each slice's elements (communication
     limit); ``slice_cost[j, i]`` is the objective's per-slice term h for units j..i-1 (g of
     :class:`~canzona.planner.objective.Objective`, scaled like the loads), None when zero.
+
+    ``start``: cut indices of a feasible cut, if known (the bucket's current one). Its value
+    bounds the optimum, so no slice whose own term exceeds it can be on the optimal path: the
+    DP then runs over a band of the slices short enough (:func:`_band`), which returns the
+    same cut as the full table, since every state on the optimal path keeps its value and its
+    first minimiser. At dp 1024 a bucket's ~1,000 units shrink to a band of tens.
     """
     R = len(base)
     m = len(u.bounds) - 1
     if m <= 3 and slice_cost is None:
         return _bucket_dp_small(u, base, cap, phase)
     P = u.prefix
+    width = _band(u, base, cap, phase, slice_cost, limit, start)
+    if width is not None and 4 * width < m:
+        return _bucket_dp_band(u, base, cap, phase, slice_cost, limit, width)
     # Laid out [i, j] (j: where rank r's units start, i: where they end), so that the minimum
     # over j runs along contiguous rows; buffers reused across ranks.
     blk = P[:, None] - P[None, :]  # blk[i, j] = load of units j..i-1
@@ -61,14 +71,110 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
         np.add(tot, extra, out=tot)
         choice[r] = np.argmin(tot, axis=1)  # first (smallest j) on ties: deterministic
         g = tot[cols, choice[r]]
+    return _trace(choice, g, m)
+
+
+def _trace(choice: np.ndarray, g: np.ndarray, m: int) -> list[int]:
+    """The cut indices the DP chose, traced back from the bucket's end."""
     if not np.isfinite(g[m]):
         raise OptionError("{DPOptions.comm_limit} is too tight: some bucket cannot be cut into "
                           "slices that small at parameter boundaries; raise it.",
                           fields=("DPOptions.comm_limit",))
     idx = [m]
-    for r in range(R - 1, -1, -1):
+    for r in range(len(choice) - 1, -1, -1):
         idx.append(int(choice[r][idx[-1]]))
     return idx[::-1]
+
+
+#: Relative slack on the bound of :func:`_band`, far above the rounding of its sums.
+_SLACK = 1e-9
+
+
+def _band(u: Units, base: np.ndarray, cap: float | None, phase: str,
+          slice_cost: np.ndarray | None,
+          limit: tuple[np.ndarray, np.ndarray, float] | None,
+          start: list[int] | None) -> int | None:
+    """How many start positions j ≤ i the DP must try per end i (the band's width), from the
+    value U of the feasible cut ``start``; None where there is no such bound (no start, an
+    infeasible one, a negative per-slice term or load).
+
+    The objective only grows along the DP's path (the terms and h are non-negative), so each
+    state on the optimal path has value ≤ U, and a slice whose own term exceeds U is never
+    chosen: in the max phase a slice's load base_r + x is at most U; in a power phase
+    (base_r + x)^p is at most U less every other rank's base^p."""
+    m = len(u.bounds) - 1
+    P = u.prefix
+    if start is None or len(start) != len(base) + 1 or start[0] != 0 or start[-1] != m:
+        return None
+    if (slice_cost is not None and not slice_cost.min() >= 0) or np.any(np.diff(P) < 0):
+        return None
+    power = _POWERS.get(phase)
+    value = 0.0
+    for r in range(len(base)):
+        j, i = start[r], start[r + 1]
+        if i < j or (cap is not None and u.bounds[i] - u.bounds[j] > cap):
+            return None
+        if limit is not None and not limit[1][r] + (limit[0][i] - limit[0][j]) <= limit[2]:
+            return None
+        tot = (P[i] - P[j]) + base[r]
+        value = max(value, tot) if power is None else value + tot ** power
+        if slice_cost is not None:
+            value += slice_cost[j, i]
+    if not np.isfinite(value):
+        return None
+    bound = value * (1 + _SLACK) + 1e-300
+    low = float(base.min())
+    if power is None:
+        reach = bound - low
+    else:
+        pos = np.maximum(base, 0.0) ** power
+        rest = float(pos.sum()) * (1 - _SLACK)
+        reach = float(((bound - rest + pos.max()) ** (1.0 / power))) - low
+    reach = reach * (1 + _SLACK) + 1e-300
+    lo = np.searchsorted(P, P - reach, side="left")
+    return int((np.arange(m + 1) - lo).max()) + 1
+
+
+def _bucket_dp_band(u: Units, base: np.ndarray, cap: float | None, phase: str,
+                    slice_cost: np.ndarray | None,
+                    limit: tuple[np.ndarray, np.ndarray, float] | None,
+                    width: int) -> list[int]:
+    """:func:`_bucket_dp` over the band of ``width`` start positions j ∈ [i - width + 1, i]
+    per end i, in increasing j (so the first minimiser is the full table's), each entry
+    computed by the same operations as the full table's."""
+    R = len(base)
+    m = len(u.bounds) - 1
+    P = u.prefix
+    rows = np.arange(m + 1)
+    J = rows[:, None] - (width - 1) + np.arange(width)[None, :]
+    valid = J >= 0
+    J = np.maximum(J, 0)
+    blk = P[:, None] - P[J]
+    if cap is not None:
+        valid &= (u.bounds[:, None] - u.bounds[J]) <= cap
+    inf = np.inf
+    extra = np.where(valid, 0.0 if slice_cost is None else slice_cost[J, rows[:, None]], inf)
+    if limit is not None:
+        lblk = limit[0][:, None] - limit[0][J]
+    choice = np.zeros((R, m + 1), dtype=np.int64)
+    g = np.full(m + 1, inf)
+    g[0] = 0.0
+    tot = np.empty((m + 1, width))
+    power = _POWERS.get(phase)
+    for r in range(R):
+        np.add(blk, base[r], out=tot)
+        if limit is not None:
+            tot = np.where(limit[1][r] + lblk <= limit[2], tot, inf)
+        if power is None:
+            np.maximum(g[J], tot, out=tot)
+        else:
+            np.power(tot, power, out=tot)
+            np.add(g[J], tot, out=tot)
+        np.add(tot, extra, out=tot)
+        k = np.argmin(tot, axis=1)
+        choice[r] = J[rows, k]
+        g = tot[rows, k]
+    return _trace(choice, g, m)
 
 
 def _bucket_dp_small(u: Units, base: np.ndarray, cap: float | None, phase: str) -> list[int]:
@@ -169,7 +275,8 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                 if comm_limit is not None:
                     cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
                 costs = _slice_costs(objective, problem, b, u, scale)
-                new = _bucket_dp(_scaled(u, scale), base / scale, cap, phase, costs)
+                new = _bucket_dp(_scaled(u, scale), base / scale, cap, phase, costs,
+                                 start=idx[key])
                 new_mine = _mine(u, new)
                 sbase = state[ds] - _mine(u, idx[key], "state")
                 if phase == "max":
@@ -193,7 +300,7 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                             continue  # a matrix is wider than the cap: no such cut
                         try:
                             tries.append(_bucket_dp(_scaled(u, scale), base / scale, c, phase,
-                                                    costs))
+                                                    costs, start=idx[key]))
                         except OptionError:
                             continue  # no cut at parameter boundaries that fine
                     if key in heavy:
@@ -204,7 +311,8 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                             tries.append(_bucket_dp(
                                 Units(u.bounds, u.state / ss, 0.0), sbase / ss, cap, phase, None,
                                 None if ceil is None else (u.prefix / scale, base / scale,
-                                                           max(ceil, float(load.max())) / scale)))
+                                                           max(ceil, float(load.max())) / scale),
+                                start=idx[key]))
                         except OptionError:
                             pass  # no cut keeps every load under the ceiling
                     for t in tries:
