@@ -15,8 +15,10 @@ reported per DP index, and a GPU's own experts per TP rank (``tp.context.index_w
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
 
 from .cost import CostModel, Task, TaskCost, build_tasks, make_cost_model, task_cost
@@ -149,6 +151,12 @@ class DPProblem:
             return r
         return self.sizes.expert_place(buf.ep_rank, r)[0]  # type: ignore[arg-type]
 
+    def dp_indices(self, bucket: BucketProblem) -> tuple[int, ...]:
+        """The DP index of every rank of ``bucket``'s sharding group (:meth:`dp_index`, once per
+        group: the solvers' inner loops read it)."""
+        buf = self.layout.buffers[bucket.buffer]
+        return _dp_indices(self.sizes, buf.ep_rank if buf.expert else None, bucket.ranks)
+
     def tp_rank(self, bucket: BucketProblem, r: int) -> int | None:
         """The one TP rank that holds rank ``r``'s part of ``bucket`` (expert buckets at expert
         TP 1 under tp > 1), or None when every TP rank of its DP index holds a shard."""
@@ -187,6 +195,8 @@ class Partition(Protocol):
     def grad_bytes(self) -> int: ...
 
     def dp_index(self, bucket: BucketProblem, r: int) -> int: ...
+
+    def dp_indices(self, bucket: BucketProblem) -> tuple[int, ...]: ...
 
     def tp_rank(self, bucket: BucketProblem, r: int) -> int | None: ...
 
@@ -296,16 +306,17 @@ def equal_cuts(b: BucketProblem) -> tuple[int, ...]:
     return tuple(b.start + r * size for r in range(b.ranks)) + (b.end,)
 
 
-def owner_of(cuts: tuple[int, ...], pos: int) -> int:
-    """Rank whose range [cuts[r], cuts[r+1]) contains ``pos`` (the last rank for pos == end)."""
-    lo, hi = 0, len(cuts) - 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cuts[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+@lru_cache(maxsize=256)
+def _dp_indices(sizes: ParallelSizes, ep_rank: int | None, ranks: int) -> tuple[int, ...]:
+    if ep_rank is None:
+        return tuple(range(ranks))
+    return tuple(sizes.expert_place(ep_rank, r)[0] for r in range(ranks))
+
+
+def owner_of(cuts: Sequence[int], pos: int) -> int:
+    """Rank whose range [cuts[r], cuts[r+1]) contains ``pos`` (the last rank for pos == end):
+    the last r < len(cuts) - 1 with cuts[r] <= pos, or 0."""
+    return min(max(bisect_right(cuts, pos) - 1, 0), len(cuts) - 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,15 +351,17 @@ def evaluate(problem: Partition, cuts: Cuts,
     grad_bytes = problem.grad_bytes
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
+        ix = problem.dp_indices(b)
         for r in range(b.ranks):
-            rs[problem.dp_index(b, r)] += (c[r + 1] - c[r]) * grad_bytes
+            rs[ix[r]] += (c[r + 1] - c[r]) * grad_bytes
+        top = len(c) - 2
         for it in b.items:
-            first = owner_of(c, it.start)
-            last = owner_of(c, it.end - 1)
+            first = min(max(bisect_right(c, it.start) - 1, 0), top)  # owner_of, inlined
+            last = min(max(bisect_right(c, it.end - 1) - 1, 0), top)
             if it.atomic and first != last:
                 split += 1
             if it.atomic and (first == last or split_mode == "owner"):
-                d = problem.dp_index(b, first)
+                d = ix[first]
                 load[d] += it.load
                 flops[d] += it.flops
                 state[d] += it.state_bytes
@@ -361,7 +374,7 @@ def evaluate(problem: Partition, cuts: Cuts,
                 lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
                 if hi <= lo:
                     continue
-                d = problem.dp_index(b, r)
+                d = ix[r]
                 # Cumulative rounding: the shares of an item add up to the item exactly.
                 a, z = lo - it.start, hi - it.start
                 load[d] += it.load * z // n - it.load * a // n
@@ -369,7 +382,7 @@ def evaluate(problem: Partition, cuts: Cuts,
                 state[d] += it.state_bytes * z // n - it.state_bytes * a // n
             if it.atomic:
                 for t in it.tasks:
-                    owners[t] = problem.dp_index(b, first)
+                    owners[t] = ix[first]
     return Evaluation(tuple(load), tuple(flops), tuple(state), tuple(rs), owners, split)
 
 

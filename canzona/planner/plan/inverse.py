@@ -78,6 +78,10 @@ class PlanProblem:
             return r
         return self.sizes.expert_place(buf.ep_rank, r)[0]
 
+    def dp_indices(self, bucket: BucketProblem) -> tuple[int, ...]:
+        """The DP index of every rank of ``bucket``'s group, as :meth:`DPProblem.dp_indices`."""
+        return tuple(self.dp_index(bucket, r) for r in range(bucket.ranks))
+
     def tp_rank(self, bucket: BucketProblem, r: int) -> int | None:
         """As :meth:`DPProblem.tp_rank`."""
         buf = self.buffers[bucket.buffer]
