@@ -37,9 +37,13 @@ def _maximal_patterns(w: list[int], cap: list[int], C: int,
     T = len(w)
     out: list[tuple[int, ...]] = []
     a = [0] * T
-    lightest = min(w) if w else 0
+    # what the types from t on can fill at most: a branch whose room stays at or above the
+    # lightest type left short of its cap can end in no maximal pattern, and is not walked
+    suffix = [0] * (T + 1)
+    for t in range(T - 1, -1, -1):
+        suffix[t] = suffix[t + 1] + cap[t] * w[t]
 
-    def rec(t: int, room: int) -> bool:
+    def rec(t: int, room: int, need: float) -> bool:
         if t == T:
             # maximal: no type with spare count fits into the remaining room
             if all(a[k] == cap[k] or w[k] > room for k in range(T)):
@@ -50,13 +54,15 @@ def _maximal_patterns(w: list[int], cap: list[int], C: int,
         top = min(cap[t], room // w[t]) if w[t] else cap[t]
         for c in range(top, -1, -1):
             a[t] = c
-            if not rec(t + 1, room - c * w[t]):
+            short = need if c == cap[t] or w[t] == 0 else min(need, w[t])
+            if room - c * w[t] - suffix[t + 1] >= short:
+                break  # a type short of its cap fits whatever the rest takes (fewer: too)
+            if not rec(t + 1, room - c * w[t], short):
                 return False
         a[t] = 0
         return True
 
-    ok = rec(0, C)
-    del lightest
+    ok = rec(0, C, float("inf"))
     return out if ok else None
 
 
