@@ -17,6 +17,7 @@ model, the step simulator and ``canzona compare`` all call :meth:`Roofline.secon
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Protocol
 
 from . import formulas, optimizers
@@ -125,29 +126,39 @@ def build_tasks(spec: ModelSpec, settings: OptimizerSettings, sizes: ParallelSiz
 def task_cost(task: Task, settings: OptimizerSettings, sizes: ParallelSizes,
               comm_dtype: str = "bf16") -> TaskCost:
     """FLOPs, fp32 state bytes and TP gather/scatter bytes of ``task``."""
-    if task.optimizer == "adamw" or len(task.shape) != 2:
-        return TaskCost(formulas.adamw_flops(task.numel),
-                        formulas.adamw_state_numel(task.numel) * STATE_BYTES, 0,
-                        formulas.adamw_traffic_bytes(task.numel))
-    m, n = task.shape
+    t = sizes.expert_tp if task.expert is not None else sizes.tp
+    return _cost(task.optimizer, task.shape, task.tp_split, t, settings, comm_dtype)
+
+
+@lru_cache(maxsize=4096)
+def _cost(optimizer: str, shape: tuple[int, ...], tp_split: bool, t: int,
+          settings: OptimizerSettings, comm_dtype: str) -> TaskCost:
+    """:func:`task_cost` of a task by what it depends on: a model's layers repeat a few shapes,
+    so each is costed once."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if optimizer == "adamw" or len(shape) != 2:
+        return TaskCost(formulas.adamw_flops(numel),
+                        formulas.adamw_state_numel(numel) * STATE_BYTES, 0,
+                        formulas.adamw_traffic_bytes(numel))
+    m, n = shape
     spec = optimizers.get(settings.name)
     flops = spec.flops(m, n, settings)
     state = spec.state_numel(m, n, settings)
     mm_bytes = spec.matmul_bytes(m, n, settings) if spec.matmul_bytes else 0
     traffic = spec.traffic(m, n, settings) if spec.traffic else 0
-    t = sizes.expert_tp if task.expert is not None else sizes.tp
     comm = 0
-    if task.tp_split:
+    if tp_split:
         # The host receives (t-1)/t of the matrix and sends (t-1)/t of the update back.
-        comm = 2 * (task.numel - task.numel // t) * DTYPE_BYTES[comm_dtype]
+        comm = 2 * (numel - numel // t) * DTYPE_BYTES[comm_dtype]
     return TaskCost(flops, state * STATE_BYTES, comm, mm_bytes, traffic)
 
 
 def work_of(shape: tuple[int, ...], optimizer: str, settings: OptimizerSettings) -> TaskCost:
     """The FLOPs and bytes of one task of ``shape`` (``"matrix"`` or ``"adamw"``), without TP
     traffic: what a plan's task, or a piece of one, costs wherever it runs."""
-    return task_cost(Task(0, "", None, tuple(shape), optimizer, False), settings,
-                     ParallelSizes(dp=1, tp=1))
+    return _cost(optimizer, tuple(shape), False, 1, settings, "bf16")
 
 
 @dataclass(frozen=True, slots=True)

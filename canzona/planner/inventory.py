@@ -31,7 +31,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Literal
 
 from .errors import ModelError
@@ -121,6 +121,15 @@ class ParamSpec:
         return self.shape[0] if self.kind == "expert" and len(self.shape) == 3 else 0
 
 
+@lru_cache(maxsize=16)
+def _fingerprint(params: tuple[ParamSpec, ...]) -> str:
+    """:meth:`ModelSpec.fingerprint` of ``params`` (once per inventory: plans and checks ask
+    for it often)."""
+    rows = [[p.name, list(p.shape), p.dtype, p.tp_layout, p.tp_dim, p.tp_stride] for p in params]
+    blob = json.dumps(rows, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model's parameters in Megatron registration order, plus its config.
@@ -167,10 +176,10 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """sha256 over names, shapes, dtypes and TP attributes, in registration order."""
-        rows = [[p.name, list(p.shape), p.dtype, p.tp_layout, p.tp_dim, p.tp_stride]
-                for p in self.params]
-        blob = json.dumps(rows, separators=(",", ":")).encode()
-        return "sha256:" + hashlib.sha256(blob).hexdigest()
+        try:
+            return _fingerprint(self.params)
+        except TypeError:  # a spec built by hand with a list somewhere: not hashable
+            return _fingerprint.__wrapped__(self.params)
 
     def graph(self) -> "nx.DiGraph":
         """The parameter graph.
@@ -236,6 +245,14 @@ def build_inventory(
     if names not in NAMINGS:
         raise ModelError(f"names must be one of: {', '.join(NAMINGS)}; got {names!r}.")
     check_config(cfg)  # sizes that no model has fail here, in one line, before any building
+    return _built(cfg, tuple(matrix_globs), tuple(adamw_globs), names)
+
+
+@lru_cache(maxsize=16)
+def _built(cfg: ModelConfig, matrix_globs: tuple[str, ...], adamw_globs: tuple[str, ...],
+           names: str) -> ModelSpec:
+    """:func:`build_inventory`'s inventory, built once per config (a spec is immutable: the
+    planner, the plan's checks and the simulator read the same model many times)."""
     return NAMINGS[names].build(cfg, matrix_globs, adamw_globs)
 
 
