@@ -121,6 +121,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                         bins = list(b0)  # a heap: the index's LPT bins without this bucket
                         rep_sum = 0.0
                         step = lock[d].copy()  # its lockstep phase without this bucket
+                        phase_load = step.load()  # recomputed only when a piece joins
                         for i in range(j, min(m, j + span) + 1):
                             evals += 1
                             if i > j:
@@ -130,15 +131,20 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                                 rep_sum += its[i - 1][1]
                                 for y in its[i - 1][2]:
                                     step.add(y)
-                            rep_now = rep_sum + step.load()
-                            v = (base[d] + rep_now + max(bins)) / scale
+                                if its[i - 1][2]:
+                                    phase_load = step.load()
+                            rep_now = rep_sum + phase_load
+                            held = base[d] + rep_now
+                            top = max(bins)
+                            v = (held + top) / scale
                             if phase == "max":
                                 tot = max(g[j], v)
                             elif phase == "excess":
                                 # Overload of every GPU above the target, squared: graded even
-                                # when an index's maximum sits on a plateau.
-                                tot = g[j] + sum(max(0.0, (base[d] + rep_now + x) / scale - target)
-                                                 ** 2 for x in bins)
+                                # when an index's maximum sits on a plateau (none where even
+                                # the busiest bin is under it: every term is then 0).
+                                tot = g[j] if v - target <= 0.0 else g[j] + sum(
+                                    max(0.0, (held + x) / scale - target) ** 2 for x in bins)
                             else:
                                 tot = g[j] + v ** 8
                             if tot < ng[i] - 1e-12:
