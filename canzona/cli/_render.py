@@ -73,18 +73,22 @@ class _Elapsed:
 
 #: Seconds a block runs, off a terminal, before its stages are printed as lines (short runs, and
 #: the errors of bad input, print nothing more).
-PLAIN_DELAY_S = 5.0
+PLAIN_DELAY_S = 2.0
 
 
 @contextmanager
-def progress(title: str, delay_s: float = 0.25) -> Iterator[Callable[[str], None]]:
+def progress(title: str, delay_s: float = 0.25, *,
+             quiet: bool = False) -> Iterator[Callable[[str], None]]:
     """A transient spinner on stderr, shown only if the block runs longer than ``delay_s``.
 
     Yields the ``progress`` callback the solvers call with phase names. When stderr is not a
     terminal (a log, a pipe), a block that runs longer than :data:`PLAIN_DELAY_S` prints its
     stage then, and every later one, as a plain line on stderr (stdout, ``--json``'s, stays
-    clean).
+    clean). ``quiet`` (``--quiet``): nothing is shown.
     """
+    if quiet:
+        yield lambda _phase: None
+        return
     if not err_console.is_terminal:
         with _plain_progress(title, PLAIN_DELAY_S) as say:
             yield say

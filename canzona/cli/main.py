@@ -125,6 +125,8 @@ BucketSizeOpt = Annotated[Optional[int], typer.Option(
 NoOverlapOpt = Annotated[bool, typer.Option(
     "--no-overlap", help="Grad-reduce overlap off: one bucket per buffer.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No progress on stderr (it shows when a step runs over 2 s).")]
 #: The ``--hardware`` choices, in the library's order (:func:`hardware_names`).
 HARDWARE_CHOICES = f"{', '.join(hardware_names())}, or a profile file (.json)"
 
@@ -220,13 +222,14 @@ def layout(
     no_overlap: NoOverlapOpt = False,
     buckets: Annotated[bool, typer.Option("--buckets", help="List every bucket.")] = False,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Show Megatron's ZeRO-1 buffers and buckets, and the matrices its equal chunks split."""
     from canzona.planner import ParallelSizes, resolve_model
     from canzona.planner.report import layout_dict, layout_of
 
     cfg = resolve_model(model, config)
-    with _render.progress(f"layout of {cfg.name} dp={dp} tp={tp}") as say:
+    with _render.progress(f"layout of {cfg.name} dp={dp} tp={tp}", quiet=quiet) as say:
         spec, lay = layout_of(cfg, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
                               bucket_size=bucket_size,
                               overlap_grad_reduce=not no_overlap, progress=say)
@@ -381,6 +384,7 @@ def plan(
         help="Plan file (written atomically); an existing folder: that default name inside "
              "it.")] = None,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the
     plan."""
@@ -409,7 +413,7 @@ def plan(
     out = output / default if output is not None and output.is_dir() else output or Path(default)
     _check_output(out)
     ep_text = f" ep={ep}" if ep > 1 else ""
-    with _render.progress(f"planning {name} dp={dp} tp={tp}{ep_text}") as say:
+    with _render.progress(f"planning {name} dp={dp} tp={tp}{ep_text}", quiet=quiet) as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
                                tp_options=tp_options, progress=say,
                                names=_choice(names, tuple(NAMINGS), "--names"))
@@ -441,6 +445,7 @@ def inspect(
         "--ranks", help="auto: every DP index up to 16, above that their distribution and the "
                         "5 busiest; all: every DP index (and TP group).")] = "auto",
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a per-DP-index chart to this file (.png, .pdf, .svg, …; a folder: "
                        "named after the plan) and, for tp > 1, the TP view beside it as "
@@ -454,7 +459,7 @@ def inspect(
     from . import plots
 
     ranks = _choice(ranks, ("auto", "all"), "--ranks")
-    with _render.progress(f"inspecting {plan_file.name}") as say:
+    with _render.progress(f"inspecting {plan_file.name}", quiet=quiet) as say:
         say("reading the plan")
         p = load_plan(plan_file)
         charts = plots.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
@@ -588,6 +593,7 @@ def compare(
         help="The canzona row's plan shares Muon matrices (as canzona plan "
              "--share: off, auto, all, all-split); the other rows stay whole.")] = None,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a stacked bar per strategy to this file (.png, .pdf, .svg, …; a "
                        "folder: a name is made) and canzona's per-rank timeline beside it as "
@@ -630,7 +636,7 @@ def compare(
                 else f"{title.split()[0]}-dp{dp}-tp{tp}" + (f"-ep{ep}" if ep > 1 else "")) \
             + "-compare"
         chart = plots.resolve_chart(plot, stem)
-    with _render.progress(f"comparing {title}") as say:
+    with _render.progress(f"comparing {title}", quiet=quiet) as say:
         if plan_file is not None:
             p = load_plan(plan_file)
             _agree_with_plan(plan_file, {
@@ -676,6 +682,7 @@ def calibrate(
     name: Annotated[Optional[str], typer.Option(
         "--name", show_default="calibrated-HOSTNAME", help="The profile's name.")] = None,
     as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Measure this machine (matmul, Newton–Schulz, eigh/QR, memory, a 2-process collective
     link) and write a hardware profile for 'canzona plan --hardware FILE' and 'simulate'."""
@@ -687,7 +694,7 @@ def calibrate(
     from canzona.planner.plan import write_atomically
 
     _check_output(output, "hardware profile")
-    with _render.progress("calibrating this machine") as say:
+    with _render.progress("calibrating this machine", quiet=quiet) as say:
         profile = measure(quick=quick, name=name, progress=say)
         write_atomically(output, profile.model_dump_json(indent=2) + "\n",
                          what="hardware profile", error=CanzonaError)

@@ -222,6 +222,16 @@ def test_plan_prints_its_stages_on_stderr_off_a_terminal(tmp_path, monkeypatch):
     stages = [x for x in r.stderr.splitlines() if x.startswith("planning qwen3-0.6b dp=2 tp=1: ")]
     assert any("writing the plan" in x for x in stages), r.stderr
     assert len(stages) >= 2, r.stderr
+    for quiet in ("--quiet", "-q"):  # silenced: stderr stays empty, the JSON alike
+        r = run("plan", "--model", "qwen3-0.6b", "--dp", 2, "-o", tmp_path / "q.json", "--json",
+                quiet)
+        assert r.exit_code == 0, r.output
+        assert r.stderr == "" and json.loads(r.stdout)["dp"] == 2
+    p = tmp_path / "p.json"
+    r = run("inspect", p, "--quiet")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    r = run("inspect", p)
+    assert r.exit_code == 0 and f"inspecting {p.name}: " in r.stderr, r.output
 
 
 # --- following the README writes nothing into the clone ----------------------------------------
