@@ -13,7 +13,8 @@ This package imports only the schema: the loader and the checks use the planner'
 which itself imports the schema.
 """
 
-from .schema import (BASE_VERSION, DP_PAIR_VERSION, HEADS_VERSION, RECIPE_VERSION,
+from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
+                     RECIPE_VERSION,
                      SCHEMA_VERSION,
                      TP_PAIR_VERSION,
                      TP_SHARE_VERSION, BucketPlan, BufferPlan, CollectiveMethod, CommPlan,
@@ -22,7 +23,7 @@ from .schema import (BASE_VERSION, DP_PAIR_VERSION, HEADS_VERSION, RECIPE_VERSIO
                      TaskPlan, TPIndexPlan, TPMetrics, TPPlan, gc_paused, save_plan,
                      write_atomically)
 
-__all__ = ["BASE_VERSION", "DP_PAIR_VERSION", "HEADS_VERSION", "RECIPE_VERSION", "SCHEMA_VERSION",
+__all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "HEADS_VERSION", "RECIPE_VERSION", "SCHEMA_VERSION",
            "TP_PAIR_VERSION",
            "TP_SHARE_VERSION", "BucketPlan", "BufferPlan", "CollectiveMethod", "CommPlan",
            "GroupTaskPlan", "Metrics", "MicroGroupPlan", "PairTaskPlan", "Plan", "PlanInputs",

@@ -12,7 +12,9 @@ from .. import comm as comm_model
 from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from ..planning import Cuts, DPProblem, equal_cuts, evaluate, pair_owners, pair_phases
 from .comm_section import comm_section
-from .schema import (BASE_VERSION, DP_PAIR_VERSION, HEADS_VERSION, RECIPE_VERSION,
+from .compact import COMPACT_TASKS
+from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
+                     RECIPE_VERSION,
                      TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics,
                      PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan,
                      TPPlan)
@@ -108,6 +110,8 @@ def build_plan(
                else RECIPE_VERSION if problem.settings.records_recipe
                else TP_PAIR_VERSION if dp_shared and sizes.tp > 1 else DP_PAIR_VERSION if dp_shared
                else TP_SHARE_VERSION if tp_shares else BASE_VERSION)
+    if len(tasks) > COMPACT_TASKS:
+        version = COMPACT_VERSION
     return Plan(schema_version=version,
                 inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                 fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,

@@ -29,7 +29,8 @@ from pydantic import ValidationError
 from ..errors import PlanFileError
 from .checks import check_plan
 from .convert import OLDEST_VERSION, unreadable, upgrade
-from .schema import SCHEMA_VERSION, Plan, gc_paused
+from . import compact
+from .schema import COMPACT_VERSION, SCHEMA_VERSION, Plan, gc_paused
 
 __all__ = ["load_plan", "parse_plan"]
 
@@ -90,6 +91,11 @@ def _read(text: str, source: str) -> tuple[dict, int]:
     if found < OLDEST_VERSION:
         what = "no plan schema version" if found < 1 else "a plan older than this canzona reads"
         raise unreadable(source, found, what)
+    if found >= COMPACT_VERSION and "task_kinds" in data:  # written compact
+        try:
+            data = compact.decode(data)
+        except ValueError as exc:
+            raise unreadable(source, found, f"malformed compact plan: {exc}") from None
     return upgrade(data, source), found
 
 

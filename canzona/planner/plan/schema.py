@@ -13,7 +13,8 @@ for a plan that shares no matrix, 3 (:data:`TP_SHARE_VERSION`) when its TP group
 (``dp_shared``), 5 (:data:`TP_PAIR_VERSION`) when TP groups share with a partner DP index's, 6
 (:data:`RECIPE_VERSION`) when its optimizer settings record a Newton–Schulz schedule other than
 ``simple`` (``inputs.optimizer.ns_coefficients``), 7 (:data:`HEADS_VERSION`) when they split the
-fused QKV per attention head (``inputs.optimizer.qkv_split``); an
+fused QKV per attention head (``inputs.optimizer.qkv_split``), 8 (:data:`COMPACT_VERSION`) when it
+has more than ``compact.COMPACT_TASKS`` tasks and is written compact (:mod:`.compact`); an
 older canzona then asks for an upgrade instead of running a plan without its shared tasks, and a
 plan without them keeps the text version 2 wrote. Reading a file — the version checks, the
 converters of older versions (:mod:`canzona.planner.plan.convert`), this schema and every
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import json
 import os
 import secrets
 from collections.abc import Iterator
@@ -36,9 +38,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from ..comm import METHODS
 from ..errors import PlanFileError
 from ..settings import OptimizerSettings
+from . import compact
 
 #: The newest plan version this canzona reads and writes.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
@@ -51,6 +54,9 @@ RECIPE_VERSION = 6
 #: The version of a plan whose optimizer settings split the fused QKV per attention head (what
 #: version 6 has no field for), whatever else it records.
 HEADS_VERSION = 7
+#: The version of a plan written compact (:mod:`~canzona.planner.plan.compact`: more than
+#: ``COMPACT_TASKS`` tasks), whatever else it records.
+COMPACT_VERSION = 8
 #: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
@@ -392,9 +398,10 @@ class PairTaskPlan(_Frozen):
 class Plan(_Frozen):
     """A canzona plan (schema version 2; 3 when its TP groups share matrices; 4 when DP pairs
     do; 5 when TP groups share with a partner DP index's; 6 when its optimizer settings record
-    a Newton–Schulz schedule; 7 when they split the fused QKV per head)."""
+    a Newton–Schulz schedule; 7 when they split the fused QKV per head; 8 when it is written
+    compact)."""
 
-    schema_version: Literal[2, 3, 4, 5, 6, 7] = BASE_VERSION
+    schema_version: Literal[2, 3, 4, 5, 6, 7, 8] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(
@@ -441,7 +448,11 @@ class Plan(_Frozen):
         return out
 
     def to_json(self) -> str:
-        """Canonical text: fields in schema order, two-space indent, trailing newline."""
+        """Canonical text: fields in schema order, two-space indent, trailing newline; from
+        version 8 (:data:`COMPACT_VERSION`) the compact form of :mod:`.compact`, unindented."""
+        if self.schema_version >= COMPACT_VERSION:
+            return json.dumps(compact.encode(self.model_dump(mode="json")),
+                              separators=(",", ":"), ensure_ascii=False) + "\n"
         return self.model_dump_json(indent=2) + "\n"
 
 

@@ -36,7 +36,8 @@ def plans() -> dict[str, dict]:
     """Real plans as JSON: tp = 1, tp = 2, and an MoE plan with ep = 4 (expert buffers over edp)."""
     made = {"tp1": _make("qwen3-0.6b", 8, 1), "tp2": _make("qwen3-0.6b", 8, 2),
             "moe": _make("qwen3-30b-a3b", 8, 2, ep=4)}
-    return {k: json.loads(p.to_json()) for k, p in made.items()}
+    # the plan's data in full (the MoE plan's file is compact, version 8; read alike written out)
+    return {k: p.model_dump(mode="json") for k, p in made.items()}
 
 
 def _write(tmp_path: Path, data: dict) -> Path:
