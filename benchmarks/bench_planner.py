@@ -4,6 +4,10 @@
     python benchmarks/bench_planner.py --write-readme   # also rewrite the "## Planner (DP
                                                         # partition)" section of
                                                         # benchmarks/README.md
+    python benchmarks/bench_planner.py --profile        # planning time at scale: the four
+                                                        # large cases (add --write-readme for
+                                                        # its section, --top N for each case's
+                                                        # cProfile, slowest functions first)
 
 For every {qwen3-0.6b … qwen3-32b} × dp {8, 16, 32, 64} × tp {1, 4, 8} (Muon, FLOPs cost, α = 1):
 the gap of the busiest DP index's load to the best proven lower bound (max(mean, largest task),
@@ -16,6 +20,7 @@ as a separate process (import included).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -37,6 +42,15 @@ MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen
 DPS = (8, 16, 32, 64)
 TPS = (1, 4, 8)
 SECTION = "## Planner (DP partition)"
+SCALE_SECTION = "## Planner time at scale"
+#: The cases of ``--profile``: (name, ``canzona plan`` arguments, CPU seconds allowed).
+SCALE_CASES = (
+    ("qwen3-32b dp32 tp8", ("--model", "qwen3-32b", "--dp", "32", "--tp", "8"), 1.5),
+    ("llama3-70b dp256 tp8", ("--model", "llama3-70b", "--dp", "256", "--tp", "8"), 5.0),
+    ("qwen3-235b-a22b dp64 tp4 ep8",
+     ("--model", "qwen3-235b-a22b", "--dp", "64", "--tp", "4", "--ep", "8"), 5.0),
+    ("qwen3-8b dp1024 tp1", ("--model", "qwen3-8b", "--dp", "1024", "--tp", "1"), 10.0),
+)
 README = Path(__file__).resolve().parent / "README.md"
 CLI_ARGS = ("plan", "--model", "qwen3-32b", "--dp", "32", "--tp", "8")
 
@@ -91,6 +105,89 @@ def time_cli(repeats: int = 3) -> list[tuple[float, float]]:
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             times.append((wall, cpu))
     return times
+
+
+def _cli() -> list[str]:
+    exe = shutil.which("canzona")
+    return [exe] if exe else [sys.executable, "-m", "canzona.cli.main"]
+
+
+def _child(args: list[str]) -> tuple[float, float, str]:
+    """(wall, CPU) seconds and stdout of one child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out
+
+
+def scale_case(name: str, args: tuple[str, ...], repeats: int, top: int) -> dict:
+    """One case of ``--profile``: ``repeats`` runs of ``canzona plan`` (default options) and of
+    ``canzona inspect`` on its plan, each a process; the plan's file size, load time and
+    figures; with ``top``, one in-process cProfile run's slowest functions on stderr."""
+    from canzona.planner.plan.load import load_plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "p.json")
+        runs = [_child([*_cli(), "plan", *args, "-o", path, "--json", "--quiet"])
+                for _ in range(repeats)]
+        got = json.loads(runs[-1][2])
+        size = os.path.getsize(path)
+        loads = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            load_plan(path)
+            loads.append(time.process_time() - t0)
+        inspects = [_child([*_cli(), "inspect", path, "--quiet"])[:2] for _ in range(repeats)]
+        if top:
+            import cProfile
+            import pstats
+
+            from canzona.cli.main import main as cli_main
+            prof = cProfile.Profile()
+            argv = sys.argv
+            sys.argv = ["canzona", "plan", *args, "-o", path, "--quiet"]
+            try:
+                prof.runcall(cli_main)
+            except SystemExit:
+                pass
+            finally:
+                sys.argv = argv
+            print(f"--- {name}: the {top} functions with the most time of their own",
+                  file=sys.stderr)
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(top)
+    tp = got.get("tp_per_gpu") or {}
+    return {"name": name, "cpu": [c for _, c, _ in runs], "wall": [w for w, _, _ in runs],
+            "size": size, "load": loads, "inspect": [c for _, c in inspects],
+            "busiest": tp.get("max", max(got["per_dp_index"]["load"])),
+            "step": (got.get("predicted") or {}).get("step_s"), "status": got["solver_status"]}
+
+
+def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
+    med = statistics.median
+    lines = [
+        SCALE_SECTION, "",
+        "Produced by `python benchmarks/bench_planner.py --profile --write-readme` "
+        f"({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.1f}). `canzona plan` with the default options "
+        "(roofline cost on h100, `--share auto`, solver auto), each run a process, imports "
+        "included; CPU = user + sys, the median of the runs (all of them in brackets). "
+        "*load* is `canzona.load_plan` of the file (every check), *inspect* the whole "
+        "`canzona inspect` process. `--top N` prints each case's profile.", "",
+        "| case | plan CPU s | limit | wall s | plan file | load s | inspect CPU s | busiest GPU "
+        "(load) | predicted step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cases:
+        step = f"{c['step'] * 1e3:.2f} ms" if c["step"] is not None else "—"
+        cpu = f"**{med(c['cpu']):.2f}** ({', '.join(f'{x:.2f}' for x in c['cpu'])})"
+        lines.append(
+            f"| {c['name']} | {cpu} | {limits[c['name']]:g} | {med(c['wall']):.2f} | "
+            f"{c['size'] / 1e6:.2f} MB | {med(c['load']):.2f} | {med(c['inspect']):.2f} | "
+            f"{c['busiest']:,} | {step} |")
+    lines.append("")
+    return "\n".join(lines)
 
 
 def _t(x: float) -> str:
@@ -164,14 +261,14 @@ def render(cases: list[dict], cli_s: list[tuple[float, float]], skipped: list[st
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = README) -> None:
+def write_section(text: str, path: Path = README, *, section: str = SECTION) -> None:
     """Replace (or append) our section, leaving every other section as it is."""
     old = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    start = old.find(SECTION)
+    start = old.find(section)
     if start < 0:
         new = old.rstrip("\n") + "\n\n" + text
     else:
-        nxt = old.find("\n## ", start + len(SECTION))
+        nxt = old.find("\n## ", start + len(section))
         tail = old[nxt + 1:] if nxt >= 0 else ""
         new = old[:start] + text + ("\n" + tail if tail else "")
     path.write_text(new, encoding="utf-8")
@@ -182,7 +279,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-readme", action="store_true",
                     help=f"rewrite the '{SECTION}' section of {README.name}")
     ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--profile", action="store_true",
+                    help="time the four large cases instead (the '" + SCALE_SECTION + "' "
+                         "section with --write-readme)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per case (--profile)")
+    ap.add_argument("--top", type=int, default=0,
+                    help="--profile: print each case's N slowest functions (cProfile)")
+    ap.add_argument("--cases", nargs="*", help="--profile: only these cases (by model name)")
     args = ap.parse_args(argv)
+    if args.profile:
+        picked = [c for c in SCALE_CASES
+                  if not args.cases or any(m in c[0] for m in args.cases)]
+        got = []
+        for name, cli_args, _ in picked:
+            got.append(scale_case(name, cli_args, args.repeats, args.top))
+            print(f"{name}: CPU {statistics.median(got[-1]['cpu']):.2f} s", file=sys.stderr,
+                  flush=True)
+        text = render_scale(got, {n: lim for n, _, lim in SCALE_CASES})
+        print(text)
+        if args.write_readme:
+            write_section(text, section=SCALE_SECTION)
+        return 0
     cases, skipped = [], []
     for model in args.models:
         for dp in DPS:
