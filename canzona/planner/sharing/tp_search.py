@@ -35,6 +35,8 @@ class TPPairSearch(Search):
         super().__init__(problem)  # ``load``: a lock piece's recorded load, or the task's
         self.whole: list[list[int]] = [[] for _ in range(self.dp)]
         self.costs = [0.0] * self.dp
+        #: (whole items, pair's halves) → (batches holding a half, the others, the rest)
+        self._memo: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float, float]] = {}
 
     def _item(self, problem: DPProblem, it: Item) -> float:
         i = it.tasks[0]
@@ -84,11 +86,18 @@ class TPPairSearch(Search):
         ds = set(indices)
         ds |= {d ^ 1 for d in indices if d ^ 1 < 2 * self.npairs}
         lock, out = {}, {}
+        memo = self._memo
+        if len(memo) > 200_000:
+            memo.clear()
         for d in ds:
             w = whole.get(d, self.whole[d])
             s = d // 2
             h = shared.get(s, self.shared[s]) if s < self.npairs else []
-            lock[d] = (*self._lock(w, h), self._rest(w))
+            key = (tuple(w), tuple(h))
+            got = memo.get(key)
+            if got is None:  # an index's cost is its items' alone: alike indices share it
+                got = memo[key] = (*self._lock(w, h), self._rest(w))
+            lock[d] = got
         for d in ds:
             halves, own, rest = lock[d]
             if halves and (d ^ 1) in lock:  # partners end the batches holding halves together
