@@ -340,7 +340,31 @@ def evaluate(problem: Partition, cuts: Cuts,
         split_mode: how an atomic item that the cuts split is charged: ``owner`` — wholly to the
             rank holding its start (the ``asc`` baseline); ``fragments`` — by element share to every
             rank holding a piece (ZeRO-1 applying the optimizer to fragments).
+
+    The last few evaluations are kept (the solvers score the same cuts of a problem several
+    times); each caller gets its own ``owners``.
     """
+    key = (id(problem), split_mode, tuple(cuts.items()))
+    try:
+        got = _EVALUATED.get(key)
+    except TypeError:  # cut points in lists: not kept
+        return _evaluate(problem, cuts, split_mode)
+    if got is None or got[0] is not problem:
+        got = (problem, _evaluate(problem, cuts, split_mode))
+        _EVALUATED[key] = got
+        while len(_EVALUATED) > 16:
+            del _EVALUATED[next(iter(_EVALUATED))]
+    ev = got[1]
+    return Evaluation(ev.load, ev.flops, ev.state_bytes, ev.rs_bytes, dict(ev.owners),
+                      ev.split_matrices)
+
+
+#: (problem's id, split mode, cuts) → (the problem, its evaluation): the problem is held, so its
+#: id is not reused while the entry lives.
+_EVALUATED: dict[tuple, tuple[object, Evaluation]] = {}
+
+
+def _evaluate(problem: Partition, cuts: Cuts, split_mode: str) -> Evaluation:
     dp = problem.dp
     load = [0] * dp
     flops = [0] * dp

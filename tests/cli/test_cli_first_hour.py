@@ -173,7 +173,7 @@ class _Recorder:
         self.phases = []
 
     @contextlib.contextmanager
-    def __call__(self, title, delay_s=0.25):
+    def __call__(self, title, delay_s=0.25, *, quiet=False):
         self.active = True
         try:
             yield self.phases.append

@@ -4,6 +4,8 @@ reads: each DP index's work (:func:`index_work`), its busiest GPU after LPT pack
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import heapq
 import math
 from collections.abc import Sequence
@@ -99,13 +101,15 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
     pinned: list[list[float]] | None = None
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
+        ix = problem.dp_indices(b)
+        top = len(c) - 2
         pin = problem.tp_rank(b, 0) is not None
         if pin and pinned is None:
             pinned = [[0.0] * problem.sizes.tp for _ in range(dp)]
         for it in b.items:
-            first = owner_of(c, it.start)
+            first = min(max(bisect_right(c, it.start) - 1, 0), top)  # owner_of, inlined
             if it.atomic:
-                d = problem.dp_index(b, first)
+                d = ix[first]
                 for i in it.tasks:
                     if pin:  # whole on the one GPU that holds it
                         pinned[d][problem.tp_rank(b, first)] += problem.loads[i]  # type: ignore
@@ -129,9 +133,9 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
                     share = it.load * (hi - lo) // n
                     if pin:
                         t = problem.tp_rank(b, r)
-                        pinned[problem.dp_index(b, r)][t] += share  # type: ignore[index]
+                        pinned[ix[r]][t] += share  # type: ignore[index]
                     else:
-                        base[problem.dp_index(b, r)] += _item_gpu_load(
+                        base[ix[r]] += _item_gpu_load(
                             problem, it.tasks[0], share, tp)
     for ids in owned:
         ids.sort()
@@ -300,9 +304,10 @@ def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
         return out
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
+        ix = problem.dp_indices(b)
         for it in b.items:
             if it.atomic:  # (a task two indices share is in their pair pieces instead)
-                out[problem.dp_index(b, owner_of(c, it.start))] += [
+                out[ix[owner_of(c, it.start)]] += [
                     i for i in it.tasks if i in problem.shared
                     and not (i in problem.pairs and problem.sizes.tp > 1)]
     return out

@@ -1,6 +1,7 @@
 """The plan schema is a leaf: it loads settings, formulas, the optimizer registry, the
 communication model's method names (with the hardware profiles they read) and errors, never the
-planner's machinery; the plan package (``canzona.planner.plan``) loads the schema alone."""
+planner's machinery; the plan package (``canzona.planner.plan``) loads the schema alone (with
+the compact file's encoding, a leaf too)."""
 
 import subprocess
 import sys
@@ -24,5 +25,6 @@ def test_plan_module_imports_only_settings_formulas_registry_and_errors():
     assert loaded == str(sorted(["canzona.planner.comm", "canzona.planner.errors",
                                  "canzona.planner.formulas", "canzona.planner.hardware",
                                  "canzona.planner.optimizers", "canzona.planner.plan",
-                                 "canzona.planner.plan.schema", "canzona.planner.settings"]))
+                                 "canzona.planner.plan.compact", "canzona.planner.plan.schema",
+                                 "canzona.planner.settings"]))
     assert torch == "False"
