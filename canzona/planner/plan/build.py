@@ -7,6 +7,7 @@ It writes the lowest schema version that holds the plan."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 
 from .. import comm as comm_model
 from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
@@ -65,19 +66,17 @@ def build_plan(
             methods.append(method)
             buckets.append(BucketPlan(
                 index=b.index, start=b.start, end=b.end, numel_unpadded=b.numel_unpadded, cuts=c,
-                slots=tuple(SlotPlan(name=s.name, start=s.start, end=s.end) for s in b.slots),
+                slots=tuple(_slot(s.name, s.start, s.end) for s in b.slots),
                 method=method))  # type: ignore[arg-type]
         buckets = tuple(buckets)
         buffers.append(BufferPlan(key=buf.key, dtype=buf.dtype, grad_dtype=buf.grad_dtype,
                                   expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
                                   buckets=buckets))
     tasks = tuple(
-        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape,
-                 optimizer=t.optimizer,  # type: ignore[arg-type]
-                 owner=ev.owners.get(t.id) if t.optimizer == "matrix" else None,
-                 cost=problem.loads[t.id], flops=c.flops, state_bytes=c.state_bytes,
-                 tp_comm_bytes=c.tp_comm_bytes,
-                 **_placement(placements, t.id))
+        _task(t.id, t.param, t.part, t.shape, t.optimizer,
+              ev.owners.get(t.id) if t.optimizer == "matrix" else None,
+              problem.loads[t.id], c.flops, c.state_bytes, c.tp_comm_bytes,
+              *(placements.get(t.id, (None, None)) if placements is not None else (None, None)))
         for t, c in zip(problem.tasks, problem.costs))
     lb = problem.lower_bound()
     bound = max(lb, certified_bound or 0)
@@ -120,11 +119,21 @@ def build_plan(
                 dp_shared=dp_shared)
 
 
-def _placement(placements: Mapping[int, tuple[int, int]] | None, task: int) -> dict[str, int]:
-    if placements is None or task not in placements:
-        return {}
-    host, group = placements[task]
-    return {"host": host, "micro_group": group}
+@lru_cache(maxsize=1 << 17)
+def _task(id: int, param: str, part: str | None, shape: tuple[int, ...], optimizer: str,  # noqa: A002
+          owner: int | None, cost: int, flops: int, state_bytes: int, tp_comm_bytes: int,
+          host: int | None, micro_group: int | None) -> TaskPlan:
+    """One task's record (validated once: the candidates a plan is judged against share most of
+    their tasks, and a record is frozen)."""
+    return TaskPlan(id=id, param=param, part=part, shape=shape,
+                    optimizer=optimizer,  # type: ignore[arg-type]
+                    owner=owner, host=host, micro_group=micro_group, cost=cost, flops=flops,
+                    state_bytes=state_bytes, tp_comm_bytes=tp_comm_bytes)
+
+
+@lru_cache(maxsize=1 << 17)
+def _slot(name: str, start: int, end: int) -> SlotPlan:
+    return SlotPlan(name=name, start=start, end=end)
 
 
 def baseline_plan(problem: DPProblem, strategy: str = "asc", model_source: str = "preset") -> Plan:
