@@ -84,6 +84,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         base[d] += sign * rep
 
     evals = 0  # work budget (deterministic, unlike a wall-clock limit)
+    seen: dict[tuple, list] = {}  # a DP index's state → its columns (:func:`_column`)
     order = sorted((b for b in problem.buckets if len(atoms[(b.buffer, b.bucket)]) > 0),
                    key=lambda b: (-b.load, b.buffer, b.bucket))
     target = 1 + tolerance
@@ -113,40 +114,32 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                     if d not in cache:
                         cache[d] = lpt_bins(bag[d], tp)
                     b0 = cache[d]
+                    # what matrices j..i-1 cost on d depends on d's state alone: alike states
+                    # (another rank's, a later round's or phase's) reuse it
+                    sig = (key, span, base[d], tuple(b0), tuple(lock[d].items))
+                    cols = seen.get(sig)
+                    if cols is None:
+                        if len(seen) > 50_000:
+                            seen.clear()
+                        cols = seen[sig] = [None] * (m + 1)
                     ng = [INF] * (m + 1)
                     ch = [0] * (m + 1)
                     for j in range(m + 1):
                         if g[j] == INF:
                             continue
-                        bins = list(b0)  # a heap: the index's LPT bins without this bucket
-                        rep_sum = 0.0
-                        step = lock[d].copy()  # its lockstep phase without this bucket
-                        phase_load = step.load()  # recomputed only when a piece joins
-                        for i in range(j, min(m, j + span) + 1):
+                        col = cols[j]
+                        if col is None:
+                            col = cols[j] = _column(its, j, min(m, j + span), b0, lock[d],
+                                                    base[d], scale, target)
+                        gj = g[j]
+                        for i, (v, excess) in enumerate(col, start=j):
                             evals += 1
-                            if i > j:
-                                # Matrices j..i-1 join the least-loaded bins (LPT insertion).
-                                for x in sorted(its[i - 1][0], reverse=True):
-                                    heapq.heapreplace(bins, bins[0] + x)
-                                rep_sum += its[i - 1][1]
-                                for y in its[i - 1][2]:
-                                    step.add(y)
-                                if its[i - 1][2]:
-                                    phase_load = step.load()
-                            rep_now = rep_sum + phase_load
-                            held = base[d] + rep_now
-                            top = max(bins)
-                            v = (held + top) / scale
                             if phase == "max":
-                                tot = max(g[j], v)
+                                tot = max(gj, v)
                             elif phase == "excess":
-                                # Overload of every GPU above the target, squared: graded even
-                                # when an index's maximum sits on a plateau (none where even
-                                # the busiest bin is under it: every term is then 0).
-                                tot = g[j] if v - target <= 0.0 else g[j] + sum(
-                                    max(0.0, (held + x) / scale - target) ** 2 for x in bins)
+                                tot = gj if v - target <= 0.0 else gj + excess
                             else:
-                                tot = g[j] + v ** 8
+                                tot = gj + v ** 8
                             if tot < ng[i] - 1e-12:
                                 ng[i], ch[i] = tot, j
                     g = ng
@@ -184,6 +177,36 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     before = objective.gpu_score(index_gpu_max(problem, cuts, ctx), problem, cuts)
     after = objective.gpu_score(index_gpu_max(problem, out, ctx), problem, out)
     return out if after <= before else cuts
+
+
+def _column(its: list, j: int, last: int, b0: list[float], lock: Lockstep, base: float,
+            scale: float, target: float) -> list[tuple[float, float]]:
+    """For i = j … last, what matrices j..i-1 of a bucket cost on a DP index whose LPT bins are
+    ``b0`` (a heap), lockstep ``lock`` and base load ``base``: (its busiest GPU / ``scale``,
+    and the squared overload of its GPUs above ``target`` where that GPU is over it, else 0).
+    The matrices join the least-loaded bins (LPT insertion), their pieces the lockstep."""
+    bins = list(b0)
+    rep_sum = 0.0
+    step = lock.copy()
+    phase_load = step.load()  # recomputed only when a piece joins
+    out = []
+    for i in range(j, last + 1):
+        if i > j:
+            for x in sorted(its[i - 1][0], reverse=True):
+                heapq.heapreplace(bins, bins[0] + x)
+            rep_sum += its[i - 1][1]
+            for y in its[i - 1][2]:
+                step.add(y)
+            if its[i - 1][2]:
+                phase_load = step.load()
+        held = base + (rep_sum + phase_load)
+        v = (held + max(bins)) / scale
+        # overload of every GPU above the target, squared: graded even when an index's maximum
+        # sits on a plateau (none where even the busiest bin is under it)
+        excess = 0.0 if v - target <= 0.0 else sum(
+            max(0.0, (held + x) / scale - target) ** 2 for x in bins)
+        out.append((v, excess))
+    return out
 
 
 def _lockstep(pieces: list[Piece], cap: int) -> Lockstep:
