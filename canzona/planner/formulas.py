@@ -28,6 +28,8 @@ Conventions:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 __all__ = [
     "ADAMW_BYTES_PER_ELEMENT",
     "ADAMW_FLOPS_PER_ELEMENT",
@@ -396,9 +398,11 @@ def poly_blocks(n: int, k: int) -> list[list[tuple[int, int]]]:
     return [[cut[r], cut[2 * k - 1 - r]] for r in range(k)]
 
 
+@lru_cache(maxsize=1024)
 def poly_packed_numel(n: int, k: int) -> int:
     """Elements each rank contributes to the split polynomial's all-gather: the largest of the
-    ranks' upper parts (:func:`poly_blocks`; the others are zero-padded to it)."""
+    ranks' upper parts (:func:`poly_blocks`; the others are zero-padded to it; computed once per
+    size: the planner's lockstep model asks for it in its inner loops)."""
     return max(sum((r1 - r0) * (n - r0) for r0, r1 in mine) for mine in poly_blocks(n, k))
 
 
