@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .. import alike
 from ..formulas import lockstep_bytes
 from ..planning import DPProblem, Item, PairShare
 from ..tp.context import HALF, Lockstep, TPContext, lockstep_piece, lpt_makespan
@@ -94,9 +95,11 @@ class TPPairSearch(Search):
             s = d // 2
             h = shared.get(s, self.shared[s]) if s < self.npairs else []
             key = (tuple(w), tuple(h))
-            got = memo.get(key)
+            got = memo.get(key) if alike.SHARED else None
             if got is None:  # an index's cost is its items' alone: alike indices share it
                 got = memo[key] = (*self._lock(w, h), self._rest(w))
+            else:
+                alike.reused("tp pairs")
             lock[d] = got
         for d in ds:
             halves, own, rest = lock[d]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 
+from .. import alike
 from ..objective import MAX_LOAD, Objective
 from ..planning import Cuts, DPProblem, owner_of
 from .context import (Lockstep, Piece, TPContext, has_pinned, index_gpu_max, index_work,
@@ -117,11 +118,13 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                     # what matrices j..i-1 cost on d depends on d's state alone: alike states
                     # (another rank's, a later round's or phase's) reuse it
                     sig = (key, span, base[d], tuple(b0), tuple(lock[d].items))
-                    cols = seen.get(sig)
+                    cols = seen.get(sig) if alike.SHARED else None
                     if cols is None:
                         if len(seen) > 50_000:
                             seen.clear()
                         cols = seen[sig] = [None] * (m + 1)
+                    else:
+                        alike.reused("joint")
                     ng = [INF] * (m + 1)
                     ch = [0] * (m + 1)
                     for j in range(m + 1):

@@ -1,0 +1,37 @@
+"""Alike states computed once: the planner's searches cost a DP index (or a run of matrices on
+it) from what the index holds, and identical layers make many indices hold the same, so the
+cost is kept by that state and reused. The answer is the same either way (the kept value is the
+one the computation gives), which :func:`each_anew` lets a test show: inside it, every state is
+computed anew, the slow path.
+
+The searches that use it: the TP pair search (``sharing.tp_search``, an index's lockstep and
+hosted work by its items) and the joint DP × TP refinement (``tp.joint``, a run of a bucket's
+matrices on an index by the index's bins, lockstep and base load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+#: Whether alike states share their cost (False inside :func:`each_anew`).
+SHARED = True
+#: How many times a kept cost was reused, per search (what a test reads to know the sweep it
+#: compares exercised the reuse).
+REUSED: dict[str, int] = {}
+
+
+def reused(search: str) -> None:
+    """Count one reuse of a kept cost by ``search``."""
+    REUSED[search] = REUSED.get(search, 0) + 1
+
+
+@contextmanager
+def each_anew() -> Iterator[None]:
+    """Every state computed anew inside the block (the slow path the kept costs must match)."""
+    global SHARED
+    was, SHARED = SHARED, False
+    try:
+        yield
+    finally:
+        SHARED = was
