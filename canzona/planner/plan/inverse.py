@@ -109,6 +109,33 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
         CanzonaError: with ``model``: see :func:`rebuild_model`.
     """
     inp = plan.inputs
+    sizes, buckets, cuts, pairs = _read(plan)
+    problem = ordered = None
+    hw = recorded_hardware(plan)
+    if model and inp.cost_model in COSTS and (hw is not None
+                                              or inp.cost_model not in HARDWARE_COSTS):
+        if _MODELLED and _MODELLED[0] is plan and _MODELLED[1] == config:
+            problem, ordered = _MODELLED[2]  # problems are frozen: the same one again
+        else:
+            spec = rebuild_model(plan, config)
+            if spec is not None:
+                problem = make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
+                                       bucket_size=inp.bucket_size,
+                                       overlap_grad_reduce=inp.bucket_size is not None,
+                                       comm_dtype=inp.comm_dtype, hardware=hw)
+                ordered = _in_plan_order(problem, plan)
+            _MODELLED[:] = [plan, config, (problem, ordered)]
+    return PlanProblem(sizes, plan.buffers, tuple(buckets), cuts, pairs,
+                       sum(it.load for b in buckets for it in b.items), problem, ordered)
+
+
+def _read(plan: Plan) -> tuple[ParallelSizes, tuple[BucketProblem, ...], dict, dict]:
+    """The sizes, buckets, cuts and DP pairs of ``plan`` (read once per plan: loading checks
+    it, and ``inspect`` and ``compare`` read it again)."""
+    if _LAST and _LAST[0] is plan:
+        sizes, buckets, cuts, pairs = _LAST[1]
+        return sizes, buckets, dict(cuts), dict(pairs)  # each caller its own dicts
+    inp = plan.inputs
     sizes = ParallelSizes(dp=inp.dp, tp=inp.tp, ep=inp.ep,
                           etp=None if inp.etp == inp.tp else inp.etp)
     tasks = plan.tasks
@@ -135,19 +162,14 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
                                             x.state_bytes, len(items)))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     cuts = {(bi, b.index): b.cuts for bi, buf in enumerate(plan.buffers) for b in buf.buckets}
-    problem = ordered = None
-    hw = recorded_hardware(plan)
-    if model and inp.cost_model in COSTS and (hw is not None
-                                              or inp.cost_model not in HARDWARE_COSTS):
-        spec = rebuild_model(plan, config)
-        if spec is not None:
-            problem = make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
-                                   bucket_size=inp.bucket_size,
-                                   overlap_grad_reduce=inp.bucket_size is not None,
-                                   comm_dtype=inp.comm_dtype, hardware=hw)
-            ordered = _in_plan_order(problem, plan)
-    return PlanProblem(sizes, plan.buffers, tuple(buckets), cuts, pairs,
-                       sum(it.load for b in buckets for it in b.items), problem, ordered)
+    _LAST[:] = [plan, (sizes, tuple(buckets), cuts, pairs)]
+    return sizes, tuple(buckets), dict(cuts), dict(pairs)
+
+
+#: The last plan read by :func:`_read` and what it gave (a plan is frozen).
+_LAST: list = []
+#: The last plan whose model :func:`read_problem` rebuilt, its config and (problem, ordered).
+_MODELLED: list = []
 
 
 def recorded_hardware(plan: Plan) -> HardwareProfile | None:
