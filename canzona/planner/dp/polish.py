@@ -41,6 +41,8 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     width = _band(u, base, cap, phase, slice_cost, limit, start)
     if width is not None and 4 * width < m:
         return _bucket_dp_band(u, base, cap, phase, slice_cost, limit, width)
+    if start is not None and width is not None and R * (m + 1) ** 2 > WINDOW_WORK:
+        return _bucket_dp_window(u, base, cap, phase, slice_cost, limit, start, WINDOW)
     # Laid out [i, j] (j: where rank r's units start, i: where they end), so that the minimum
     # over j runs along contiguous rows; buffers reused across ranks.
     blk = P[:, None] - P[None, :]  # blk[i, j] = load of units j..i-1
@@ -72,6 +74,60 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
         choice[r] = np.argmin(tot, axis=1)  # first (smallest j) on ties: deterministic
         g = tot[cols, choice[r]]
     return _trace(choice, g, m)
+
+
+#: Past this many table entries (ranks × (units + 1)²: dp ≈ 1,000 with a unit per rank), a
+#: bucket is re-cut with every cut within :data:`WINDOW` units of where it is.
+WINDOW_WORK = 50_000_000
+WINDOW = 32
+
+
+def _bucket_dp_window(u: Units, base: np.ndarray, cap: float | None, phase: str,
+                      slice_cost: np.ndarray | None,
+                      limit: tuple[np.ndarray, np.ndarray, float] | None,
+                      start: list[int], w: int) -> list[int]:
+    """:func:`_bucket_dp` with each cut kept within ``w`` units of its place in the feasible
+    cut ``start``: the best such cut (the first minimiser, as the full table's), never worse
+    than ``start`` on the DP's objective. The full table is cubic in the DP size when a bucket
+    has about a unit per rank; this one is linear (each entry computed as the table's)."""
+    R = len(base)
+    m = len(u.bounds) - 1
+    P, B = u.prefix, u.bounds
+    inf = np.inf
+    power = _POWERS.get(phase)
+    J = np.zeros(1, dtype=np.int64)  # the states after the ranks so far: where they end
+    g = np.zeros(1)
+    ends, picks = [], []
+    for r in range(R):
+        I = np.array([m]) if r == R - 1 else np.arange(max(0, start[r + 1] - w),
+                                                       min(m, start[r + 1] + w) + 1)
+        tot = (P[I][:, None] - P[J][None, :]) + base[r]
+        valid = J[None, :] <= I[:, None]
+        if cap is not None:
+            valid &= (B[I][:, None] - B[J][None, :]) <= cap
+        if limit is not None:
+            tot = np.where(limit[1][r] + (limit[0][I][:, None] - limit[0][J][None, :])
+                           <= limit[2], tot, inf)
+        if power is None:
+            tot = np.maximum(g[None, :], tot)
+        else:
+            tot = g[None, :] + np.power(tot, power)
+        tot = tot + np.where(valid, 0.0 if slice_cost is None
+                             else slice_cost[J[None, :], I[:, None]], inf)
+        k = np.argmin(tot, axis=1)
+        g = tot[np.arange(len(I)), k]
+        ends.append(I)
+        picks.append(J[k])
+        J = I
+    if not np.isfinite(g[0]):
+        raise OptionError("{DPOptions.comm_limit} is too tight: some bucket cannot be cut into "
+                          "slices that small at parameter boundaries; raise it.",
+                          fields=("DPOptions.comm_limit",))
+    idx = [m]
+    for r in range(R - 1, -1, -1):
+        pos = int(np.searchsorted(ends[r], idx[-1]))
+        idx.append(int(picks[r][pos]))
+    return idx[::-1]
 
 
 def _trace(choice: np.ndarray, g: np.ndarray, m: int) -> list[int]:
