@@ -16,7 +16,8 @@ PLANNER = ROOT / "planner"
 #: to the layer of its longest listed prefix. The plan file (its schema, assembly, reading, checks
 #: and inverse) sits above sharing: nothing below writes or reads a plan.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("formulas", ("errors", "formulas", "hardware", "comm", "settings", "options", "optimizers")),
+    ("formulas", ("errors", "formulas", "hardware", "comm", "settings", "options", "optimizers",
+                  "alike")),
     ("model", ("models", "inventory", "shards", "heads", "layout")),
     ("cost", ("cost", "objective", "planning", "__init__")),
     ("dp", ("dp",)),
