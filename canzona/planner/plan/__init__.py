@@ -23,8 +23,8 @@ from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSI
                      TaskPlan, TPIndexPlan, TPMetrics, TPPlan, gc_paused, save_plan,
                      write_atomically)
 
-__all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "HEADS_VERSION", "RECIPE_VERSION", "SCHEMA_VERSION",
-           "TP_PAIR_VERSION",
+__all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "HEADS_VERSION",
+           "RECIPE_VERSION", "SCHEMA_VERSION", "TP_PAIR_VERSION",
            "TP_SHARE_VERSION", "BucketPlan", "BufferPlan", "CollectiveMethod", "CommPlan",
            "GroupTaskPlan", "Metrics", "MicroGroupPlan", "PairTaskPlan", "Plan", "PlanInputs",
            "RankLayout", "ShardLayoutPlan", "SharedTaskPlan", "SlotPlan", "SolverOptions",

@@ -120,9 +120,10 @@ def build_plan(
 
 
 @lru_cache(maxsize=1 << 17)
-def _task(id: int, param: str, part: str | None, shape: tuple[int, ...], optimizer: str,  # noqa: A002
-          owner: int | None, cost: int, flops: int, state_bytes: int, tp_comm_bytes: int,
-          host: int | None, micro_group: int | None) -> TaskPlan:
+def _task(id: int, param: str, part: str | None,  # noqa: A002
+          shape: tuple[int, ...], optimizer: str, owner: int | None, cost: int, flops: int,
+          state_bytes: int, tp_comm_bytes: int, host: int | None,
+          micro_group: int | None) -> TaskPlan:
     """One task's record (validated once: the candidates a plan is judged against share most of
     their tasks, and a record is frozen)."""
     return TaskPlan(id=id, param=param, part=part, shape=shape,
