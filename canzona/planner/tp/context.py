@@ -55,8 +55,8 @@ class TPContext:
             raise CanzonaError(f"unknown comm dtype '{comm_dtype}'; choose one of: "
                                f"{', '.join(DTYPE_BYTES)}.")
         spec, sizes = problem.spec, problem.sizes
-        key = (id(problem.tasks), id(spec), sizes, comm_dtype)
-        got = _BUILT.get(key)
+        facts = (id(problem.tasks), id(spec), sizes, comm_dtype)
+        got = _BUILT.get(facts)
         if got is not None and got[0] is problem.tasks and got[1] is spec:
             c = got[2]  # the same tasks of the same model: the facts are theirs (read only)
             return cls(problem, comm_dtype, c.split, c.gathered, c.layout, c.maps, c.tp_of,
@@ -83,7 +83,7 @@ class TPContext:
                 ctx.maps.append(shard_map(p, tp, kv_groups=kv, part=t.part))
             ctx.layout.append(k)
             ctx.gathered.append(ctx.maps[k].full_numel * DTYPE_BYTES[comm_dtype])
-        _BUILT[key] = (problem.tasks, spec, ctx)
+        _BUILT[facts] = (problem.tasks, spec, ctx)
         while len(_BUILT) > 8:
             del _BUILT[next(iter(_BUILT))]
         return ctx
