@@ -21,7 +21,7 @@ import heapq
 import math
 
 from ..layout import PARAM_ALIGN, Bucket, PhysicalLayout, Slot
-from ..planning import BucketProblem, DPProblem
+from ..planning import BucketProblem, DPProblem, Item
 
 
 def _pad(x: int, d: int) -> int:
@@ -200,7 +200,8 @@ def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]], 
                 pos = _pad(pos, PARAM_ALIGN)
                 n = s.end - s.start
                 slots.append(Slot(s.name, pos, pos + n, s.local_shape, s.optimizer))
-                items.append(dataclasses.replace(it, slot=len(items), start=pos, end=pos + n))
+                items.append(Item(len(items), pos, pos + n, it.load, it.flops,
+                                  it.state_bytes, it.atomic, it.tasks))
                 pos += n
             end = _pad(pos, divisor)
             buckets.append(Bucket(bk.index, start, end, pos - start, tuple(slots)))
