@@ -38,7 +38,9 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     if m <= 3 and slice_cost is None:
         return _bucket_dp_small(u, base, cap, phase)
     P = u.prefix
-    width = _band(u, base, cap, phase, slice_cost, limit, start)
+    # (a small table is quicker whole than its band is found)
+    width = _band(u, base, cap, phase, slice_cost, limit, start) \
+        if R * (m + 1) ** 2 > SMALL_TABLE else None
     if width is not None and 4 * width < m:
         return _bucket_dp_band(u, base, cap, phase, slice_cost, limit, width)
     if start is not None and width is not None and R * (m + 1) ** 2 > WINDOW_WORK:
@@ -76,6 +78,8 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     return _trace(choice, g, m)
 
 
+#: Up to this many table entries (ranks × (units + 1)²), a bucket's DP runs on the whole table.
+SMALL_TABLE = 20_000
 #: Past this many table entries (ranks × (units + 1)²: dp ≈ 1,000 with a unit per rank), a
 #: bucket is re-cut with every cut within :data:`WINDOW` units of where it is.
 WINDOW_WORK = 50_000_000
@@ -401,7 +405,8 @@ def _with_cuts(u: Units, cuts: tuple[int, ...]) -> Units:
 def _mine(u: Units, idx: list[int], what: str = "load") -> np.ndarray:
     """Load (or optimizer-state bytes) of every rank's slice under cut indices ``idx``."""
     p = u.prefix if what == "load" else u.state
-    return np.array([p[idx[r + 1]] - p[idx[r]] for r in range(len(idx) - 1)])
+    at = p[np.asarray(idx)]
+    return at[1:] - at[:-1]
 
 
 def _slice_costs(objective: Objective, problem: DPProblem, b: BucketProblem, u: Units,
