@@ -160,7 +160,7 @@ def scale_case(name: str, args: tuple[str, ...], repeats: int, top: int) -> dict
     tp = got.get("tp_per_gpu") or {}
     return {"name": name, "cpu": [c for _, c, _ in runs], "wall": [w for w, _, _ in runs],
             "size": size, "load": loads, "inspect": [c for _, c in inspects],
-            "busiest": tp.get("max", max(got["per_dp_index"]["load"])),
+            "busiest": tp.get("max", got["per_dp_index"]["load"]["max"]),
             "step": (got.get("predicted") or {}).get("step_s"), "status": got["solver_status"]}
 
 
@@ -174,9 +174,10 @@ def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
         "(roofline cost on h100, `--share auto`, solver auto), each run a process, imports "
         "included; CPU = user + sys, the median of the runs (all of them in brackets). "
         "*load* is `canzona.load_plan` of the file (every check), *inspect* the whole "
-        "`canzona inspect` process. `--top N` prints each case's profile.", "",
+        "`canzona inspect` process; the busiest GPU's work and the predicted step are the "
+        "plan's (roofline loads are nanoseconds). `--top N` prints each case's profile.", "",
         "| case | plan CPU s | limit | wall s | plan file | load s | inspect CPU s | busiest GPU "
-        "(load) | predicted step |",
+        "(ms of work) | predicted step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
@@ -185,7 +186,7 @@ def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
         lines.append(
             f"| {c['name']} | {cpu} | {limits[c['name']]:g} | {med(c['wall']):.2f} | "
             f"{c['size'] / 1e6:.2f} MB | {med(c['load']):.2f} | {med(c['inspect']):.2f} | "
-            f"{c['busiest']:,} | {step} |")
+            f"{c['busiest'] / 1e6:.3f} | {step} |")
     lines.append("")
     return "\n".join(lines)
 
