@@ -41,10 +41,13 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     # (a small table is quicker whole than its band is found)
     width = _band(u, base, cap, phase, slice_cost, limit, start) \
         if R * (m + 1) ** 2 > SMALL_TABLE else None
+    windowed = start is not None and width is not None and (
+        R * (m + 1) ** 2 > WINDOW_WORK
+        or (R >= WINDOW_RANKS and (m + 1) * min(width, m + 1) > (2 * WINDOW + 1) ** 2))
+    if windowed:
+        return _bucket_dp_window(u, base, cap, phase, slice_cost, limit, start, WINDOW)
     if width is not None and 4 * width < m:
         return _bucket_dp_band(u, base, cap, phase, slice_cost, limit, width)
-    if start is not None and width is not None and R * (m + 1) ** 2 > WINDOW_WORK:
-        return _bucket_dp_window(u, base, cap, phase, slice_cost, limit, start, WINDOW)
     # Laid out [i, j] (j: where rank r's units start, i: where they end), so that the minimum
     # over j runs along contiguous rows; buffers reused across ranks.
     blk = P[:, None] - P[None, :]  # blk[i, j] = load of units j..i-1
@@ -84,6 +87,9 @@ SMALL_TABLE = 20_000
 #: bucket is re-cut with every cut within :data:`WINDOW` units of where it is.
 WINDOW_WORK = 50_000_000
 WINDOW = 32
+#: From this many ranks (dp ≥ 512) a bucket is re-cut in the window wherever its band or table
+#: per rank is larger than the window's.
+WINDOW_RANKS = 512
 
 
 def _bucket_dp_window(u: Units, base: np.ndarray, cap: float | None, phase: str,
@@ -93,7 +99,10 @@ def _bucket_dp_window(u: Units, base: np.ndarray, cap: float | None, phase: str,
     """:func:`_bucket_dp` with each cut kept within ``w`` units of its place in the feasible
     cut ``start``: the best such cut (the first minimiser, as the full table's), never worse
     than ``start`` on the DP's objective. The full table is cubic in the DP size when a bucket
-    has about a unit per rank; this one is linear (each entry computed as the table's)."""
+    has about a unit per rank, and the band of :func:`_band` spans most of it where the units
+    are light AdamW pieces; this one is linear in the ranks (each entry computed as the
+    table's). The polish calls it again while the objective falls, so a cut can travel further
+    than ``w`` over its rounds."""
     R = len(base)
     m = len(u.bounds) - 1
     P, B = u.prefix, u.bounds
