@@ -31,7 +31,9 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     bounds the optimum, so no slice whose own term exceeds it can be on the optimal path: the
     DP then runs over a band of the slices short enough (:func:`_band`), which returns the
     same cut as the full table, since every state on the optimal path keeps its value and its
-    first minimiser. At dp 1024 a bucket's ~1,000 units shrink to a band of tens.
+    first minimiser. Where the table is too large for either (:data:`WINDOW_WORK`, or from
+    :data:`WINDOW_RANKS` ranks a band wider than the window), each cut stays within
+    :data:`WINDOW` units of ``start`` (:func:`_bucket_dp_window`), which is not worse than it.
     """
     R = len(base)
     m = len(u.bounds) - 1
