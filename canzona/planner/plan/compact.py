@@ -117,14 +117,15 @@ def _list(value: Any, name: str) -> list:
 
 
 def _tables(x: Any) -> Any:
-    """Every list of two or more objects with the same fields, as a table (children first)."""
+    """Every list of two or more objects with the same fields, as a table (children first;
+    scalars, most of a plan, are not walked into)."""
     if isinstance(x, dict):
-        return {k: _tables(v) for k, v in x.items()}
+        return {k: v if type(v) not in _NESTED else _tables(v) for k, v in x.items()}
     if isinstance(x, list):
-        x = [_tables(v) for v in x]
-        if len(x) >= 2 and isinstance(x[0], dict):
+        x = [v if type(v) not in _NESTED else _tables(v) for v in x]
+        if len(x) >= 2 and type(x[0]) is dict:
             fields = list(x[0])
-            if all(isinstance(v, dict) and list(v) == fields for v in x):
+            if all(type(v) is dict and list(v) == fields for v in x):
                 return {TABLE: fields, ROWS: [list(v.values()) for v in x]}
         return x
     return x
