@@ -1,8 +1,8 @@
-"""Alike states computed once (``canzona.planner.alike``): over a sweep of sizes, what the two
-searches that keep costs by state return — the DP partitions, the joint DP × TP refinement's
-cuts, the TP pair search's placement and busiest index — and the plans made are identical to those of the slow
-path, which computes every state anew; and the sweep does reuse kept costs (and per-bucket DP
-cuts, kept by their inputs)."""
+"""Alike states computed once (``canzona.planner.alike``): over a sweep of sizes, the DP
+partitions, what the two searches that keep costs by state return (the joint DP × TP
+refinement's cuts, the TP pair search's placement and busiest index) and the plans made are
+identical to those of the slow path, which computes every state anew; the sweep does reuse
+kept costs and per-bucket DP cuts; and a kept cut is reused for identical inputs only."""
 
 from __future__ import annotations
 
