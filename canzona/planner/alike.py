@@ -13,7 +13,7 @@ buckets meet the same ones).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
 #: Whether alike states share their cost (False inside :func:`each_anew`).
@@ -37,3 +37,27 @@ def each_anew() -> Iterator[None]:
         yield
     finally:
         SHARED = was
+
+
+class Kept:
+    """The last ``size`` results of a computation, each by the objects it read (held by identity:
+    an entry keeps them alive, so their ids are not reused while it lives) and plain values
+    (hashable). The planner asks for the same evaluation of the same frozen problem or plan
+    several times; this is where such results wait."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: dict[tuple, tuple[tuple, object]] = {}
+
+    def get(self, objects: tuple, key: Hashable = None) -> object | None:
+        """The result kept for ``objects`` (by identity) and ``key``, or None."""
+        got = self._entries.get((tuple(map(id, objects)), key))
+        return None if got is None else got[1]
+
+    def put(self, objects: tuple, key: Hashable, value: object) -> object:
+        """Keep ``value`` for ``objects`` and ``key`` (the oldest entry goes past ``size``);
+        returns ``value``."""
+        self._entries[(tuple(map(id, objects)), key)] = (objects, value)
+        while len(self._entries) > self.size:
+            del self._entries[next(iter(self._entries))]
+        return value

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
+from .alike import Kept
 from .cost import CostModel, Task, TaskCost, build_tasks, make_cost_model, task_cost
 from .errors import SizeError
 from .hardware import HardwareProfile
@@ -344,24 +345,19 @@ def evaluate(problem: Partition, cuts: Cuts,
     The last few evaluations are kept (the solvers score the same cuts of a problem several
     times); each caller gets its own ``owners``.
     """
-    key = (id(problem), split_mode, tuple(cuts.items()))
+    key = (split_mode, tuple(cuts.items()))
     try:
-        got = _EVALUATED.get(key)
+        ev = _EVALUATED.get((problem,), key)
     except TypeError:  # cut points in lists: not kept
         return _evaluate(problem, cuts, split_mode)
-    if got is None or got[0] is not problem:
-        got = (problem, _evaluate(problem, cuts, split_mode))
-        _EVALUATED[key] = got
-        while len(_EVALUATED) > 16:
-            del _EVALUATED[next(iter(_EVALUATED))]
-    ev = got[1]
+    if ev is None:
+        ev = _EVALUATED.put((problem,), key, _evaluate(problem, cuts, split_mode))
     return Evaluation(ev.load, ev.flops, ev.state_bytes, ev.rs_bytes, dict(ev.owners),
                       ev.split_matrices)
 
 
-#: (problem's id, split mode, cuts) → (the problem, its evaluation): the problem is held, so its
-#: id is not reused while the entry lives.
-_EVALUATED: dict[tuple, tuple[object, Evaluation]] = {}
+#: A problem's evaluations by split mode and cuts.
+_EVALUATED = Kept(16)
 
 
 def _evaluate(problem: Partition, cuts: Cuts, split_mode: str) -> Evaluation:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..alike import Kept
 from ..errors import CanzonaError
 from ..inventory import NAMINGS, ModelSpec, build_inventory
 from ..layout import ParallelSizes
@@ -114,9 +115,8 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
     hw = recorded_hardware(plan)
     if model and inp.cost_model in COSTS and (hw is not None
                                               or inp.cost_model not in HARDWARE_COSTS):
-        if _MODELLED and _MODELLED[0] is plan and _MODELLED[1] == config:
-            problem, ordered = _MODELLED[2]  # problems are frozen: the same one again
-        else:
+        got = _MODELLED.get((plan,), config)
+        if got is None:
             spec = rebuild_model(plan, config)
             if spec is not None:
                 problem = make_problem(spec, sizes, inp.optimizer, cost=inp.cost_model,
@@ -124,7 +124,8 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
                                        overlap_grad_reduce=inp.bucket_size is not None,
                                        comm_dtype=inp.comm_dtype, hardware=hw)
                 ordered = _in_plan_order(problem, plan)
-            _MODELLED[:] = [plan, config, (problem, ordered)]
+            got = _MODELLED.put((plan,), config, (problem, ordered))
+        problem, ordered = got  # problems are frozen: the same one again
     return PlanProblem(sizes, plan.buffers, tuple(buckets), cuts, pairs,
                        sum(it.load for b in buckets for it in b.items), problem, ordered)
 
@@ -132,8 +133,9 @@ def read_problem(plan: Plan, *, model: bool = False, config: Path | None = None)
 def _read(plan: Plan) -> tuple[ParallelSizes, tuple[BucketProblem, ...], dict, dict]:
     """The sizes, buckets, cuts and DP pairs of ``plan`` (read once per plan: loading checks
     it, and ``inspect`` and ``compare`` read it again)."""
-    if _LAST and _LAST[0] is plan:
-        sizes, buckets, cuts, pairs = _LAST[1]
+    got = _READ.get((plan,))
+    if got is not None:
+        sizes, buckets, cuts, pairs = got
         return sizes, buckets, dict(cuts), dict(pairs)  # each caller its own dicts
     inp = plan.inputs
     sizes = ParallelSizes(dp=inp.dp, tp=inp.tp, ep=inp.ep,
@@ -162,14 +164,14 @@ def _read(plan: Plan) -> tuple[ParallelSizes, tuple[BucketProblem, ...], dict, d
                                             x.state_bytes, len(items)))
             buckets.append(BucketProblem(bi, b.index, b.start, b.end, buf.dp_size, tuple(items)))
     cuts = {(bi, b.index): b.cuts for bi, buf in enumerate(plan.buffers) for b in buf.buckets}
-    _LAST[:] = [plan, (sizes, tuple(buckets), cuts, pairs)]
+    _READ.put((plan,), None, (sizes, tuple(buckets), cuts, pairs))
     return sizes, tuple(buckets), dict(cuts), dict(pairs)
 
 
-#: The last plan read by :func:`_read` and what it gave (a plan is frozen).
-_LAST: list = []
-#: The last plan whose model :func:`read_problem` rebuilt, its config and (problem, ordered).
-_MODELLED: list = []
+#: What :func:`_read` gave for the last plan (a plan is frozen).
+_READ = Kept(1)
+#: (problem, ordered) of the last plan whose model :func:`read_problem` rebuilt, by its config.
+_MODELLED = Kept(1)
 
 
 def recorded_hardware(plan: Plan) -> HardwareProfile | None:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..alike import Kept
 from ..cost import DTYPE_BYTES
 from ..dp.bounds import bin_packing_bound
 from ..errors import CanzonaError
@@ -55,10 +56,8 @@ class TPContext:
             raise CanzonaError(f"unknown comm dtype '{comm_dtype}'; choose one of: "
                                f"{', '.join(DTYPE_BYTES)}.")
         spec, sizes = problem.spec, problem.sizes
-        facts = (id(problem.tasks), id(spec), sizes, comm_dtype)
-        got = _BUILT.get(facts)
-        if got is not None and got[0] is problem.tasks and got[1] is spec:
-            c = got[2]  # the same tasks of the same model: the facts are theirs (read only)
+        c = _BUILT.get((problem.tasks, spec), (sizes, comm_dtype))
+        if c is not None:  # the same tasks of the same model: the facts are theirs (read only)
             return cls(problem, comm_dtype, c.split, c.gathered, c.layout, c.maps, c.tp_of,
                        c.one_rank, c._map_index)
         ctx = cls(problem, comm_dtype, [], [], [], [], [])
@@ -83,15 +82,12 @@ class TPContext:
                 ctx.maps.append(shard_map(p, tp, kv_groups=kv, part=t.part))
             ctx.layout.append(k)
             ctx.gathered.append(ctx.maps[k].full_numel * DTYPE_BYTES[comm_dtype])
-        _BUILT[facts] = (problem.tasks, spec, ctx)
-        while len(_BUILT) > 8:
-            del _BUILT[next(iter(_BUILT))]
-        return ctx
+        return _BUILT.put((problem.tasks, spec), (sizes, comm_dtype), ctx)
 
 
-#: (the tasks' id, the spec's id, sizes, comm dtype) → (tasks, spec, the context built): the
-#: candidates of one plan are problems with the same tasks (what they share differs).
-_BUILT: dict[tuple, tuple] = {}
+#: Contexts by the tasks and spec they read, sizes and comm dtype: the candidates of one plan
+#: are problems with the same tasks (what they share differs).
+_BUILT = Kept(8)
 
 
 def _item_gpu_load(problem: DPProblem, item_task: int, load: int, tp: int) -> float:
