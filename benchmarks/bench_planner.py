@@ -91,20 +91,9 @@ def run_case(model: str, dp: int, tp: int) -> dict | None:
 
 def time_cli(repeats: int = 3) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of the whole ``canzona plan`` process, ``repeats`` times."""
-    exe = shutil.which("canzona")
-    cmd = [exe] if exe else [sys.executable, "-m", "canzona.cli.main"]
-    times = []
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(repeats):
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            t0 = time.perf_counter()
-            subprocess.run([*cmd, *CLI_ARGS, "-o", os.path.join(tmp, "p.json")], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            wall = time.perf_counter() - t0
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-            times.append((wall, cpu))
-    return times
+        return [_child([*_cli(), *CLI_ARGS, "-o", os.path.join(tmp, "p.json")])[:2]
+                for _ in range(repeats)]
 
 
 def _cli() -> list[str]:
