@@ -1,8 +1,10 @@
 """Certified lower bounds on the busiest DP index: pigeonhole on the matrices, and bin packing
-of the matrices (a CP-SAT covering model; OR-Tools is imported only when it is computed)."""
+of the matrices (a CP-SAT covering model; OR-Tools is imported only when a packing does not
+already decide it)."""
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 
 from ..planning import DPProblem
@@ -66,6 +68,55 @@ def _maximal_patterns(w: list[int], cap: list[int], C: int,
     return out if ok else None
 
 
+def _lpt_fits(w: list[int], cap: list[int], C: int, bins: int) -> bool:
+    """Whether the items (``cap[t]`` of weight ``w[t]``, heaviest type first) fit ``bins`` bins of
+    capacity ``C`` when each goes to the least-loaded bin (LPT). A fit proves the covering model
+    of :func:`bin_packing_bound` feasible (each bin's items lie under a maximal pattern); no fit
+    proves nothing."""
+    heap = [0] * bins
+    for x, n in zip(w, cap):
+        if x > C:
+            return False
+        for _ in range(n):
+            least = heap[0]
+            if least + x > C:
+                return False
+            heapq.heapreplace(heap, least + x)
+    return True
+
+
+def _covers(w: list[int], cap: list[int], C: int, bins: int, *, max_patterns: int,
+            time_limit_s: float, shortcuts: tuple[str, ...] = ("packing", "uncovered")
+            ) -> bool:
+    """Whether ``bins`` bins of capacity ``C`` may cover the items (``cap[t]`` of weight
+    ``w[t]``, heaviest type first), the covering model of :func:`bin_packing_bound`; True where
+    undecided (too many patterns, or CP-SAT out of time). ``shortcuts`` answer before the model
+    is built, as CP-SAT would (left out only to check that): ``packing``, an LPT packing decides
+    it feasible; ``uncovered``, a type that fits no pattern decides it infeasible."""
+    if "packing" in shortcuts and _lpt_fits(w, cap, C, bins):
+        return True  # a packing: the covering model is feasible, CP-SAT need not run
+    pats = _maximal_patterns(w, cap, C, max_patterns)
+    if pats is None:
+        return True  # too many patterns to decide: assume feasible (keeps the bound valid)
+    if not pats:
+        return False
+    if "uncovered" in shortcuts and any(c and not any(p[t] for p in pats) for t, c in enumerate(cap)):
+        return False  # a type no pattern holds cannot be covered
+    from ortools.sat.python import cp_model  # ~0.3 s to import: only when undecided
+
+    model = cp_model.CpModel()
+    y = [model.new_int_var(0, bins, f"y_{i}") for i in range(len(pats))]
+    # At most R bins.
+    model.add(sum(y) <= bins)
+    for t in range(len(w)):
+        # Every item of type t is covered.
+        model.add(sum(p[t] * yi for p, yi in zip(pats, y) if p[t]) >= cap[t])
+    solver = cp_model.CpSolver()
+    solver.parameters.max_deterministic_time = time_limit_s
+    solver.parameters.num_workers = 1
+    return solver.solve(model) != cp_model.INFEASIBLE
+
+
 def packing_bound(problem: DPProblem, upper: int, *, time_limit_s: float = 0.2,
                   max_patterns: int = 20_000) -> int:
     """A certified lower bound on the max DP load: bin packing of the matrices, grouped by load.
@@ -98,12 +149,11 @@ def bin_packing_bound(atomic: list[int], divisible: float, bins: int, lower: flo
       * the divisible load fits in the room the items leave: R·C − Σ_t N_t w_t ≥ D (the
         items, not the patterns: a pattern covering more than is left holds fewer items).
     A binary search finds the smallest C that is not proven infeasible; an undecided check counts
-    as feasible, so the bound stays valid. ``divisible_items``: how many items the divisible
+    as feasible, so the bound stays valid. Where the items fit C by LPT (:func:`_lpt_fits`), C
+    is feasible without the model; where a type fits no pattern, it is not. ``divisible_items``: how many items the divisible
     load comes in (each integer share may round by one unit per bin: taken off the bound);
     ``total``: the load the scale is taken from (default: the atomic and divisible loads).
     """
-    from ortools.sat.python import cp_model  # OR-Tools costs ~0.6 s to import: only when needed
-
     R = bins
     mean = (total if total is not None else sum(atomic) + divisible) / R
     if mean <= 0:
@@ -121,23 +171,7 @@ def bin_packing_bound(atomic: list[int], divisible: float, bins: int, lower: flo
     def feasible(C: int) -> bool:
         if R * C - items < D:
             return False  # the divisible load does not fit beside the items
-        pats = _maximal_patterns(w, cap, C, max_patterns)
-        if pats is None:
-            return True  # too many patterns to decide: assume feasible (keeps the bound valid)
-        if not pats:
-            return False
-        model = cp_model.CpModel()
-        y = [model.new_int_var(0, R, f"y_{i}") for i in range(len(pats))]
-        # At most R bins.
-        model.add(sum(y) <= R)
-        for t in range(len(w)):
-            # Every item of type t is covered.
-            model.add(sum(p[t] * yi for p, yi in zip(pats, y) if p[t]) >= cap[t])
-        solver = cp_model.CpSolver()
-        solver.parameters.max_deterministic_time = time_limit_s
-        solver.parameters.num_workers = 1
-        status = solver.solve(model)
-        return status != cp_model.INFEASIBLE
+        return _covers(w, cap, C, R, max_patterns=max_patterns, time_limit_s=time_limit_s)
 
     # Integer shares of a divisible item differ from the real-valued ones by < 1 per item and
     # bin: take that off so the bound never exceeds a plan's (integer) reported load.
