@@ -5,8 +5,9 @@ one the computation gives), which :func:`each_anew` lets a test show: inside it,
 computed anew, the slow path.
 
 The searches that use it: the TP pair search (``sharing.tp_search``, an index's lockstep and
-hosted work by its items), the joint DP × TP refinement (``tp.joint``, a run of a bucket's
-matrices on an index by the index's bins, lockstep and base load) and the per-bucket DP
+hosted work by its items' kinds, in the order held and in task order), the joint DP × TP
+refinement (``tp.joint``, a run of a bucket's matrices on an index by the index's bins,
+lockstep and base load) and the per-bucket DP
 (``dp.polish``, a bucket's cut by its units, the other buckets' loads and its options: twin
 buckets meet the same ones).
 """

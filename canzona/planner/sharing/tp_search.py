@@ -36,8 +36,14 @@ class TPPairSearch(Search):
         super().__init__(problem)  # ``load``: a lock piece's recorded load, or the task's
         self.whole: list[list[int]] = [[] for _ in range(self.dp)]
         self.costs = [0.0] * self.dp
-        #: (whole items, pair's halves) → (batches holding a half, the others, the rest)
-        self._memo: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float, float]] = {}
+        #: an item's class: items alike in all but their task id cost an index alike
+        classes: dict[tuple, int] = {}
+        self._cls = [classes.setdefault((k, x, p and p[1:], h and h[1:]), len(classes))
+                     for k, x, p, h in zip(self.kind, self.load, self.piece, self.half)]
+        #: an index's items as classes (in the order held, and in task order: the lockstep's
+        #: sums run in the one, its batches in the other) → (batches holding a half, the
+        #: others, the rest)
+        self._memo: dict[tuple, tuple[float, float, float]] = {}
 
     def _item(self, problem: DPProblem, it: Item) -> float:
         i = it.tasks[0]
@@ -87,14 +93,15 @@ class TPPairSearch(Search):
         ds = set(indices)
         ds |= {d ^ 1 for d in indices if d ^ 1 < 2 * self.npairs}
         lock, out = {}, {}
-        memo = self._memo
+        memo, cls, task = self._memo, self._cls, self.task.__getitem__
         if len(memo) > 200_000:
             memo.clear()
         for d in ds:
             w = whole.get(d, self.whole[d])
             s = d // 2
             h = shared.get(s, self.shared[s]) if s < self.npairs else []
-            key = (tuple(w), tuple(h))
+            key = (tuple([cls[i] for i in w]), tuple([cls[i] for i in sorted(w, key=task)]),
+                   tuple([cls[i] for i in h]), tuple([cls[i] for i in sorted(h, key=task)]))
             got = memo.get(key) if alike.SHARED else None
             if got is None:  # an index's cost is its items' alone: alike indices share it
                 got = memo[key] = (*self._lock(w, h), self._rest(w))

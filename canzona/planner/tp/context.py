@@ -103,8 +103,30 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
     ``problem.pairs`` at tp > 1, its share of the heads of a fused QKV it owns), the TP-split
     matrix tasks it owns and must host (ids,
     ascending), and the load pinned to one TP rank (per index, per TP rank: expert weights at
-    expert TP 1 under tp > 1, whole on the one GPU that holds them), None when there is none."""
+    expert TP 1 under tp > 1, whole on the one GPU that holds them), None when there is none.
+
+    The last few results are kept (the stages ask for the same cuts again); each caller gets its
+    own lists."""
     ctx = ctx or TPContext.build(problem)
+    key = tuple(cuts.items())
+    try:
+        got = _WORK.get((problem, ctx), key)
+    except TypeError:  # cut points in lists: not kept
+        got = _index_work(problem, cuts, ctx)
+    else:
+        if got is None:
+            got = _WORK.put((problem, ctx), key, _index_work(problem, cuts, ctx))
+    base, owned, pinned = got  # type: ignore[misc]
+    return (list(base), [list(x) for x in owned],
+            None if pinned is None else [list(x) for x in pinned])
+
+
+#: :func:`index_work`'s results by problem, context and cuts.
+_WORK = Kept(16)
+
+
+def _index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext
+                ) -> tuple[list[float], list[list[int]], list[list[float]] | None]:
     dp = problem.dp
     base = [0.0] * dp
     owned: list[list[int]] = [[] for _ in range(dp)]

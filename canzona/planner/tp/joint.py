@@ -128,21 +128,28 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                     ng = [INF] * (m + 1)
                     ch = [0] * (m + 1)
                     for j in range(m + 1):
-                        if g[j] == INF:
+                        gj = g[j]
+                        if gj == INF:
                             continue
                         col = cols[j]
                         if col is None:
                             col = cols[j] = _column(its, j, min(m, j + span), b0, lock[d],
                                                     base[d], scale, target)
-                        gj = g[j]
-                        for i, (v, excess) in enumerate(col, start=j):
-                            evals += 1
-                            if phase == "max":
+                        evals += len(col[0])
+                        if phase == "max":
+                            for i, v in enumerate(col[0], start=j):
                                 tot = max(gj, v)
-                            elif phase == "excess":
-                                tot = gj if v - target <= 0.0 else gj + excess
-                            else:
-                                tot = gj + v ** 8
+                                if tot < ng[i] - 1e-12:
+                                    ng[i], ch[i] = tot, j
+                            continue
+                        if phase == "excess":  # the overload, 0 where the GPU is under target
+                            terms = col[1]
+                        else:
+                            terms = col[2]
+                            if terms is None:
+                                terms = col[2] = [v ** 8 for v in col[0]]
+                        for i, x in enumerate(terms, start=j):
+                            tot = gj + x
                             if tot < ng[i] - 1e-12:
                                 ng[i], ch[i] = tot, j
                     g = ng
@@ -183,33 +190,41 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
 
 
 def _column(its: list, j: int, last: int, b0: list[float], lock: Lockstep, base: float,
-            scale: float, target: float) -> list[tuple[float, float]]:
+            scale: float, target: float) -> list:
     """For i = j … last, what matrices j..i-1 of a bucket cost on a DP index whose LPT bins are
-    ``b0`` (a heap), lockstep ``lock`` and base load ``base``: (its busiest GPU / ``scale``,
-    and the squared overload of its GPUs above ``target`` where that GPU is over it, else 0).
-    The matrices join the least-loaded bins (LPT insertion), their pieces the lockstep."""
+    ``b0`` (a heap), lockstep ``lock`` and base load ``base``: [their busiest GPU / ``scale``
+    each, the squared overload of the GPUs above ``target`` each (0 where the busiest is not
+    over it), None (the busiest GPU's 8th powers, filled when first asked for)]. The matrices
+    join the least-loaded bins (LPT insertion), their pieces the lockstep."""
     bins = list(b0)
+    top = max(bins)  # bins only grow: the busiest is the larger of it and the bin just grown
     rep_sum = 0.0
     step = lock.copy()
     phase_load = step.load()  # recomputed only when a piece joins
-    out = []
+    vs, over = [], []
     for i in range(j, last + 1):
         if i > j:
-            for x in sorted(its[i - 1][0], reverse=True):
-                heapq.heapreplace(bins, bins[0] + x)
-            rep_sum += its[i - 1][1]
-            for y in its[i - 1][2]:
-                step.add(y)
-            if its[i - 1][2]:
+            sp, rep, sh = its[i - 1]
+            for x in sorted(sp, reverse=True):
+                grown = bins[0] + x
+                heapq.heapreplace(bins, grown)
+                if grown > top:
+                    top = grown
+            rep_sum += rep
+            if sh:
+                for y in sh:
+                    step.add(y)
                 phase_load = step.load()
         held = base + (rep_sum + phase_load)
-        v = (held + max(bins)) / scale
+        v = (held + top) / scale
+        vs.append(v)
         # overload of every GPU above the target, squared: graded even when an index's maximum
         # sits on a plateau (none where even the busiest bin is under it)
-        excess = 0.0 if v - target <= 0.0 else sum(
-            max(0.0, (held + x) / scale - target) ** 2 for x in bins)
-        out.append((v, excess))
-    return out
+        if v - target <= 0.0:
+            over.append(0.0)
+        else:
+            over.append(sum([e ** 2 for x in bins if (e := (held + x) / scale - target) > 0.0]))
+    return [vs, over, None]
 
 
 def _lockstep(pieces: list[Piece], cap: int) -> Lockstep:
