@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from .objective import MAX_LOAD, Objective, StepTime
@@ -50,6 +50,9 @@ class _Run:
     state_aware: bool = False  # step-time: the optimizer state breaks near-ties of the load
     reference_load: float | None = None  # the best max load seen, when a heavier one was kept
     hardware: HardwareProfile | None = None  # step-time: the communication model's profile
+    #: the communication stage's results by problem, cuts, bound and reference load (a
+    #: partition judged twice, by the lockstep placement and at the end, is re-cut once)
+    recut: dict = field(default_factory=dict)
 
     def score(self, problem: DPProblem, cuts: Cuts) -> float:
         return self.objective.score(problem, cuts)
@@ -175,6 +178,14 @@ def _communication(run: _Run, problem: DPProblem, cuts: Cuts, hw: HardwareProfil
     DP index's load held within STEP_TIME_GAP_PP points of the certified bound of where it
     was (and, under TP, the busiest GPU's likewise of LB_gpu), and the busiest optimizer
     state brought under :func:`state_target` where the cuts allow."""
+    key = (id(problem), id(hw), tuple(cuts.items()), run.bound, run.reference_load)
+    got = run.recut.get(key)
+    if got is None or got[0] is not problem or got[1] is not hw:  # (held: ids not reused)
+        got = run.recut[key] = (problem, hw, _recut(run, problem, cuts, hw))
+    return got[2]
+
+
+def _recut(run: _Run, problem: DPProblem, cuts: Cuts, hw: HardwareProfile) -> Cuts:
     load = min(_max_load(problem, cuts), run.reference_load or math.inf)
     ceiling = load + STEP_TIME_GAP_PP / 100 * run.bound
     obj = StepTime(problem, hw, ceiling=ceiling, state_cap=state_target(problem))

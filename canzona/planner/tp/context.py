@@ -305,6 +305,16 @@ class Lockstep:
             return 0.0
         if not self.cap or self.nbytes <= self.cap:  # one batch
             return max(self.compute, self.comm + self.shortest, self.chain)
+        # several batches: kept by the pieces (the joint refinement meets the same ones often)
+        key = (self.cap, tuple(self.items))
+        got = _BATCHED.get(key)
+        if got is None:
+            if len(_BATCHED) > 200_000:
+                _BATCHED.clear()
+            got = _BATCHED[key] = self._batched()
+        return got
+
+    def _batched(self) -> float:
         # formulas.lockstep_batches over the pieces in task order, each batch's phase summed
         # (written out: the joint refinement calls this in its innermost loop)
         cap, out = self.cap, 0.0
@@ -327,6 +337,10 @@ class Lockstep:
     def copy(self) -> Lockstep:
         return Lockstep(self.cap, list(self.items), self.pieces, self.compute, self.comm,
                         self.shortest, self.nbytes, self.chain)
+
+
+#: :meth:`Lockstep.load` of several batches, by cap and pieces.
+_BATCHED: dict[tuple, float] = {}
 
 
 def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
