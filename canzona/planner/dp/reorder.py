@@ -194,16 +194,27 @@ def reorder_problem(problem: DPProblem, rank: dict[tuple[int, int], list[int]], 
             order = atomic[:gap] + divisible + atomic[gap:]
             owners[(bi, bk.index)] = own
             pos = start
-            slots, items = [], []
+            starts = []
             for k in order:
-                s, it = bk.slots[k], bp.items[k]
                 pos = _pad(pos, PARAM_ALIGN)
-                n = s.end - s.start
-                slots.append(Slot(s.name, pos, pos + n, s.local_shape, s.optimizer))
-                items.append(Item(len(items), pos, pos + n, it.load, it.flops,
-                                  it.state_bytes, it.atomic, it.tasks))
-                pos += n
+                starts.append(pos)
+                pos += bk.slots[k].end - bk.slots[k].start
             end = _pad(pos, divisor)
+            if start == bk.start == bp.start and end == bk.end == bp.end and \
+                    pos - start == bk.numel_unpadded and order == list(range(len(order))) and \
+                    all(x == s.start == it.start and s.end == it.end and it.slot == k
+                        for k, (x, s, it) in enumerate(zip(starts, bk.slots, bp.items))):
+                buckets.append(bk)  # nothing moves: the bucket as it is
+                new_buckets.append(bp)
+                start = end
+                continue
+            slots, items = [], []
+            for k, x in zip(order, starts):
+                s, it = bk.slots[k], bp.items[k]
+                n = s.end - s.start
+                slots.append(Slot(s.name, x, x + n, s.local_shape, s.optimizer))
+                items.append(Item(len(items), x, x + n, it.load, it.flops,
+                                  it.state_bytes, it.atomic, it.tasks))
             buckets.append(Bucket(bk.index, start, end, pos - start, tuple(slots)))
             new_buckets.append(BucketProblem(bi, bk.index, start, end, bp.ranks, tuple(items)))
             start = end

@@ -109,13 +109,14 @@ def index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext | None = None
     own lists."""
     ctx = ctx or TPContext.build(problem)
     key = tuple(cuts.items())
+    facts = (problem, ctx.split, ctx.one_rank, ctx.tp_of)  # what it reads (contexts share them)
     try:
-        got = _WORK.get((problem, ctx), key)
+        got = _WORK.get(facts, key)
     except TypeError:  # cut points in lists: not kept
         got = _index_work(problem, cuts, ctx)
     else:
         if got is None:
-            got = _WORK.put((problem, ctx), key, _index_work(problem, cuts, ctx))
+            got = _WORK.put(facts, key, _index_work(problem, cuts, ctx))
     base, owned, pinned = got  # type: ignore[misc]
     return (list(base), [list(x) for x in owned],
             None if pinned is None else [list(x) for x in pinned])
