@@ -88,7 +88,7 @@ class _Builder:
             sec = self.roof.seconds(self.problem.costs[i])
             if self.ctx.split[i] and duplicated:
                 m = self.ctx.maps[self.ctx.layout[i]]
-                received = max(m.full_numel - m.sent_numel(t) for t in range(self.tp))
+                received = max(m.full_numel - x for x in self.ctx.sent(i, self.tp))
                 b = received * cm.ELEMENT_BYTES[self.problem.comm_dtype]
                 g = self.tp_link.seconds(b) if b else 0.0
                 self.groups[d].append(GroupWork(g, 0.0, (sec,) * self.tp, b, (fl,) * self.tp))

@@ -32,7 +32,8 @@ class TPContext:
     head of a fused QKV, ``heads``): computed there, nothing gathered, and every TP rank of an
     index holds as many of a weight's heads as the others;
     ``gathered[i]``: bytes of its full matrix in the comm dtype; ``layout[i]``: index into
-    ``maps`` (distinct shard maps), so ``maps[layout[i]].sent_numel(t)`` is what rank t sends.
+    ``maps`` (distinct shard maps), so ``maps[layout[i]].sent_numel(t)`` is what rank t sends
+    (:meth:`sent`: every rank's, kept per map).
     """
 
     problem: DPProblem
@@ -44,6 +45,17 @@ class TPContext:
     tp_of: list[int]
     one_rank: list[bool] = field(default_factory=list)
     _map_index: dict = field(default_factory=dict)
+    _sent: dict = field(default_factory=dict)
+
+    def sent(self, i: int, tp: int) -> tuple[int, ...]:
+        """What each of ``tp`` ranks sends to gather task i's matrix (``ShardMap.sent_numel``),
+        computed once per shard map."""
+        k = self.layout[i]
+        got = self._sent.get((k, tp))
+        if got is None:
+            m = self.maps[k]
+            got = self._sent[(k, tp)] = tuple(m.sent_numel(t) for t in range(tp))
+        return got
 
     def each_rank(self, i: int, x: float) -> float:
         """What each TP rank of its owner carries of ``x`` (task i's load, FLOPs or seconds) when

@@ -127,9 +127,8 @@ def _make_group(ctx: TPContext, pairs: list[tuple[int, int]], tp: int,
         loads[h] += pr.loads[i]
         flops[h] += pr.costs[i].flops
         mem[h] += ctx.gathered[i]
-        m = ctx.maps[ctx.layout[i]]
-        for t in range(tp):
-            send[t][h] += m.sent_numel(t)
+        for t, x in enumerate(ctx.sent(i, tp)):
+            send[t][h] += x
     return MicroGroup(tuple(i for i, _ in pairs), tuple(h for _, h in pairs), tuple(loads),
                       tuple(flops), tuple(mem), tuple(tuple(r) for r in send), oversized)
 
