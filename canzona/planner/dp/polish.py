@@ -435,9 +435,12 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
 def _with_cuts(u: Units, cuts: tuple[int, ...]) -> Units:
     """``u`` with every cut position among its bounds (loads and state interpolated linearly
     inside the unit a cut falls in: the cuts of our plans fall inside divisible pieces only)."""
-    extra = np.setdiff1d(np.asarray(cuts, dtype=np.int64), u.bounds)
-    if not len(extra):
+    at = np.asarray(cuts, dtype=np.int64)
+    k = np.minimum(np.searchsorted(u.bounds, at), len(u.bounds) - 1)
+    missing = u.bounds[k] != at  # (the bounds are sorted)
+    if not missing.any():
         return u
+    extra = np.unique(at[missing])
     bounds = np.union1d(u.bounds, extra)
     prefix = np.interp(bounds, u.bounds, u.prefix)
     state = None if u.state is None else np.interp(bounds, u.bounds, u.state)

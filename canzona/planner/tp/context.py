@@ -357,10 +357,27 @@ _BATCHED: dict[tuple, float] = {}
 
 
 def shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
-    """Per DP index, the ids of the tasks its TP group shares (``problem.shared``)."""
-    out: list[list[int]] = [[] for _ in range(problem.dp)]
+    """Per DP index, the ids of the tasks its TP group shares (``problem.shared``); the last few
+    are kept, and each caller gets its own lists."""
     if not problem.shared:
-        return out
+        return [[] for _ in range(problem.dp)]
+    key = tuple(cuts.items())
+    try:
+        got = _SHARED.get((problem,), key)
+    except TypeError:  # cut points in lists: not kept
+        got = _shared_by_index(problem, cuts)
+    else:
+        if got is None:
+            got = _SHARED.put((problem,), key, _shared_by_index(problem, cuts))
+    return [list(x) for x in got]  # type: ignore[union-attr]
+
+
+#: :func:`shared_by_index`'s results by problem and cuts.
+_SHARED = Kept(16)
+
+
+def _shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(problem.dp)]
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         ix = problem.dp_indices(b)
@@ -458,14 +475,21 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
     every TP rank in the total (the FLOPs sharing adds included) and its piece as its size.
     """
     total = gpu_total(problem, grid, ctx)
-    pairs = problem.pairs if problem.sizes.tp > 1 else {}
-    # a TP pair's half: its load alone, its own chain (compute and the exchanges its Gram
-    # products do not hide), which no piece beside it in a lockstep shortens
-    largest = max((int(round(problem.shared[t.id][0])) if t.id in problem.shared
-                   else max(pairs[t.id].loads) if t.id in pairs
-                   else problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
-                  default=0)  # a piece's load as the plan records it (rounded)
-    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)
+    largest = _LARGEST.get((problem,))
+    if largest is None:
+        pairs = problem.pairs if problem.sizes.tp > 1 else {}
+        # a TP pair's half: its load alone, its own chain (compute and the exchanges its Gram
+        # products do not hide), which no piece beside it in a lockstep shortens
+        largest = _LARGEST.put((problem,), None, max(
+            (int(round(problem.shared[t.id][0])) if t.id in problem.shared
+             else max(pairs[t.id].loads) if t.id in pairs
+             else problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
+            default=0))  # a piece's load as the plan records it (rounded)
+    return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)  # type: ignore
+
+
+#: :func:`lb_gpu`'s largest piece, by problem.
+_LARGEST = Kept(8)
 
 
 def gpu_total(problem: DPProblem, grid: list[list[int]] | None = None,
