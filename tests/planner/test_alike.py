@@ -1,8 +1,9 @@
 """Alike states computed once (``canzona.planner.alike``): over a sweep of sizes, the DP
 partitions, what the two searches that keep costs by state return (the joint DP × TP
 refinement's cuts, the TP pair search's placement and busiest index) and the plans made are
-identical to those of the slow path, which computes every state anew; the sweep does reuse
-kept costs and per-bucket DP cuts; and a kept cut is reused for identical inputs only."""
+identical to those of the slow path, which computes every state anew; after each TP pair
+search every index costs what it costs computed anew; the sweep does reuse kept costs and
+per-bucket DP cuts; and a kept cut is reused for identical inputs only."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def _recorded(monkeypatch) -> list:
         def improve(self, *args, **kw):
             got = super().improve(*args, **kw)
             seen.append(("tp pairs", list(self.where), self.busiest()))
+            # every index as placed costs what it costs computed anew (its kept key followed
+            # the moves)
+            kept = [self._costs({}, {}, {d})[d] for d in range(self.dp)]
+            with alike.each_anew():
+                assert kept == [self._costs({}, {}, {d})[d] for d in range(self.dp)]
             return got
 
     monkeypatch.setattr(solve, "joint_refine", refine)

@@ -44,6 +44,8 @@ class TPPairSearch(Search):
         #: sums run in the one, its batches in the other) → (batches holding a half, the
         #: others, the rest)
         self._memo: dict[tuple, tuple[float, float, float]] = {}
+        #: every index's key into it as placed (dropped when what it holds changes)
+        self._keys: dict[int, tuple] = {}
 
     def _item(self, problem: DPProblem, it: Item) -> float:
         i = it.tasks[0]
@@ -97,11 +99,16 @@ class TPPairSearch(Search):
         if len(memo) > 200_000:
             memo.clear()
         for d in ds:
-            w = whole.get(d, self.whole[d])
             s = d // 2
+            placed = d not in whole and s not in shared
+            key = self._keys.get(d) if placed and alike.SHARED else None
+            w = whole.get(d, self.whole[d])
             h = shared.get(s, self.shared[s]) if s < self.npairs else []
-            key = (tuple([cls[i] for i in w]), tuple([cls[i] for i in sorted(w, key=task)]),
-                   tuple([cls[i] for i in h]), tuple([cls[i] for i in sorted(h, key=task)]))
+            if key is None:
+                key = (tuple([cls[i] for i in w]), tuple([cls[i] for i in sorted(w, key=task)]),
+                       tuple([cls[i] for i in h]), tuple([cls[i] for i in sorted(h, key=task)]))
+                if placed:
+                    self._keys[d] = key
             got = memo.get(key) if alike.SHARED else None
             if got is None:  # an index's cost is its items' alone: alike indices share it
                 got = memo[key] = (*self._lock(w, h), self._rest(w))
@@ -149,6 +156,8 @@ class TPPairSearch(Search):
             (self.whole[old[1]] if old[0] == "w" else self.shared[old[1]]).remove(i)
             (self.whole[new[1]] if new[0] == "w" else self.shared[new[1]]).append(i)
             self.where[i] = new
+            self._changed(old)
+            self._changed(new)
         for d, c in got.items():
             self.costs[d] = c
 
@@ -179,8 +188,14 @@ class TPPairSearch(Search):
             _, place, got = best  # type: ignore[misc]
             (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(i)
             self.where[i] = place
+            self._changed(place)
             for d, c in got.items():
                 self.costs[d] = c
+
+    def _changed(self, place: Place) -> None:
+        """What ``place`` holds changed: its indices' keys go."""
+        for d in self.indices(place):
+            self._keys.pop(d, None)
 
     def moves(self, here: list[int]) -> list[Ops]:
         """Moves of one of ``here`` (the busiest index's items) to another place: whole on an

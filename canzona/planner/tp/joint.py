@@ -60,7 +60,8 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
     def split_of(it) -> tuple[list[int], float, list[Piece]]:
         """(loads to host, load on every TP rank, shared pieces): a shared task is its piece on
         every rank, in the index's lockstep phase."""
-        return ([loads[i] for i in it.tasks if ctx.split[i] and i not in shared],
+        return (sorted((loads[i] for i in it.tasks if ctx.split[i] and i not in shared),
+                       reverse=True),  # heaviest first, as LPT inserts them
                 float(sum(ctx.each_rank(i, loads[i]) for i in it.tasks
                           if i not in shared and not ctx.split[i])),
                 [lockstep_piece(problem, i) for i in it.tasks if i in shared])
@@ -85,6 +86,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
         base[d] += sign * rep
 
     evals = 0  # work budget (deterministic, unlike a wall-clock limit)
+    split: dict[tuple[int, int], list] = {}  # a bucket's matrices as split_of gives them
     seen: dict[tuple, list] = {}  # a DP index's state → its columns (:func:`_column`)
     order = sorted((b for b in problem.buckets if len(atoms[(b.buffer, b.bucket)]) > 0),
                    key=lambda b: (-b.load, b.buffer, b.bucket))
@@ -98,7 +100,9 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                 if evals > max_evals:
                     break
                 key = (b.buffer, b.bucket)
-                its = [split_of(it) for it in atoms[key]]
+                its = split.get(key)
+                if its is None:
+                    its = split[key] = [split_of(it) for it in atoms[key]]
                 m, R = len(its), b.ranks
                 ds = [problem.dp_index(b, r) for r in range(R)]
                 # A rank takes at most ``span`` matrices of the bucket (twice its share, or as
@@ -205,7 +209,7 @@ def _column(its: list, j: int, last: int, b0: list[float], lock: Lockstep, base:
     for i in range(j, last + 1):
         if i > j:
             sp, rep, sh = its[i - 1]
-            for x in sorted(sp, reverse=True):
+            for x in sp:  # (heaviest first)
                 grown = bins[0] + x
                 heapq.heapreplace(bins, grown)
                 if grown > top:
