@@ -2,7 +2,8 @@
 partitions, what the two searches that keep costs by state return (the joint DP × TP
 refinement's cuts, the TP pair search's placement and busiest index) and the plans made are
 identical to those of the slow path, which computes every state anew; after each TP pair
-search every index costs what it costs computed anew; the sweep does reuse kept costs and
+search every index costs what it costs computed anew, and options its start skips as alike
+an earlier one cost what that one does; the sweep does reuse kept costs and
 per-bucket DP cuts; and a kept cut is reused for identical inputs only."""
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def _recorded(monkeypatch) -> list:
         return got
 
     class Search(search):
+        def _alike(self, place, i):
+            # options alike cost alike: what each costs, kept by item and signature
+            sig = super()._alike(place, i)
+            got = self._costs({place[1]: self.whole[place[1]] + [i]}, {}, {place[1]}) \
+                if place[0] == "w" else \
+                self._costs({}, {place[1]: self.shared[place[1]] + [i]}, set(self.indices(place)))
+            assert sorted(got.values()) == \
+                self.__dict__.setdefault("alike", {}).setdefault((i, sig), sorted(got.values()))
+            return sig
+
         def improve(self, *args, **kw):
             got = super().improve(*args, **kw)
             seen.append(("tp pairs", list(self.where), self.busiest()))

@@ -4,6 +4,7 @@ lockstep (k = 2·tp; :class:`TPPairSearch`)."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping
 
 from .. import alike
@@ -44,7 +45,7 @@ class TPPairSearch(Search):
         #: sums run in the one, its batches in the other) → (batches holding a half, the
         #: others, the rest)
         self._memo: dict[tuple, tuple[float, float, float]] = {}
-        #: every index's key into it as placed (dropped when what it holds changes)
+        #: every index as placed (:meth:`_placed`; dropped when what it holds changes)
         self._keys: dict[int, tuple] = {}
 
     def _item(self, problem: DPProblem, it: Item) -> float:
@@ -100,15 +101,13 @@ class TPPairSearch(Search):
             memo.clear()
         for d in ds:
             s = d // 2
-            placed = d not in whole and s not in shared
-            key = self._keys.get(d) if placed and alike.SHARED else None
             w = whole.get(d, self.whole[d])
             h = shared.get(s, self.shared[s]) if s < self.npairs else []
-            if key is None:
+            if alike.SHARED and d not in whole and s not in shared:
+                key = self._placed(d)[0]
+            else:
                 key = (tuple([cls[i] for i in w]), tuple([cls[i] for i in sorted(w, key=task)]),
                        tuple([cls[i] for i in h]), tuple([cls[i] for i in sorted(h, key=task)]))
-                if placed:
-                    self._keys[d] = key
             got = memo.get(key) if alike.SHARED else None
             if got is None:  # an index's cost is its items' alone: alike indices share it
                 got = memo[key] = (*self._lock(w, h), self._rest(w))
@@ -121,6 +120,34 @@ class TPPairSearch(Search):
                 halves = max(halves, lock[d ^ 1][0])
             out[d] = halves + own + rest
         return out
+
+    def _placed(self, d: int) -> tuple[tuple, list[int], list[int]]:
+        """Index ``d`` as placed, kept while what it holds is unchanged: its key into the costs
+        (its items' classes in the order held and in task order, its pair's shared ones
+        likewise), its whole items' tasks and its pair's shared items' tasks, ascending."""
+        got = self._keys.get(d)
+        if got is None:
+            cls, task = self._cls, self.task
+            w = self.whole[d]
+            h = self.shared[d // 2] if d < 2 * self.npairs else []
+            tw, th = sorted(w, key=task.__getitem__), sorted(h, key=task.__getitem__)
+            got = self._keys[d] = (
+                (tuple([cls[i] for i in w]), tuple([cls[i] for i in tw]),
+                 tuple([cls[i] for i in h]), tuple([cls[i] for i in th])),
+                [task[i] for i in tw], [task[i] for i in th])
+        return got
+
+    def _alike(self, place: Place, i: int) -> tuple:
+        """What item ``i`` at ``place`` costs depends on alone (the touched indices as placed
+        and where ``i``'s task falls among theirs): options alike in it cost alike."""
+        t = self.task[i]
+        if place[0] == "w":
+            d = place[1]
+            key, tasks, _ = self._placed(d)
+            partner = self._placed(d ^ 1)[0] if d ^ 1 < 2 * self.npairs else None
+            return ("w", key, bisect_left(tasks, t), partner)
+        a, b = self._placed(2 * place[1]), self._placed(2 * place[1] + 1)
+        return ("s", a[0], b[0], bisect_left(a[2], t))
 
     def cost(self, d: int) -> float:
         return self.costs[d]
@@ -176,7 +203,14 @@ class TPPairSearch(Search):
                             if self.fits(self.shared[s] + [i])]
             if not options:  # forced, but every pair shares a matrix of its bucket already
                 options = [("w", d) for d in range(self.dp)]
+            tried = set()
             for place in options:
+                if alike.SHARED:  # an option alike an earlier one ties with it: the earlier wins
+                    sig = self._alike(place, i)
+                    if sig in tried:
+                        alike.reused("tp pairs")
+                        continue
+                    tried.add(sig)
                 if place[0] == "w":
                     got = self._costs({place[1]: self.whole[place[1]] + [i]}, {}, {place[1]})
                 else:
