@@ -91,9 +91,21 @@ def run_case(model: str, dp: int, tp: int) -> dict | None:
 
 def time_cli(repeats: int = 3) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of the whole ``canzona plan`` process, ``repeats`` times."""
+    compiled()
     with tempfile.TemporaryDirectory() as tmp:
         return [_child([*_cli(), *CLI_ARGS, "-o", os.path.join(tmp, "p.json")])[:2]
                 for _ in range(repeats)]
+
+
+def compiled() -> None:
+    """canzona's bytecode written, as an installed package has it (pip compiles on install):
+    the timed processes then do not compile its sources each run (where ``PYTHONDONTWRITEBYTECODE``
+    is set, they would)."""
+    import compileall
+
+    import canzona
+
+    compileall.compile_dir(os.path.dirname(canzona.__file__), quiet=1)
 
 
 def _cli() -> list[str]:
@@ -161,7 +173,7 @@ def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
         f"({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.1f}). `canzona plan` with the default options "
         "(roofline cost on h100, `--share auto`, solver auto), each run a process, imports "
-        "included; CPU = user + sys, the median of the runs (all of them in brackets). "
+        "included (canzona's bytecode compiled first, as pip installs it); CPU = user + sys, the median of the runs (all of them in brackets). "
         "*load* is `canzona.load_plan` of the file (every check), *inspect* the whole "
         "`canzona inspect` process; the busiest GPU's work and the predicted step are the "
         "plan's (roofline loads are nanoseconds). `--top N` prints each case's profile.", "",
@@ -280,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         picked = [c for c in SCALE_CASES
                   if not args.cases or any(m in c[0] for m in args.cases)]
+        compiled()
         got = []
         for name, cli_args, _ in picked:
             got.append(scale_case(name, cli_args, args.repeats, args.top))
