@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..alike import Kept
 from ..planning import DPProblem
 from .units import Cuts, Units, bucket_units, piece_grain
 
@@ -48,7 +49,23 @@ def greedy(problem: DPProblem, *, alpha: float = 1.0, pieces: int | None = None)
     Each cut goes to (1-α)·(even cut) + α·(position where the deficit shares are filled), then
     to the nearest allowed position: anywhere inside an AdamW item, else the nearest boundary of
     a matrix-optimizer parameter.
+
+    The last few results are kept by what they read (candidates that differ in what they share
+    have the same buckets); each caller gets its own cuts.
     """
+    facts = (problem.buckets, problem.layout, problem.sizes)
+    key = (problem.dp, problem.total_load(), alpha, pieces)
+    got = _KEPT.get(facts, key)
+    if got is None:
+        got = _KEPT.put(facts, key, _greedy(problem, alpha, pieces))
+    return dict(got)  # type: ignore[call-overload]
+
+
+#: :func:`greedy`'s cuts by the buckets, layout and sizes they read.
+_KEPT = Kept(8)
+
+
+def _greedy(problem: DPProblem, alpha: float, pieces: int | None) -> Cuts:
     dp = problem.dp
     mean = problem.total_load() / dp
     load = [0.0] * dp
