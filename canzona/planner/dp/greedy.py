@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..alike import Kept
 from ..planning import DPProblem
 from .units import Cuts, Units, bucket_units, piece_grain
@@ -11,7 +9,7 @@ from .units import Cuts, Units, bucket_units, piece_grain
 
 def _snap(u: Units, target_pos: float, lo: int) -> int:
     """Index of the allowed boundary nearest ``target_pos``, not before index ``lo``."""
-    k = int(np.searchsorted(u.bounds, target_pos))
+    k = int(u.bounds.searchsorted(target_pos))
     cands = [c for c in (k - 1, k) if lo <= c < len(u.bounds)]
     if not cands:
         return max(lo, min(k, len(u.bounds) - 1))
@@ -21,7 +19,7 @@ def _snap(u: Units, target_pos: float, lo: int) -> int:
 def _pos_at_load(u: Units, load: float) -> float:
     """Element position where the bucket's cumulative load reaches ``load`` (interpolated)."""
     p = u.prefix
-    k = int(np.searchsorted(p, load, side="left"))
+    k = int(p.searchsorted(load, side="left"))
     if k <= 0:
         return float(u.bounds[0])
     if k >= len(p):
@@ -33,7 +31,7 @@ def _pos_at_load(u: Units, load: float) -> float:
 
 def _load_at(u: Units, pos: float) -> float:
     """Cumulative load of the bucket up to element ``pos`` (linear inside a unit)."""
-    k = int(np.searchsorted(u.bounds, pos, side="right"))
+    k = int(u.bounds.searchsorted(pos, side="right"))
     if k <= 0:
         return 0.0
     if k >= len(u.bounds):

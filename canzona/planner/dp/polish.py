@@ -109,7 +109,7 @@ def _solve_bucket(u: Units, base: np.ndarray, cap: float | None, phase: str,
             np.power(tot, power, out=tot)
             np.add(g[None, :], tot, out=tot)
         np.add(tot, extra, out=tot)
-        choice[r] = np.argmin(tot, axis=1)  # first (smallest j) on ties: deterministic
+        choice[r] = tot.argmin(axis=1)  # first (smallest j) on ties: deterministic
         g = tot[cols, choice[r]]
     return _trace(choice, g, m)
 
@@ -160,7 +160,7 @@ def _bucket_dp_window(u: Units, base: np.ndarray, cap: float | None, phase: str,
             tot = g[None, :] + np.power(tot, power)
         tot = tot + np.where(valid, 0.0 if slice_cost is None
                              else slice_cost[J[None, :], I[:, None]], inf)
-        k = np.argmin(tot, axis=1)
+        k = tot.argmin(axis=1)
         g = tot[np.arange(len(I)), k]
         ends.append(I)
         picks.append(J[k])
@@ -273,7 +273,7 @@ def _bucket_dp_band(u: Units, base: np.ndarray, cap: float | None, phase: str,
             np.power(tot, power, out=tot)
             np.add(g[J], tot, out=tot)
         np.add(tot, extra, out=tot)
-        k = np.argmin(tot, axis=1)
+        k = tot.argmin(axis=1)
         choice[r] = J[rows, k]
         g = tot[rows, k]
     return _trace(choice, g, m)
@@ -345,7 +345,7 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         u = units[key]
-        idx[key] = [int(np.searchsorted(u.bounds, c)) for c in cuts[key]]  # start: next boundary
+        idx[key] = u.bounds.searchsorted(cuts[key]).tolist()  # start: next boundary
     load = _loads_by_bucket(problem, units, idx)
     state = _loads_by_bucket(problem, units, idx, "state")
     widest = {(b.buffer, b.bucket): max((it.end - it.start for it in b.items if it.atomic),
@@ -636,7 +636,7 @@ def even_out_twins(problem: DPProblem, cuts: Cuts, comm_limit: float | None, *,
     units = {(b.buffer, b.bucket): _with_cuts(bucket_units(b, COMM_PIECES, grain),
                                               cuts[(b.buffer, b.bucket)])
              for b in problem.buckets}
-    idx = {k: [int(np.searchsorted(u.bounds, c)) for c in cuts[k]] for k, u in units.items()}
+    idx = {k: u.bounds.searchsorted(cuts[k]).tolist() for k, u in units.items()}
     load = _loads_by_bucket(problem, units, idx)
     scale = max(1.0, float(load.max()))
     twins: dict[tuple, list[BucketProblem]] = {}
