@@ -306,13 +306,15 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
     held: dict[tuple[int, ...], float] = {}  # an index's work from its class counts alone
 
     def value(d: int, row: list[int]) -> float:
-        key = tuple(row)
-        work = held.get(key)
-        if work is None:
+        return base[d] + work(tuple(row))
+
+    def work(key: tuple[int, ...]) -> float:
+        got = held.get(key)
+        if got is None:
             lock = Lockstep(problem.lockstep_cap)
             bag: list[int] = []
             rep = 0.0
-            for ci, n in enumerate(row):
+            for ci, n in enumerate(key):
                 if n:
                     sp, r, sh, _ = sig[ci]
                     rep += n * r
@@ -320,8 +322,8 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
                     for y in sh:
                         for _ in range(n):
                             lock.add((first[ci], *y))
-            work = held[key] = rep + lock.load() + lpt_makespan(bag, tp)
-        return base[d] + work
+            got = held[key] = rep + lock.load() + lpt_makespan(bag, tp)
+        return got
 
     start = [row[:] for row in count]
     count, vals, moved = _search(count, value, sig, allowed_of, nc, dp, max_moves)
@@ -329,7 +331,7 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
     # of its index is then lightest): the search moves one or two matrices at a time, and where
     # a hosted matrix and pieces on every TP rank mix (Shampoo's QKV hosted beside blocks shard
     # by shard), it stops far from a packing the fresh one finds.
-    fresh = _fresh_counts(sig, members, allowed_of, value, nc, dp)
+    fresh = _fresh_counts(sig, members, allowed_of, work, base, nc, dp)
     if fresh is not None:
         f_count, f_vals, _ = _search(fresh, value, sig, allowed_of, nc, dp, max_moves)
         if max(f_vals) < max(vals) * (1 - 1e-9):
@@ -341,28 +343,42 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
     return _materialise(problem, cuts, count, members, where, nc)
 
 
-def _fresh_counts(sig, members, allowed_of, value, nc: int, dp: int):  # noqa: ANN001
+def _fresh_counts(sig, members, allowed_of, work, base, nc: int, dp: int):  # noqa: ANN001
     """Per DP index, how many matrices of each class: placed one by one, the heaviest on a
     single GPU first (a hosted matrix's load, or a piece's on every TP rank), each on the allowed
-    index whose value is then lowest (ties: the lowest index)."""
+    index whose value (``base`` plus the ``work`` of its class counts) is then lowest (ties: the
+    lowest index). Indices holding alike counts cost alike work: it is looked up once per
+    placement and state."""
     def weight(ci: int) -> float:
         sp, rep, sh, _ = sig[ci]
         return max([*sp, rep, *(y[2] for y in sh)], default=0.0)
 
     count = [[0] * nc for _ in range(dp)]
+    state: dict[tuple[int, ...], int] = {(0,) * nc: 0}  # class counts → a small id
+    rows = [(0,) * nc]
+    at = [0] * dp  # each index's state id
     for ci in sorted(range(nc), key=lambda c: (-weight(c), c)):
         allowed = sorted(allowed_of[ci])
         for _ in members[ci]:
             best = None
+            got: dict[int, float] = {}  # state id → its work with one more of class ci
             for d in allowed:
-                row = count[d][:]
-                row[ci] += 1
-                v = value(d, row)
+                w = got.get(at[d])
+                if w is None:
+                    row = list(rows[at[d]])
+                    row[ci] += 1
+                    w = got[at[d]] = work(tuple(row))
+                v = base[d] + w
                 if best is None or v < best[0]:
                     best = (v, d)
             if best is None:
                 return None
-            count[best[1]][ci] += 1
+            d = best[1]
+            count[d][ci] += 1
+            key = tuple(count[d])
+            at[d] = state.setdefault(key, len(rows))
+            if at[d] == len(rows):
+                rows.append(key)
     return count
 
 
