@@ -20,6 +20,7 @@ import dataclasses
 import heapq
 import math
 
+from ..alike import Kept
 from ..layout import PARAM_ALIGN, Bucket, PhysicalLayout, Slot
 from ..planning import BucketProblem, DPProblem, Item
 
@@ -39,7 +40,24 @@ def assign_free(problem: DPProblem, *, max_moves: int = 20_000,
     Items of equal load that may go to the same DP indices (dense, or experts of one EP rank)
     are interchangeable, so the search works on per-index counts of such *classes*: a move or
     swap costs O(classes), not O(items), which keeps 24k-parameter MoE models fast.
+
+    The last few results are kept by what they read (candidates that differ in what they share
+    have the same buckets); each caller gets its own lists.
     """
+    facts = (problem.buckets, problem.layout, problem.sizes)
+    key = (problem.dp, max_moves, spread_heavy)
+    got = _KEPT.get(facts, key)
+    if got is None:
+        got = _KEPT.put(facts, key, _assign_free(problem, max_moves, spread_heavy))
+    return {k: list(v) for k, v in got.items()}  # type: ignore[union-attr]
+
+
+#: :func:`assign_free`'s ranks by the buckets, layout and sizes they read.
+_KEPT = Kept(8)
+
+
+def _assign_free(problem: DPProblem, max_moves: int, spread_heavy: bool
+                 ) -> dict[tuple[int, int], list[int]]:
     dp = problem.dp
     ep = problem.sizes.ep
     buffers = problem.layout.buffers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 
 from .. import alike
 from ..objective import MAX_LOAD, Objective
@@ -308,21 +309,41 @@ def lockstep_assign(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = N
     def value(d: int, row: list[int]) -> float:
         return base[d] + work(tuple(row))
 
-    def work(key: tuple[int, ...]) -> float:
+    # an index's LPT bins and lightest hosted load by its class counts (tp > 1): one more
+    # matrix no heavier than any it holds is one more LPT insertion into its bins
+    packed: dict[tuple[int, ...], tuple[list[int], float]] = {}
+
+    def work(key: tuple[int, ...], parent: tuple[int, ...] | None = None, ci: int = -1
+             ) -> float:
+        """An index's work from its class counts ``key``; ``parent``: the counts it has with
+        one matrix of class ``ci`` fewer, where known."""
         got = held.get(key)
         if got is None:
             lock = Lockstep(problem.lockstep_cap)
-            bag: list[int] = []
             rep = 0.0
-            for ci, n in enumerate(key):
+            for c, n in enumerate(key):
                 if n:
-                    sp, r, sh, _ = sig[ci]
+                    _, r, sh, _ = sig[c]
                     rep += n * r
-                    bag.extend(sp * n)
                     for y in sh:
                         for _ in range(n):
-                            lock.add((first[ci], *y))
-            got = held[key] = rep + lock.load() + lpt_makespan(bag, tp)
+                            lock.add((first[c], *y))
+            was = packed.get(parent) if parent is not None else None  # type: ignore[arg-type]
+            sp = sig[ci][0] if was is not None else ()
+            if was is not None and (not sp or sp[0] <= was[1]):  # (sp: heaviest first)
+                bins = list(was[0])
+                for x in sp:
+                    heapq.heapreplace(bins, bins[0] + x)
+                least = min(was[1], sp[-1]) if sp else was[1]
+            else:
+                bag = [x for c, n in enumerate(key) if n for x in sig[c][0] * n]
+                if tp <= 1:
+                    got = held[key] = rep + lock.load() + lpt_makespan(bag, tp)
+                    return got
+                bins = lpt_bins(bag, tp)
+                least = min(bag, default=math.inf)
+            packed[key] = (bins, least)
+            got = held[key] = rep + lock.load() + max(bins)
         return got
 
     start = [row[:] for row in count]
@@ -367,7 +388,7 @@ def _fresh_counts(sig, members, allowed_of, work, base, nc: int, dp: int):  # no
                 if w is None:
                     row = list(rows[at[d]])
                     row[ci] += 1
-                    w = got[at[d]] = work(tuple(row))
+                    w = got[at[d]] = work(tuple(row), rows[at[d]], ci)
                 v = base[d] + w
                 if best is None or v < best[0]:
                     best = (v, d)
