@@ -4,6 +4,8 @@ one step."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..cost import DTYPE_BYTES
 from ..planning import DPProblem
 from ..tp.context import TPContext, lb_gpu
@@ -36,9 +38,8 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
                 a2a[s.dp_index][t] += 2 * off * nbytes  # gather and scatter
             groups.append(MicroGroupPlan(
                 index=gi,
-                tasks=tuple(GroupTaskPlan(id=i, host=h, layout=remap[ctx.layout[i]],
-                                          load=problem.loads[i], gathered_bytes=ctx.gathered[i])
-                            for i, h in zip(g.tasks, g.hosts)),
+                tasks=tuple(_group_task(i, h, remap[ctx.layout[i]], problem.loads[i],
+                                        ctx.gathered[i]) for i, h in zip(g.tasks, g.hosts)),
                 peak_gathered_bytes=g.peak_bytes, rank_load=g.rank_load,
                 gather_send=g.gather_send, gather_recv=recv,
                 scatter_send=recv, scatter_recv=g.gather_send, oversized=g.oversized,
@@ -72,6 +73,13 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
     return TPPlan(cmax_bytes=st.cmax_bytes, comm_dtype=schedule.comm_dtype, solver=st.solver,
                   status=schedule.status, hardware=st.hardware, layouts=layouts,
                   indices=tuple(indices), metrics=metrics, share=share)
+
+
+@lru_cache(maxsize=1 << 17)
+def _group_task(i: int, host: int, layout: int, load: int, gathered: int) -> GroupTaskPlan:
+    """One hosted task's record (validated once: the plans a candidate is judged against host
+    most tasks alike, and a record is frozen)."""
+    return GroupTaskPlan(id=i, host=host, layout=layout, load=load, gathered_bytes=gathered)
 
 
 def placements(schedule: TPSchedule) -> dict[int, tuple[int, int]]:
