@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..alike import Kept
 from ..planning import BucketProblem, Cuts, DPProblem
 
 
@@ -34,7 +35,23 @@ def bucket_units(b: BucketProblem, pieces: int, grain: float,
     """``pieces``: most pieces per divisible item; ``grain``: target load of one piece (items
     lighter than that, such as norms under the FLOPs cost, stay one unit); ``state_grain``:
     target optimizer-state bytes of one piece, so that state-heavy, nearly free items (an
-    AdamW embedding) are cut finely too (None: by load only)."""
+    AdamW embedding) are cut finely too (None: by load only).
+
+    Kept by bucket and arguments (the stages cut the same buckets again); the arrays are
+    read-only."""
+    key = (pieces, grain, state_grain)
+    got = _KEPT.get((b,), key)
+    if got is None:
+        got = _KEPT.put((b,), key, _bucket_units(b, pieces, grain, state_grain))
+    return got  # type: ignore[return-value]
+
+
+#: :func:`bucket_units` by bucket and arguments (a model's buckets a few times over).
+_KEPT = Kept(1 << 14)
+
+
+def _bucket_units(b: BucketProblem, pieces: int, grain: float,
+                  state_grain: float | None) -> Units:
     bounds = [b.start]
     loads: list[float] = []
     states: list[float] = []
@@ -63,7 +80,10 @@ def bucket_units(b: BucketProblem, pieces: int, grain: float,
             loads.append(load)
     prefix = np.concatenate([[0.0], np.cumsum(loads)]) if loads else np.zeros(1)
     state = np.concatenate([[0.0], np.cumsum(states)]) if states else np.zeros(1)
-    return Units(np.asarray(bounds, dtype=np.int64), prefix, max_piece, state)
+    at = np.asarray(bounds, dtype=np.int64)
+    for x in (at, prefix, state):
+        x.flags.writeable = False
+    return Units(at, prefix, max_piece, state)
 
 
 def piece_grain(problem: DPProblem) -> float:
