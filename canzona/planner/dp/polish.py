@@ -3,6 +3,8 @@ swaps across buckets, and the AdamW re-spreading between matrices."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 from .. import alike
@@ -319,8 +321,9 @@ def _loads_by_bucket(problem: DPProblem, units: dict, cuts_idx: dict,
         key = (b.buffer, b.bucket)
         u, idx = units[key], cuts_idx[key]
         p = u.prefix if what == "load" else u.state
+        ix = problem.dp_indices(b)
         for r in range(b.ranks):
-            load[problem.dp_index(b, r)] += p[idx[r + 1]] - p[idx[r]]
+            load[ix[r]] += p[idx[r + 1]] - p[idx[r]]
     return load
 
 
@@ -369,7 +372,7 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
             for b in order:
                 key = (b.buffer, b.bucket)
                 u = units[key]
-                ds = [problem.dp_index(b, r) for r in range(b.ranks)]
+                ds = list(problem.dp_indices(b))
                 mine = np.array([u.prefix[idx[key][r + 1]] - u.prefix[idx[key][r]]
                                  for r in range(b.ranks)])
                 base = load[ds] - mine
@@ -492,7 +495,8 @@ def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | N
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         c = cuts[key]
-        owners = [owner_of(c, it.start) for it in b.items if it.atomic]
+        top = len(c) - 2  # owner_of, inlined
+        owners = [min(max(bisect_right(c, it.start) - 1, 0), top) for it in b.items if it.atomic]
         new = spread_cuts(b, owners)
         if comm_limit is not None:
             cap = comm_limit * (b.end - b.start) / b.ranks
@@ -660,7 +664,7 @@ def even_out_twins(problem: DPProblem, cuts: Cuts, comm_limit: float | None, *,
             trial = load.copy()
             for b in chunk:
                 k = (b.buffer, b.bucket)
-                trial[[problem.dp_index(b, r) for r in range(b.ranks)]] -= _mine(units[k], idx[k])
+                trial[list(problem.dp_indices(b))] -= _mine(units[k], idx[k])
             new: dict[tuple[int, int], list[int]] = {}
             for b in chunk:
                 k, u = (b.buffer, b.bucket), units[(b.buffer, b.bucket)]
@@ -669,7 +673,7 @@ def even_out_twins(problem: DPProblem, cuts: Cuts, comm_limit: float | None, *,
                     comm_limit is not None else (caps[0] if caps else None)
                 if cap is None:
                     break
-                ds = [problem.dp_index(b, r) for r in range(b.ranks)]
+                ds = list(problem.dp_indices(b))
                 try:
                     new[k] = _bucket_dp(_scaled(u, scale), trial[ds] / scale, cap, "max")
                 except OptionError:

@@ -378,14 +378,15 @@ _SHARED = Kept(16)
 
 def _shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
     out: list[list[int]] = [[] for _ in range(problem.dp)]
+    shared, pairs, paired = problem.shared, problem.pairs, problem.sizes.tp > 1
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         ix = problem.dp_indices(b)
         for it in b.items:
             if it.atomic:  # (a task two indices share is in their pair pieces instead)
-                out[ix[owner_of(c, it.start)]] += [
-                    i for i in it.tasks if i in problem.shared
-                    and not (i in problem.pairs and problem.sizes.tp > 1)]
+                got = [i for i in it.tasks if i in shared and not (i in pairs and paired)]
+                if got:
+                    out[ix[owner_of(c, it.start)]] += got
     return out
 
 
