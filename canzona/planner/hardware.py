@@ -14,6 +14,7 @@ plan loader's converter read it; it imports only the errors.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -71,8 +72,22 @@ class HardwareProfile(BaseModel):
 
 def hardware_names() -> list[str]:
     """The built-in profiles' names."""
+    return list(_names())
+
+
+@lru_cache(maxsize=1)
+def _names() -> tuple[str, ...]:
     files = resources.files("canzona.planner").joinpath("hardware")
-    return sorted(f.name.removesuffix(".json") for f in files.iterdir() if f.name.endswith(".json"))
+    return tuple(sorted(f.name.removesuffix(".json") for f in files.iterdir()
+                        if f.name.endswith(".json")))
+
+
+@lru_cache(maxsize=None)
+def _builtin(name: str) -> HardwareProfile:
+    """A built-in profile, read once (profiles are frozen; the planner asks for one often)."""
+    data = resources.files("canzona.planner").joinpath("hardware").joinpath(
+        f"{name}.json").read_text()
+    return HardwareProfile.model_validate(json.loads(data))
 
 
 def load_hardware(name: str | Path) -> HardwareProfile:
@@ -107,6 +122,4 @@ def load_hardware(name: str | Path) -> HardwareProfile:
     if text.lower() not in names:
         raise CanzonaError(f"unknown hardware profile '{text}'; choose one of: {', '.join(names)}, "
                            f"or give a profile file (.json).")
-    data = resources.files("canzona.planner").joinpath("hardware").joinpath(
-        f"{text.lower()}.json").read_text()
-    return HardwareProfile.model_validate(json.loads(data))
+    return _builtin(text.lower())
