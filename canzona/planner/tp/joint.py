@@ -139,7 +139,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                         col = cols[j]
                         if col is None:
                             col = cols[j] = _column(its, j, min(m, j + span), b0, lock[d],
-                                                    base[d], scale, target)
+                                                    base[d], scale, target, phase == "excess")
                         evals += len(col[0])
                         if phase == "max":
                             for i, v in enumerate(col[0], start=j):
@@ -148,7 +148,8 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                                     ng[i], ch[i] = tot, j
                             continue
                         if phase == "excess":  # the overload, 0 where the GPU is under target
-                            terms = col[1]
+                            terms = col[1]  # (phases run in order: a column of a later one
+                            # never meets this one)
                         else:
                             terms = col[2]
                             if terms is None:
@@ -195,12 +196,13 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
 
 
 def _column(its: list, j: int, last: int, b0: list[float], lock: Lockstep, base: float,
-            scale: float, target: float) -> list:
+            scale: float, target: float, over_too: bool = True) -> list:
     """For i = j … last, what matrices j..i-1 of a bucket cost on a DP index whose LPT bins are
     ``b0`` (a heap), lockstep ``lock`` and base load ``base``: [their busiest GPU / ``scale``
     each, the squared overload of the GPUs above ``target`` each (0 where the busiest is not
-    over it), None (the busiest GPU's 8th powers, filled when first asked for)]. The matrices
-    join the least-loaded bins (LPT insertion), their pieces the lockstep."""
+    over it; None unless ``over_too``: the phase that reads it comes first), None (the busiest
+    GPU's 8th powers, filled when first asked for)]. The matrices join the least-loaded bins
+    (LPT insertion), their pieces the lockstep."""
     bins = list(b0)
     top = max(bins)  # bins only grow: the busiest is the larger of it and the bin just grown
     rep_sum = 0.0
@@ -225,11 +227,13 @@ def _column(its: list, j: int, last: int, b0: list[float], lock: Lockstep, base:
         vs.append(v)
         # overload of every GPU above the target, squared: graded even when an index's maximum
         # sits on a plateau (none where even the busiest bin is under it)
+        if not over_too:
+            continue
         if v - target <= 0.0:
             over.append(0.0)
         else:
             over.append(sum([e ** 2 for x in bins if (e := (held + x) / scale - target) > 0.0]))
-    return [vs, over, None]
+    return [vs, over if over_too else None, None]
 
 
 def _lockstep(pieces: list[Piece], cap: int) -> Lockstep:
