@@ -316,40 +316,66 @@ class Lockstep:
         """The phase's load (0 without pieces)."""
         if not self.items:
             return 0.0
-        if not self.cap or self.nbytes <= self.cap:  # one batch
-            return max(self.compute, self.comm + self.shortest, self.chain)
-        # several batches: kept by the pieces (the joint refinement meets the same ones often)
-        key = (self.cap, tuple(self.items))
-        got = _BATCHED.get(key)
-        if got is None:
-            if len(_BATCHED) > 200_000:
-                _BATCHED.clear()
-            got = _BATCHED[key] = self._batched()
-        return got
+        return _phase(self.cap, self.items, self.compute, self.comm, self.shortest,
+                      self.nbytes, self.chain)
 
-    def _batched(self) -> float:
-        # formulas.lockstep_batches over the pieces in task order, each batch's phase summed
-        # (written out: the joint refinement calls this in its innermost loop)
-        cap, out = self.cap, 0.0
-        comp = comm = chain = 0.0
-        least = math.inf
-        held = cap + 1  # the first piece opens a batch
-        for _, c, a, _, b, h in sorted(self.items):
-            if held + b <= cap:
-                comp += c
-                comm += a
-                least = min(least, c - h)
-                chain = max(chain, c + a - h)
-                held += b
+    def loads_with(self, runs: Sequence[Sequence[Piece]]) -> list[float]:
+        """The phase's load as it is and after each of ``runs`` joins it in turn: what
+        :meth:`add` and :meth:`load` give on a copy, without one (the joint refinement's
+        columns)."""
+        out = [self.load()]
+        items = list(self.items)
+        compute, comm, shortest = self.compute, self.comm, self.shortest
+        nbytes, chain = self.nbytes, self.chain
+        for run in runs:
+            if run:
+                for x in run:  # (as add)
+                    items.append(x)
+                    compute += x[1]
+                    comm += x[2]
+                    shortest = min(shortest, x[1] - x[5])
+                    nbytes += x[4]
+                    chain = max(chain, x[1] + x[2] - x[5])
+                out.append(_phase(self.cap, items, compute, comm, shortest, nbytes, chain))
             else:
-                if least != math.inf:
-                    out += max(comp, comm + least, chain)
-                comp, comm, least, chain, held = c, a, c - h, c + a - h, b
-        return out + max(comp, comm + least, chain)
+                out.append(out[-1])
+        return out
 
-    def copy(self) -> Lockstep:
-        return Lockstep(self.cap, list(self.items), self.pieces, self.compute, self.comm,
-                        self.shortest, self.nbytes, self.chain)
+
+def _phase(cap: int, items: list[Piece], compute: float, comm: float, shortest: float,
+           nbytes: int, chain: float) -> float:
+    """:meth:`Lockstep.load` of pieces ``items`` (at least one) with these sums."""
+    if not cap or nbytes <= cap:  # one batch
+        return max(compute, comm + shortest, chain)
+    # several batches: kept by the pieces (the joint refinement meets the same ones often)
+    key = (cap, tuple(items))
+    got = _BATCHED.get(key)
+    if got is None:
+        if len(_BATCHED) > 200_000:
+            _BATCHED.clear()
+        got = _BATCHED[key] = _batched(cap, items)
+    return got
+
+
+def _batched(cap: int, items: list[Piece]) -> float:
+    # formulas.lockstep_batches over the pieces in task order, each batch's phase summed
+    # (written out: the joint refinement calls this in its innermost loop)
+    out = 0.0
+    comp = comm = chain = 0.0
+    least = math.inf
+    held = cap + 1  # the first piece opens a batch
+    for _, c, a, _, b, h in sorted(items):
+        if held + b <= cap:
+            comp += c
+            comm += a
+            least = min(least, c - h)
+            chain = max(chain, c + a - h)
+            held += b
+        else:
+            if least != math.inf:
+                out += max(comp, comm + least, chain)
+            comp, comm, least, chain, held = c, a, c - h, c + a - h, b
+    return out + max(comp, comm + least, chain)
 
 
 #: :meth:`Lockstep.load` of several batches, by cap and pieces.

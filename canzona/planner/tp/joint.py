@@ -206,23 +206,18 @@ def _column(its: list, j: int, last: int, b0: list[float], lock: Lockstep, base:
     bins = list(b0)
     top = max(bins)  # bins only grow: the busiest is the larger of it and the bin just grown
     rep_sum = 0.0
-    step = lock.copy()
-    phase_load = step.load()  # recomputed only when a piece joins
+    phases = lock.loads_with([its[i][2] for i in range(j, last)])  # as the pieces join
     vs, over = [], []
     for i in range(j, last + 1):
         if i > j:
-            sp, rep, sh = its[i - 1]
+            sp, rep, _ = its[i - 1]
             for x in sp:  # (heaviest first)
                 grown = bins[0] + x
                 heapq.heapreplace(bins, grown)
                 if grown > top:
                     top = grown
             rep_sum += rep
-            if sh:
-                for y in sh:
-                    step.add(y)
-                phase_load = step.load()
-        held = base + (rep_sum + phase_load)
+        held = base + (rep_sum + phases[i - j])
         v = (held + top) / scale
         vs.append(v)
         # overload of every GPU above the target, squared: graded even when an index's maximum
