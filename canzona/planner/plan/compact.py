@@ -120,6 +120,8 @@ def _tables(x: Any) -> Any:
     """Every list of two or more objects with the same fields, as a table (children first;
     scalars, most of a plan, are not walked into)."""
     if isinstance(x, dict):
+        if not any(type(v) in _NESTED for v in x.values()):
+            return x  # scalars only: as it is
         return {k: v if type(v) not in _NESTED else _tables(v) for k, v in x.items()}
     if isinstance(x, list):
         x = [v if type(v) not in _NESTED else _tables(v) for v in x]
