@@ -351,13 +351,24 @@ def gram_blocks(n: int) -> list[tuple[int, int]]:
     all-reduced: ⌈n/GRAM_BLOCKS⌉ rows each, the last shorter, so at most :data:`GRAM_BLOCKS`
     of them (fewer when GRAM_BLOCKS does not divide n, e.g. 9 for n = 17; n for n < 16)."""
     _check_positive("n", n)
+    return list(_gram_blocks(n))
+
+
+@lru_cache(maxsize=1024)
+def _gram_blocks(n: int) -> tuple[tuple[int, int], ...]:
     size = -(-n // GRAM_BLOCKS)
-    return [(r, min(n, r + size)) for r in range(0, n, size)]
+    return tuple((r, min(n, r + size)) for r in range(0, n, size))
 
 
 def gram_packed_numel(n: int) -> int:
     """Elements of an n × n Gram's all-reduce: its block rows' upper parts (:func:`gram_blocks`)."""
-    return sum((r1 - r0) * (n - r0) for r0, r1 in gram_blocks(n))
+    _check_positive("n", n)
+    return _gram_packed(n)
+
+
+@lru_cache(maxsize=1024)
+def _gram_packed(n: int) -> int:
+    return sum((r1 - r0) * (n - r0) for r0, r1 in _gram_blocks(n))
 
 
 #: The Gram's block rows are computed and all-reduced in this many chunks of consecutive block
@@ -374,7 +385,13 @@ def gram_chunks(n: int) -> list[tuple[int, int, int, int]]:
     costs 2·rows·(r1−r0)·n FLOPs on a rank with ``rows`` rows (its rows of G in full) and sends
     p1 − p0 elements; the packed sizes fall chunk by chunk (upper parts shorten), so the largest
     all-reduce starts first."""
-    blocks = gram_blocks(n)
+    _check_positive("n", n)
+    return list(_gram_chunks(n))
+
+
+@lru_cache(maxsize=1024)
+def _gram_chunks(n: int) -> tuple[tuple[int, int, int, int], ...]:
+    blocks = _gram_blocks(n)
     per = -(-len(blocks) // GRAM_CHUNKS)
     out, at = [], 0
     for i in range(0, len(blocks), per):
@@ -382,7 +399,7 @@ def gram_chunks(n: int) -> list[tuple[int, int, int, int]]:
         size = sum((r1 - r0) * (n - r0) for r0, r1 in part)
         out.append((part[0][0], part[-1][1], at, at + size))
         at += size
-    return out
+    return tuple(out)
 
 
 def poly_blocks(n: int, k: int) -> list[list[tuple[int, int]]]:

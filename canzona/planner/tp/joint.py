@@ -143,7 +143,7 @@ def joint_refine(problem: DPProblem, cuts: Cuts, *, ctx: TPContext | None = None
                         evals += len(col[0])
                         if phase == "max":
                             for i, v in enumerate(col[0], start=j):
-                                tot = max(gj, v)
+                                tot = v if v > gj else gj  # (max(gj, v))
                                 if tot < ng[i] - 1e-12:
                                     ng[i], ch[i] = tot, j
                             continue
