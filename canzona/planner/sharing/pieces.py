@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from ..alike import Kept
 from ..cost import Roofline
 from ..formulas import gram_chunks, poly_packed_numel, row_stats_numel, shared_ns_flops
 from ..hardware import HardwareProfile, LinkProfile
@@ -207,10 +208,31 @@ def share_options(problem: DPProblem, task: int, hw: HardwareProfile, *,
                   dp_sizes: tuple[int, ...] = DP_GROUP_SIZES) -> list[ShareOption]:
     """Every way ``task`` may be shared over the ``groups`` kinds (none for a non-Muon task or
     one that cannot be). DP groups (``dp_sizes`` DP indices) share a whole parameter cut in its
-    buffer between two rows (a wide one's blocks exchanged for column blocks: its cost)."""
+    buffer between two rows (a wide one's blocks exchanged for column blocks: its cost).
+
+    Kept by what they read (a model's alike matrices have the same options); each caller gets
+    its own list."""
     t = problem.tasks[task]
     if not problem.settings.spec.gram_shared or t.optimizer != "matrix" or len(t.shape) != 2:
         return []
+    p = problem.spec[t.param]
+    key = (t.shape, t.tp_split, t.part, p.is_expert, p.tp_dim, ns_bytes, tuple(groups),
+           tuple(dp_sizes), None if problem.seconds_per_load is None else problem.costs[task])
+    facts = (problem.settings, problem.sizes, hw)
+    got = _OPTIONS.get(facts, key)
+    if got is None:
+        got = _OPTIONS.put(facts, key, _share_options(problem, task, hw, ns_bytes=ns_bytes,
+                                                      groups=groups, dp_sizes=dp_sizes))
+    return list(got)  # type: ignore[call-overload]
+
+
+#: :func:`share_options` by the settings, sizes and hardware and the task's facts they read.
+_OPTIONS = Kept(4096)
+
+
+def _share_options(problem: DPProblem, task: int, hw: HardwareProfile, *, ns_bytes: int,
+                   groups: tuple[Group, ...], dp_sizes: tuple[int, ...]) -> list[ShareOption]:
+    t = problem.tasks[task]
     rows, cols = t.shape
     m, n = max(rows, cols), min(rows, cols)
     long_dim = 0 if rows >= cols else 1
