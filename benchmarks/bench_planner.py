@@ -173,7 +173,8 @@ def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
         f"({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.1f}). `canzona plan` with the default options "
         "(roofline cost on h100, `--share auto`, solver auto), each run a process, imports "
-        "included (canzona's bytecode compiled first, as pip installs it); CPU = user + sys, the median of the runs (all of them in brackets). "
+        "included (canzona's bytecode compiled first, as pip installs it); CPU = user + sys, "
+        "the median of the runs (all of them in brackets). "
         "*load* is `canzona.load_plan` of the file (every check), *inspect* the whole "
         "`canzona inspect` process; the busiest GPU's work and the predicted step are the "
         "plan's (roofline loads are nanoseconds). `--top N` prints each case's profile.", "",

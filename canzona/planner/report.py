@@ -23,6 +23,7 @@ from .models import PRESETS, ModelConfig
 from .plan.comm_section import plan_summary
 from .plan.inverse import read_problem
 from .simulate import plan_forward_backward, plan_hardware, simulate_plan_behind
+from .strategies import baseline_rows, tp_baseline_rows
 from .tp.context import gpu_packing_bound
 from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
                       sharing_bound)
@@ -225,9 +226,6 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     Raises:
         CanzonaError: see :func:`canzona.planner.plan.inverse.rebuild_model`.
     """
-    from .strategies import baseline_rows, tp_baseline_rows  # (inspect's alone: not loaded
-    # by the commands that only plan)
-
     say = progress or (lambda _phase: None)
     say("rebuilding the model's problem")
     inverse = read_problem(plan, model=True, config=config)

@@ -100,7 +100,8 @@ def _covers(w: list[int], cap: list[int], C: int, bins: int, *, max_patterns: in
         return True  # too many patterns to decide: assume feasible (keeps the bound valid)
     if not pats:
         return False
-    if "uncovered" in shortcuts and any(c and not any(p[t] for p in pats) for t, c in enumerate(cap)):
+    if "uncovered" in shortcuts and any(c and not any(p[t] for p in pats)
+                                        for t, c in enumerate(cap)):
         return False  # a type no pattern holds cannot be covered
     from ortools.sat.python import cp_model  # ~0.3 s to import: only when undecided
 
@@ -150,8 +151,9 @@ def bin_packing_bound(atomic: list[int], divisible: float, bins: int, lower: flo
         items, not the patterns: a pattern covering more than is left holds fewer items).
     A binary search finds the smallest C that is not proven infeasible; an undecided check counts
     as feasible, so the bound stays valid. Where the items fit C by LPT (:func:`_lpt_fits`), C
-    is feasible without the model; where a type fits no pattern, it is not. ``divisible_items``: how many items the divisible
-    load comes in (each integer share may round by one unit per bin: taken off the bound);
+    is feasible without the model; where a type fits no pattern, it is not.
+    ``divisible_items``: how many items the divisible load comes in (each integer share may
+    round by one unit per bin: taken off the bound);
     ``total``: the load the scale is taken from (default: the atomic and divisible loads).
     """
     R = bins
