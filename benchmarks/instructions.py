@@ -38,7 +38,8 @@ def instructions(model: str, sizes: list[str], tree: Path) -> int:
             ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
              "-m", "canzona.cli.main", "plan", "--model", model, *sizes,
              "-o", os.path.join(tmp, "p.json"), "--quiet"],
-            env=env, capture_output=True, text=True, check=True)
+            env=env, capture_output=True, text=True, check=True, cwd=tmp)  # (not this
+        # folder: ``-m`` puts the working folder before PYTHONPATH)
     got = re.search(r"Collected : (\d+)", out.stderr)
     if got is None:
         raise SystemExit(f"valgrind printed no count:\n{out.stderr[-2000:]}")
