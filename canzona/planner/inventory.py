@@ -143,6 +143,8 @@ class ModelSpec:
     params: tuple[ParamSpec, ...]
     label: str | None = None
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    #: What is computed once per spec (its fingerprint).
+    _memo: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for i, p in enumerate(self.params):
@@ -176,10 +178,14 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """sha256 over names, shapes, dtypes and TP attributes, in registration order."""
-        try:
-            return _fingerprint(self.params)
-        except TypeError:  # a spec built by hand with a list somewhere: not hashable
-            return _fingerprint.__wrapped__(self.params)
+        got = self._memo.get("fingerprint")
+        if got is None:
+            try:
+                got = _fingerprint(self.params)
+            except TypeError:  # a spec built by hand with a list somewhere: not hashable
+                got = _fingerprint.__wrapped__(self.params)
+            self._memo["fingerprint"] = got
+        return got
 
     def graph(self) -> "nx.DiGraph":
         """The parameter graph.

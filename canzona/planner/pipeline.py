@@ -169,6 +169,8 @@ def plan_problem(
         warnings.simplefilter("ignore")
         plans = [made] + [ready or _assemble(problem, xo, xt, hw, model_source, dp_only, None)[0]
                           for _, xo, xt, ready in others]
+    if behind is None:  # the plans' own forward/backward: one model, alike for all
+        behind = (plan_forward_backward(made, hw)[0], False)
     steps = [_step(p, hw, behind) for p in plans]
     k = steps.index(min(steps))  # ties: the plan made
     if k == 0:
@@ -191,9 +193,9 @@ def greedy_options(o: DPOptions, t: TPOptions) -> tuple[DPOptions, TPOptions]:
             dataclasses.replace(t, solver="greedy", share="off"))
 
 
-def _step(plan: Plan, hw: HardwareProfile, behind: Behind | None) -> float:
-    """``plan``'s simulated step behind ``behind`` (default: its own forward/backward)."""
-    fb, overlap = behind if behind is not None else (plan_forward_backward(plan, hw)[0], False)
+def _step(plan: Plan, hw: HardwareProfile, behind: Behind) -> float:
+    """``plan``'s simulated step behind ``behind``."""
+    fb, overlap = behind
     return simulate_plan_behind(plan, hw, forward_backward_s=fb,
                                 overlap_param_gather=overlap).step_s
 

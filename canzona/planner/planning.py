@@ -372,38 +372,76 @@ def _evaluate(problem: Partition, cuts: Cuts, split_mode: str) -> Evaluation:
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
         ix = problem.dp_indices(b)
-        for r in range(b.ranks):
-            rs[ix[r]] += (c[r + 1] - c[r]) * grad_bytes
-        top = len(c) - 2
-        for it in b.items:
-            first = min(max(bisect_right(c, it.start) - 1, 0), top)  # owner_of, inlined
-            last = min(max(bisect_right(c, it.end - 1) - 1, 0), top)
-            if it.atomic and first != last:
-                split += 1
-            if it.atomic and (first == last or split_mode == "owner"):
-                d = ix[first]
-                load[d] += it.load
-                flops[d] += it.flops
-                state[d] += it.state_bytes
-                for t in it.tasks:
-                    owners.setdefault(t, d)  # a pair's task: the owner of its first piece
-                continue
-            # Divisible (AdamW) item, or a split matrix charged by fragments: share by elements.
-            n = it.end - it.start
-            for r in range(first, last + 1):
-                lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
-                if hi <= lo:
-                    continue
-                d = ix[r]
-                # Cumulative rounding: the shares of an item add up to the item exactly.
-                a, z = lo - it.start, hi - it.start
-                load[d] += it.load * z // n - it.load * a // n
-                flops[d] += it.flops * z // n - it.flops * a // n
-                state[d] += it.state_bytes * z // n - it.state_bytes * a // n
-            if it.atomic:
-                for t in it.tasks:
-                    owners[t] = ix[first]
+        key = (tuple(c), ix, split_mode)
+        part = _PARTS.get((b,), key)
+        if part is None:
+            part = _PARTS.put((b,), key, _bucket_part(b, c, ix, split_mode))
+        ranks, mine, assigned, n_split = part  # type: ignore[misc]
+        for d, x, f, s, g in ranks:
+            load[d] += x
+            flops[d] += f
+            state[d] += s
+            rs[d] += g * grad_bytes
+        if owners.keys().isdisjoint(mine):
+            owners.update(mine)
+        else:  # a task met in an earlier bucket: its first owner stays, unless assigned here
+            for t, d in mine.items():
+                if t in assigned or t not in owners:
+                    owners[t] = d
+        split += n_split
     return Evaluation(tuple(load), tuple(flops), tuple(state), tuple(rs), owners, split)
+
+
+#: A bucket's share of an evaluation (:func:`_bucket_part`), by the bucket (identity), its cut
+#: points, its ranks' DP indices and the split mode: most buckets keep their cuts from one
+#: evaluation to the next.
+_PARTS = Kept(8192)
+
+
+def _bucket_part(b: BucketProblem, c: Sequence[int], ix: tuple[int, ...], split_mode: str
+                 ) -> tuple[tuple[tuple[int, int, int, int, int], ...], dict[int, int],
+                            frozenset[int], int]:
+    """What bucket ``b`` cut at ``c`` adds to an evaluation: per DP index its load, FLOPs, state
+    bytes and reduce-scatter elements; its tasks' owners (in the order met: a task charged whole
+    keeps the owner of its first piece, one split by fragments takes its first rank's); the
+    tasks of the latter kind; and how many atomic items the cuts split."""
+    acc = {d: [0, 0, 0, 0] for d in ix}
+    for r, d in enumerate(ix):
+        acc[d][3] += c[r + 1] - c[r]
+    owners: dict[int, int] = {}
+    assigned = set()
+    split = 0
+    top = len(c) - 2
+    for it in b.items:
+        first = min(max(bisect_right(c, it.start) - 1, 0), top)  # owner_of, inlined
+        last = min(max(bisect_right(c, it.end - 1) - 1, 0), top)
+        if it.atomic and first != last:
+            split += 1
+        if it.atomic and (first == last or split_mode == "owner"):
+            a = acc[ix[first]]
+            a[0] += it.load
+            a[1] += it.flops
+            a[2] += it.state_bytes
+            for t in it.tasks:
+                owners.setdefault(t, ix[first])  # a pair's task: the owner of its first piece
+            continue
+        # Divisible (AdamW) item, or a split matrix charged by fragments: share by elements.
+        n = it.end - it.start
+        for r in range(first, last + 1):
+            lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
+            if hi <= lo:
+                continue
+            a = acc[ix[r]]
+            # Cumulative rounding: the shares of an item add up to the item exactly.
+            lo, hi = lo - it.start, hi - it.start
+            a[0] += it.load * hi // n - it.load * lo // n
+            a[1] += it.flops * hi // n - it.flops * lo // n
+            a[2] += it.state_bytes * hi // n - it.state_bytes * lo // n
+        if it.atomic:
+            for t in it.tasks:
+                owners[t] = ix[first]
+                assigned.add(t)
+    return tuple((d, *v) for d, v in acc.items()), owners, frozenset(assigned), split
 
 
 def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str) -> str:
