@@ -198,7 +198,7 @@ class StepTime(Objective):
 
     def bucket_term(self, problem: DPProblem, bucket: BucketProblem,
                     sizes: Sequence[int]) -> float:
-        key = (bucket.buffer, tuple(int(s) for s in sizes))
+        key = (bucket.buffer, tuple(map(int, sizes)))
         hit = self._cache.get(key)
         if hit is None:
             g, p = self._bytes[bucket.buffer]

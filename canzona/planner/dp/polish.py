@@ -22,16 +22,15 @@ _POWERS = {"ssq": 2, "p8": 8}
 def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
                slice_cost: np.ndarray | None = None,
                limit: tuple[np.ndarray, np.ndarray, float] | None = None,
-               start: list[int] | None = None) -> list[int]:
+               start: list[int] | None = None, ukey: tuple | None = None) -> list[int]:
     """:func:`_solve_bucket`, kept by its inputs: twin buckets (an MoE's expert layers, repeated
     blocks) meet the same loads again and again (three calls in four, on qwen3-235b-a22b), and
     the cut is a function of the inputs alone (the units' positions only through their
-    differences)."""
+    differences). ``ukey``: :func:`_units_key` of ``u`` and ``slice_cost``, when the caller
+    keeps it."""
     if not alike.SHARED:
         return _solve_bucket(u, base, cap, phase, slice_cost, limit, start)
-    key = (u.prefix.tobytes(), (u.bounds - u.bounds[0]).tobytes(),
-           np.asarray(base, dtype=float).tobytes(), cap, phase,
-           None if slice_cost is None else slice_cost.tobytes(),
+    key = (ukey or _units_key(u, slice_cost), np.asarray(base, dtype=float).tobytes(), cap, phase,
            None if limit is None else (limit[0].tobytes(), np.asarray(limit[1]).tobytes(),
                                        limit[2]),
            None if start is None else tuple(start))
@@ -43,6 +42,12 @@ def _bucket_dp(u: Units, base: np.ndarray, cap: float | None, phase: str,
     else:
         alike.reused("bucket dp")
     return list(got)
+
+
+def _units_key(u: Units, slice_cost: np.ndarray | None) -> tuple:
+    """What :func:`_bucket_dp`'s cut reads of the units and the per-slice terms, as a key."""
+    return (u.prefix.tobytes(), (u.bounds - u.bounds[0]).tobytes(),
+            None if slice_cost is None else slice_cost.tobytes())
 
 
 #: :func:`_bucket_dp`'s inputs → the cut it found.
@@ -365,6 +370,8 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
     order = sorted(problem.buckets, key=lambda b: (-b.load, b.buffer, b.bucket))
     gvals = {(b.buffer, b.bucket): _g(objective, problem, b, units[(b.buffer, b.bucket)],
                                       idx[(b.buffer, b.bucket)]) for b in problem.buckets}
+    fixed: dict[tuple[int, int], tuple] = {}  # per bucket: what no round changes
+    rest_of: dict[tuple[int, ...], np.ndarray] = {}  # DP indices → the others' mask
     for phase in phases or (*_POWERS, "max"):
         power = _POWERS.get(phase, 2)
         for _ in range(max_rounds):
@@ -372,40 +379,63 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
             for b in order:
                 key = (b.buffer, b.bucket)
                 u = units[key]
-                ds = list(problem.dp_indices(b))
-                mine = np.array([u.prefix[idx[key][r + 1]] - u.prefix[idx[key][r]]
-                                 for r in range(b.ranks)])
-                base = load[ds] - mine
-                cap = None
-                if comm_limit is not None:
-                    cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
-                costs = _slice_costs(objective, problem, b, u, scale)
-                new = _bucket_dp(_scaled(u, scale), base / scale, cap, phase, costs,
-                                 start=idx[key])
+                f = fixed.get(key)
+                if f is None:
+                    ix = problem.dp_indices(b)
+                    costs = _slice_costs(objective, problem, b, u, scale)
+                    su = _scaled(u, scale)
+                    cap = None
+                    if comm_limit is not None:
+                        cap = comm_limit * (u.bounds[-1] - u.bounds[0]) / b.ranks
+                    f = fixed[key] = (np.array(ix), su, costs, _units_key(su, costs), cap, ix)
+                ds, su, costs, ukey, cap, ix = f
+                base = load[ds] - _mine(u, idx[key])
+                sbase_ = base / scale
+                new = _bucket_dp(su, sbase_, cap, phase, costs, start=idx[key], ukey=ukey)
                 new_mine = _mine(u, new)
                 sbase = state[ds] - _mine(u, idx[key], "state")
                 if phase == "max":
-                    rest = len(ds) < len(load)
-                    others = float(np.delete(load, ds).max()) if rest else 0.0
-                    others_s = float(np.delete(state, ds).max()) if rest else 0.0
+                    if len(ix) < len(load):
+                        rest = rest_of.get(ix)
+                        if rest is None:
+                            rest = rest_of[ix] = np.ones(len(load), dtype=bool)
+                            rest[ds] = False
+                        others, others_s = float(load[rest].max()), float(state[rest].max())
+                    else:
+                        others = others_s = 0.0
+                    peaks: dict[tuple[int, ...], tuple[float, float]] = {}
+                    gs: dict[tuple[int, ...], float] = {}
 
                     def value(t: list[int], g: float) -> float:
-                        return (objective.load_term(max(others, float((base + _mine(u, t)).max())))
-                                + g + objective.state_term(
-                                    max(others_s, float((sbase + _mine(u, t, "state")).max()))))
+                        """The objective with ``b`` cut at ``t`` (its term ``g``)."""
+                        k = tuple(t)
+                        got = peaks.get(k)
+                        if got is None:
+                            got = peaks[k] = (
+                                max(others, float((base + _mine(u, t)).max())),
+                                max(others_s, float((sbase + _mine(u, t, "state")).max())))
+                        return objective.load_term(got[0]) + g + objective.state_term(got[1])
 
-                    g_new = _g(objective, problem, b, u, new)
+                    def g_of(t: list[int]) -> float:
+                        k = tuple(t)
+                        got = gs.get(k)
+                        if got is None:
+                            got = gs[k] = _g(objective, problem, b, u, t)
+                        return got
+
+                    g_new = g_of(new)
                     best = (value(new, g_new), new, g_new)
-                    if value(idx[key], gvals[key]) < best[0]:  # ties go to the new cut
-                        best = (value(idx[key], gvals[key]), idx[key], gvals[key])
+                    now = value(idx[key], gvals[key])
+                    if now < best[0]:  # ties go to the new cut
+                        best = (now, idx[key], gvals[key])
                     tries = []
                     for c in objective.slice_caps(problem, b):
                         c = c if cap is None else min(c, cap)
                         if c < widest[key]:
                             continue  # a matrix is wider than the cap: no such cut
                         try:
-                            tries.append(_bucket_dp(_scaled(u, scale), base / scale, c, phase,
-                                                    costs, start=idx[key]))
+                            tries.append(_bucket_dp(su, sbase_, c, phase, costs,
+                                                    start=idx[key], ukey=ukey))
                         except OptionError:
                             continue  # no cut at parameter boundaries that fine
                     if key in heavy:
@@ -421,9 +451,10 @@ def polish(problem: DPProblem, cuts: Cuts, *, comm_limit: float | None = None,
                         except OptionError:
                             pass  # no cut keeps every load under the ceiling
                     for t in tries:
-                        g = _g(objective, problem, b, u, t)
-                        if value(t, g) < best[0]:
-                            best = (value(t, g), t, g)
+                        g = g_of(t)
+                        v = value(t, g)
+                        if v < best[0]:
+                            best = (v, t, g)
                     _, new, gvals[key] = best
                     new_mine = _mine(u, new)
                 idx[key] = new
@@ -471,8 +502,7 @@ def _g(objective: Objective, problem: DPProblem, b: BucketProblem, u: Units,
     """g_b of the slices that cut indices ``idx`` give (0 for an objective without g)."""
     if not objective.has_bucket_term:
         return 0.0
-    return objective.bucket_term(problem, b, [int(u.bounds[j] - u.bounds[i])
-                                              for i, j in zip(idx, idx[1:])])
+    return objective.bucket_term(problem, b, np.diff(u.bounds[np.asarray(idx)]).tolist())
 
 
 def _scaled(u: Units, scale: float) -> Units:

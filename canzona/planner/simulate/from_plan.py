@@ -13,6 +13,7 @@ from ..errors import CanzonaError
 from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from ..heads import head_places
+from ..alike import Kept
 from ..inventory import ModelSpec
 from ..settings import expert_place
 from ..plan import Plan
@@ -61,6 +62,19 @@ def _head_ranks(plan: Plan) -> dict[int, int]:
 def workload_from_plan(plan: Plan, hw: HardwareProfile, *, matrix_dtype: str = "bf16",
                        adamw_dtype: str = "bf16") -> Workload:
     """The workload of ``plan`` on ``hw`` (the bucket methods the plan records)."""
+    key = (matrix_dtype, adamw_dtype)
+    got = _WORKLOADS.get((plan, hw), key)
+    if got is None:
+        got = _WORKLOADS.put((plan, hw), key, _workload(plan, hw, matrix_dtype, adamw_dtype))
+    return got  # type: ignore[return-value]
+
+
+#: The last workloads made, by plan and profile (both frozen): the planner simulates the plan
+#: it keeps, and ``canzona plan``'s summary simulates it again.
+_WORKLOADS = Kept(4)
+
+
+def _workload(plan: Plan, hw: HardwareProfile, matrix_dtype: str, adamw_dtype: str) -> Workload:
     inp = plan.inputs
     dp, tp, ep = inp.dp, inp.tp, inp.ep
     _, dp_link = plan_link(hw, dp, tp)
@@ -304,6 +318,20 @@ def plan_forward_backward(plan: Plan, hw: HardwareProfile, *, tokens: int | None
     ``6 · N_active · tokens`` at ``mfu`` of the profile's bf16 peak over ``dp · tp`` GPUs
     (``tokens`` default ``dp · seq``). Returns the seconds and one line saying how they were
     found; a live module's plan (its model not rebuildable) counts all its parameters active."""
+    key = (tokens, seq, mfu)
+    got = _FORWARD_BACKWARD.get((plan, hw), key)
+    if got is None:
+        got = _FORWARD_BACKWARD.put((plan, hw), key,
+                                    _forward_backward(plan, hw, tokens, seq, mfu))
+    return got  # type: ignore[return-value]
+
+
+#: The last forward/backward models, by plan and profile (both frozen).
+_FORWARD_BACKWARD = Kept(4)
+
+
+def _forward_backward(plan: Plan, hw: HardwareProfile, tokens: int | None, seq: int,
+                      mfu: float) -> tuple[float, str]:
     inp = plan.inputs
     tokens = tokens if tokens is not None else inp.dp * seq
     spec = rebuild_model(plan) if inp.model_source != "hf_config" else None
