@@ -8,6 +8,7 @@ from bisect import bisect_right
 import numpy as np
 
 from .. import alike
+from ..alike import Kept
 from ..errors import OptionError
 from ..objective import MAX_LOAD, Objective
 from ..planning import BucketProblem, DPProblem, evaluate, owner_of
@@ -525,9 +526,12 @@ def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | N
     for b in problem.buckets:
         key = (b.buffer, b.bucket)
         c = cuts[key]
-        top = len(c) - 2  # owner_of, inlined
-        owners = [min(max(bisect_right(c, it.start) - 1, 0), top) for it in b.items if it.atomic]
-        new = spread_cuts(b, owners)
+        new = _SPREAD.get((b,), tuple(c))
+        if new is None:
+            top = len(c) - 2  # owner_of, inlined
+            owners = [min(max(bisect_right(c, it.start) - 1, 0), top)
+                      for it in b.items if it.atomic]
+            new = _SPREAD.put((b,), tuple(c), spread_cuts(b, owners))
         if comm_limit is not None:
             cap = comm_limit * (b.end - b.start) / b.ranks
             if max(v - u for u, v in zip(new, new[1:])) > cap:
@@ -538,6 +542,10 @@ def rebalance_divisible(problem: DPProblem, cuts: Cuts, *, comm_limit: float | N
     limit = before * (1 + tolerance) if ceiling is None else min(before * (1 + tolerance),
                                                                  max(before, ceiling))
     return out if after <= limit else cuts
+
+
+#: :func:`spread_cuts` of a bucket by the bucket and the cuts its owners are read from.
+_SPREAD = Kept(8192)
 
 
 def _rank_in(problem: DPProblem, b: BucketProblem, d: int) -> int | None:

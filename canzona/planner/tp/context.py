@@ -16,7 +16,7 @@ from ..cost import DTYPE_BYTES
 from ..dp.bounds import bin_packing_bound
 from ..errors import CanzonaError
 from ..formulas import lockstep_bytes
-from ..planning import Cuts, DPProblem, coupled, equal_cuts, owner_of
+from ..planning import BucketProblem, Cuts, DPProblem, coupled, equal_cuts, owner_of
 from ..shards import ShardMap, shard_map
 
 
@@ -144,47 +144,75 @@ def _index_work(problem: DPProblem, cuts: Cuts, ctx: TPContext
     base = [0.0] * dp
     owned: list[list[int]] = [[] for _ in range(dp)]
     pinned: list[list[float]] | None = None
+    facts = (problem, ctx.split, ctx.one_rank, ctx.tp_of)
     for b in problem.buckets:
         c = cuts[(b.buffer, b.bucket)]
-        ix = problem.dp_indices(b)
-        top = len(c) - 2
-        pin = problem.tp_rank(b, 0) is not None
-        if pin and pinned is None:
-            pinned = [[0.0] * problem.sizes.tp for _ in range(dp)]
-        for it in b.items:
-            first = min(max(bisect_right(c, it.start) - 1, 0), top)  # owner_of, inlined
-            if it.atomic:
-                d = ix[first]
-                for i in it.tasks:
-                    if pin:  # whole on the one GPU that holds it
-                        pinned[d][problem.tp_rank(b, first)] += problem.loads[i]  # type: ignore
-                    elif i in problem.pairs and ctx.split[i]:  # its half, every TP rank
-                        base[d] += it.load
-                    elif i in problem.shared:  # every TP rank of d computes its piece
-                        base[d] += problem.shared[i][0]
-                    elif ctx.split[i]:
-                        owned[d].append(i)
-                    elif ctx.one_rank[i]:  # whole on one rank; each rank holds 1/tp of them
-                        base[d] += ctx.each_rank(i, problem.loads[i])
-                    else:  # replicated (or tp = 1): the whole matrix on every rank of d
-                        base[d] += problem.loads[i]
-                continue
-            last = owner_of(c, it.end - 1)
-            n = it.end - it.start
-            tp = ctx.tp_of[it.tasks[0]]
-            for r in range(first, last + 1):
-                lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
-                if hi > lo:
-                    share = it.load * (hi - lo) // n
-                    if pin:
-                        t = problem.tp_rank(b, r)
-                        pinned[ix[r]][t] += share  # type: ignore[index]
-                    else:
-                        base[ix[r]] += _item_gpu_load(
-                            problem, it.tasks[0], share, tp)
+        key = tuple(c)
+        got = _BUCKET_WORK.get((*facts, b), key)
+        if got is None:
+            got = _BUCKET_WORK.put((*facts, b), key, _bucket_work(problem, b, c, ctx))
+        adds, hosts, pins = got  # type: ignore[misc]
+        for d, x in adds:  # in the order met: the sums are the same floats
+            base[d] += x
+        for d, i in hosts:
+            owned[d].append(i)
+        if pins is not None:
+            if pinned is None:
+                pinned = [[0.0] * problem.sizes.tp for _ in range(dp)]
+            for d, t, x in pins:
+                pinned[d][t] += x
     for ids in owned:
         ids.sort()
     return base, owned, pinned
+
+
+#: A bucket's part of :func:`index_work` (:func:`_bucket_work`) by the facts it reads, the bucket
+#: and its cut points: most buckets keep their cuts from one stage to the next.
+_BUCKET_WORK = Kept(8192)
+
+
+def _bucket_work(problem: DPProblem, b: BucketProblem, c: Sequence[int], ctx: TPContext
+                 ) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, int], ...],
+                            tuple[tuple[int, int, float], ...] | None]:
+    """What bucket ``b`` cut at ``c`` adds to :func:`index_work`, in the order met: (DP index,
+    load every TP rank carries), (DP index, task it hosts), and (DP index, TP rank, load pinned
+    there) for an expert bucket at expert TP 1 (else None)."""
+    ix = problem.dp_indices(b)
+    top = len(c) - 2
+    pin = problem.tp_rank(b, 0) is not None
+    adds: list[tuple[int, float]] = []
+    hosts: list[tuple[int, int]] = []
+    pins: list[tuple[int, int, float]] = []
+    for it in b.items:
+        first = min(max(bisect_right(c, it.start) - 1, 0), top)  # owner_of, inlined
+        if it.atomic:
+            d = ix[first]
+            for i in it.tasks:
+                if pin:  # whole on the one GPU that holds it
+                    pins.append((d, problem.tp_rank(b, first), problem.loads[i]))  # type: ignore
+                elif i in problem.pairs and ctx.split[i]:  # its half, every TP rank
+                    adds.append((d, it.load))
+                elif i in problem.shared:  # every TP rank of d computes its piece
+                    adds.append((d, problem.shared[i][0]))
+                elif ctx.split[i]:
+                    hosts.append((d, i))
+                elif ctx.one_rank[i]:  # whole on one rank; each rank holds 1/tp of them
+                    adds.append((d, ctx.each_rank(i, problem.loads[i])))
+                else:  # replicated (or tp = 1): the whole matrix on every rank of d
+                    adds.append((d, problem.loads[i]))
+            continue
+        last = owner_of(c, it.end - 1)
+        n = it.end - it.start
+        tp = ctx.tp_of[it.tasks[0]]
+        for r in range(first, last + 1):
+            lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
+            if hi > lo:
+                share = it.load * (hi - lo) // n
+                if pin:
+                    pins.append((ix[r], problem.tp_rank(b, r), share))  # type: ignore[arg-type]
+                else:
+                    adds.append((ix[r], _item_gpu_load(problem, it.tasks[0], share, tp)))
+    return tuple(adds), tuple(hosts), tuple(pins) if pin else None
 
 
 def has_pinned(problem: DPProblem) -> bool:
