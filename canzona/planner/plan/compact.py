@@ -21,6 +21,7 @@ holds a plan, so smaller plans keep the indented text of their version.
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 #: Plans with more tasks than this are written compact (schema version 8).
@@ -37,13 +38,13 @@ def encode(data: dict) -> dict:
     params: dict[str, int] = {}
     kinds: dict[tuple, int] = {}
     tasks = []
+    take = itemgetter(*KIND_FIELDS)
     for k, t in enumerate(data["tasks"]):
         if t["id"] != k:
             raise ValueError(f"task {k} has id {t['id']}: a compact plan numbers tasks by "
                              "position")
-        kind = tuple(tuple(v) if isinstance(v, list) else v
-                     for v in (t[f] for f in KIND_FIELDS))
-        row = {f: v for f, v in t.items() if f != "id" and f not in KIND_FIELDS}
+        kind = tuple([tuple(v) if type(v) is list else v for v in take(t)])
+        row = {f: v for f, v in t.items() if f not in _NOT_IN_ROW}
         row["param"] = params.setdefault(t["param"], len(params))
         row["kind"] = kinds.setdefault(kind, len(kinds))
         tasks.append(row)
@@ -120,11 +121,13 @@ def _tables(x: Any) -> Any:
     """Every list of two or more objects with the same fields, as a table (children first;
     scalars, most of a plan, are not walked into)."""
     if isinstance(x, dict):
-        if not any(type(v) in _NESTED for v in x.values()):
+        if _NESTED_TYPES.isdisjoint(map(type, x.values())):
             return x  # scalars only: as it is
         return {k: v if type(v) not in _NESTED else _tables(v) for k, v in x.items()}
     if isinstance(x, list):
-        x = [v if type(v) not in _NESTED else _tables(v) for v in x]
+        x = [v if type(v) not in _NESTED or (
+                type(v) is dict and _NESTED_TYPES.isdisjoint(map(type, v.values())))
+             else _tables(v) for v in x]  # (an object of scalars as it is, without a call)
         if len(x) >= 2 and type(x[0]) is dict:
             fields = list(x[0])
             if all(type(v) is dict and list(v) == fields for v in x):
@@ -151,3 +154,6 @@ def _rows(x: Any) -> Any:
 
 
 _NESTED = (dict, list)
+_NESTED_TYPES = frozenset(_NESTED)
+#: A task's fields its row does not hold (its position and its kind's).
+_NOT_IN_ROW = frozenset(("id", *KIND_FIELDS))

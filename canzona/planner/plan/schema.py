@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..comm import METHODS
 from ..errors import PlanFileError
@@ -261,19 +261,11 @@ class SharedTaskPlan(_Frozen):
                                                 "its own Gram products do not hide, seconds "
                                                 "(hardware profile; not measured).")
     partner: int | None = Field(
-        default=None, ge=0,
+        default=None, ge=0, exclude_if=lambda v: v is None,
         description="the DP index whose TP group shares the matrix with this one (k = 2·tp; "
                     "its rows cut between them as dp_shared says): this index's half, summed "
-                    "with the partner's by the same TP ranks (written only when set; schema "
-                    "version 5).")
-
-    @model_serializer(mode="wrap")
-    def _without_partner(self, handler):  # noqa: ANN001, ANN202
-        """A task the TP group shares alone keeps the text of version 3."""
-        out = handler(self)
-        if self.partner is None:
-            out.pop("partner", None)
-        return out
+                    "with the partner's by the same TP ranks (written only when set, so a task "
+                    "its TP group shares alone keeps the text of schema version 3; version 5).")
 
 
 class TPIndexPlan(_Frozen):
@@ -286,18 +278,12 @@ class TPIndexPlan(_Frozen):
     groups: tuple[MicroGroupPlan, ...]
     modelled_s: float = Field(default=0.0, description="modelled pipelined makespan, seconds.")
     shared: tuple[SharedTaskPlan, ...] = Field(
-        default=(), description="tasks the TP group shares, run first (written only when any).")
-    shared_load: int = Field(default=0, ge=0, description="per TP rank: the shared tasks run in "
-                                                          "lockstep, cost units (in local_load).")
-
-    @model_serializer(mode="wrap")
-    def _without_empty_shared(self, handler):  # noqa: ANN001, ANN202
-        """Plans that share nothing keep the text they had before sharing existed."""
-        out = handler(self)
-        if not self.shared:
-            out.pop("shared", None)
-            out.pop("shared_load", None)
-        return out
+        default=(), exclude_if=lambda v: not v,
+        description="tasks the TP group shares, run first (written only when any: plans that "
+                    "share nothing keep the text they had before sharing existed).")
+    shared_load: int = Field(default=0, ge=0, exclude_if=lambda v: v == 0,
+                             description="per TP rank: the shared tasks run in lockstep, cost "
+                                         "units (in local_load; written only when not 0).")
 
 
 class TPMetrics(_Frozen):
@@ -331,16 +317,10 @@ class TPPlan(_Frozen):
     indices: tuple[TPIndexPlan, ...]
     metrics: TPMetrics
     share: Literal["off", "auto", "all", "all-split", "pairs"] = Field(
-        default="off", description="TPOptions.share (written only when a task is shared).")
-
-    @model_serializer(mode="wrap")
-    def _without_default_share(self, handler):  # noqa: ANN001, ANN202
-        """``share`` is written only by a plan that shares (version 3): a plan that shares
-        nothing stays the version-2 text an older canzona reads."""
-        out = handler(self)
-        if not any(ix.shared for ix in self.indices):
-            out.pop("share", None)
-        return out
+        default="off", exclude_if=lambda v: v == "off",
+        description="TPOptions.share, or off where no task is shared (written only when not "
+                    "off, as by a plan that shares, version 3: a plan that shares nothing stays "
+                    "the version-2 text an older canzona reads).")
 
 
 class CommPlan(_Frozen):
@@ -413,9 +393,10 @@ class Plan(_Frozen):
     tp: TPPlan | None = Field(default=None, description="TP micro-group schedule (tp > 1).")
     comm: CommPlan
     dp_shared: tuple[PairTaskPlan, ...] = Field(
-        default=(), description="matrix tasks split over two DP indices (written only when "
-                                "any; schema version 4; at tp > 1, where two TP groups share "
-                                "them, 5).")
+        default=(), exclude_if=lambda v: not v,
+        description="matrix tasks split over two DP indices (written only when any, so every "
+                    "other plan stays byte for byte what version 2 or 3 wrote; schema version "
+                    "4; at tp > 1, where two TP groups share them, 5).")
 
     @model_validator(mode="after")
     def _version_fits(self) -> Plan:
@@ -437,15 +418,6 @@ class Plan(_Frozen):
                 raise ValueError(f"inputs.optimizer records {what}, which needs schema_version "
                                  f"{version} (found {self.schema_version})")
         return self
-
-    @model_serializer(mode="wrap")
-    def _without_empty_pairs(self, handler):  # noqa: ANN001, ANN202
-        """``dp_shared`` is written only by a plan that has DP pairs (version 4): every other
-        plan stays byte for byte what version 2 or 3 wrote."""
-        out = handler(self)
-        if not self.dp_shared:
-            out.pop("dp_shared", None)
-        return out
 
     def to_json(self) -> str:
         """Canonical text: fields in schema order, two-space indent, trailing newline; from

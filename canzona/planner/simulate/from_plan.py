@@ -152,9 +152,10 @@ def _workload(plan: Plan, hw: HardwareProfile, matrix_dtype: str, adamw_dtype: s
     for task in plan.tasks:
         if task.owner is not None and task.id not in grouped and task.id not in pairs:
             pin = heads.get(task.id, pinned.get(task.param))
+            secs = seconds(task.id)
             for t in range(tp) if pin is None else (pin,):
                 mat_flops[task.owner * tp + t] += task.flops
-                mat_s[task.owner * tp + t] += seconds(task.id)
+                mat_s[task.owner * tp + t] += secs
     runs: dict[tuple[int, tuple[int, int]], list[Run]] = {}
     for x in pairs.values():  # tp = 1: each of the two ranks computes its piece
         rows, cols = plan.tasks[x.id].shape
