@@ -223,8 +223,12 @@ def _check_shard_cover(plan: Plan, seen: dict[int, str], bad) -> None:  # noqa: 
     parts: dict[str, list[int]] = {}
     for i in sorted(layout_of):
         parts.setdefault(tasks[i].param, []).append(i)
+    covered: set[tuple[int, ...]] = set()  # the layouts of parts found to cover their shard
     for name, ids in parts.items():
-        lays = [T.layouts[layout_of[i]] for i in ids]
+        key = tuple(layout_of[i] for i in ids)
+        if key in covered:
+            continue  # the same layouts cover alike (the experts of a layer, its twins)
+        lays = [T.layouts[k] for k in key]
         if any(L.dim is None for L in lays):
             continue  # a replicated layout for a hosted task: the checks name it
         first = lays[0]
@@ -253,6 +257,7 @@ def _check_shard_cover(plan: Plan, seen: dict[int, str], bad) -> None:  # noqa: 
                                                      f"TP rank {r}'s shard of '{name}' to no part: "
                                                      f"the parts of a parameter read each row of "
                                                      f"its shard once")
+        covered.add(key)
 
 
 def _check_tp_structure(plan: Plan, bad) -> None:  # noqa: ANN001
