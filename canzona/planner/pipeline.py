@@ -153,7 +153,8 @@ def plan_problem(
         raise ValueError(f"the problem was built with comm dtype {problem.comm_dtype!r}, "
                          f"tp_options.comm_dtype is {t.comm_dtype!r}")
     hw = load_hardware(t.hardware)
-    made, unshared = _assemble(problem, o, t, hw, model_source, dp_only, progress)
+    best, unshared = _assemble(problem, o, t, hw, dp_only, progress)
+    made = _plan_of(best, problem, o, hw, model_source)
     if problem.seconds_per_load is None or o.solver == "greedy" or \
             objective_name(o.objective) != "step-time" or (dp_only and problem.sizes.tp > 1) \
             or t.share not in JUDGED_SHARES:
@@ -167,15 +168,22 @@ def plan_problem(
         progress("the paper's greedy plan, simulated beside")
     with warnings.catch_warnings():  # their notes are the made plan's, already given
         warnings.simplefilter("ignore")
-        plans = [made] + [ready or _assemble(problem, xo, xt, hw, model_source, dp_only, None)[0]
-                          for _, xo, xt, ready in others]
+        judged = [ready or _assemble(problem, xo, xt, hw, dp_only, None)[0]
+                  for _, xo, xt, ready in others]
+        # only simulated: assembled unvalidated, and again as the plan file if one is kept
+        plans = [made] + [made if c is best else
+                          _plan_of(c, problem, xo, hw, model_source, validated=False)
+                          for c, (_, xo, _, _) in zip(judged, others)]
     if behind is None:  # the plans' own forward/backward: one model, alike for all
         behind = (plan_forward_backward(made, hw)[0], False)
     steps = [_step(p, hw, behind) for p in plans]
     k = steps.index(min(steps))  # ties: the plan made
     if k == 0:
         return made
-    kept = plans[k]  # its solver status says why (its options are recorded as they were)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # its solver status says why (its options are recorded as they were)
+        kept = _plan_of(judged[k - 1], problem, others[k - 1][1], hw, model_source)
     status = f"{others[k - 1][0]}, kept: its simulated step is shorter"
     return kept.model_copy(update={"metrics": kept.metrics.model_copy(
         update={"solver_status": status})})
@@ -201,11 +209,10 @@ def _step(plan: Plan, hw: HardwareProfile, behind: Behind) -> float:
 
 
 def _assemble(problem: DPProblem, o: DPOptions, t: TPOptions, hw: HardwareProfile,
-              model_source: str, dp_only: bool,
-              progress: Callable[[str], None] | None) -> tuple[Plan, Plan | None]:
-    """The best candidate of ``o`` and ``t``, assembled into a plan; and the first candidate
-    that shares nothing, assembled too (the plan ``share="off"`` makes; None when there is
-    none)."""
+              dp_only: bool, progress: Callable[[str], None] | None
+              ) -> tuple[Candidate, Candidate | None]:
+    """The best candidate of ``o`` and ``t``; and the first candidate that shares nothing (the
+    plan ``share="off"`` makes; None when there is none)."""
     candidates = Candidates(problem, o, t, hw, schedule=problem.sizes.tp > 1 and not dp_only,
                             progress=progress, stacklevel=3)
     best = unshared = None
@@ -218,19 +225,17 @@ def _assemble(problem: DPProblem, o: DPOptions, t: TPOptions, hw: HardwareProfil
     candidates.check_kept(best, stacklevel=3)
     if best.schedule is not None and best.schedule.oversized:  # the note of the schedule kept
         warn_oversized(best.schedule.oversized, t, stacklevel=4)
-    made = _plan_of(best, problem, o, hw, model_source)
-    if unshared is None:
-        return made, None
-    return made, made if unshared is best else _plan_of(unshared, problem, o, hw, model_source)
+    return best, unshared
 
 
 def _plan_of(best: Candidate, problem: DPProblem, o: DPOptions, hw: HardwareProfile,
-             model_source: str) -> Plan:
-    """Candidate ``best`` of ``problem``'s candidates, assembled into a plan."""
+             model_source: str, *, validated: bool = True) -> Plan:
+    """Candidate ``best`` of ``problem``'s candidates, assembled into a plan (``validated``
+    False: one only simulated, ``build_plan``'s)."""
     tp_section = hosts = None
     if best.schedule is not None:
-        tp_section, hosts = tp_plan(best.problem, best.schedule, best.ctx), \
-            placements(best.schedule)
+        tp_section, hosts = tp_plan(best.problem, best.schedule, best.ctx,
+                                    validated=validated), placements(best.schedule)
     recorded = SolverOptions(strategy="canzona-greedy" if o.solver == "greedy" else "canzona",
                              solver=o.solver, alpha=o.alpha,
                              time_limit_s=o.time_limit_s if o.solver == "cpsat" else None,
@@ -240,7 +245,7 @@ def _plan_of(best: Candidate, problem: DPProblem, o: DPOptions, hw: HardwareProf
     sol = best.solution
     return build_plan(sol.problem, sol.cuts, solver=recorded, model_source=model_source,
                       certified_bound=sol.bound, status=sol.status, tp=tp_section,
-                      placements=hosts, hardware=hw)
+                      placements=hosts, hardware=hw, validated=validated)
 
 
 def _order(problem: DPProblem) -> list[tuple[int, ...]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import lru_cache
+from typing import Any
 
 from .. import comm as comm_model
 from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
@@ -18,7 +19,7 @@ from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSI
                      RECIPE_VERSION,
                      TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics,
                      PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan,
-                     TPPlan)
+                     TPPlan, record)
 
 __all__ = ["baseline_plan", "build_plan"]
 
@@ -35,6 +36,7 @@ def build_plan(
     tp: TPPlan | None = None,
     placements: Mapping[int, tuple[int, int]] | None = None,
     hardware: HardwareProfile | None = None,
+    validated: bool = True,
 ) -> Plan:
     """Assemble the plan file from a problem and its cut points (the one place a Plan is built).
 
@@ -43,7 +45,14 @@ def build_plan(
         placements: task id → (host TP rank, micro-group) of every TP-split matrix task.
         hardware: the profile whose communication model picks each bucket's collective method
             (None: the default, ``h100``).
+        validated: False for a plan that is only simulated: its records are unvalidated
+            namespaces (:func:`~canzona.planner.plan.schema.record`), and so must ``tp``'s be
+            (``tp_plan(..., validated=False)``).
     """
+    v = validated
+    slot = _slot if v else lambda name, start, end: record(SlotPlan, v, name=name, start=start,
+                                                            end=end)
+    task = _task if v else _unvalidated_task
     ev = evaluate(problem, cuts, split_mode=split_mode)
     sizes = problem.sizes
     hw = hardware or load_hardware(DEFAULT_HARDWARE)
@@ -64,16 +73,16 @@ def build_plan(
                                        param_bytes=sl.param_bytes, link=link).method
             slices.append(sl)
             methods.append(method)
-            buckets.append(BucketPlan(
-                index=b.index, start=b.start, end=b.end, numel_unpadded=b.numel_unpadded, cuts=c,
-                slots=tuple(_slot(s.name, s.start, s.end) for s in b.slots),
-                method=method))  # type: ignore[arg-type]
+            buckets.append(record(
+                BucketPlan, v, index=b.index, start=b.start, end=b.end,
+                numel_unpadded=b.numel_unpadded, cuts=c,
+                slots=tuple(slot(s.name, s.start, s.end) for s in b.slots), method=method))
         buckets = tuple(buckets)
-        buffers.append(BufferPlan(key=buf.key, dtype=buf.dtype, grad_dtype=buf.grad_dtype,
-                                  expert=buf.expert, ep_rank=buf.ep_rank, dp_size=buf.dp_size,
-                                  buckets=buckets))
+        buffers.append(record(BufferPlan, v, key=buf.key, dtype=buf.dtype,
+                              grad_dtype=buf.grad_dtype, expert=buf.expert, ep_rank=buf.ep_rank,
+                              dp_size=buf.dp_size, buckets=buckets))
     tasks = tuple(
-        _task(t.id, t.param, t.part, t.shape, t.optimizer,
+        task(t.id, t.param, t.part, t.shape, t.optimizer,
               ev.owners.get(t.id) if t.optimizer == "matrix" else None,
               problem.loads[t.id], c.flops, c.state_bytes, c.tp_comm_bytes,
               *(placements.get(t.id, (None, None)) if placements is not None else (None, None)))
@@ -98,7 +107,7 @@ def build_plan(
     # pieces that exchange Gram products meet in phases; block rows never wait for each other
     phases = pair_phases(pairs) if problem.settings.spec.gram_shared else {}
     dp_shared = tuple(
-        PairTaskPlan(id=i, owners=pairs[i], phase=phases.get(pairs[i], 0), row=x.row,
+        record(PairTaskPlan, v, id=i, owners=pairs[i], phase=phases.get(pairs[i], 0), row=x.row,
                      split_poly=x.split_poly, loads=x.loads, flops=x.flops,
                      state_bytes=x.state_bytes(problem.costs[i].state_bytes,
                                                problem.tasks[i].shape[0] // sizes.tp),
@@ -111,12 +120,12 @@ def build_plan(
                else TP_SHARE_VERSION if tp_shares else BASE_VERSION)
     if len(tasks) > COMPACT_TASKS:
         version = COMPACT_VERSION
-    return Plan(schema_version=version,
-                inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
-                fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
-                buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
-                comm=comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp),
-                dp_shared=dp_shared)
+    return record(Plan, v, schema_version=version,
+                  inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
+                  fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
+                  buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
+                  comm=comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp),
+                  dp_shared=dp_shared)
 
 
 @lru_cache(maxsize=1 << 17)
@@ -130,6 +139,16 @@ def _task(id: int, param: str, part: str | None,  # noqa: A002
                     optimizer=optimizer,  # type: ignore[arg-type]
                     owner=owner, host=host, micro_group=micro_group, cost=cost, flops=flops,
                     state_bytes=state_bytes, tp_comm_bytes=tp_comm_bytes)
+
+
+def _unvalidated_task(id: int, param: str, part: str | None,  # noqa: A002
+                      shape: tuple[int, ...], optimizer: str, owner: int | None, cost: int,
+                      flops: int, state_bytes: int, tp_comm_bytes: int, host: int | None,
+                      micro_group: int | None) -> Any:
+    """:func:`_task`'s record unvalidated (``schema.record``)."""
+    return record(TaskPlan, False, id=id, param=param, part=part, shape=shape,
+                  optimizer=optimizer, owner=owner, host=host, micro_group=micro_group,
+                  cost=cost, flops=flops, state_bytes=state_bytes, tp_comm_bytes=tp_comm_bytes)
 
 
 @lru_cache(maxsize=1 << 17)

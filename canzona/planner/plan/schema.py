@@ -30,8 +30,10 @@ import json
 import os
 import secrets
 from collections.abc import Iterator
+from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from types import SimpleNamespace
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -67,6 +69,23 @@ CollectiveMethod = Literal[METHODS]  # type: ignore[valid-type]
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def record(cls: type[BaseModel], validated: bool, /, **fields: Any) -> Any:
+    """A record of ``cls`` with ``fields``: the validated model, or (``validated`` False) a
+    namespace of the same fields, the schema's defaults for those not given, several times
+    quicker to make. The unvalidated kind is for a plan the planner only simulates (the
+    candidates it judges the plan it makes against): read like a plan, never written or run."""
+    if validated:
+        return cls(**fields)
+    return SimpleNamespace(**{**_defaults(cls), **fields})
+
+
+@lru_cache(maxsize=None)
+def _defaults(cls: type[BaseModel]) -> dict[str, Any]:
+    """``cls``'s fields that have a default, with it."""
+    return {name: f.get_default(call_default_factory=True)
+            for name, f in cls.model_fields.items() if not f.is_required()}
 
 
 class SolverOptions(_Frozen):

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from canzona.planner import DPOptions, ParallelSizes, TPOptions
+from canzona.planner import DPOptions, ParallelSizes, TPOptions, build_inventory, get_preset
+from canzona.planner.pipeline import greedy_options, plan_problem
+from canzona.planner.plan import Plan
 from canzona.planner.plan.load import load_plan
+from canzona.planner.planning import make_problem
 from canzona.planner.strategies import compare, compare_plan
 
 #: The example plans: ``canzona plan`` with no flags (roofline cost, ``--share auto``).
@@ -64,3 +67,18 @@ def test_sharing_is_kept_only_where_the_simulated_step_is_shorter():
     shared, _ = _steps("qwen3-1.7b", 16, 1, "auto")
     alone, _ = _steps("qwen3-1.7b", 16, 1, "off")
     assert shared <= alone
+
+
+def test_a_kept_judged_plan_is_the_plan_file_it_would_be():
+    """The plans judged beside the one made are assembled unvalidated (they are only
+    simulated); the one kept is assembled again as a plan file: a validated ``Plan``, the same
+    text as the paper's greedy plan made directly, with the status saying why it was kept."""
+    sizes = ParallelSizes(dp=32, tp=8)
+    problem = make_problem(build_inventory(get_preset("qwen3-32b")), sizes, cost="roofline",
+                           hardware="h800")
+    o, t = DPOptions(cost="roofline"), TPOptions(share="off", hardware="h800")
+    kept = plan_problem(problem, dp_options=o, tp_options=t, behind=(0.811, True))
+    assert type(kept) is Plan and "the paper's greedy plan, kept" in kept.metrics.solver_status
+    greedy = plan_problem(problem, dp_options=greedy_options(o, t)[0],
+                          tp_options=greedy_options(o, t)[1])
+    assert kept.model_copy(update={"metrics": greedy.metrics}).to_json() == greedy.to_json()
