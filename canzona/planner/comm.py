@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .alike import Kept
 from .hardware import HardwareProfile, LinkProfile
 from .settings import expert_place
 
@@ -152,10 +153,21 @@ def gather_traffic(method: str, sizes: Sequence[int], elem_bytes: int) -> Traffi
 
 def bucket_comm(method: str, sizes: Sequence[int], *, grad_bytes: int, param_bytes: int,
                 link: LinkProfile) -> BucketComm:
-    """The reduce (grad dtype) and gather (param dtype) of one bucket under ``method``."""
-    red = reduce_traffic(method, sizes, grad_bytes)
-    gat = gather_traffic(method, sizes, param_bytes)
-    return BucketComm(method, red, gat, red.seconds(link) + gat.seconds(link))
+    """The reduce (grad dtype) and gather (param dtype) of one bucket under ``method`` (kept
+    by its inputs: the plans a planner judges, and the stages that cut them, meet the same
+    buckets again)."""
+    key = (method, tuple(sizes), grad_bytes, param_bytes)
+    got = _COMM.get((link,), key)
+    if got is None:
+        red = reduce_traffic(method, sizes, grad_bytes)
+        gat = gather_traffic(method, sizes, param_bytes)
+        got = _COMM.put((link,), key, BucketComm(method, red, gat,
+                                                 red.seconds(link) + gat.seconds(link)))
+    return got  # type: ignore[return-value]
+
+
+#: :func:`bucket_comm` by the link (a frozen profile) and its other inputs.
+_COMM = Kept(1 << 15)
 
 
 def methods_for(sizes: Sequence[int]) -> tuple[str, ...]:
