@@ -30,6 +30,7 @@ import fnmatch
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Literal
@@ -298,7 +299,8 @@ def _megatron_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],
             parts: tuple[Part, ...] = (), head_rows: int = 0) -> None:
         out.append(ParamSpec(name=name, shape=shape, dtype=dt, kind=kind, layer=layer,
                              expert=expert, tp_layout=layout, parts=parts,
-                             hf_names=tuple(hf_names), head_rows=head_rows))
+                             hf_names=tuple(hf_names), head_rows=head_rows,
+                             optimizer=_route_of(kind, shape)))  # ``route`` keeps it
 
     add("embedding.word_embeddings.weight", (cfg.vocab, h), "embedding", "vocab",
         [f"{hf}.embed_tokens.weight"])
@@ -348,7 +350,13 @@ def megatron_route(p: ParamSpec) -> OptimizerRoute:
     """Megatron's rule: 2-D non-embedding weights → matrix optimizer; embeddings, output layer,
     norms and the MoE router → AdamW. A 3-D tensor of stacked expert
     matrices is E matrices (Megatron's per-expert weights, stored together)."""
-    if p.kind in ("matrix", "expert") and (len(p.shape) == 2 or p.stacked_experts):
+    return _route_of(p.kind, p.shape)
+
+
+def _route_of(kind: Kind, shape: tuple[int, ...]) -> OptimizerRoute:
+    """:func:`megatron_route` of a parameter of this kind and shape."""
+    stacked = kind == "expert" and len(shape) == 3 and shape[0] != 0  # ``stacked_experts``
+    if kind in ("matrix", "expert") and (len(shape) == 2 or stacked):
         return "matrix"
     return "adamw"
 
@@ -377,20 +385,16 @@ def route(
     routed = []
     for p in params:
         choice = megatron_route(p)
-        if matches(p, adamw_globs):
+        if adamw_globs and matches(p, adamw_globs):
             choice = "adamw"
-        elif matches(p, matrix_globs):
+        elif matrix_globs and matches(p, matrix_globs):
             if len(p.shape) != 2 and not p.stacked_experts:
                 raise ModelError(f"parameter '{p.name}' of shape {list(p.shape)} cannot use the "
                                  "matrix optimizer: it is not 2-D (nor a 3-D tensor of stacked "
                                  "expert matrices).")
             choice = "matrix"
-        routed.append(ParamSpec(**{**_asdict(p), "optimizer": choice}))
+        routed.append(p if p.optimizer == choice else dataclasses.replace(p, optimizer=choice))
     return routed
-
-
-def _asdict(p: ParamSpec) -> dict:
-    return {f: getattr(p, f) for f in ParamSpec.__dataclass_fields__}
 
 
 def _hf_inventory(cfg: ModelConfig, matrix_globs: Sequence[str],

@@ -231,6 +231,11 @@ def make_problem(
             items = []
             for si, s in enumerate(b.slots):
                 ids = tuple(by_param[s.name])
+                if len(ids) == 1:  # (most parameters: one task)
+                    c = costs[ids[0]]
+                    items.append(Item(si, s.start, s.end, loads[ids[0]], c.flops, c.state_bytes,
+                                      s.optimizer == "matrix", ids))
+                    continue
                 items.append(Item(si, s.start, s.end, sum(loads[i] for i in ids),
                                   sum(costs[i].flops for i in ids),
                                   sum(costs[i].state_bytes for i in ids),
