@@ -4,10 +4,12 @@ tens of percent.
 
     python benchmarks/instructions.py qwen3-32b --dp 32 --tp 8             # this checkout
     python benchmarks/instructions.py qwen3-32b --dp 32 --tp 8 --tree DIR  # another checkout
+    python benchmarks/instructions.py qwen3-32b --dp 32 --tp 8 --inspect   # canzona inspect
 
 The process runs ``python -m canzona.cli.main plan --model M … --quiet`` under valgrind, with
 canzona's bytecode compiled first and ``PYTHONHASHSEED=0``; ``--tree`` puts another checkout's
-``canzona`` first on the path (an older commit, to compare). Valgrind slows Python about 50×:
+``canzona`` first on the path (an older commit, to compare). ``--inspect`` counts ``canzona
+inspect PLAN --quiet`` instead, of the plan that the same command makes first (not counted). Valgrind slows Python about 50×:
 qwen3-32b takes minutes. Needs ``valgrind`` on the PATH.
 """
 
@@ -26,20 +28,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def instructions(model: str, sizes: list[str], tree: Path) -> int:
+def instructions(model: str, sizes: list[str], tree: Path, *, inspect: bool = False) -> int:
     """Instructions (``Ir``) of one ``canzona plan`` process for ``model`` at ``sizes`` (CLI
-    flags), with ``tree``'s canzona."""
+    flags), with ``tree``'s canzona; ``inspect``: of ``canzona inspect`` of that plan."""
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not on the PATH; install it (apt install valgrind).")
     compileall.compile_dir(str(tree / "canzona"), quiet=1)
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(tree)}
+    cli = [sys.executable, "-m", "canzona.cli.main"]
+    valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(
-            ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-             "-m", "canzona.cli.main", "plan", "--model", model, *sizes,
-             "-o", os.path.join(tmp, "p.json"), "--quiet"],
-            env=env, capture_output=True, text=True, check=True, cwd=tmp)  # (not this
-        # folder: ``-m`` puts the working folder before PYTHONPATH)
+        plan = os.path.join(tmp, "p.json")
+        make = [*cli, "plan", "--model", model, *sizes, "-o", plan, "--quiet"]
+        # (the working folder is not this one: ``-m`` puts it before PYTHONPATH)
+        if inspect:
+            subprocess.run(make, env=env, capture_output=True, check=True, cwd=tmp)
+        out = subprocess.run([*valgrind, *cli, "inspect", plan, "--quiet"] if inspect
+                             else [*valgrind, *make],
+                             env=env, capture_output=True, text=True, check=True, cwd=tmp)
     got = re.search(r"Collected : (\d+)", out.stderr)
     if got is None:
         raise SystemExit(f"valgrind printed no count:\n{out.stderr[-2000:]}")
@@ -54,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", default="1")
     ap.add_argument("--tree", type=Path, default=ROOT,
                     help="the checkout whose canzona runs (default: this one)")
+    ap.add_argument("--inspect", action="store_true",
+                    help="count canzona inspect of the plan instead of canzona plan")
     args = ap.parse_args(argv)
     sizes = ["--dp", args.dp, "--tp", args.tp, "--ep", args.ep]
-    n = instructions(args.model, sizes, args.tree.resolve())
-    print(f"{args.model} dp{args.dp} tp{args.tp} ep{args.ep}: {n / 1e9:.2f} G instructions")
+    n = instructions(args.model, sizes, args.tree.resolve(), inspect=args.inspect)
+    what = "inspect of " if args.inspect else ""
+    print(f"{what}{args.model} dp{args.dp} tp{args.tp} ep{args.ep}: {n / 1e9:.2f} G "
+          "instructions")
     return 0
 
 
