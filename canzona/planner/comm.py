@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-from .alike import Kept
 from .hardware import HardwareProfile, LinkProfile
 from .settings import expert_place
 
@@ -156,18 +156,15 @@ def bucket_comm(method: str, sizes: Sequence[int], *, grad_bytes: int, param_byt
     """The reduce (grad dtype) and gather (param dtype) of one bucket under ``method`` (kept
     by its inputs: the plans a planner judges, and the stages that cut them, meet the same
     buckets again)."""
-    key = (method, tuple(sizes), grad_bytes, param_bytes)
-    got = _COMM.get((link,), key)
-    if got is None:
-        red = reduce_traffic(method, sizes, grad_bytes)
-        gat = gather_traffic(method, sizes, param_bytes)
-        got = _COMM.put((link,), key, BucketComm(method, red, gat,
-                                                 red.seconds(link) + gat.seconds(link)))
-    return got  # type: ignore[return-value]
+    return _bucket_comm(method, tuple(sizes), grad_bytes, param_bytes, link)
 
 
-#: :func:`bucket_comm` by the link (a frozen profile) and its other inputs.
-_COMM = Kept(1 << 15)
+@lru_cache(maxsize=1 << 15)
+def _bucket_comm(method: str, sizes: tuple[int, ...], grad_bytes: int, param_bytes: int,
+                 link: LinkProfile) -> BucketComm:
+    red = reduce_traffic(method, sizes, grad_bytes)
+    gat = gather_traffic(method, sizes, param_bytes)
+    return BucketComm(method, red, gat, red.seconds(link) + gat.seconds(link))
 
 
 def methods_for(sizes: Sequence[int]) -> tuple[str, ...]:
