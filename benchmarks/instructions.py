@@ -9,8 +9,8 @@ tens of percent.
 The process runs ``python -m canzona.cli.main plan --model M … --quiet`` under valgrind, with
 canzona's bytecode compiled first and ``PYTHONHASHSEED=0``; ``--tree`` puts another checkout's
 ``canzona`` first on the path (an older commit, to compare). ``--inspect`` counts ``canzona
-inspect PLAN --quiet`` instead, of the plan that the same command makes first (not counted). Valgrind slows Python about 50×:
-qwen3-32b takes minutes. Needs ``valgrind`` on the PATH.
+inspect PLAN --quiet`` instead, of the plan that the same command makes first (not counted).
+Valgrind slows Python about 50×: qwen3-32b takes minutes. Needs ``valgrind`` on the PATH.
 """
 
 from __future__ import annotations
