@@ -7,7 +7,9 @@
     python benchmarks/bench_planner.py --profile        # planning time at scale: the four
                                                         # large cases (add --write-readme for
                                                         # its section, --top N for each case's
-                                                        # cProfile, slowest functions first)
+                                                        # cProfile, slowest functions first,
+                                                        # --against DIR to time an older
+                                                        # checkout run by run beside)
 
 For every {qwen3-0.6b … qwen3-32b} × dp {8, 16, 32, 64} × tp {1, 4, 8} (Muon, FLOPs cost, α = 1):
 the gap of the busiest DP index's load to the best proven lower bound (max(mean, largest task),
@@ -113,26 +115,39 @@ def _cli() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "canzona.cli.main"]
 
 
-def _child(args: list[str]) -> tuple[float, float, str]:
-    """(wall, CPU) seconds and stdout of one child process."""
+def _child(args: list[str], tree: Path | None = None, cwd: str | None = None
+           ) -> tuple[float, float, str]:
+    """(wall, CPU) seconds and stdout of one child process (``tree``: with that checkout's
+    canzona first on the path, run in ``cwd``, not this folder: ``-m`` puts the working folder
+    before PYTHONPATH)."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(args, check=True, capture_output=True, text=True, env=env,
+                         cwd=cwd).stdout
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out
 
 
-def scale_case(name: str, args: tuple[str, ...], repeats: int, top: int) -> dict:
+def scale_case(name: str, args: tuple[str, ...], repeats: int, top: int,
+               against: Path | None = None) -> dict:
     """One case of ``--profile``: ``repeats`` runs of ``canzona plan`` (default options) and of
     ``canzona inspect`` on its plan, each a process; the plan's file size, load time and
-    figures; with ``top``, one in-process cProfile run's slowest functions on stderr."""
+    figures; with ``top``, one in-process cProfile run's slowest functions on stderr. With
+    ``against`` (another checkout), each run of this canzona follows one of that checkout's,
+    so the two meet the same machine."""
     from canzona.planner.plan.load import load_plan
 
+    old_cli = [sys.executable, "-m", "canzona.cli.main"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "p.json")
-        runs = [_child([*_cli(), "plan", *args, "-o", path, "--json", "--quiet"])
-                for _ in range(repeats)]
+        path, old_path = os.path.join(tmp, "p.json"), os.path.join(tmp, "old.json")
+        runs, old = [], []
+        for _ in range(repeats):
+            if against is not None:
+                old.append(_child([*old_cli, "plan", *args, "-o", old_path, "--quiet"],
+                                  against, tmp)[1])
+            runs.append(_child([*_cli(), "plan", *args, "-o", path, "--json", "--quiet"]))
         got = json.loads(runs[-1][2])
         size = os.path.getsize(path)
         loads = []
@@ -140,7 +155,12 @@ def scale_case(name: str, args: tuple[str, ...], repeats: int, top: int) -> dict
             t0 = time.process_time()
             load_plan(path)
             loads.append(time.process_time() - t0)
-        inspects = [_child([*_cli(), "inspect", path, "--quiet"])[:2] for _ in range(repeats)]
+        inspects, old_inspects = [], []
+        for _ in range(repeats):
+            if against is not None:
+                old_inspects.append(_child([*old_cli, "inspect", old_path, "--quiet"],
+                                           against, tmp)[1])
+            inspects.append(_child([*_cli(), "inspect", path, "--quiet"])[:2])
         if top:
             import cProfile
             import pstats
@@ -160,17 +180,20 @@ def scale_case(name: str, args: tuple[str, ...], repeats: int, top: int) -> dict
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(top)
     tp = got.get("tp_per_gpu") or {}
     return {"name": name, "cpu": [c for _, c, _ in runs], "wall": [w for w, _, _ in runs],
+            "old": old, "old_inspect": old_inspects,
             "size": size, "load": loads, "inspect": [c for _, c in inspects],
             "busiest": tp.get("max", got["per_dp_index"]["load"]["max"]),
             "step": (got.get("predicted") or {}).get("step_s"), "status": got["solver_status"]}
 
 
-def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
+def render_scale(cases: list[dict], limits: dict[str, float], against: str | None = None
+                 ) -> str:
     med = statistics.median
     lines = [
         SCALE_SECTION, "",
-        "Produced by `python benchmarks/bench_planner.py --profile --write-readme` "
-        f"({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        "Produced by `python benchmarks/bench_planner.py --profile --write-readme"
+        + (f" --against WORKTREE_OF_{against}`" if against else "`")
+        + f" ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.1f}). `canzona plan` with the default options "
         "(roofline cost on h100, `--share auto`, solver auto), each run a process, imports "
         "included (canzona's bytecode compiled first, as pip installs it); CPU = user + sys, "
@@ -189,6 +212,17 @@ def render_scale(cases: list[dict], limits: dict[str, float]) -> str:
             f"| {c['name']} | {cpu} | {limits[c['name']]:g} | {med(c['wall']):.2f} | "
             f"{c['size'] / 1e6:.2f} MB | {med(c['load']):.2f} | {med(c['inspect']):.2f} | "
             f"{c['busiest'] / 1e6:.3f} | {step} |")
+    if against is not None:
+        lines += [
+            "", f"Run by run against `--against` {against} (each run of this canzona right after "
+                "one of that checkout's, so both meet the machine alike), CPU seconds, medians:",
+            "", f"| case | plan at {against} | plan now | now / then | inspect at {against} | "
+                "inspect now | now / then |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for c in cases:
+            p, q = med(c["old"]), med(c["cpu"])
+            i, j = med(c["old_inspect"]), med(c["inspect"])
+            lines.append(f"| {c['name']} | {p:.2f} | {q:.2f} | {q / p:.2f} | {i:.2f} | {j:.2f} "
+                         f"| {j / i:.2f} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -289,17 +323,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=0,
                     help="--profile: print each case's N slowest functions (cProfile)")
     ap.add_argument("--cases", nargs="*", help="--profile: only these cases (by model name)")
+    ap.add_argument("--against", type=Path,
+                    help="--profile: another checkout (an older commit's worktree) timed run "
+                         "by run beside this one")
     args = ap.parse_args(argv)
     if args.profile:
         picked = [c for c in SCALE_CASES
                   if not args.cases or any(m in c[0] for m in args.cases)]
         compiled()
+        against = label = None
+        if args.against is not None:
+            import compileall
+
+            against = args.against.resolve()
+            compileall.compile_dir(str(against / "canzona"), quiet=1)
+            label = subprocess.run(["git", "-C", str(against), "rev-parse", "--short", "HEAD"],
+                                   capture_output=True, text=True).stdout.strip() or against.name
         got = []
         for name, cli_args, _ in picked:
-            got.append(scale_case(name, cli_args, args.repeats, args.top))
+            got.append(scale_case(name, cli_args, args.repeats, args.top, against))
             print(f"{name}: CPU {statistics.median(got[-1]['cpu']):.2f} s", file=sys.stderr,
                   flush=True)
-        text = render_scale(got, {n: lim for n, _, lim in SCALE_CASES})
+        text = render_scale(got, {n: lim for n, _, lim in SCALE_CASES}, label)
         print(text)
         if args.write_readme:
             write_section(text, section=SCALE_SECTION)

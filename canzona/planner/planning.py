@@ -381,12 +381,13 @@ def _evaluate(problem: Partition, cuts: Cuts, split_mode: str) -> Evaluation:
         part = _PARTS.get((b,), key)
         if part is None:
             part = _PARTS.put((b,), key, _bucket_part(b, c, ix, split_mode))
+        for r in range(b.ranks):
+            rs[ix[r]] += (c[r + 1] - c[r]) * grad_bytes
         ranks, mine, assigned, n_split = part  # type: ignore[misc]
-        for d, x, f, s, g in ranks:
+        for d, x, f, s in ranks:
             load[d] += x
             flops[d] += f
             state[d] += s
-            rs[d] += g * grad_bytes
         if owners.keys().isdisjoint(mine):
             owners.update(mine)
         else:  # a task met in an earlier bucket: its first owner stays, unless assigned here
@@ -404,15 +405,13 @@ _PARTS = Kept(8192)
 
 
 def _bucket_part(b: BucketProblem, c: Sequence[int], ix: tuple[int, ...], split_mode: str
-                 ) -> tuple[tuple[tuple[int, int, int, int, int], ...], dict[int, int],
+                 ) -> tuple[tuple[tuple[int, int, int, int], ...], dict[int, int],
                             frozenset[int], int]:
-    """What bucket ``b`` cut at ``c`` adds to an evaluation: per DP index its load, FLOPs, state
-    bytes and reduce-scatter elements; its tasks' owners (in the order met: a task charged whole
+    """What bucket ``b`` cut at ``c`` adds to an evaluation: per DP index its items touch, their
+    load, FLOPs and state bytes; its tasks' owners (in the order met: a task charged whole
     keeps the owner of its first piece, one split by fragments takes its first rank's); the
     tasks of the latter kind; and how many atomic items the cuts split."""
-    acc = {d: [0, 0, 0, 0] for d in ix}
-    for r, d in enumerate(ix):
-        acc[d][3] += c[r + 1] - c[r]
+    acc: dict[int, list[int]] = {}  # the DP indices its items touch
     owners: dict[int, int] = {}
     assigned = set()
     split = 0
@@ -423,7 +422,7 @@ def _bucket_part(b: BucketProblem, c: Sequence[int], ix: tuple[int, ...], split_
         if it.atomic and first != last:
             split += 1
         if it.atomic and (first == last or split_mode == "owner"):
-            a = acc[ix[first]]
+            a = acc.get(ix[first]) or acc.setdefault(ix[first], [0, 0, 0])
             a[0] += it.load
             a[1] += it.flops
             a[2] += it.state_bytes
@@ -436,7 +435,7 @@ def _bucket_part(b: BucketProblem, c: Sequence[int], ix: tuple[int, ...], split_
             lo, hi = max(it.start, c[r]), min(it.end, c[r + 1])
             if hi <= lo:
                 continue
-            a = acc[ix[r]]
+            a = acc.get(ix[r]) or acc.setdefault(ix[r], [0, 0, 0])
             # Cumulative rounding: the shares of an item add up to the item exactly.
             lo, hi = lo - it.start, hi - it.start
             a[0] += it.load * hi // n - it.load * lo // n
