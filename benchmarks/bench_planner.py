@@ -336,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             import compileall
 
             against = args.against.resolve()
+            if not (against / "canzona" / "__init__.py").is_file():
+                raise SystemExit(f"--against {args.against}: not a canzona checkout (no "
+                                 "canzona/__init__.py there); give an older commit's worktree, "
+                                 "e.g. git worktree add /tmp/old COMMIT.")
             compileall.compile_dir(str(against / "canzona"), quiet=1)
             label = subprocess.run(["git", "-C", str(against), "rev-parse", "--short", "HEAD"],
                                    capture_output=True, text=True).stdout.strip() or against.name

@@ -33,6 +33,10 @@ def instructions(model: str, sizes: list[str], tree: Path, *, inspect: bool = Fa
     flags), with ``tree``'s canzona; ``inspect``: of ``canzona inspect`` of that plan."""
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not on the PATH; install it (apt install valgrind).")
+    if not (tree / "canzona" / "__init__.py").is_file():  # else the installed one would run
+        raise SystemExit(f"--tree {tree}: not a canzona checkout (no canzona/__init__.py "
+                         "there); give an older commit's worktree, e.g. git worktree add "
+                         "/tmp/old COMMIT.")
     compileall.compile_dir(str(tree / "canzona"), quiet=1)
     env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(tree)}
     cli = [sys.executable, "-m", "canzona.cli.main"]
