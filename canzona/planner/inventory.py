@@ -26,11 +26,11 @@ Each parameter also records the Hugging Face names it covers, so a live HF model
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Literal
@@ -119,7 +119,7 @@ class ParamSpec:
     def stacked_experts(self) -> int:
         """E for a 3-D tensor of E expert matrices ([E, m, n], as ``transformers`` stores a MoE
         layer's experts), else 0. The matrix optimizer updates each [m, n] matrix on its own."""
-        return self.shape[0] if self.kind == "expert" and len(self.shape) == 3 else 0
+        return _stacked(self.kind, self.shape)
 
 
 @lru_cache(maxsize=16)
@@ -355,10 +355,14 @@ def megatron_route(p: ParamSpec) -> OptimizerRoute:
 
 def _route_of(kind: Kind, shape: tuple[int, ...]) -> OptimizerRoute:
     """:func:`megatron_route` of a parameter of this kind and shape."""
-    stacked = kind == "expert" and len(shape) == 3 and shape[0] != 0  # ``stacked_experts``
-    if kind in ("matrix", "expert") and (len(shape) == 2 or stacked):
+    if kind in ("matrix", "expert") and (len(shape) == 2 or _stacked(kind, shape)):
         return "matrix"
     return "adamw"
+
+
+def _stacked(kind: Kind, shape: tuple[int, ...]) -> int:
+    """:attr:`ParamSpec.stacked_experts` of a parameter of this kind and shape."""
+    return shape[0] if kind == "expert" and len(shape) == 3 else 0
 
 
 def route(

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ..alike import Kept
 from ..comm import ELEMENT_BYTES, all_to_all_busiest, bucket_comm, buffer_slices, plan_link
 from ..cost import Roofline, TaskCost, work_of
 from ..errors import CanzonaError
 from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from ..heads import head_places
-from ..alike import Kept
 from ..inventory import ModelSpec
 from ..settings import expert_place
 from ..plan import Plan
