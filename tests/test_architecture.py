@@ -18,7 +18,7 @@ PLANNER = ROOT / "planner"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("formulas", ("errors", "formulas", "hardware", "comm", "settings", "options", "optimizers",
                   "alike")),
-    ("model", ("models", "inventory", "shards", "heads", "layout")),
+    ("model", ("models", "inventory", "stages", "shards", "heads", "layout")),
     ("cost", ("cost", "objective", "planning", "__init__")),
     ("dp", ("dp",)),
     ("tp", ("tp",)),

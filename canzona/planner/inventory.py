@@ -132,17 +132,41 @@ def _fingerprint(params: tuple[ParamSpec, ...]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Stage:
+    """Which pipeline stage an inventory holds (Megatron's layout of ``pp`` stages): decoder
+    layers ``first_layer`` to ``first_layer + layers - 1`` under their global numbers, the
+    embedding on stage 0, the final norm and the output layer on the last stage (with tied
+    embeddings, a copy of the embedding there as ``output_layer.weight``, :attr:`tied_copy`)."""
+
+    pp: int
+    stage: int
+    first_layer: int
+    layers: int
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model's parameters in Megatron registration order, plus its config.
 
     ``config`` is None for an inventory read from a live module (``canzona.runtime.introspect``):
     such a spec is named by ``label``; TP lays out only its plain column and row splits (the head
     and FFN sizes that fused layouts need are unknown), and EP only its per-expert weights.
+    ``stage``: the pipeline stage these parameters are (``canzona.planner.stages``), None for the
+    whole model.
     """
 
     config: ModelConfig | None
     params: tuple[ParamSpec, ...]
     label: str | None = None
+    stage: Stage | None = None
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     #: What is computed once per spec (its fingerprint).
     _memo: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)

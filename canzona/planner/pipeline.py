@@ -21,17 +21,18 @@ from pathlib import Path
 from .errors import CanzonaError, SizeError
 from .hardware import HardwareProfile, load_hardware
 from .inventory import NAMINGS, ModelSpec, build_inventory
-from .layout import ParallelSizes
+from .layout import ParallelSizes, validate_sizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .objective import objective_name
 from .options import DPOptions, TPOptions
-from .plan import Plan, SolverOptions
+from .plan import PipelinePlan, Plan, SolverOptions
 from .plan.build import build_plan
 from .plan.tp_section import placements, tp_plan
 from .planning import DPProblem, make_problem
 from .settings import OptimizerSettings
 from .sharing import Candidate, Candidates
 from .simulate import plan_forward_backward, simulate_plan_behind
+from .stages import StageSplit, split_model, stage_layers
 from .tp.schedule import warn_oversized
 
 #: A model source: a preset name, a Hugging Face ``config.json`` path, a config, or an inventory
@@ -77,8 +78,10 @@ def plan(
     dp_only: bool = False,
     progress: Callable[[str], None] | None = None,
     names: str = "megatron",
-) -> Plan:
-    """Plan ``source`` at ``sizes``: the DP partition and, for tp > 1, the TP micro-groups.
+    stages: StageSplit | None = None,
+) -> Plan | PipelinePlan:
+    """Plan ``source`` at ``sizes``: the DP partition and, for tp > 1, the TP micro-groups; with
+    pipeline stages (``stages.pp`` > 1), each stage's, in one :class:`PipelinePlan`.
 
     Args:
         source: a preset name (``"qwen3-32b"``), a ``config.json`` :class:`~pathlib.Path`, a
@@ -94,6 +97,9 @@ def plan(
             :data:`~canzona.planner.inventory.NAMINGS`: ``megatron`` (Megatron-core's, experts
             as SequentialMLP's), ``megatron-grouped`` (experts as TEGroupedMLP's) or ``hf`` (the
             live ``transformers`` model's, so the plan fits it; tp = 1).
+        stages: the trainer's pipeline stages (:class:`~canzona.planner.stages.StageSplit`:
+            pp and Megatron's first and last stages' layers). Each stage is planned on its own
+            over its DP and TP groups (``sizes`` are each stage's); nothing moves across stages.
 
     Raises:
         CanzonaError: bad input (unknown model, sizes the model does not allow, an option out of
@@ -113,11 +119,28 @@ def plan(
                         "carry the tensor- and expert-parallel layout.",
                         fields=("ParallelSizes.tp", "ParallelSizes.ep"))
     spec, model_source = inventory_of(source, names)
-    problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
-                           overlap_grad_reduce=o.overlap_grad_reduce, comm_dtype=t.comm_dtype,
-                           hardware=t.hardware)
-    return plan_problem(problem, dp_options=o, tp_options=t, model_source=model_source,
-                        dp_only=dp_only, progress=progress)
+    split = stages or StageSplit()
+    if split.pp == 1:
+        stage_layers(0, split)  # first/last counts without stages fail here
+        problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
+                               overlap_grad_reduce=o.overlap_grad_reduce,
+                               comm_dtype=t.comm_dtype, hardware=t.hardware)
+        return plan_problem(problem, dp_options=o, tp_options=t, model_source=model_source,
+                            dp_only=dp_only, progress=progress)
+    if spec.config is not None:
+        validate_sizes(spec.config, sizes)  # before any stage is planned
+    parts = split_model(spec, split)
+    made = []
+    for part in parts:
+        s = part.stage.stage  # type: ignore[union-attr]
+        tell = None if progress is None else \
+            (lambda msg, s=s: progress(f"stage {s + 1}/{split.pp}: {msg}"))
+        problem = make_problem(part, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
+                               overlap_grad_reduce=o.overlap_grad_reduce,
+                               comm_dtype=t.comm_dtype, hardware=t.hardware)
+        made.append(plan_problem(problem, dp_options=o, tp_options=t,
+                                 model_source=model_source, dp_only=dp_only, progress=tell))
+    return PipelinePlan(pp=split.pp, stages=tuple(made))
 
 
 def plan_problem(

@@ -14,19 +14,17 @@ which itself imports the schema.
 """
 
 from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
-                     RECIPE_VERSION,
-                     SCHEMA_VERSION,
-                     TP_PAIR_VERSION,
+                     PIPELINE_VERSION, RECIPE_VERSION, SCHEMA_VERSION, TP_PAIR_VERSION,
                      TP_SHARE_VERSION, BucketPlan, BufferPlan, CollectiveMethod, CommPlan,
-                     GroupTaskPlan, Metrics, MicroGroupPlan, PairTaskPlan, Plan, PlanInputs,
-                     RankLayout, ShardLayoutPlan, SharedTaskPlan, SlotPlan, SolverOptions,
-                     TaskPlan, TPIndexPlan, TPMetrics, TPPlan, gc_paused, save_plan,
-                     write_atomically)
+                     GroupTaskPlan, Metrics, MicroGroupPlan, PairTaskPlan, PipelinePlan, Plan,
+                     PlanInputs, RankLayout, ShardLayoutPlan, SharedTaskPlan, SlotPlan,
+                     SolverOptions, StageInputs, TaskPlan, TPIndexPlan, TPMetrics, TPPlan,
+                     gc_paused, save_plan, write_atomically)
 
 __all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "HEADS_VERSION",
-           "RECIPE_VERSION", "SCHEMA_VERSION", "TP_PAIR_VERSION",
+           "PIPELINE_VERSION", "RECIPE_VERSION", "SCHEMA_VERSION", "TP_PAIR_VERSION",
            "TP_SHARE_VERSION", "BucketPlan", "BufferPlan", "CollectiveMethod", "CommPlan",
-           "GroupTaskPlan", "Metrics", "MicroGroupPlan", "PairTaskPlan", "Plan", "PlanInputs",
-           "RankLayout", "ShardLayoutPlan", "SharedTaskPlan", "SlotPlan", "SolverOptions",
-           "TaskPlan", "TPIndexPlan", "TPMetrics", "TPPlan", "gc_paused", "save_plan",
-           "write_atomically"]
+           "GroupTaskPlan", "Metrics", "MicroGroupPlan", "PairTaskPlan", "PipelinePlan", "Plan",
+           "PlanInputs", "RankLayout", "ShardLayoutPlan", "SharedTaskPlan", "SlotPlan",
+           "SolverOptions", "StageInputs", "TaskPlan", "TPIndexPlan", "TPMetrics", "TPPlan",
+           "gc_paused", "save_plan", "write_atomically"]

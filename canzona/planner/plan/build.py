@@ -16,10 +16,9 @@ from ..planning import Cuts, DPProblem, equal_cuts, evaluate, pair_owners, pair_
 from .comm_section import comm_section
 from .compact import COMPACT_TASKS
 from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
-                     RECIPE_VERSION,
-                     TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics,
-                     PairTaskPlan, Plan, PlanInputs, RankLayout, SlotPlan, SolverOptions, TaskPlan,
-                     TPPlan, record)
+                     PIPELINE_VERSION, RECIPE_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION,
+                     BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan, PlanInputs, RankLayout,
+                     SlotPlan, SolverOptions, StageInputs, TaskPlan, TPPlan, record)
 
 __all__ = ["baseline_plan", "build_plan"]
 
@@ -102,7 +101,7 @@ def build_plan(
         dp=sizes.dp, tp=sizes.tp, ep=sizes.ep, etp=sizes.expert_tp, optimizer=problem.settings,
         cost_model=problem.cost_model, bucket_size=problem.layout.bucket_size,
         grad_dtype=problem.layout.buffers[0].grad_dtype if problem.layout.buffers else "fp32",
-        comm_dtype=problem.comm_dtype, solver=solver)
+        comm_dtype=problem.comm_dtype, solver=solver, stage=_stage(problem))
     pairs = pair_owners(problem, cuts)
     # pieces that exchange Gram products meet in phases; block rows never wait for each other
     phases = pair_phases(pairs) if problem.settings.spec.gram_shared else {}
@@ -120,12 +119,25 @@ def build_plan(
                else TP_SHARE_VERSION if tp_shares else BASE_VERSION)
     if len(tasks) > COMPACT_TASKS:
         version = COMPACT_VERSION
+    if inputs.stage is not None:
+        version = PIPELINE_VERSION
     return record(Plan, v, schema_version=version,
                   inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                   fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,
                   buffers=tuple(buffers), tasks=tasks, metrics=metrics, tp=tp,
                   comm=comm_section(slices, methods, hw, dp=sizes.dp, tp=sizes.tp),
                   dp_shared=dp_shared)
+
+
+def _stage(problem: DPProblem) -> StageInputs | None:
+    """The pipeline stage the problem's model is (None: a whole model)."""
+    st = problem.spec.stage
+    if st is None or st.pp == 1:
+        return None
+    spec = problem.spec
+    tied = st.last and spec.config is not None and spec.config.tied_embeddings
+    return StageInputs(pp=st.pp, stage=st.stage, first_layer=st.first_layer, layers=st.layers,
+                       tied_copy=tied)
 
 
 @lru_cache(maxsize=1 << 17)

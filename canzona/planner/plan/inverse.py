@@ -20,13 +20,14 @@ from pathlib import Path
 
 from ..alike import Kept
 from ..errors import CanzonaError
-from ..inventory import NAMINGS, ModelSpec, build_inventory
+from ..inventory import NAMINGS, ModelSpec, Stage, build_inventory
 from ..layout import ParallelSizes
 from ..models import get_preset, load_hf_config
 from ..hardware import HardwareProfile, hardware_names, load_hardware
 from ..options import COSTS, HARDWARE_COSTS
 from ..planning import (GRAD_BYTES, BucketProblem, Cuts, DPProblem, Item, make_problem,
                         pair_items)
+from ..stages import stage_model
 from .schema import BufferPlan, PairTaskPlan, Plan
 
 __all__ = ["PlanProblem", "read_problem", "rebuild_model"]
@@ -212,12 +213,20 @@ def rebuild_model(plan: Plan, config: Path | None = None) -> ModelSpec | None:
         cfg = load_hf_config(config)
     else:
         cfg = get_preset(inp.model)
-    spec = build_inventory(cfg)
+    st = inp.stage
+    stage = None if st is None else Stage(pp=st.pp, stage=st.stage, first_layer=st.first_layer,
+                                          layers=st.layers)
+
+    def model(names: str = "megatron") -> ModelSpec:  # the plan's stage of it, if any
+        whole = build_inventory(cfg, names=names)
+        return whole if stage is None else stage_model(whole, stage)
+
+    spec = model()
     for names, naming in NAMINGS.items():  # the naming the plan was made with
         if spec.fingerprint() == plan.fingerprint:
             break
         if naming.parallel or (inp.tp == 1 and inp.ep == 1):
-            other = build_inventory(cfg, names=names)
+            other = model(names)
             spec = other if other.fingerprint() == plan.fingerprint else spec
     if spec.fingerprint() != plan.fingerprint:
         src = f"config '{config}'" if inp.model_source == "hf_config" else f"model '{inp.model}'"

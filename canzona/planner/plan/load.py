@@ -30,18 +30,20 @@ from ..errors import PlanFileError
 from .checks import check_plan
 from .convert import OLDEST_VERSION, unreadable, upgrade
 from . import compact
-from .schema import COMPACT_VERSION, SCHEMA_VERSION, Plan, gc_paused
+from .schema import (COMPACT_VERSION, PIPELINE_VERSION, SCHEMA_VERSION, PipelinePlan, Plan,
+                     gc_paused)
 
-__all__ = ["load_plan", "parse_plan"]
+__all__ = ["as_pipeline", "load_plan", "parse_plan"]
 
 #: The fix named for a plan newer than this canzona reads.
 UPGRADE = ("upgrade canzona (python -m pip install -U canzona) or re-plan with this one's "
            "'canzona plan'")
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plan(path: str | Path) -> Plan | PipelinePlan:
     """Read a plan file and check everything: JSON, version, schema, structure and the planner's
-    formulas (:func:`parse_plan`). This is ``canzona.load_plan``.
+    formulas (:func:`parse_plan`). This is ``canzona.load_plan``. A pipeline's file (pp > 1)
+    gives a :class:`~canzona.planner.plan.schema.PipelinePlan`, a plan per stage, each checked.
 
     Raises:
         PlanFileError: unreadable, not JSON, a schema version this canzona does not read, fields
@@ -57,30 +59,70 @@ def load_plan(path: str | Path) -> Plan:
     return parse_plan(text, str(path))
 
 
-def parse_plan(text: str, source: str = "<plan>") -> Plan:
+def parse_plan(text: str, source: str = "<plan>") -> Plan | PipelinePlan:
     """Plan JSON text → a checked :class:`~canzona.planner.plan.schema.Plan` (every check of the
-    module docstring); ``source`` names the text in errors.
+    module docstring), or for a pipeline's file a
+    :class:`~canzona.planner.plan.schema.PipelinePlan` whose every stage is checked so;
+    ``source`` names the text in errors.
 
     Raises:
         PlanFileError: one line naming ``source``, the problem (and versions) and the fix.
     """
     with gc_paused():  # no cycles are made here; the collector would walk the whole plan
-        data, found = _read(text, source)
-        plan = _validate(data, found, source)
-        check_plan(plan, source)
-        return plan
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
+                                f"({exc.msg}).") from None
+        except RecursionError:
+            raise PlanFileError(f"{source}: not a plan file: JSON nested too deeply (a plan is "
+                                f"a few levels deep).") from None
+        if isinstance(data, dict) and "stages" in data:
+            return _pipeline(data, source)
+        return _plan(data, source)
 
 
-def _read(text: str, source: str) -> tuple[dict, int]:
-    """The JSON of a plan file, brought to the current schema version, and the file's version."""
+def _plan(data: object, source: str) -> Plan:
+    """One plan's data, read (:func:`_read`), validated and checked."""
+    data, found = _read(data, source)
+    plan = _validate(data, found, source)
+    check_plan(plan, source)
+    return plan
+
+
+def _pipeline(data: dict, source: str) -> PipelinePlan:
+    """A pipeline's file: its version, then each stage's plan (as a plan file's, every check),
+    then the stages against each other."""
+    found = data.get("schema_version")
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise unreadable(source, repr(found), "schema_version must be an integer")
+    if found > SCHEMA_VERSION:
+        raise unreadable(source, found, "a plan newer than this canzona reads", UPGRADE)
+    if found != PIPELINE_VERSION:
+        raise unreadable(source, found, f"a pipeline's plan file is schema version "
+                                        f"{PIPELINE_VERSION}")
+    stages = data["stages"]
+    if not isinstance(stages, list) or not stages:
+        raise unreadable(source, found, "malformed plan: field 'stages' must be a non-empty "
+                                        "list of the stages' plans")
+    plans = [_plan(stage, f"{source} (stage {s})") for s, stage in enumerate(stages)]
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PlanFileError(f"{source}: not a plan file: invalid JSON at line {exc.lineno} "
-                            f"({exc.msg}).") from None
-    except RecursionError:
-        raise PlanFileError(f"{source}: not a plan file: JSON nested too deeply (a plan is a "
-                            f"few levels deep).") from None
+        return PipelinePlan(schema_version=found, pp=data.get("pp"), stages=tuple(plans))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        raise unreadable(source, found, f"malformed pipeline plan: field '{loc}': {err['msg']}"
+                         ) from None
+
+
+def as_pipeline(plan: Plan | PipelinePlan) -> tuple[Plan, ...]:
+    """The stages' plans of ``plan``: a pipeline's, or a whole model's plan as the one stage."""
+    return plan.stages if isinstance(plan, PipelinePlan) else (plan,)
+
+
+def _read(data: object, source: str) -> tuple[dict, int]:
+    """A plan file's JSON data, brought to the current schema version, and the file's
+    version."""
     if not isinstance(data, dict) or "schema_version" not in data:
         raise PlanFileError(f"{source}: not a canzona plan (no schema_version field).")
     found = data["schema_version"]

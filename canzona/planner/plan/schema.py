@@ -43,7 +43,7 @@ from ..settings import OptimizerSettings
 from . import compact
 
 #: The newest plan version this canzona reads and writes.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
@@ -59,6 +59,9 @@ HEADS_VERSION = 7
 #: The version of a plan written compact (:mod:`~canzona.planner.plan.compact`: more than
 #: ``COMPACT_TASKS`` tasks), whatever else it records.
 COMPACT_VERSION = 8
+#: The version of a plan for one pipeline stage (``inputs.stage``) and of a pipeline's file
+#: (:class:`PipelinePlan`), whatever else it records.
+PIPELINE_VERSION = 9
 #: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
@@ -103,6 +106,26 @@ class SolverOptions(_Frozen):
                                                            "step-time | max-load.")
 
 
+class StageInputs(_Frozen):
+    """The pipeline stage a plan is for (``canzona.planner.stages``): stage ``stage`` of ``pp``,
+    holding decoder layers ``first_layer`` … ``first_layer + layers - 1`` (global numbers), the
+    embedding on stage 0, the output layer on the last (with tied embeddings, a copy of the
+    embedding there, ``tied_copy``)."""
+
+    pp: int = Field(ge=2)
+    stage: int = Field(ge=0)
+    first_layer: int = Field(ge=0)
+    layers: int = Field(ge=0, description="decoder layers on this stage.")
+    tied_copy: bool = Field(default=False, description="this stage holds the tied embedding's "
+                                                       "copy (output_layer.weight).")
+
+    @model_validator(mode="after")
+    def _in_range(self) -> StageInputs:
+        if self.stage >= self.pp:
+            raise ValueError(f"stage {self.stage} is not below pp {self.pp}")
+        return self
+
+
 class PlanInputs(_Frozen):
     """Everything that determines the plan."""
 
@@ -118,6 +141,9 @@ class PlanInputs(_Frozen):
     grad_dtype: str = "fp32"
     comm_dtype: str = "bf16"
     solver: SolverOptions
+    stage: StageInputs | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the pipeline stage (pp > 1; schema version 9); absent for a whole model.")
 
 
 class RankLayout(_Frozen):
@@ -400,7 +426,7 @@ class Plan(_Frozen):
     a Newton–Schulz schedule; 7 when they split the fused QKV per head; 8 when it is written
     compact)."""
 
-    schema_version: Literal[2, 3, 4, 5, 6, 7, 8] = BASE_VERSION
+    schema_version: Literal[2, 3, 4, 5, 6, 7, 8, 9] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(
@@ -436,15 +462,73 @@ class Plan(_Frozen):
             if needs and self.schema_version < version:
                 raise ValueError(f"inputs.optimizer records {what}, which needs schema_version "
                                  f"{version} (found {self.schema_version})")
+        if self.inputs.stage is not None and self.schema_version < PIPELINE_VERSION:
+            raise ValueError(f"inputs.stage records a pipeline stage, which needs "
+                             f"schema_version {PIPELINE_VERSION} (found {self.schema_version})")
         return self
 
+    @property
+    def compact(self) -> bool:
+        """Whether the file is written compact (:mod:`.compact`): a version-8 plan
+        (:data:`COMPACT_VERSION`, which says so), and a later one of more than
+        ``compact.COMPACT_TASKS`` tasks."""
+        v = self.schema_version
+        return v == COMPACT_VERSION or (v > COMPACT_VERSION
+                                        and len(self.tasks) > compact.COMPACT_TASKS)
+
+    def data(self) -> dict[str, Any]:
+        """The plan as the JSON data its file holds (compact or not, :attr:`compact`)."""
+        got = self.model_dump(mode="json")
+        return compact.encode(got) if self.compact else got
+
     def to_json(self) -> str:
-        """Canonical text: fields in schema order, two-space indent, trailing newline; from
-        version 8 (:data:`COMPACT_VERSION`) the compact form of :mod:`.compact`, unindented."""
-        if self.schema_version >= COMPACT_VERSION:
-            return json.dumps(compact.encode(self.model_dump(mode="json")),
-                              separators=(",", ":"), ensure_ascii=False) + "\n"
+        """Canonical text: fields in schema order, two-space indent, trailing newline; a compact
+        plan (:attr:`compact`) in the form of :mod:`.compact`, unindented."""
+        if self.compact:
+            return json.dumps(self.data(), separators=(",", ":"), ensure_ascii=False) + "\n"
         return self.model_dump_json(indent=2) + "\n"
+
+
+class PipelinePlan(_Frozen):
+    """A plan per pipeline stage, in one file (schema version 9): ``stages[s]`` is stage s's
+    plan, over that stage's DP and TP groups, its ``inputs.stage`` saying which layers it holds.
+    The stages' layers follow one another and the stages share the model, the parallel sizes
+    and the optimizer settings."""
+
+    schema_version: Literal[9] = PIPELINE_VERSION
+    pp: int = Field(ge=2)
+    stages: tuple[Plan, ...]
+
+    @model_validator(mode="after")
+    def _stages_fit(self) -> PipelinePlan:
+        if len(self.stages) != self.pp:
+            raise ValueError(f"stages holds {len(self.stages)} plans for pp {self.pp}")
+        first = self.stages[0].inputs
+        at = 0
+        for s, plan in enumerate(self.stages):
+            st = plan.inputs.stage
+            if st is None or st.stage != s or st.pp != self.pp:
+                raise ValueError(f"stages.{s}.inputs.stage must be stage {s} of pp {self.pp}")
+            if st.first_layer != at:
+                raise ValueError(f"stages.{s}.inputs.stage.first_layer is {st.first_layer}; "
+                                 f"the stages before it end at layer {at}")
+            at += st.layers
+            same = plan.inputs.model_copy(update={"stage": None, "solver": first.solver})
+            if same != first.model_copy(update={"stage": None}):
+                raise ValueError(f"stages.{s}.inputs differ from stage 0's beyond the stage "
+                                 "and the solver's record (model, sizes, optimizer)")
+        return self
+
+    def stage(self, s: int) -> Plan:
+        """Stage ``s``'s plan."""
+        return self.stages[s]
+
+    def to_json(self) -> str:
+        """Canonical text: the version, ``pp``, then each stage's plan as its own file would
+        hold it (a large stage compact), unindented; trailing newline."""
+        data = {"schema_version": self.schema_version, "pp": self.pp,
+                "stages": [p.data() for p in self.stages]}
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
 def _open_temp(folder: Path, name: str) -> tuple[int, Path]:
@@ -463,7 +547,7 @@ def _open_temp(folder: Path, name: str) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "no free temporary file name", str(folder))
 
 
-def save_plan(plan: Plan, path: str | Path) -> Path:
+def save_plan(plan: Plan | PipelinePlan, path: str | Path) -> Path:
     """Write ``plan`` atomically (temporary file in the same folder, fsync, rename).
 
     The file gets the permissions of any new file under the current umask (0666 & ~umask); the

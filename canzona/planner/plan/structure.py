@@ -144,8 +144,9 @@ def check_structure(plan: Plan, source: str = "<plan>") -> None:
     # Tasks: ids, shapes, owners, hosts; every task in a slot and every slot with a task.
     tasks = plan.tasks
     n = len(tasks)
-    if n == 0:
-        raise bad("tasks", "is empty but a plan has one task per parameter (or per split part)")
+    if n == 0 and (plan.inputs.stage is None or plan.total_params or plan.buffers):
+        raise bad("tasks", "is empty but a plan has one task per parameter (or per split part; "
+                           "only a pipeline stage without parameters has none)")
     tasks_of: dict[str, list[int]] = {}
     for i, t in enumerate(tasks):
         if t.id != i:
