@@ -22,7 +22,8 @@ from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.comm_section import plan_summary
 from .plan.inverse import read_problem
-from .simulate import plan_forward_backward, plan_hardware, simulate_plan_behind
+from .simulate import (plan_forward_backward, plan_hardware, simulate_pipeline,
+                       simulate_plan_behind)
 from .strategies import baseline_rows, tp_baseline_rows
 from .tp.context import gpu_packing_bound
 from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
@@ -30,13 +31,13 @@ from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_pi
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
-    from .plan import MicroGroupPlan, Plan
+    from .plan import MicroGroupPlan, PipelinePlan, Plan
     from .tp.baselines import TPBaselineRow
     from .tp.context import Run
 
 __all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
            "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",
-           "predicted_step", "task_name", "tp_dict"]
+           "predicted_step", "stages_dict", "task_name", "tp_dict"]
 
 
 # --- small metrics shared by the reports and their renderers ---------------------------------
@@ -448,3 +449,55 @@ def predicted_step(plan: Plan, hw: HardwareProfile | None = None) -> dict | None
             "reduced_step_s": sim.reduced_step_s, "iteration_s": fb + sim.step_s,
             "forward_backward_s": fb, "forward_backward": how, "parts_s": parts,
             "decided_by": top, "decides": _DECIDES[top]}
+
+
+def stages_dict(plan: PipelinePlan, hw: HardwareProfile | None = None, *,
+                microbatches: int | None = None, overlap_param_gather: bool = False,
+                forward_backward_s: Sequence[float] | None = None) -> dict:
+    """A pipeline's stages side by side (``canzona plan --pp``, ``inspect`` and ``simulate`` of
+    a pipeline's plan): per stage its layers, parameters, balance (per DP index and, under TP,
+    per GPU), optimizer state, the AdamW state of the embedding or output layer it holds, and
+    its optimizer step in one simulated 1F1B iteration
+    (:func:`~canzona.planner.simulate.simulate_pipeline`, on ``hw``, default the profile the
+    stages record); the critical stage, and the step as the slowest stage's."""
+    hw = hw or plan_hardware(plan.stages[0])
+    sim = simulate_pipeline(plan, hw, microbatches=microbatches,
+                            overlap_param_gather=overlap_param_gather,
+                            forward_backward_s=forward_backward_s)
+    simd = sim.to_dict()
+    rows = []
+    for s, p in enumerate(plan.stages):
+        st, m = p.inputs.stage, p.metrics
+        assert st is not None
+        mx, mean = max_mean(m.dp_load)
+        smx, smean = max_mean(m.dp_state_bytes)
+        ends = [t for t in p.tasks
+                if t.optimizer == "adamw" and t.param.split(".")[0] in _END_MODULES]
+        row = {"stage": s, "first_layer": st.first_layer, "layers": st.layers,
+               "params": p.total_params,
+               "matrices": sum(1 for t in p.tasks if t.optimizer == "matrix"),
+               "tied_copy": st.tied_copy,
+               "dp_load_max_over_mean": round(mx / mean, 6) if mean else 1.0,
+               "gpu_load_max_over_mean": (p.tp.metrics.max_over_mean if p.tp is not None
+                                          else None),
+               "state_bytes_max": smx, "state_bytes_mean": smean,
+               "end_layers": [t.param for t in ends],
+               "end_layers_state_bytes": sum(t.state_bytes for t in ends),
+               "gap_to_bound": m.gap_to_bound}
+        row.update({k: v for k, v in simd["stages"][s].items() if k != "stage"})
+        rows.append(row)
+    middle = [r["state_bytes_max"] for r in rows if not r["end_layers"]]
+    ref = sum(middle) / len(middle) if middle else None
+    for r in rows:
+        r["state_over_middle"] = (round(r["state_bytes_max"] / ref, 6) if ref else None)
+    inp = plan.stages[0].inputs
+    return {"model": inp.model, "pp": plan.pp, "dp": inp.dp, "tp": inp.tp, "ep": inp.ep,
+            "optimizer": inp.optimizer.name, "hardware": f"{hw.name} v{hw.version}",
+            "microbatches": sim.microbatches, "forward_backward_s": simd["forward_backward_s"],
+            "step_s": simd["step_s"], "iteration_s": simd["iteration_s"],
+            "critical_stage": sim.critical_stage, "stages": rows}
+
+
+#: The top-level modules of parameters outside the decoder layers that a pipeline's end stages
+#: hold beside their layers (Megatron's names).
+_END_MODULES = ("embedding", "output_layer")

@@ -61,6 +61,9 @@ Iteration: :func:`forward_backward_seconds` is ``6 · N_active · tokens`` at a 
 1 : 2 into forward and backward (:func:`split_forward_backward`); :func:`iteration_time` adds
 the step's exposed time (simulate the step with that ``backward_s`` and ``forward_s``).
 
+Pipeline stages (:mod:`.stages`): a 1F1B schedule played out microbatch by microbatch, each
+stage's step simulated behind its own last backward; the iteration ends with the slowest stage's.
+
 Not modelled: contention between the DP and TP streams or with backward's own kernels, NCCL's
 coalescing of per-root calls (each pays α, as in ``comm``), launch overheads, caches (every
 pass reads and writes memory).
@@ -72,9 +75,12 @@ from .engine import (ROUND, BucketWork, GroupWork, RankSim, RankWork,
                      simulate, split_forward_backward)
 from .from_plan import (DEFAULT_MFU, DEFAULT_SEQ, active_params, plan_forward_backward,
                         plan_hardware, simulate_plan, simulate_plan_behind, workload_from_plan)
+from .stages import (MICROBATCHES_PER_STAGE, PipelineSim, one_f_one_b, pipeline_iteration,
+                     simulate_pipeline)
 
-__all__ = ["DEFAULT_MFU", "DEFAULT_SEQ", "ROUND", "BucketWork",
-           "GroupWork", "RankSim", "RankWork", "Stage", "StepSim", "Workload", "active_params",
-           "forward_backward_seconds", "iteration_time", "plan_forward_backward",
-           "plan_hardware", "simulate", "simulate_plan", "simulate_plan_behind",
+__all__ = ["DEFAULT_MFU", "DEFAULT_SEQ", "MICROBATCHES_PER_STAGE", "ROUND", "BucketWork",
+           "GroupWork", "PipelineSim", "RankSim", "RankWork", "Stage", "StepSim", "Workload",
+           "active_params", "forward_backward_seconds", "iteration_time", "one_f_one_b",
+           "pipeline_iteration", "plan_forward_backward", "plan_hardware", "simulate",
+           "simulate_pipeline", "simulate_plan", "simulate_plan_behind",
            "split_forward_backward", "workload_from_plan"]

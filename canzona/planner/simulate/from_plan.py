@@ -295,10 +295,13 @@ def simulate_plan(plan: Plan, hw: HardwareProfile, *, backward_s: float = 0.0,
 
 def active_params(spec: ModelSpec) -> float:
     """Parameters one token's forward and backward multiply by: every parameter but the input
-    embedding's lookup table (when untied), MoE experts scaled by top-k / experts."""
+    embedding's lookup table (when untied, or on a pipeline's first stage, whose tied output
+    product runs on the last stage's copy), MoE experts scaled by top-k / experts."""
     cfg = spec.config
     frac = (cfg.experts_per_token / cfg.num_experts) if cfg is not None and cfg.is_moe else 1.0
     tied = cfg.tied_embeddings if cfg is not None else False
+    if spec.stage is not None and spec.stage.pp > 1:
+        tied = False  # the output layer's product runs on the last stage, on its copy
     n = 0.0
     for p in spec.params:
         if p.kind == "embedding" and not tied:

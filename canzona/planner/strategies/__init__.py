@@ -39,8 +39,10 @@ The canzona rows are simulated from their plans
 
 from .registry import (CANZONA, CANZONA_GREEDY, DESCRIPTIONS, EXACT, REGISTRY, STRATEGIES,
                        Strategy, baseline_rows, strategy_workload, tp_baseline_rows)
-from .compare import Comparison, StrategyRun, compare, compare_plan, compare_problem
+from .compare import (Comparison, PipelineComparison, StrategyRun, compare, compare_pipeline,
+                      compare_plan, compare_problem)
 
 __all__ = ["CANZONA", "CANZONA_GREEDY", "DESCRIPTIONS", "EXACT", "REGISTRY", "STRATEGIES",
-           "Comparison", "Strategy", "StrategyRun", "baseline_rows", "compare",
-           "compare_plan", "compare_problem", "strategy_workload", "tp_baseline_rows"]
+           "Comparison", "PipelineComparison", "Strategy", "StrategyRun", "baseline_rows",
+           "compare", "compare_pipeline", "compare_plan", "compare_problem", "strategy_workload",
+           "tp_baseline_rows"]

@@ -18,16 +18,20 @@ from ..hardware import HardwareProfile, load_hardware
 from ..layout import ParallelSizes
 from ..options import MIB, DPOptions, TPOptions
 from ..pipeline import inventory_of
-from ..plan import Plan
+from ..plan import PipelinePlan, Plan
 from ..planning import DPProblem, make_problem
 from ..plan.inverse import read_problem
 from ..settings import OptimizerSettings
-from ..simulate import (StepSim, Workload, active_params, forward_backward_seconds,
+from ..simulate import (MICROBATCHES_PER_STAGE, PipelineSim, StepSim, Workload, active_params,
+                        forward_backward_seconds, one_f_one_b, plan_forward_backward,
                         plan_hardware, simulate, split_forward_backward)
+from ..simulate.stages import microbatch_times
+from ..stages import StageSplit, split_model
 from .registry import CANZONA, CANZONA_GREEDY, REGISTRY, STRATEGIES
 from .workloads import WorkloadInputs
 
-__all__ = ["StrategyRun", "Comparison", "compare", "compare_problem", "compare_plan"]
+__all__ = ["StrategyRun", "Comparison", "PipelineComparison", "compare", "compare_pipeline",
+           "compare_plan", "compare_problem"]
 
 
 # --- the comparison -------------------------------------------------------------------------------
@@ -235,3 +239,90 @@ def compare_plan(plan: Plan, hardware: str | HardwareProfile | None = None, *,
         tp = TPOptions(cmax_mib=plan.tp.cmax_bytes / MIB, comm_dtype=plan.tp.comm_dtype,
                        **({} if isinstance(ref, HardwareProfile) else {"hardware": str(ref)}))
     return compare_problem(problem, ref, plan=plan, tp_options=tp, **kwargs)
+
+
+# --- pipelines ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineComparison:
+    """Every strategy on every stage of a pipeline, and each strategy's 1F1B iteration: the
+    same stages, forwards and backwards, each stage's step as that strategy takes it."""
+
+    stages: tuple[Comparison, ...]  # per stage, each simulated behind one microbatch
+    forward_backward_s: tuple[float, ...]  # per stage, the whole batch
+    microbatches: int
+    runs: tuple[tuple[str, PipelineSim], ...]  # per strategy, in the table's order
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    def run(self, name: str) -> PipelineSim:
+        for n, sim in self.runs:
+            if n == name:
+                return sim
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        first = self.stages[0]
+        return {"model": first.model, "pp": self.pp, "dp": first.dp, "tp": first.tp,
+                "ep": first.ep, "hardware": first.hardware, "microbatches": self.microbatches,
+                "forward_backward_s": [round(x, 9) for x in self.forward_backward_s],
+                "strategies": [{"strategy": n, "exact": first.run(n).exact, **sim.to_dict()}
+                               for n, sim in self.runs]}
+
+
+def compare_pipeline(source, sizes: ParallelSizes, optimizer: OptimizerSettings | str = "muon",
+                     *, stages: StageSplit, microbatches: int | None = None,
+                     hardware: str | HardwareProfile = "h100", plan: PipelinePlan | None = None,
+                     dp_options: DPOptions | None = None, tp_options: TPOptions | None = None,
+                     tokens: int | None = None, seq: int = 4096, mfu: float = 0.4,
+                     forward_backward_s: float | None = None,
+                     progress: Callable[[str], None] | None = None,
+                     **kwargs) -> PipelineComparison:
+    """Every strategy on each stage of ``source`` split by ``stages`` (or of ``plan``'s stages,
+    its plans the canzona rows), and each strategy's iteration in 1F1B over ``microbatches``
+    (default :data:`~canzona.planner.simulate.MICROBATCHES_PER_STAGE` · pp). A stage's
+    forward and backward are 6 · its active parameters · ``tokens`` over its dp · tp GPUs
+    (``forward_backward_s``: each stage's, given); its step is simulated behind one
+    microbatch's backward, as :func:`~canzona.planner.simulate.simulate_pipeline` does."""
+    say = progress or (lambda _msg: None)
+    m = microbatches or MICROBATCHES_PER_STAGE * stages.pp
+    if plan is not None:
+        hw = hardware if isinstance(hardware, HardwareProfile) else \
+            plan_hardware(plan.stages[0], None if hardware is None else str(hardware))
+        fbs = tuple(forward_backward_s if forward_backward_s is not None else
+                    plan_forward_backward(p, hw, tokens=tokens, seq=seq, mfu=mfu)[0]
+                    for p in plan.stages)
+        comps = []
+        for s, p in enumerate(plan.stages):
+            say(f"stage {s + 1}/{plan.pp}")
+            comps.append(compare_plan(p, hw, forward_backward_s=fbs[s] / m, **kwargs))
+    else:
+        hw = hardware if isinstance(hardware, HardwareProfile) else load_hardware(hardware)
+        o = dp_options or DPOptions()
+        comm_dtype = tp_options.comm_dtype if tp_options is not None else "bf16"
+        settings = (OptimizerSettings(name=optimizer)  # type: ignore[arg-type]
+                    if isinstance(optimizer, str) else optimizer)
+        spec, _ = inventory_of(source)
+        parts = split_model(spec, stages)
+        n_tokens = tokens if tokens is not None else sizes.dp * seq
+        fbs = tuple(forward_backward_s if forward_backward_s is not None else
+                    forward_backward_seconds(active_params(part), n_tokens, hw,
+                                             world=sizes.dp * sizes.tp, mfu=mfu)
+                    for part in parts)
+        comps = []
+        for s, part in enumerate(parts):
+            tell = None if progress is None else \
+                (lambda msg, s=s: say(f"stage {s + 1}/{stages.pp}: {msg}"))
+            problem = make_problem(part, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
+                                   overlap_grad_reduce=o.overlap_grad_reduce,
+                                   comm_dtype=comm_dtype, hardware=hardware)
+            comps.append(compare_problem(problem, hardware, dp_options=o, tp_options=tp_options,
+                                         forward_backward_s=fbs[s] / m, progress=tell, **kwargs))
+    fwd, bwd = microbatch_times(fbs, m)
+    ends = one_f_one_b(fwd, bwd, m)
+    runs = tuple((r.name, PipelineSim(m, fwd, bwd, ends, tuple(c.run(r.name).sim for c in comps)))
+                 for r in comps[0].runs)
+    return PipelineComparison(tuple(comps), fbs, m, runs)
