@@ -27,13 +27,13 @@ from canzona.planner.inventory import ModelSpec
 from canzona.planner.layout import PhysicalLayout
 from canzona.planner.report import (busiest_index, gpu_packing_bound_of, max_mean,
                                     oversized_groups, pairs_dict, peak_within_cmax,
-                                    predicted_step, useful_mean)
+                                    predicted_step, stages_dict, useful_mean)
 
 from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
 if TYPE_CHECKING:
     from canzona.planner.hardware import HardwareProfile
-    from canzona.planner.plan import Plan
+    from canzona.planner.plan import PipelinePlan, Plan
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -290,6 +290,75 @@ def plan_summary(plan: Plan, path: Path, wall_s: float,
     pairs_view(pairs_dict(plan))
     tp_summary(plan)
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
+
+
+def pipeline_summary(plan: PipelinePlan, path: Path, wall_s: float,
+                     hw: HardwareProfile | None = None) -> None:
+    """What ``canzona plan --pp`` prints after writing ``path``: the stages side by side."""
+    first = plan.stages[0]
+    console.print(plan_header(first).replace(
+        f"dp={first.inputs.dp} ", f"pp={plan.pp} × dp={first.inputs.dp} ", 1).replace(
+        f"({gpus(first.inputs.dp * first.inputs.tp)})",
+        f"({gpus(plan.pp * first.inputs.dp * first.inputs.tp)})", 1), highlight=False)
+    stages_view(stages_dict(plan, hw))
+    console.print(f"wall time: {wall_s:.2f} s   (canzona inspect PLAN shows each stage in full: "
+                  "--stage S)", highlight=False)
+    console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
+
+
+def stages_view(d: dict) -> None:
+    """A pipeline's stages side by side (:func:`canzona.planner.report.stages_dict`)."""
+    tp = d["tp"] > 1
+    t = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
+    cols = ["stage", "layers", "params", "matrices", "DP max/mean"]
+    cols += ["GPU max/mean"] if tp else []
+    cols += ["state/GPU max", "× middle", "step", "ends at"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("stage", "layers") else "right")
+    for r in d["stages"]:
+        crit = r["stage"] == d["critical_stage"]
+        name = f"{r['stage']}" + (" ◀ critical" if crit else "")
+        held = "".join(" + emb" if x.startswith("embedding") else " + out"
+                       for x in r["end_layers"])
+        lay = (f"{r['first_layer']}–{r['first_layer'] + r['layers'] - 1}" if r["layers"]
+               else "none") + held
+        row = [name, lay, params_count(r["params"]), str(r["matrices"]),
+               f"{r['dp_load_max_over_mean']:.4f}"]
+        if tp:
+            g = r["gpu_load_max_over_mean"]
+            row.append("-" if g is None else f"{g:.4f}")
+        over = r["state_over_middle"]
+        per_gpu = r["state_bytes_max"] / (d["tp"] if tp else 1)
+        row += [human_bytes(per_gpu), "-" if over is None else f"{over:.2f}",
+                seconds(r["step_s"]), seconds(r["end_s"])]
+        t.add_row(*row, style="bold" if crit else None)
+    console.print(t)
+    console.print(
+        f"iteration [bold]{seconds(d['iteration_s'])}[/] on {escape(d['hardware'])}: 1F1B over "
+        f"{d['microbatches']} microbatches, forwards and backwards "
+        f"{seconds(d['forward_backward_s'])}, then the slowest stage's optimizer step, "
+        f"[bold]{seconds(d['step_s'])}[/] beyond them "
+        f"(stage {d['critical_stage']}; each stage's step starts at its own last backward)",
+        highlight=False)
+    ends = [r for r in d["stages"] if r["end_layers"]]
+    if ends:
+        said = "; ".join(
+            f"stage {r['stage']} holds {', '.join(r['end_layers'])}"
+            f"{' (the tied copy)' if r['tied_copy'] else ''}: "
+            f"{human_bytes(r['end_layers_state_bytes'])} of AdamW state"
+            + (f", its GPUs' state {r['state_over_middle']:.2f}× a middle stage's"
+               if r["state_over_middle"] else "") for r in ends)
+        console.print(f"uneven split: {said} (the layout is the trainer's: "
+                      "--first-stage-layers/--last-stage-layers move layers off the end stages)",
+                      highlight=False)
+
+
+def pipeline_json(plan: PipelinePlan, path: Path, wall_s: float,
+                  hw: HardwareProfile | None = None) -> dict:
+    """What ``canzona plan --pp --json`` prints: the stages side by side and each stage's
+    figures as ``plan --json`` gives them."""
+    return {"pipeline": stages_dict(plan, hw), "wall_s": wall_s, "output": str(path),
+            "stages": [plan_json(p, path, wall_s, hw) for p in plan.stages]}
 
 
 def step_view(st: dict | None, plan: Plan) -> None:

@@ -153,3 +153,36 @@ def compare_view(comp) -> None:
     if comp.runs:
         for n in comp.runs[-1].sim.notes[:2]:
             console.print(f"[dim]{escape(n)}[/]", highlight=False)
+
+
+def compare_pipeline_view(comp) -> None:
+    """Every strategy on a pipeline: its 1F1B iteration, the step beyond the forwards and
+    backwards, the critical stage and each stage's step."""
+    from canzona.planner.strategies import CANZONA, DESCRIPTIONS
+
+    first = comp.stages[0]
+    ep = f" ep={first.ep}" if first.ep > 1 else ""
+    console.print(f"[bold]{escape(first.model)}[/] pp={comp.pp} × dp={first.dp} tp={first.tp}"
+                  f"{ep} on [bold]{escape(first.hardware)}[/]: 1F1B over {comp.microbatches} "
+                  f"microbatches; each stage's forward+backward "
+                  + ", ".join(ms(x) for x in comp.forward_backward_s), highlight=False)
+    base = next((sim for n, sim in comp.runs if n == CANZONA), None)
+    t = Table(title="Predicted per iteration, ms (modelled, not measured); step: from the last "
+                    "backward's end to the slowest stage's parameters ready",
+              title_justify="left")
+    cols = ["strategy", "iter", "step", "×cz", "crit"] + [f"stage {s}" for s in range(comp.pp)]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=True)
+    for name, sim in comp.runs:
+        label = name if first.run(name).exact else f"{name} [red]✗[/]"
+        rel = f"{sim.step_s / base.step_s:.2f}" if base is not None and base.step_s > 0 else "–"
+        t.add_row(label, _n(sim.iteration_s), _n(sim.step_s), rel, str(sim.critical_stage),
+                  *(_n(st.step_s) for st in sim.steps))
+    console.print(t)
+    console.print("[dim]iter: the 1F1B iteration; step: what the optimizer adds beyond the "
+                  "forwards and backwards; ×cz: step / canzona's; crit: the stage done last; "
+                  "stage s: that stage's optimizer step behind its own last backward[/]",
+                  highlight=False)
+    console.print("[dim]✗: not the exact optimizer[/]", highlight=False)
+    for name, _ in comp.runs:
+        console.print(f"[dim]{name}: {escape(DESCRIPTIONS[name])}[/]", highlight=False)

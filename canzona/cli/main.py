@@ -116,6 +116,24 @@ ConfigOpt = Annotated[Optional[Path], typer.Option(
 DpOpt = Annotated[int, typer.Option("--dp", help="Data-parallel size.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")]
 EpOpt = Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE models).")]
+PpOpt = Annotated[int, typer.Option(
+    "--pp", help="Pipeline stages: each stage's layers planned over its own DP and TP groups "
+                 "(--dp and --tp are each stage's), in one plan file.")]
+FirstStageOpt = Annotated[Optional[int], typer.Option(
+    "--first-stage-layers", show_default="an even share",
+    help="Decoder layers on the first pipeline stage (Megatron's "
+         "num_layers_in_first_pipeline_stage).")]
+LastStageOpt = Annotated[Optional[int], typer.Option(
+    "--last-stage-layers", show_default="an even share",
+    help="Decoder layers on the last pipeline stage (Megatron's "
+         "num_layers_in_last_pipeline_stage).")]
+StageOpt = Annotated[Optional[int], typer.Option(
+    "--stage", min=0, show_default="the critical stage",
+    help="A pipeline's plan (pp > 1): the stage shown in full after the stages side by "
+         "side.")]
+MicrobatchesOpt = Annotated[Optional[int], typer.Option(
+    "--microbatches", min=1, show_default="4 · pp",
+    help="Microbatches per iteration of a pipeline (1F1B), pp > 1.")]
 EtpOpt = Annotated[Optional[int], typer.Option(
     "--etp", show_default="tp",
     help="Expert tensor-parallel size (MoE models): 1 keeps every expert matrix whole on its "
@@ -142,6 +160,8 @@ FLAGS = {
     "TPOptions.share": "--share",
     "ParallelSizes.dp": "--dp", "ParallelSizes.tp": "--tp",
     "ParallelSizes.ep": "--ep", "ParallelSizes.etp": "--etp",
+    "StageSplit.pp": "--pp", "StageSplit.first_stage_layers": "--first-stage-layers",
+    "StageSplit.last_stage_layers": "--last-stage-layers",
     "inspect_report.config": "--config",
 }
 
@@ -295,6 +315,9 @@ def plan(
     tp: TpOpt = 1,
     ep: EpOpt = 1,
     etp: EtpOpt = None,
+    pp: PpOpt = 1,
+    first_stage_layers: FirstStageOpt = None,
+    last_stage_layers: LastStageOpt = None,
     optimizer: Annotated[str, typer.Option(
         "--optimizer", help=f"Matrix optimizer: {', '.join(optimizers.names())}.")] = "muon",
     ns: Annotated[str, typer.Option(
@@ -391,8 +414,9 @@ def plan(
     from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions, pipeline,
                                  resolve_model)
     from canzona.planner.inventory import NAMINGS
-    from canzona.planner.plan import save_plan
+    from canzona.planner.plan import PipelinePlan, save_plan
     from canzona.planner.planning import default_plan_name
+    from canzona.planner.stages import StageSplit, stage_layers
 
     t0 = time.perf_counter()
     dp_options = DPOptions(solver=solver.strip().lower(), alpha=alpha, cost=cost.strip().lower(),
@@ -408,22 +432,32 @@ def plan(
         ns_steps=ns_steps, ns_coefficients=_ns_schedule(ns),
         qkv_split=_qkv_split(qkv_split, split_qkv), split_gate_up=split_gate_up)
     sizes = ParallelSizes(dp=dp, tp=tp, ep=ep, etp=None if etp == tp else etp)
-    name = resolve_model(model, config).name
-    default = default_plan_name(name, sizes, settings.name)
+    split = StageSplit(pp=pp, first_stage_layers=first_stage_layers,
+                       last_stage_layers=last_stage_layers)
+    cfg = resolve_model(model, config)
+    stage_layers(cfg.layers, split)  # a split that does not fit fails before anything else
+    default = default_plan_name(cfg.name, sizes, settings.name, pp=pp)
     out = output / default if output is not None and output.is_dir() else output or Path(default)
     _check_output(out)
     ep_text = f" ep={ep}" if ep > 1 else ""
-    with _render.progress(f"planning {name} dp={dp} tp={tp}{ep_text}", quiet=quiet) as say:
+    pp_text = f" pp={pp}" if pp > 1 else ""
+    with _render.progress(f"planning {cfg.name} dp={dp} tp={tp}{ep_text}{pp_text}",
+                          quiet=quiet) as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
                                tp_options=tp_options, progress=say,
-                               names=_choice(names, tuple(NAMINGS), "--names"))
+                               names=_choice(names, tuple(NAMINGS), "--names"), stages=split)
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)
     from canzona.planner.hardware import load_hardware
 
     hw = load_hardware(tp_options.hardware)
-    if as_json:
+    if isinstance(result, PipelinePlan):
+        if as_json:
+            _render.json_out(_render.pipeline_json(result, out, wall, hw))
+        else:
+            _render.pipeline_summary(result, out, wall, hw)
+    elif as_json:
         _render.json_out(_render.plan_json(result, out, wall, hw))
     else:
         _render.plan_summary(result, out, wall, hw)
@@ -450,28 +484,55 @@ def inspect(
         "--plot", help="Write a per-DP-index chart to this file (.png, .pdf, .svg, …; a folder: "
                        "named after the plan) and, for tp > 1, the TP view beside it as "
                        "NAME-tp.EXT (needs matplotlib).")] = None,
+    stage: StageOpt = None,
 ) -> None:
     """Report a plan: per-DP-index loads and collectives, the costliest buckets, gap to the bound,
-    heaviest tasks, every baseline."""
-    from canzona.planner.report import inspect_report
+    heaviest tasks, every baseline; a pipeline's stages side by side, then one stage so."""
+    from canzona.planner.report import inspect_report, stages_dict
+    from canzona.planner.plan import PipelinePlan
     from canzona.planner.plan.load import load_plan
 
     from . import plots
 
     ranks = _choice(ranks, ("auto", "all"), "--ranks")
+    stages = None
     with _render.progress(f"inspecting {plan_file.name}", quiet=quiet) as say:
         say("reading the plan")
-        p = load_plan(plan_file)
+        whole = load_plan(plan_file)
+        if isinstance(whole, PipelinePlan):
+            say("the stages, simulated")
+            stages = stages_dict(whole)
+            s = _stage_of(whole, stage, stages["critical_stage"])
+            p = whole.stage(s)
+        else:
+            if stage is not None:
+                raise CanzonaError(f"--stage {stage}: {plan_file} is a plan of a whole model "
+                                   "(pp 1); drop --stage.")
+            p = whole
         charts = plots.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
         report = inspect_report(p, config=config, top=top, progress=say)
         plots.write_charts(p, charts, progress=say)
     if as_json:
-        _render.json_out(report)
+        _render.json_out(report if stages is None else
+                         {"pipeline": stages, "stage": s, "report": report})
     else:
+        if stages is not None:
+            _render.stages_view(stages)
+            _render.console.rule(f"stage {s} of {whole.pp}, in full")
         _render.inspect_view(p, report, top_buckets=top_buckets, ranks=ranks)
         if report["tp_schedule"] is not None:
             _render.tp_view(p, report["tp_schedule"], ranks=ranks)
     _render.wrote_charts(charts, as_json=as_json)
+
+
+def _stage_of(plan: Any, stage: int | None, critical: int) -> int:
+    """The stage ``--stage`` names of a pipeline's plan (default: ``critical``)."""
+    if stage is None:
+        return critical
+    if stage >= plan.pp:
+        raise CanzonaError(f"--stage {stage}: the plan has stages 0 to {plan.pp - 1}; give one "
+                           "of them.")
+    return stage
 
 
 @command
@@ -497,10 +558,15 @@ def simulate(
         "--plot", help="Write the per-rank timeline (the critical rank and the ranks done last) "
                        "to this file (.png, .pdf, .svg, …; a folder: named after the plan; needs "
                        "matplotlib).")] = None,
+    microbatches: MicrobatchesOpt = None,
+    stage: StageOpt = None,
 ) -> None:
     """Predict a plan's optimizer step on a cluster: compute, TP gather/scatter, DP reduce and
     all-gather, what overlaps what, and the critical rank. Behind the same forward/backward as
-    canzona compare (6·N_active·tokens at --mfu) unless told."""
+    canzona compare (6·N_active·tokens at --mfu) unless told. A pipeline's plan: one 1F1B
+    iteration, each stage's step behind its own last backward, then one stage in full."""
+    from canzona.planner.plan import PipelinePlan
+    from canzona.planner.report import stages_dict
     from canzona.planner.simulate import (plan_forward_backward, plan_hardware, simulate_plan,
                                           split_forward_backward)
     from canzona.planner.plan.load import load_plan
@@ -511,7 +577,46 @@ def simulate(
         raise CanzonaError(f"--mfu must be in (0, 1], got {mfu:g}.")
     if backward is not None and forward_backward is not None:
         raise CanzonaError("give --backward or --forward-backward, not both.")
-    p = load_plan(plan_file)
+    whole = load_plan(plan_file)
+    if isinstance(whole, PipelinePlan):
+        if backward is not None or tokens is not None or seq != 4096 or mfu != 0.4:
+            raise CanzonaError(
+                "a pipeline's plan is simulated behind each stage's own forward and backward "
+                "(6·N_stage·tokens at MFU 0.4, split over --microbatches); drop --backward, "
+                "--tokens, --seq and --mfu, or give --forward-backward (each stage's, seconds).")
+        hw = plan_hardware(whole.stages[0], hardware)
+        st = stages_dict(whole, hw, microbatches=microbatches,
+                         overlap_param_gather=overlap_param_gather,
+                         forward_backward_s=None if forward_backward is None
+                         else (forward_backward,) * whole.pp)
+        s = _stage_of(whole, stage, st["critical_stage"])
+        row = st["stages"][s]
+        p = whole.stage(s)
+        fwd, bwd = row["forward_s"], row["backward_s"]
+        how = (f"stage {s}'s last microbatch ({st['microbatches']} in 1F1B over {whole.pp} "
+               "stages)")
+        chart = None
+        if plot is not None:
+            chart = plots.resolve_chart(plot, plan_file.name.removesuffix(".json")
+                                        .removesuffix(".plan") + f"-stage{s}-timeline")
+        sim = simulate_plan(p, hw, backward_s=bwd, overlap_param_gather=overlap_param_gather,
+                            forward_s=fwd)
+        if chart is not None:
+            plots.plot_timeline(sim, chart)
+        if as_json:
+            _render.json_out({"pipeline": st, "stage": s, "simulation":
+                              _simulate_render.simulate_json(sim, hw, str(plan_file), how=how)})
+        else:
+            _render.stages_view(st)
+            _render.console.rule(f"stage {s} of {whole.pp}: its optimizer step")
+            _simulate_render.simulate_view(sim, hw, top=top, how=how)
+        if chart is not None:
+            _render.wrote_charts([chart], as_json=as_json, labels=("timeline",))
+        return
+    if microbatches is not None or stage is not None:
+        raise CanzonaError(f"{plan_file} is a plan of a whole model (pp 1): --microbatches and "
+                           "--stage apply to a pipeline's plan; drop them.")
+    p = whole
     hw = plan_hardware(p, hardware)
     if backward is not None:
         fwd, bwd, how = backward / 2, backward, "backward given (--backward)"
@@ -598,6 +703,14 @@ def compare(
         "--plot", help="Write a stacked bar per strategy to this file (.png, .pdf, .svg, …; a "
                        "folder: a name is made) and canzona's per-rank timeline beside it as "
                        "NAME-timeline.EXT (needs matplotlib).")] = None,
+    pp: Annotated[Optional[int], typer.Option(
+        "--pp", show_default="1, or the plan's",
+        help=f"Pipeline stages (1F1B): every strategy on each stage, each stage's step behind "
+             f"its own last backward; the iteration ends with the slowest stage's.{FROM_PLAN}"
+    )] = None,
+    first_stage_layers: FirstStageOpt = None,
+    last_stage_layers: LastStageOpt = None,
+    microbatches: MicrobatchesOpt = None,
 ) -> None:
     """Predict the optimizer step and iteration of every strategy (sc, zero1, layer-wise as
     megatron-core deals it and by LPT, Megatron's packed layout, the paper's greedy, canzona) on
@@ -617,6 +730,17 @@ def compare(
         raise CanzonaError("--strategies: name at least one of: " + ", ".join(STRATEGIES) + ".")
     kw = dict(strategies=chosen, mfu=mfu, seq=seq, tokens=tokens,
               forward_backward_s=forward_backward, overlap_param_gather=overlap_param_gather)
+    staged = _compare_stages(plan_file, pp, first_stage_layers, last_stage_layers)
+    if staged is not None:
+        if plot is not None:
+            raise CanzonaError("--plot draws one model's strategies; for a pipeline, compare "
+                               "a stage's plan (canzona simulate PLAN --stage S --plot) or drop "
+                               "--plot.")
+        _compare_pipeline(model, config, plan_file, staged, dp, tp, ep, optimizer, hardware,
+                          bucket_size, share, microbatches, as_json, quiet, kw)
+        return
+    if microbatches is not None:
+        raise CanzonaError("--microbatches applies to pipelines (--pp > 1); drop it.")
     if plan_file is not None:
         if model is not None:
             raise CanzonaError("give --plan or --model, not both (--config goes with --plan only "
@@ -670,6 +794,82 @@ def compare(
     if chart is not None:
         _render.wrote_charts([chart, plots.timeline_path(chart)], as_json=as_json,
                              labels=("chart", "timeline"))
+
+
+def _compare_stages(plan_file: Path | None, pp: int | None, first: int | None,
+                    last: int | None) -> Any:
+    """The stages ``compare`` runs (a ``StageSplit``), None for a whole model: ``--pp`` and
+    the first and last stages' layers, or a pipeline's plan given with ``--plan``."""
+    from canzona.planner.plan import PipelinePlan
+    from canzona.planner.plan.load import load_plan
+    from canzona.planner.stages import StageSplit
+
+    if plan_file is not None:
+        if first is not None or last is not None:
+            raise CanzonaError("--first-stage-layers and --last-stage-layers shape the stages "
+                               "compare plans; a plan given with --plan records its own: drop "
+                               "them.")
+        p = load_plan(plan_file)
+        got = p.pp if isinstance(p, PipelinePlan) else 1
+        _agree_with_plan(plan_file, {"pp": (pp, got)})
+        return p if isinstance(p, PipelinePlan) else None
+    split = StageSplit(pp=pp or 1, first_stage_layers=first, last_stage_layers=last)
+    return split if split.pp > 1 or first is not None or last is not None else None
+
+
+def _compare_pipeline(model: str | None, config: Path | None, plan_file: Path | None,
+                      staged: Any, dp: int | None, tp: int | None, ep: int | None,
+                      optimizer: str | None, hardware: str | None, bucket_size: int | None,
+                      share: str | None, microbatches: int | None, as_json: bool, quiet: bool,
+                      kw: dict) -> None:
+    """``compare`` of a pipeline: every strategy on each stage, and the 1F1B iteration."""
+    from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions,
+                                 resolve_model)
+    from canzona.planner.plan import PipelinePlan
+    from canzona.planner.stages import StageSplit, stage_layers
+    from canzona.planner.strategies import compare_pipeline
+
+    from . import _simulate_render
+
+    if isinstance(staged, PipelinePlan):
+        if model is not None:
+            raise CanzonaError("give --plan or --model, not both.")
+        if share is not None:
+            raise CanzonaError("--share applies when compare makes the plans (--model/--config); "
+                               "the plan given with --plan already records what it shares.")
+        inp = staged.stages[0].inputs
+        _agree_with_plan(plan_file, {  # type: ignore[arg-type]
+            "dp": (dp, inp.dp), "tp": (tp, inp.tp), "ep": (ep, inp.ep),
+            "optimizer": (optimizer and _choice(optimizer, optimizers.names(), "--optimizer"),
+                          inp.optimizer.name),
+            "bucket-size": (bucket_size, inp.bucket_size)})
+        title = plan_file.name  # type: ignore[union-attr]
+        with _render.progress(f"comparing {title}", quiet=quiet) as say:
+            comp = compare_pipeline(None, None,  # type: ignore[arg-type]
+                                    stages=StageSplit(pp=staged.pp), plan=staged,
+                                    microbatches=microbatches, hardware=hardware,
+                                    config=config, progress=say, **kw)
+    else:
+        dp, tp, ep = (1 if v is None else v for v in (dp, tp, ep))
+        cfg = resolve_model(model, config)
+        stage_layers(cfg.layers, staged)
+        settings = OptimizerSettings(
+            name=_choice(optimizer or "muon", optimizers.names(),  # type: ignore[arg-type]
+                         "--optimizer"))
+        hw_name = (hardware or "h100").strip()
+        with _render.progress(f"comparing {cfg.name} pp={staged.pp} dp={dp} tp={tp}",
+                              quiet=quiet) as say:
+            comp = compare_pipeline(
+                model or config, ParallelSizes(dp=dp, tp=tp, ep=ep), settings, stages=staged,
+                microbatches=microbatches, hardware=hw_name,
+                dp_options=DPOptions(bucket_size=bucket_size),
+                tp_options=TPOptions(hardware=hw_name,
+                                     share=(share or DEFAULT_SHARE).strip().lower()),
+                progress=say, **kw)
+    if as_json:
+        _render.json_out(comp.to_dict())
+    else:
+        _simulate_render.compare_pipeline_view(comp)
 
 
 @command

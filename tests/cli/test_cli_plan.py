@@ -174,7 +174,7 @@ def test_plan_cpsat_respects_a_short_time_limit(tmp_path):
 def test_plan_help_states_the_defaults():
     r = run("plan", "--help")
     assert r.exit_code == 0
-    text = " ".join(r.output.split())
+    text = " ".join(r.output.replace("│", " ").split())  # the help's wrapped lines, joined
     for needle in ("default: muon", "default: 1.0", "default: roofline", "default: auto",
                    "default: 10.0"):
         assert needle in text, needle
