@@ -13,8 +13,9 @@ from canzona.planner import optimizers, pipeline
 from canzona.planner.errors import CanzonaError, SizeError
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.options import DEFAULT_COST, DEFAULT_SHARE, DPOptions, TPOptions
-from canzona.planner.plan import Plan
+from canzona.planner.plan import PipelinePlan, Plan
 from canzona.planner.settings import OptimizerSettings
+from canzona.planner.stages import StageSplit
 
 __all__ = ["plan_model"]
 
@@ -45,8 +46,11 @@ def plan_model(
     vocab: int | None = None,
     share: str = DEFAULT_SHARE,
     head_dim: int | None = None,
+    pp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
     **settings: Any,
-) -> Plan:
+) -> Plan | PipelinePlan:
     """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.
 
     Args:
@@ -86,6 +90,14 @@ def plan_model(
             ``*q_proj.weight``, ``*k_proj.weight``, ``*v_proj.weight``), which
             ``qkv_split="heads"`` orthogonalises head by head; a Megatron-core model's come from
             its config.
+        pp, first_stage_layers, last_stage_layers: pipeline stages
+            (:class:`~canzona.planner.stages.StageSplit`, Megatron's rule): ``model`` is the
+            whole model (its decoder layers named ``layers.{i}``), each stage is planned over
+            its own DP and TP groups, and the result is a
+            :class:`~canzona.planner.plan.PipelinePlan` for every stage's ranks (each builds
+            ``CanzonaOptimizer(stage_module, plan, pp_group=…)``). A module whose output head
+            is its embedding's tensor has that weight copied to the last stage, under the head's
+            name.
         **settings: further :class:`~canzona.planner.settings.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``,
             ``qkv_split``: ``fused``, ``qkv`` or ``heads``, …).
@@ -131,7 +143,9 @@ def plan_model(
         etp = megatron_etp(model)
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
-                         tp_options=tp_options, progress=progress)
+                         tp_options=tp_options, progress=progress,
+                         stages=StageSplit(pp=pp, first_stage_layers=first_stage_layers,
+                                           last_stage_layers=last_stage_layers))
 
 
 def _built(given: int | None, arg: str, built: int, field: str, what: str) -> int:

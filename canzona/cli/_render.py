@@ -344,7 +344,7 @@ def stages_view(d: dict) -> None:
     if ends:
         said = "; ".join(
             f"stage {r['stage']} holds {', '.join(r['end_layers'])}"
-            f"{' (the tied copy)' if r['tied_copy'] else ''}: "
+            f"{' (tied: one weight in two copies)' if r['tied_copy'] else ''}: "
             f"{human_bytes(r['end_layers_state_bytes'])} of AdamW state"
             + (f", its GPUs' state {r['state_over_middle']:.2f}× a middle stage's"
                if r["state_over_middle"] else "") for r in ends)

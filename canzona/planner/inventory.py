@@ -160,13 +160,17 @@ class ModelSpec:
     such a spec is named by ``label``; TP lays out only its plain column and row splits (the head
     and FFN sizes that fused layouts need are unknown), and EP only its per-expert weights.
     ``stage``: the pipeline stage these parameters are (``canzona.planner.stages``), None for the
-    whole model.
+    whole model. ``tied``: the output layer's name when it shares the embedding's weight (the
+    whole model holds that weight once, as the embedding; a pipeline's last stage holds a copy
+    under this name), read from a live module; a config says so itself
+    (``ModelConfig.tied_embeddings``).
     """
 
     config: ModelConfig | None
     params: tuple[ParamSpec, ...]
     label: str | None = None
     stage: Stage | None = None
+    tied: str | None = None
     _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     #: What is computed once per spec (its fingerprint).
     _memo: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)

@@ -131,6 +131,23 @@ def plan(
         validate_sizes(spec.config, sizes)  # before any stage is planned
     parts = split_model(spec, split)
     made = []
+    with warnings.catch_warnings(record=True) as notes:  # each stage's notes, said once
+        warnings.simplefilter("always")
+        made = _plan_stages(parts, split, sizes, settings, o, t, model_source, dp_only,
+                            progress)
+    said: set[tuple[type, str]] = set()
+    for n in notes:
+        if (n.category, str(n.message)) not in said:
+            said.add((n.category, str(n.message)))
+            warnings.warn(n.message, n.category, stacklevel=2)
+    return PipelinePlan(pp=split.pp, stages=tuple(made))
+
+
+def _plan_stages(parts: tuple[ModelSpec, ...], split: StageSplit, sizes: ParallelSizes,
+                 settings: OptimizerSettings, o: DPOptions, t: TPOptions, model_source: str,
+                 dp_only: bool, progress: Callable[[str], None] | None) -> list[Plan]:
+    """Each stage's plan, in stage order (:func:`plan` with stages)."""
+    made = []
     for part in parts:
         s = part.stage.stage  # type: ignore[union-attr]
         tell = None if progress is None else \
@@ -140,7 +157,7 @@ def plan(
                                comm_dtype=t.comm_dtype, hardware=t.hardware)
         made.append(plan_problem(problem, dp_options=o, tp_options=t,
                                  model_source=model_source, dp_only=dp_only, progress=tell))
-    return PipelinePlan(pp=split.pp, stages=tuple(made))
+    return made
 
 
 def plan_problem(

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from .errors import SizeError
 from .inventory import ModelSpec, ParamSpec, Stage
 
-__all__ = ["StageSplit", "split_model", "stage_layers", "stage_model", "tied_copy"]
+__all__ = ["StageSplit", "split_model", "stage_layers", "stage_model", "tied_copy",
+           "tied_name"]
 
 @dataclass(frozen=True, slots=True)
 class StageSplit:
@@ -104,15 +105,29 @@ def stage_model(spec: ModelSpec, stage: Stage) -> ModelSpec:
     held = [p for p in spec.params
             if (stage.first_layer <= p.layer < end if p.layer is not None
                 else stage.first if p.kind == "embedding" else stage.last)]
-    if stage.last and stage.pp > 1 and spec.config is not None and spec.config.tied_embeddings:
-        held.append(tied_copy(next(p for p in spec.params if p.kind == "embedding")))
+    name = tied_name(spec)
+    if stage.last and stage.pp > 1 and name is not None:
+        held.append(tied_copy(next(p for p in spec.params if p.kind == "embedding"), name))
     return dataclasses.replace(spec, params=tuple(held), stage=stage, _index={})
 
 
-def tied_copy(embedding: ParamSpec) -> ParamSpec:
-    """The last stage's copy of a tied embedding: Megatron's ``output_layer.weight`` there,
-    the embedding's shape, layout and optimizer."""
-    return dataclasses.replace(embedding, name="output_layer.weight", kind="output")
+def tied_name(spec: ModelSpec) -> str | None:
+    """The name of the output layer that shares the embedding's weight, None when none does: a
+    live module's (``ModelSpec.tied``), or for a tied config Megatron's ``output_layer.weight``
+    (the ``transformers`` model's ``lm_head.weight`` under its names)."""
+    if spec.tied is not None:
+        return spec.tied
+    if spec.config is None or not spec.config.tied_embeddings:
+        return None
+    emb = next((p for p in spec.params if p.kind == "embedding"), None)
+    hf = emb is not None and emb.name.startswith("model.")
+    return "lm_head.weight" if hf else "output_layer.weight"
+
+
+def tied_copy(embedding: ParamSpec, name: str) -> ParamSpec:
+    """The last stage's copy of a tied embedding under the output layer's ``name``: the
+    embedding's shape, layout and optimizer."""
+    return dataclasses.replace(embedding, name=name, kind="output")
 
 
 def _layer_count(spec: ModelSpec) -> int:

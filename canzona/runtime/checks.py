@@ -280,6 +280,13 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
     parameters this rank holds, ``ExpertLayout.held``) the rank's parameters are compared with
     the plan's, name by name: the fingerprint covers every EP rank's experts."""
     planned = plan_params(plan)
+    if not pairs or not planned:  # a pipeline stage without parameters, and its plan
+        if not pairs and not planned:
+            return None
+        held_by = "the model" if pairs else "the plan"
+        first = (pairs[0][0] if pairs else planned[0][0])
+        return (f"{held_by} has parameters ('{first}', …) and the other none: give each "
+                "pipeline stage its own module and plan")
     spec = _unpadded_vocab(inventory(pairs), planned, plan.inputs.tp)
     live = [(p.name, tuple(p.shape), p.dtype) for p in spec.params]
     if held is not None:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from canzona.planner.formulas import LOCKSTEP_CMAX
 from canzona.planner.plan import Plan
-from canzona.runtime import checks, experts, replicated, update, weights
+from canzona.runtime import checks, experts, flags, replicated, stages, update, weights
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.introspect import local_tensor, named_params
@@ -68,6 +68,10 @@ class Construction:
         checks.check_not_ddp(model, grad_sync)
         check_megatron_model(model)  # FSDP storage, legacy GroupedMLP: before any collective
         pairs = named_params(model)
+        if self._stage.pp > 1:  # decoder layers by their global number, as the plan has them
+            names = stages.global_names([n for n, _ in pairs], self._stage,
+                                        {t.param for t in plan.tasks})
+            pairs = [(n, p) for n, (_, p) in zip(names, pairs)]
         checks.check_split_parts(plan, pairs)
         checks.check_experts(plan, [n for n, _ in pairs], model)
         self._names = [n for n, _ in pairs]
@@ -295,6 +299,36 @@ class Construction:
             self._hooks.append(model.register_forward_pre_hook(
                 lambda *_: self.wait_params()))  # type: ignore[attr-defined]
 
+    def _tie_end_stages(self) -> None:
+        """A pipeline's end stages with tied embeddings (``runtime.stages``): the tied weight's
+        bucket is reduced at ``step()``, after the two ends summed its gradients; on the last
+        stage its own slices are left out of the gradient norm (the weight counts once)."""
+        self._tied: stages.TiedWeights | None = None
+        self._norm_excluded: list[list[tuple[int, int]]] = []
+        name = self._stage.tied
+        if name is None:
+            return
+        if self._external:
+            raise PlanMismatchError(
+                "tied embeddings across pipeline stages need canzona to reduce the gradients "
+                "(grad_sync='reduce_scatter'): the end stages sum the tied weight's gradients "
+                "before the DP reduction.")
+        i = self._names.index(name)
+        s = self._schedule
+        bi = s.param_bucket[i]
+        lo, hi = s.param_range[i]
+        grads = self._storage.buffers[bi].grads
+        self._tied = stages.TiedWeights(self._stage, i, timeout_s=self._timeout, rank=self._rank)
+        tied = self._tied
+        self._storage.defer({bi}, lambda: tied.sum_grads(grads[lo:hi]))
+        self._tied_bucket = bi
+        if self._stage.last:
+            c0, c1 = s.own_range(bi)
+            self._norm_excluded = [[] for _ in s.buckets]
+            a, z = max(lo, c0), min(hi, c1)
+            if a < z:
+                self._norm_excluded[bi].append((a - c0, z - c0))
+
     def _device(self) -> torch.device:
         """Where this rank's parameters, and so its state, live."""
-        return self._params[0].device if self._params else torch.device("cpu")
+        return self._params[0].device if self._params else flags.device_of_group(self._group)

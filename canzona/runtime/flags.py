@@ -22,6 +22,15 @@ from canzona.runtime.storage.gradients import GradientCollector
 from canzona.runtime.waits import wait_for
 
 
+def device_of_group(group: Any) -> torch.device:
+    """Where a rank without parameters (a pipeline stage holding none) keeps the tensors of its
+    collectives: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and torch.cuda.is_available() \
+            and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_max(t: Tensor, *, dp: int, group: Any, tp: int, tp_group: Any, flight: Any,
                    timeout_s: float | None, rank: int) -> None:
     """MAX all-reduce of ``t`` over the DP group, then the TP group (each only when it has more
@@ -51,7 +60,7 @@ def agree(grads: GradientCollector, buffers: Sequence[BucketBuffers], work: Work
     parameters, ``(places, total)``: the flags are laid out so, so that another EP rank's
     experts never stand in for this rank's."""
     n = len(params)
-    device = params[0].device
+    device = params[0].device if params else device_of_group(None)
     if positions is not None:
         places, total = positions
         where = torch.tensor(list(places), dtype=torch.long)
@@ -139,6 +148,22 @@ def apply_policy(agreed: tuple[list[int], list[int]], *, grads: GradientCollecto
     warnings.warn(f"skipped {len(bad)} parameter(s) with a non-finite gradient this step "
                   f"(nonfinite='skip'): " + ", ".join(names[i] for i in bad),
                   NonFiniteSkipWarning, stacklevel=3)
+
+
+def verdict(agreed: tuple[list[int], list[int]], *, matrix_params: Collection[int],
+            matrix: Any, adamw: Any) -> int:
+    """What :func:`apply_policy` will do with ``agreed``, as a number the pipeline stages agree
+    on (``runtime.stages``): 2 it raises for DP ranks without gradients, 1 for a non-finite
+    gradient under ``nonfinite="raise"``, 0 it goes on (skipping what it skips)."""
+    bad, missing = agreed
+    if missing:
+        return 2
+    matrix_set = set(matrix_params)
+    for i in bad:
+        kernel = matrix if i in matrix_set else adamw
+        if getattr(getattr(kernel, "config", None), "nonfinite", "raise") == "raise":
+            return 1
+    return 0
 
 
 def own_pieces(work: WorkOrder, bucket: int) -> list:

@@ -30,7 +30,8 @@ def _tuplify(value: Any) -> Any:
 
 def build_param_groups(matrix_params: list[Tensor], adamw_params: list[Tensor], matrix: Any,
                        adamw: AdamW) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The groups (an empty one is left out) and the ``defaults``: the matrix group's
+    """The groups (an empty one is left out, but for a pipeline stage without parameters, whose
+    empty AdamW group keeps a scheduler working) and the ``defaults``: the matrix group's
     hyper-parameters, as ``torch.optim.Muon``'s, which is what a momentum-cycling scheduler reads
     to pick its convention (``betas`` if present, else ``momentum``)."""
     mhp = config_fields(matrix.config)
@@ -38,7 +39,7 @@ def build_param_groups(matrix_params: list[Tensor], adamw_params: list[Tensor], 
     groups = []
     if matrix_params:
         groups.append({"params": matrix_params, "name": "matrix", **mhp})
-    if adamw_params:
+    if adamw_params or not matrix_params:  # a pipeline stage without parameters keeps one
         groups.append({"params": adamw_params, "name": "adamw", **ahp})
     return groups, dict(mhp if matrix_params else ahp)
 

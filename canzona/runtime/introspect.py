@@ -26,6 +26,7 @@ placement on its ``tp`` mesh dim (``Shard(0)`` → ``column``, ``Shard(1)`` → 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -237,9 +238,31 @@ def inventory(
         else:
             kind = "matrix"
         heads = head_dim if head_dim and kind == "matrix" and _match(pname, head_globs) else 0
+        layer = _LAYER.search(pname)
         specs.append(ParamSpec(name=pname, shape=shape, dtype=dtype_name(p.dtype, pname), kind=kind,
-                               layer=None, expert=None, tp_layout=_tp_layout(pname, p),
-                               head_rows=heads))
+                               layer=int(layer.group(2)) if layer else None, expert=None,
+                               tp_layout=_tp_layout(pname, p), head_rows=heads))
     label = name or (type(model).__name__ if isinstance(model, nn.Module) else "module")
     return ModelSpec(config=None, label=label,
-                     params=tuple(route(specs, matrix_globs=matrix_globs, adamw_globs=adamw_globs)))
+                     params=tuple(route(specs, matrix_globs=matrix_globs, adamw_globs=adamw_globs)),
+                     tied=_tied_output(model, specs, output_globs))
+
+
+#: A decoder layer's number in a parameter name (``layers.3.``, ``model.layers.3.``, Megatron's
+#: ``decoder.layers.3.``): what splits a module into pipeline stages.
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def _tied_output(model: object, specs: Sequence[ParamSpec],
+                 output_globs: Sequence[str]) -> str | None:
+    """The output head's name when it is the embedding's very tensor (``named_parameters``
+    lists it once, as the embedding): what a pipeline's last stage holds as a copy."""
+    if not isinstance(model, nn.Module):
+        return None
+    kinds = {s.name: s.kind for s in specs}
+    first: dict[int, str] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        held = first.setdefault(id(p), pname)
+        if held != pname and kinds.get(held) == "embedding" and _match(pname, output_globs):
+            return pname
+    return None

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from canzona.planner.plan import Plan
-from canzona.runtime import checks, flags, qk_clip, replicated, update
+from canzona.planner.plan import PipelinePlan, Plan
+from canzona.runtime import checks, flags, qk_clip, replicated, stages, update
 from canzona.runtime.construction import Construction
 from canzona.runtime.errors import UnusedParameterWarning
 from canzona.runtime.storage.gradients import clip_owned
@@ -171,6 +171,15 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         sync_init: broadcast DP rank 0's weights to the other DP ranks at construction. False
             (default): check that every DP rank holds the same weights (one all-reduce of a
             digest per parameter) and raise ``WeightsDifferError`` if not.
+        pp_group: pipeline parallelism (``runtime.stages``): this rank's pipeline group, one
+            rank per stage in stage order (Megatron's
+            ``parallel_state.get_pipeline_model_parallel_group()``). ``model`` is then this
+            stage's module and ``plan`` the pipeline's plan (``canzona plan --pp``,
+            ``canzona.plan_model(model, pp=)``) or this stage's; ``dp_group`` and ``tp_group``
+            are the stage's. The gradient norm of ``clip_grad_norm_`` and the non-finite and
+            missing-gradient checks span every stage; with tied embeddings the end stages sum
+            the weight's gradients and keep its two copies bit-identical.
+        stage: the stage this rank runs (default: its ``pp_group`` rank).
 
     Raises:
         PlanMismatchError: the plan does not match the live parameters (naming the first differing
@@ -184,7 +193,7 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
     def __init__(
         self,
         model: nn.Module | Iterable[tuple[str, Tensor]],
-        plan: Plan,
+        plan: Plan | PipelinePlan,
         *,
         lr: float | None = None,
         weight_decay: float | None = None,
@@ -211,8 +220,11 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         collective_timeout: float | None = None,
         flight_record: str | os.PathLike | None = None,
         sync_init: bool = False,
+        pp_group: Any = None,
+        stage: int | None = None,
     ) -> None:
         # -- checks that need no collective ---------------------------------------------------
+        plan, self._stage = stages.stage_plan(plan, pp_group, stage)
         dp_group, tp_group, expert_dp_group = self._check_arguments(
             plan, collective_timeout=collective_timeout, device_mesh=device_mesh,
             dp_group=dp_group, tp_group=tp_group, expert_dp_group=expert_dp_group,
@@ -246,6 +258,7 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         self._set_up_shared_and_tp(plan)
         self._find_replicated_ranges(model, tp_sum_grads)
         self._register_hooks(model, overlap_param_gather)
+        self._tie_end_stages()
 
     def _build_param_groups(self) -> None:
         """The ``torch.optim`` param groups (``runtime.groups``): ``"matrix"`` and ``"adamw"``,
@@ -317,6 +330,11 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         agreed = flags.agree(storage.grads, storage.buffers, self._schedule.mine, self._params,
                              reduce_max, rank=self._rank, size=self._dp,
                              positions=self._flag_positions)
+        stages.agree_over_stages(
+            flags.verdict(agreed, matrix_params=self._schedule.matrix_params,
+                          matrix=self._matrix, adamw=self._adamw),
+            self._stage, device=self._device(), timeout_s=self._timeout, rank=self._rank,
+            reset=self._start_next_iteration)
         flags.apply_policy(agreed, grads=storage.grads, buffers=storage.buffers,
                            work=self._schedule.mine, names=self._names,
                            matrix_params=self._schedule.matrix_params, matrix=self._matrix,
@@ -354,6 +372,9 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
             storage.gather(bi)
         if not self._overlap_gather:
             self.wait_params()
+        if self._tied is not None:  # the first stage's tied weight, whole, to the last's copy
+            storage.collectives[self._tied_bucket].finish_gather()
+            self._tied.share_weight(self._params[self._tied.index])
 
     def _start_next_iteration(self) -> None:
         self._storage.reset()
@@ -402,7 +423,8 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         self._wait_reductions()
         return clip_owned(self._storage.owned_grads, max_norm, norm_type, dp=self._dp,
                           group=self._storage.group, tp=self._tp, tp_group=self._tp_group,
-                          duplicates=self._tp_duplicates)
+                          duplicates=self._tp_duplicates, excluded=self._norm_excluded,
+                          pp=self._stage.pp, pp_group=self._stage.group)
 
     def qk_clip_(self, max_logits: Mapping[str, Tensor], *, threshold: float,
                  alpha: float = 0.5, groups: Sequence[Any] = (),

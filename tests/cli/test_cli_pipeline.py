@@ -33,7 +33,7 @@ def test_plan_pp_writes_a_stage_per_plan_and_shows_them_side_by_side(staged):
     assert [s.inputs.stage.first_layer for s in p.stages] == [0, 7, 14, 21]
     assert "◀ critical" in out and "+ emb" in out and "+ out" in out
     assert "uneven split: stage 0 holds embedding.word_embeddings.weight" in out
-    assert "(the tied copy)" in out
+    assert "(tied: one weight in two copies)" in out
 
 
 def test_inspect_simulate_and_compare_read_a_pipeline(staged):

@@ -13,6 +13,7 @@ from typing import Any
 from .. import comm as comm_model
 from ..hardware import DEFAULT_HARDWARE, HardwareProfile, load_hardware
 from ..planning import Cuts, DPProblem, equal_cuts, evaluate, pair_owners, pair_phases
+from ..stages import tied_name
 from .comm_section import comm_section
 from .compact import COMPACT_TASKS
 from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
@@ -135,7 +136,7 @@ def _stage(problem: DPProblem) -> StageInputs | None:
     if st is None or st.pp == 1:
         return None
     spec = problem.spec
-    tied = st.last and spec.config is not None and spec.config.tied_embeddings
+    tied = (st.first or st.last) and tied_name(spec) is not None
     return StageInputs(pp=st.pp, stage=st.stage, first_layer=st.first_layer, layers=st.layers,
                        tied_copy=tied)
 

@@ -116,8 +116,9 @@ class StageInputs(_Frozen):
     stage: int = Field(ge=0)
     first_layer: int = Field(ge=0)
     layers: int = Field(ge=0, description="decoder layers on this stage.")
-    tied_copy: bool = Field(default=False, description="this stage holds the tied embedding's "
-                                                       "copy (output_layer.weight).")
+    tied_copy: bool = Field(default=False, description="this end stage holds one of the tied "
+                                                       "embedding's two copies (stage 0 the "
+                                                       "embedding, the last stage its copy).")
 
     @model_validator(mode="after")
     def _in_range(self) -> StageInputs:

@@ -194,11 +194,15 @@ class RankLayout:
         self.logical = {n: s for n, s, _ in plan_params(opt.plan)}
         # expert TP 1 under tp > 1: this rank's experts are whole here, no TP rank shares them
         self.whole = opt._expert_names if opt._experts.whole else set()
+        # a pipeline's last stage: the tied embedding's copy is the embedding's keys (the first
+        # stage writes them; the copy reads them, so any pipeline size loads any other's)
+        alias = opt._stage.checkpoint_aliases()
+        self.copies = {i for i, n in enumerate(opt._names) if n in alias}
         self.views: list[ParamView] = []
         for i, (name, live, local) in enumerate(zip(opt._names, opt._live, opt._params)):
             shape = self.logical.get(name, tuple(live.shape))
-            self.views.append(ParamView(name, logical_key_shape(shape), view_2d(local.shape),
-                                        self.axis(i, self.tp_rank)))
+            self.views.append(ParamView(alias.get(name, name), logical_key_shape(shape),
+                                        view_2d(local.shape), self.axis(i, self.tp_rank)))
 
     def axis(self, i: int, rank: int) -> Axis:
         name = self.opt._names[i]
@@ -215,7 +219,9 @@ class RankLayout:
 
     def writes(self, i: int) -> bool:
         """This TP rank writes parameter i's pieces (TP rank 0 for what TP replicates; every
-        TP rank its own whole experts)."""
+        TP rank its own whole experts; none for a tied embedding's copy)."""
+        if i in self.copies:
+            return False
         return (self.views[i].axis.dim is not None or self.tp_rank == 0
                 or self.views[i].name in self.whole)
 

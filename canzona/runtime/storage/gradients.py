@@ -40,6 +40,9 @@ class GradientCollector:
         self._names = names
         self._buffers = buffers
         self.sync = True
+        #: Buckets reduced only at ``step()`` (``Zero1Buckets.defer``): the others launch in
+        #: order without them.
+        self.deferred: frozenset[int] = frozenset()
         self.reset()
 
     def reset(self) -> None:
@@ -84,14 +87,26 @@ class GradientCollector:
         return False
 
     def take_ready(self) -> list[int]:
-        """The complete buckets from ``next_bucket`` on, in order; they count as launched."""
+        """The complete buckets from ``next_bucket`` on, in order, passing over the deferred
+        ones (every rank passes over the same); they count as launched."""
         out = []
         nb = len(self._schedule.buckets)
-        while (self.next_bucket < nb
-               and self.reported[self.next_bucket] >= self.expected[self.next_bucket]):
-            out.append(self.next_bucket)
-            self.launched[self.next_bucket] = True
+        while self.next_bucket < nb:
+            b = self.next_bucket
+            if b not in self.deferred:
+                if self.reported[b] < self.expected[b]:
+                    break
+                out.append(b)
+                self.launched[b] = True
             self.next_bucket += 1
+        return out
+
+    def take_deferred(self) -> list[int]:
+        """The deferred buckets, in order (at ``step()``, once every bucket is complete); they
+        count as launched."""
+        out = [b for b in sorted(self.deferred) if not self.launched[b]]
+        for b in out:
+            self.launched[b] = True
         return out
 
     def complete_all(self) -> None:
@@ -142,7 +157,9 @@ def held_back_message(schedule: Schedule, buffers: Sequence[BucketBuffers], buck
 @torch.no_grad()
 def clip_owned(owns: Sequence[Tensor], max_norm: float, norm_type: float, *, dp: int,
                group: object, tp: int = 1, tp_group: object = None,
-               duplicates: Sequence[Sequence[tuple[int, int]]] = ()) -> Tensor:
+               duplicates: Sequence[Sequence[tuple[int, int]]] = (),
+               excluded: Sequence[Sequence[tuple[int, int]]] = (), pp: int = 1,
+               pp_group: object = None) -> Tensor:
     """Clip the averaged gradient slices by their global norm; each rank takes the norm of the
     slices it owns (every element lies in exactly one slice of its TP rank), all-reduces combine
     them over DP (and TP). Returns the total norm before clipping. ``norm_type``: 2.0 or inf
@@ -151,7 +168,12 @@ def clip_owned(owns: Sequence[Tensor], max_norm: float, norm_type: float, *, dp:
     Under TP (``tp > 1``) every TP rank owns the same slices of its own shards; ``duplicates[b]``
     lists the ranges of bucket b's own slice that hold parameters replicated over TP (identical
     on every TP rank): they count 1/tp on each, so every element counts once (Megatron counts
-    them on TP rank 0 only)."""
+    them on TP rank 0 only).
+
+    Under pipeline parallelism (``pp > 1``) the stages' norms combine over ``pp_group``;
+    ``excluded[b]`` lists ranges of bucket b's own slice that do not count (a tied weight's copy
+    on the last stage: the first stage counts it; with the inf norm the copy's equal gradient
+    changes no maximum)."""
     device = owns[0].device if owns else torch.device("cpu")
     if norm_type == 2.0:
         parts = [o.float().pow(2).sum() for o in owns]
@@ -159,6 +181,9 @@ def clip_owned(owns: Sequence[Tensor], max_norm: float, norm_type: float, *, dp:
             for o, ranges in zip(owns, duplicates):
                 for lo, hi in ranges:
                     parts.append(o[lo:hi].float().pow(2).sum() * (1.0 / tp - 1.0))
+        for o, ranges in zip(owns, excluded):
+            for lo, hi in ranges:
+                parts.append(-o[lo:hi].float().pow(2).sum())
         total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
         op = dist.ReduceOp.SUM if dist.is_available() else None
     else:
@@ -169,6 +194,8 @@ def clip_owned(owns: Sequence[Tensor], max_norm: float, norm_type: float, *, dp:
         dist.all_reduce(total, op=op, group=group)
     if tp > 1:
         dist.all_reduce(total, op=op, group=tp_group)
+    if pp > 1:
+        dist.all_reduce(total, op=op, group=pp_group)
     if norm_type == 2.0:
         total = total.clamp(min=0).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

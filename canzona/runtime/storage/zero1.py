@@ -80,9 +80,21 @@ class Zero1Buckets(Storage):
         """The group bucket ``bucket`` is sharded over: the DP group, or the expert-DP group."""
         return self.expert_group if self._schedule.buckets[bucket].expert else self.group
 
+    def defer(self, buckets: set[int], before: Any) -> None:
+        """Reduce ``buckets`` only at ``step()``, after ``before()`` (called with no argument)
+        has worked on their accumulated gradients: the tied embedding's buckets of a
+        pipeline's end stages (``runtime.stages``), whose gradients the two ends sum first."""
+        self.grads.deferred = frozenset(buckets)
+        self._before_deferred = before
+
     def reduce(self) -> None:
         self.grads.complete_all()
         self._launch_ready()
+        deferred = self.grads.take_deferred()
+        if deferred:
+            self._before_deferred()
+            for bi in deferred:
+                self.collectives[bi].launch_reduce(self._group_of(bi))
         for c in self.collectives:
             c.finish_reduce()
 
