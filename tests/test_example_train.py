@@ -80,3 +80,11 @@ def test_tp_example_preconditions_shampoo_blocks_shard_by_shard(examples):
     assert "micro-groups per DP index [0, 0], matrices shared by the TP group [7, 7]" in shard
     got = [float(x) for x in re.findall(r"^step\s+\d+\s+loss (\S+)", shard, re.M)]
     assert len(got) >= 2 and got[-1] < got[0]
+
+
+def test_pipeline_example_trains_and_exits_cleanly(examples):
+    """examples/train_pipeline.py: pp 2 × dp 2 with ``torch.distributed.pipelining`` (1F1B) and
+    tied embeddings, as the README runs it: exit 0 and a falling loss. That it equals one
+    process: ``tests/runtime/test_pipeline.py``."""
+    losses = examples.losses("train_pipeline.py", 4, "--steps", "12", timeout=240)
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
