@@ -63,6 +63,7 @@ class GPT(nn.Module):
     def __init__(self, dim: int, layers: int, *, tied: bool) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
+        nn.init.normal_(self.embed.weight, std=0.02)  # as GPT-2: a tied head starts near uniform
         self.layers = nn.ModuleDict({str(i): Block(dim, heads=4) for i in range(layers)})
         self.norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, VOCAB, bias=False)
@@ -169,7 +170,7 @@ def main() -> None:
         sched.step()
         opt.zero_grad()
         if s == pp - 1 and d == 0 and (step % 10 == 0 or step == args.steps - 1):
-            loss = float(sum(float(v) for v in losses))
+            loss = sum(float(v.detach()) for v in losses)
             print(f"step {step:4d}  loss {loss:.4f}  grad norm {float(norm):.3f}  "
                   f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)
     opt.close()
