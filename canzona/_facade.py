@@ -46,7 +46,7 @@ def plan_model(
     vocab: int | None = None,
     share: str = DEFAULT_SHARE,
     head_dim: int | None = None,
-    pp: int = 1,
+    pp: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     **settings: Any,
@@ -97,7 +97,9 @@ def plan_model(
             :class:`~canzona.planner.plan.PipelinePlan` for every stage's ranks (each builds
             ``CanzonaOptimizer(stage_module, plan, pp_group=…)``). A module whose output head
             is its embedding's tensor has that weight copied to the last stage, under the head's
-            name.
+            name. A Megatron-core model built with ``pipeline_model_parallel_size`` > 1 is one
+            stage's module: the plan is the whole model's, its stages as the TransformerConfig
+            lays them out (``pp`` must then agree or be left out).
         **settings: further :class:`~canzona.planner.settings.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``,
             ``qkv_split``: ``fused``, ``qkv`` or ``heads``, …).
@@ -115,7 +117,8 @@ def plan_model(
     tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware, share=share)
     from canzona.runtime.experts import global_inventory
     from canzona.runtime.introspect import inventory
-    from canzona.runtime.megatron import megatron_ep, megatron_etp, megatron_spec, megatron_tp
+    from canzona.runtime.megatron import (megatron_ep, megatron_etp, megatron_spec,
+                                          megatron_stages, megatron_tp)
 
     # A Megatron-core GPTModel is read through its TransformerConfig: the plan is the one made
     # offline from that config (Megatron names, fused layouts), with the live dtypes.
@@ -133,6 +136,8 @@ def plan_model(
         tp = 1 if tp is None else tp
         ep = 1 if ep is None else ep
         etp = None
+        split = StageSplit(pp=1 if pp is None else pp, first_stage_layers=first_stage_layers,
+                           last_stage_layers=last_stage_layers)
         if ep != 1:  # this rank's experts, numbered from 0: the whole model's, by global index
             spec = global_inventory(spec, ep)
     else:
@@ -141,11 +146,15 @@ def plan_model(
         ep = _built(ep, "ep", megatron_ep(model), "expert_model_parallel_size",
                     "expert-parallel")
         etp = megatron_etp(model)
+        split = megatron_stages(model)
+        _built(pp, "pp", split.pp, "pipeline_model_parallel_size", "pipeline-parallel")
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise SizeError("first_stage_layers and last_stage_layers come from the Megatron "
+                            "model's TransformerConfig (num_layers_in_first/last_pipeline_stage)"
+                            "; leave them out.")
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
-                         tp_options=tp_options, progress=progress,
-                         stages=StageSplit(pp=pp, first_stage_layers=first_stage_layers,
-                                           last_stage_layers=last_stage_layers))
+                         tp_options=tp_options, progress=progress, stages=split)
 
 
 def _built(given: int | None, arg: str, built: int, field: str, what: str) -> int:

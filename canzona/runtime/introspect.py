@@ -26,7 +26,6 @@ placement on its ``tp`` mesh dim (``Shard(0)`` → ``column``, ``Shard(1)`` → 
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 
 from canzona.planner.errors import ModelError
 from canzona.planner.inventory import Kind, ModelSpec, ParamSpec, TPLayout, route
+from canzona.runtime.checkpoint.names import layer_index
 
 __all__ = [
     "DEFAULT_EMBEDDING_GLOBS",
@@ -238,19 +238,13 @@ def inventory(
         else:
             kind = "matrix"
         heads = head_dim if head_dim and kind == "matrix" and _match(pname, head_globs) else 0
-        layer = _LAYER.search(pname)
         specs.append(ParamSpec(name=pname, shape=shape, dtype=dtype_name(p.dtype, pname), kind=kind,
-                               layer=int(layer.group(2)) if layer else None, expert=None,
+                               layer=layer_index(pname), expert=None,
                                tp_layout=_tp_layout(pname, p), head_rows=heads))
     label = name or (type(model).__name__ if isinstance(model, nn.Module) else "module")
     return ModelSpec(config=None, label=label,
                      params=tuple(route(specs, matrix_globs=matrix_globs, adamw_globs=adamw_globs)),
                      tied=_tied_output(model, specs, output_globs))
-
-
-#: A decoder layer's number in a parameter name (``layers.3.``, ``model.layers.3.``, Megatron's
-#: ``decoder.layers.3.``): what splits a module into pipeline stages.
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
 def _tied_output(model: object, specs: Sequence[ParamSpec],

@@ -14,7 +14,9 @@ matrices) plans with its real buffers.
 
 Supported: the decoder-only models the planner describes (Llama and Qwen3 style: RMSNorm, GQA,
 gated SwiGLU, no linear biases, optional QK layernorm; Qwen3-MoE with per-expert weights, at
-any expert-parallel size with expert TP = TP or 1), pipeline-parallel size 1, canzona as the
+any expert-parallel size with expert TP = TP or 1), any pipeline-parallel size with one model
+chunk per stage (the layers split evenly or by ``num_layers_in_first/last_pipeline_stage``; a
+stage's module is read as its part of the whole model, :func:`megatron_stages`), canzona as the
 data parallelism (no FSDP storage). The experts are read from either of Megatron's expert
 modules that hold one 2-D weight per expert (:data:`EXPERT_MODULES`): ``SequentialMLP``
 (``local_experts.{j}.linear_fc1.weight``) and ``TEGroupedMLP`` (``linear_fc1.weight{j}``, the
@@ -37,11 +39,13 @@ from canzona.planner.inventory import ModelSpec, ParamSpec, build_inventory
 from canzona.planner.layout import padded_vocab
 from canzona.planner.models import ModelConfig
 from canzona.planner.shards import shard_map
+from canzona.planner.stages import StageSplit, split_model
 from canzona.runtime.checkpoint.names import Placement, global_name
 from canzona.runtime.introspect import dtype_name, local_tensor, named_params
 
 __all__ = ["EXPERT_MODULES", "MEGATRON_SUM_GRADS", "check_megatron_model", "find_gpt",
-           "megatron_config", "megatron_ep", "megatron_spec", "megatron_sum_grads", "megatron_tp"]
+           "megatron_config", "megatron_ep", "megatron_spec", "megatron_stages",
+           "megatron_sum_grads", "megatron_tp"]
 
 #: Replicated parameters whose gradient each TP rank holds only in part under Megatron: the
 #: QK layernorms see only the rank's attention heads (Megatron's ``finalize_model_grads`` sums
@@ -54,7 +58,14 @@ _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 #: TransformerConfig settings the planner's models do not have: (field, the value they need,
 #: why).
 _REQUIRED: tuple[tuple[str, Any, str], ...] = (
-    ("pipeline_model_parallel_size", 1, "pipeline parallelism is not planned"),
+    ("virtual_pipeline_model_parallel_size", None,
+     "virtual (interleaved) pipeline stages are not supported yet: one model chunk per stage"),
+    ("account_for_embedding_in_pipeline_split", False,
+     "the planner splits the layers by Megatron's first/last stage counts only"),
+    ("account_for_loss_in_pipeline_split", False,
+     "the planner splits the layers by Megatron's first/last stage counts only"),
+    ("pipeline_model_parallel_layout", None,
+     "the planner splits the layers by Megatron's first/last stage counts only"),
     ("context_parallel_size", 1, "context parallelism is not planned"),
     ("add_bias_linear", False, "linear biases are not in the planner's models"),
     ("add_qkv_bias", False, "QKV biases are not in the planner's models"),
@@ -295,6 +306,40 @@ def _expert_offset(gpt: nn.Module) -> int:
     return 0
 
 
+def megatron_stages(model: Any) -> StageSplit:
+    """The pipeline stages a Megatron-core model was built for (its TransformerConfig's
+    ``pipeline_model_parallel_size`` and first/last stage layer counts; pp 1 for other models)."""
+    found = find_gpt(model)
+    if found is None:
+        return StageSplit()
+    c = found[1].config
+    pp = int(getattr(c, "pipeline_model_parallel_size", 1) or 1)
+    if pp == 1:
+        return StageSplit()
+    return StageSplit(pp=pp, first_stage_layers=getattr(c, "num_layers_in_first_pipeline_stage",
+                                                        None),
+                      last_stage_layers=getattr(c, "num_layers_in_last_pipeline_stage", None))
+
+
+def _stage_of(gpt: nn.Module, parts: tuple[ModelSpec, ...]) -> ModelSpec:
+    """The stage of ``parts`` (the whole model's, :func:`~canzona.planner.stages.split_model`)
+    the stage module ``gpt`` holds: its first layer's global number (Megatron's 1-based
+    ``layer_number``) and whether it embeds (``pre_process``) and outputs (``post_process``)."""
+    layers = list(getattr(gpt.decoder, "layers", ()))
+    first = int(layers[0].layer_number) - 1 if layers else None
+    pre, post = bool(getattr(gpt, "pre_process", True)), bool(getattr(gpt, "post_process", True))
+    for part in parts:
+        st = part.stage
+        assert st is not None
+        if st.first == pre and st.last == post and (
+                (first is None and st.layers == 0) or (first == st.first_layer and st.layers)):
+            return part
+    raise ModelError(f"the Megatron stage module (first layer {first}, pre_process {pre}, "
+                     f"post_process {post}) is none of the {len(parts)} stages its "
+                     "TransformerConfig lays out; build each stage with Megatron's "
+                     "pre_process/post_process for its pipeline rank.")
+
+
 def megatron_tp(model: Any) -> int:
     """The tensor-parallel size a Megatron-core model was built for (1 for other models)."""
     found = find_gpt(model)
@@ -327,14 +372,21 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
     spec = build_inventory(cfg, names=naming, matrix_globs=tuple(
         g.removeprefix(prefix) for g in matrix_globs), adamw_globs=tuple(
         g.removeprefix(prefix) for g in adamw_globs))
-    # Under expert parallelism the rank holds E/ep experts, numbered from 0 in its names: named
-    # by their global index, they are the plan's.
+    # A pipeline stage's module holds its stage's parameters, its layers numbered from 0; under
+    # expert parallelism the rank holds E/ep experts, numbered from 0 in its names: named by
+    # their global layer and expert index, they are the plan's.
+    split = megatron_stages(gpt)
+    mine, first_layer = spec, 0
+    if split.pp > 1:
+        mine = _stage_of(gpt, split_model(spec, split))
+        first_layer = mine.stage.first_layer  # type: ignore[union-attr]
     ep = megatron_ep(gpt)
     offset, per_rank = _expert_offset(gpt), cfg.num_experts // ep if ep > 1 else 0
-    local = [p for p in spec.params if ep == 1 or not p.is_expert
+    local = [p for p in mine.params if ep == 1 or not p.is_expert
              or offset <= p.expert < offset + per_rank]
     planned = [prefix + p.name for p in local]
-    names = [global_name(n, Placement(expert_offset=offset)) for n, _ in live]
+    names = [global_name(n, Placement(layer_offset=first_layer, expert_offset=offset))
+             for n, _ in live]
     if names != planned:
         k = next((k for k, (a, b) in enumerate(zip(planned, names)) if a != b),
                  min(len(planned), len(names)))
@@ -346,12 +398,15 @@ def megatron_spec(model: Any, *, vocab: int | None = None, name: str | None = No
                          "or TEGroupedMLP).")
     params = []
     live_of = {p.name: nt for p, nt in zip(local, live)}
-    expert_dtype = next((dtype_name(live_of[p.name][1].dtype) for p in local if p.is_expert),
-                        None)
+    # another EP rank's expert or another stage's parameter: the dtype this rank's parameters
+    # of its kind have
+    held_dtype = {}
+    for p in local:
+        held_dtype.setdefault(p.kind, dtype_name(live_of[p.name][1].dtype))
     for p in spec.params:
-        if p.name not in live_of:  # another EP rank's expert: the dtype of this rank's experts
+        if p.name not in live_of:
             params.append(dataclasses.replace(p, name=prefix + p.name,
-                                              dtype=expert_dtype or p.dtype))
+                                              dtype=held_dtype.get(p.kind, p.dtype)))
             continue
         n, t = live_of[p.name]
         t_p = etp if p.is_expert else tp  # experts: Megatron's expert TP

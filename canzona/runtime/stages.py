@@ -25,7 +25,6 @@ says otherwise. Everything else is the stage's plan over the stage's DP and TP g
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,16 +34,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.planner.plan import PipelinePlan, Plan
+from canzona.runtime.checkpoint.names import Placement, global_name
 from canzona.runtime.errors import PlanMismatchError, UnevenBackwardError
 from canzona.runtime.optim._base import NonFiniteGradientError
 from canzona.runtime.waits import wait_for
 
 __all__ = ["StagePlace", "agree_over_stages", "global_names", "stage_plan"]
-
-#: A decoder layer's number in a parameter name (``decoder.layers.3.…``, ``layers.3.…``,
-#: ``model.layers.3.…``).
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
-
 
 @dataclass(frozen=True)
 class StagePlace:
@@ -150,12 +145,8 @@ def global_names(names: Sequence[str], place: StagePlace, plan_names: set[str]) 
     stage's first layer when the module numbers its own from 0 (module docstring)."""
     if place.pp == 1 or place.first_layer == 0 or all(n in plan_names for n in names):
         return list(names)
-
-    def renumber(name: str) -> str:
-        return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + place.first_layer}.",
-                          name, count=1)
-
-    return [renumber(n) for n in names]
+    at = Placement(layer_offset=place.first_layer)
+    return [global_name(n, at) for n in names]
 
 
 class TiedWeights:

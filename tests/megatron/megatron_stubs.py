@@ -14,10 +14,11 @@ megatron-core assumes CUDA in a few places that a CPU test can do without:
 :func:`megatron_world` initialises ``torch.distributed`` (the in-process ``fake`` backend, where one
 process acts as rank 0 of a ``dp·tp`` world and every collective is a no-op — enough to build
 models and DDP buffers — or gloo for real multi-process runs) and Megatron's model-parallel groups,
-and tears both down on exit. :func:`gpt_model` builds a GPTModel with the local (non
-Transformer-Engine) layer spec from a canzona :class:`~canzona.planner.models.ModelConfig`, as
-Megatron's training script would: the vocabulary padded first, the model wrapped in
-``Float16Module`` for bf16/fp16.
+and tears both down on exit (with ``pp`` > 1 also :func:`cpu_pipeline_stand_ins`, for
+Megatron's pipeline schedule). :func:`gpt_model` builds a GPTModel (this rank's pipeline stage)
+with the local (non Transformer-Engine) layer spec from a canzona
+:class:`~canzona.planner.models.ModelConfig`, as Megatron's training script would: the
+vocabulary padded first, the model wrapped in ``Float16Module`` for bf16/fp16.
 
 Everything imports torch and megatron lazily, so importing this module costs nothing when
 megatron-core is absent.
@@ -69,10 +70,56 @@ def cpu_cuda_stand_ins() -> Iterator[None]:
         torch.cuda.current_device = original  # type: ignore[assignment]
 
 
+class _CpuSchedulesTorch:
+    """``torch`` as megatron-core 0.16.1's pipeline schedules see it: everything torch's, but
+    ``torch.zeros(..., device="cuda")`` (the token count every ``forward_backward_*`` allocates)
+    on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+        import torch
+
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_pipeline_stand_ins() -> Iterator[None]:
+    """What megatron-core 0.16.1's pipeline schedule (``get_forward_backward_func``, 1F1B), its
+    point-to-point code and a tied GPTModel's set-up under pp > 1 assume about CUDA, pointed at
+    the CPU inside the block (with :func:`cpu_cuda_stand_ins`' ``current_device``): the p2p
+    code's ``torch.cuda.synchronize()`` after its batched sends and receives, the schedule's
+    ``torch.zeros(..., device="cuda")``, and ``LanguageModule``'s ``weight.data.cuda()`` before
+    the embedding group's all-reduce of the tied copy. Restored on exit."""
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(obj: Any, name: str, value: Any) -> None:
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    patch(torch.cuda, "synchronize", lambda device=None: None)
+    patch(schedules, "torch", _CpuSchedulesTorch())
+    patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    try:
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
 @contextlib.contextmanager
 def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, seed: int = 1234,
                    ep: int = 1, etp: int | None = None, init_method: str | None = None,
-                   timeout_s: float | None = None) -> Iterator[None]:
+                   timeout_s: float | None = None, pp: int = 1) -> Iterator[None]:
     """``torch.distributed`` (world size ``dp·tp``) and Megatron's model-parallel groups, on CPU.
 
     ``backend="fake"``: one process plays rank ``rank`` of the whole world with no-op collectives
@@ -80,7 +127,9 @@ def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, se
     multi-process world (``init_method`` or the ``MASTER_ADDR``/``MASTER_PORT`` environment).
     Also seeds Megatron's RNG trackers the CPU way and applies :func:`cpu_cuda_stand_ins`.
     ``timeout_s``: the process group's collective timeout (a failing peer fails the rest fast).
-    ``etp``: the expert tensor-parallel size (None: tp, Megatron's default).
+    ``etp``: the expert tensor-parallel size (None: tp, Megatron's default). ``pp``: pipeline
+    stages (the world is then ``pp·dp·tp``, Megatron's order: stage-major), with
+    :func:`cpu_pipeline_stand_ins` applied.
     Everything is torn down on exit, so the next world may have other sizes.
 
     Raises:
@@ -92,7 +141,7 @@ def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, se
     if dist.is_initialized():
         raise RuntimeError("megatron_world needs a process without a default process group; "
                            "one is already initialised")
-    world = dp * tp
+    world = dp * tp * pp
     if backend == "fake":
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -105,10 +154,12 @@ def megatron_world(dp: int, tp: int, *, backend: str = "fake", rank: int = 0, se
             extra["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world, **extra)
     try:
-        with cpu_cuda_stand_ins():
+        with cpu_cuda_stand_ins(), (cpu_pipeline_stand_ins() if pp > 1
+                                    else contextlib.nullcontext()):
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=etp, create_gloo_process_groups=backend != "fake")
+                expert_tensor_parallel_size=etp, pipeline_model_parallel_size=pp,
+                create_gloo_process_groups=backend != "fake")
             try:
                 tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
                 yield
@@ -180,13 +231,23 @@ def gpt_model(cfg: "ModelConfig", tp: int, ep: int = 1, *, max_sequence_length: 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp > 1:  # this rank's stage: Megatron's pre_process/post_process
+        import torch
+
+        config_overrides = {"pipeline_model_parallel_size": pp, "pipeline_dtype": torch.float32,
+                            **config_overrides}
     config = transformer_config(cfg, tp, ep, **config_overrides)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts or None,
                                     qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
     gpt = GPTModel(config=config, transformer_layer_spec=spec,
                    vocab_size=megatron_padded_vocab(cfg.vocab, tp),
                    max_sequence_length=max_sequence_length, position_embedding_type="rope",
-                   share_embeddings_and_output_weights=cfg.tied_embeddings)
+                   share_embeddings_and_output_weights=cfg.tied_embeddings,
+                   pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage())
     if float16_module and cfg.dtype in ("bf16", "fp16"):
         return Float16Module(config, gpt), gpt
     return gpt, gpt

@@ -2,8 +2,9 @@
 Megatron-core GPTModel trained by canzona at dp 2 × tp 2 with ``plan_model``, again with the same
 plan made offline from the matching config (Megatron names; ``--plan``), which must print the
 same losses, at tp 2 with bf16 parameters and fp32 main copies, a MoE model at ep 2 (twice,
-the same losses) and QK-clip (twice, the same losses). Each run exits 0 with a falling loss and
-no abort at shutdown."""
+the same losses), QK-clip (twice, the same losses) and pipeline stages under Megatron's own
+schedule (twice, the same losses). Each run exits 0 with a falling loss and no abort at
+shutdown."""
 
 from __future__ import annotations
 
@@ -49,6 +50,16 @@ def test_example_qk_clip_twice(examples):
     without QK layernorm (where the clipping reaches the logits): two runs print the same
     losses, and the loss falls."""
     args = ("--tp", "2", "--steps", "10", "--bf16", "--qk-clip", "0.25", "--no-qk-layernorm")
+    losses = examples.losses("train_megatron.py", 4, *args)
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+    assert examples.losses("train_megatron.py", 4, *args) == losses
+
+
+def test_example_pipeline_stages_twice(examples):
+    """``--pp 2 --tied`` at pp 2 × dp 2 with Megatron's 1F1B schedule: the loss falls, and a
+    second run prints the same losses. That it equals one process:
+    ``test_megatron_pipeline.py``."""
+    args = ("--tp", "1", "--pp", "2", "--tied", "--steps", "21")
     losses = examples.losses("train_megatron.py", 4, *args)
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
     assert examples.losses("train_megatron.py", 4, *args) == losses

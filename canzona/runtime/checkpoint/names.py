@@ -20,7 +20,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FORMAT", "KEY_UPGRADES", "Placement", "expert_index", "global_name", "upgrade_key"]
+__all__ = ["FORMAT", "KEY_UPGRADES", "Placement", "expert_index", "global_name", "layer_index",
+           "upgrade_key"]
 
 #: The key scheme this canzona writes: 2 names layers and experts by their global index.
 FORMAT = 2
@@ -65,6 +66,12 @@ def global_name(name: str, placement: Placement = Placement()) -> str:
             if renamed != name:
                 return renamed
     return name
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer number ``name`` carries (its first ``layers.N.``), or None."""
+    m = _LAYER.search(name)
+    return int(m[2]) if m is not None else None
 
 
 def expert_index(name: str) -> int | None:
