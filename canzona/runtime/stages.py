@@ -202,4 +202,8 @@ def agree_over_stages(raises: int, place: StagePlace, *, device: torch.device,
             "this step, so every stage drops the step's gradients: call loss.backward() (the "
             "pipeline schedule) on every rank before step().")
     bad = [s for s, v in enumerate(got) if v == 1]
-    raise NonFiniteGradientError([f"(parameters of pipeline stage {s})" for s in bad])
+    exc = NonFiniteGradientError([f"pipeline stage {s}" for s in bad])
+    exc.args = (f"non-finite gradient (NaN or Inf) on pipeline stage(s) "
+                f"{', '.join(map(str, bad))}, which raise for it, so every stage does; nothing was "
+                "updated (set nonfinite='skip' to skip such parameters instead)",)
+    raise exc

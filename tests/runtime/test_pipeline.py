@@ -401,3 +401,75 @@ def test_a_checkpoint_resumes_across_pipeline_sizes(world):
     got.update({k: v for k, v in ranks[DP]["pp1_to_pp2"].items() if k != "lm_head.weight"})
     assert H.is_close_rel(H.max_rel_err(got, ref))
     assert torch.equal(ranks[DP]["pp1_to_pp2"]["lm_head.weight"], got["tok_embeddings.weight"])
+
+
+# --- what the stages agree on; a plan of another pipeline ----------------------------------------
+
+
+def nonfinite_on_one_stage(rank: int, world: int) -> str:
+    """At the second step the last stage's norm gets a NaN gradient (its own parameter: stage 0
+    sees nothing wrong). Every rank of both stages raises, before anything is updated."""
+    import canzona
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from canzona.runtime.optim._base import NonFiniteGradientError
+
+    s, d, dp_group, pp_group = groups(rank)
+    whole = PPGPT(tied=False)
+    plan = canzona.plan_model(whole, dp=DP, pp=PP, bucket_size=3000)
+    module = First(whole) if s == 0 else Last(whole, False)
+    opt = canzona.CanzonaOptimizer(module, plan, dp_group=dp_group, pp_group=pp_group,
+                                   collective_timeout=30)
+    schedule = Schedule1F1B(PipelineStage(module, s, PP, torch.device("cpu"), group=pp_group),
+                            MICRO, loss_fn=loss_fn, scale_grads=False)
+    mine = H.rows(d, DP)
+    after: dict[str, torch.Tensor] = {}
+    for step in range(2):
+        if step == 1 and s == 1:
+            module.norm.weight.register_hook(lambda g: g * float("nan"))
+        x, y = H.batch(step, 0, DP)
+        with opt.no_sync():
+            schedule.step(x[mine]) if s == 0 else schedule.step(target=y[mine])
+        try:
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+        except NonFiniteGradientError as exc:
+            same = all(torch.equal(p, after[n]) for n, p in module.named_parameters())
+            opt.close()
+            return f"raised at step {step}: {exc}; unchanged={same}"
+        after = {n: p.detach().clone() for n, p in module.named_parameters()}
+        opt.zero_grad()
+    opt.close()
+    return "no error"
+
+
+def plan_of_another_pipeline(rank: int, world: int) -> str:
+    """A pp 2 plan with the whole world (4 ranks) as the pipeline group: one line, before any
+    collective."""
+    import canzona
+
+    whole = PPGPT(tied=False)
+    plan = canzona.plan_model(whole, dp=DP, pp=PP, bucket_size=3000)
+    try:
+        canzona.CanzonaOptimizer(First(whole), plan, pp_group=dist.group.WORLD)
+    except PlanMismatchError as exc:
+        return str(exc)
+    return "accepted"
+
+
+CASES += [("nonfinite", nonfinite_on_one_stage), ("other-pp", plan_of_another_pipeline)]
+
+
+def test_a_stage_that_raises_makes_every_stage_raise(world):
+    for r, msg in enumerate(H.results(world, "nonfinite")):
+        assert msg.startswith("raised at step 1") and msg.endswith("unchanged=True"), (r, msg)
+        if r >= DP:  # the stage with the NaN names the parameter; the other names the stage
+            assert "norm.weight" in msg
+        else:
+            assert "on pipeline stage(s) 1" in msg
+
+
+def test_a_plan_for_another_pipeline_is_refused(world):
+    for msg in H.results(world, "other-pp"):
+        assert msg == ("pp_group has 4 ranks but the plan has 2 pipeline stages: pass the group "
+                       "of this rank's stages, one rank each.")
