@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.planner.inventory import Stage
 from canzona.planner.plan import PipelinePlan, Plan
 from canzona.runtime.checkpoint.names import Placement, global_name
 from canzona.runtime.errors import PlanMismatchError, UnevenBackwardError
@@ -41,17 +42,15 @@ from canzona.runtime.waits import wait_for
 
 __all__ = ["StagePlace", "agree_over_stages", "global_names", "stage_plan"]
 
-@dataclass(frozen=True)
-class StagePlace:
-    """This rank's stage: ``stage`` of ``pp``, its decoder layers, the pipeline group and, with
-    tied embeddings, the end stages' ranks and the copy's name on this stage."""
 
-    pp: int
-    stage: int
-    first_layer: int
-    layers: int
-    group: Any
-    tied: str | None  # the tied weight's name on this stage (embedding or its copy), or None
+@dataclass(frozen=True)
+class StagePlace(Stage):
+    """This rank's stage (the planner's :class:`~canzona.planner.inventory.Stage`: ``stage`` of
+    ``pp``, its decoder layers), the pipeline group and, with tied embeddings, the tied weight's
+    name on this stage."""
+
+    group: Any = None
+    tied: str | None = None  # the tied weight's name on this stage (embedding or its copy)
     embedding: str | None = None  # the last stage: the tied embedding's name on the first
 
     def checkpoint_aliases(self) -> dict[str, str]:
@@ -60,14 +59,6 @@ class StagePlace:
         if self.last and self.pp > 1 and self.tied is not None and self.embedding is not None:
             return {self.tied: self.embedding}
         return {}
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.pp - 1
 
     @property
     def peer(self) -> int:

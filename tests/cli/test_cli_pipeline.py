@@ -7,15 +7,7 @@ import pytest
 
 from canzona.planner.plan import PipelinePlan
 from canzona.planner.plan.load import load_plan
-from cli_helpers import run
-
-
-def one_error_line(r, *needles):
-    assert r.exit_code == 1, r.output
-    lines = [x for x in r.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
-    for n in needles:
-        assert n in lines[0], lines[0]
+from cli_helpers import one_error_line, run
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,7 @@ import pytest
 from canzona.planner.plan import SCHEMA_VERSION
 from canzona.planner.plan.load import load_plan
 from canzona.planner.report import inspect_report
-from cli_helpers import run
-
-
-def one_error_line(r, *needles):
-    """Exit 1 and exactly one 'error:' line mentioning every needle."""
-    assert r.exit_code == 1, r.output
-    lines = [x for x in r.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
-    for n in needles:
-        assert n in lines[0], lines[0]
+from cli_helpers import one_error_line, run
 
 
 QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,

@@ -267,10 +267,10 @@ def test_fsdp_storage_is_refused_before_any_collective(monkeypatch):
 @pytest.mark.parametrize("field,value,extra", [
     pytest.param("moe_shared_expert_intermediate_size", 40, {}, id="shared-experts"),
     pytest.param("multi_latent_attention", True, {}, id="mla"),
-    pytest.param("pipeline_model_parallel_size", 2, {"pipeline_dtype": "bfloat16"}, id="pp"),
 ])
 def test_expert_parallel_model_settings_name_the_field(field, value, extra):
-    """Shared experts, multi-latent attention and pipeline parallelism, each with ep 2."""
+    """Shared experts and multi-latent attention, each with ep 2 (virtual pipeline stages:
+    ``test_megatron_pipeline.py``)."""
     import torch
 
     import canzona

@@ -1,6 +1,6 @@
 """Megatron-core GPTModels in pipeline stages, trained with Megatron's own 1F1B schedule
 (``get_forward_backward_func``) and canzona on every stage, equal one process within 1e-5:
-untied and tied embeddings at pp 2 × dp 2 (Muon; tied also Shampoo), tied at pp 2 × tp 2,
+untied and tied embeddings at pp 2 × dp 2 (Muon; tied also Shampoo) and at pp 2 × tp 2,
 clipping active.
 
 The stages' modules number their layers from 0; canzona's plan (``plan_model`` of a stage's
@@ -150,12 +150,13 @@ def runs(tmp_path_factory):
     for tag, dp, tp, tied, opt in (("untied-dp2", 2, 1, False, "muon"),
                                    ("tied-dp2", 2, 1, True, "muon"),
                                    ("tied-tp2", 1, 2, True, "muon"),
+                                   ("untied-tp2", 1, 2, False, "muon"),
                                    ("tied-dp2-shampoo", 2, 1, True, "shampoo")):
         phases.append((tag, {r: functools.partial(train_stage, r, dp=dp, tp=tp, tied=tied,
                                                   init=init(tag), optimizer=opt)
                              for r in range(4)}))
     for dp, tied, opt in ((2, False, "muon"), (2, True, "muon"), (1, True, "muon"),
-                          (2, True, "shampoo")):
+                          (1, False, "muon"), (2, True, "shampoo")):
         tag = f"ref-{'tied' if tied else 'untied'}-dp{dp}-{opt}"
         phases.append((tag, {0: functools.partial(reference, 0, dp=dp, tied=tied,
                                                   init=init(tag), optimizer=opt)}))
@@ -164,7 +165,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("tag, tied, dp, optimizer", [
     ("untied-dp2", False, 2, "muon"), ("tied-dp2", True, 2, "muon"), ("tied-tp2", True, 1, "muon"),
-    ("tied-dp2-shampoo", True, 2, "shampoo")])
+    ("untied-tp2", False, 1, "muon"), ("tied-dp2-shampoo", True, 2, "shampoo")])
 def test_megatron_stages_train_as_one_process(runs, tag, tied, dp, optimizer):
     ref = runs[0][f"ref-{'tied' if tied else 'untied'}-dp{dp}-{optimizer}"]["weights"]
     got: dict[str, torch.Tensor] = {}
@@ -205,4 +206,18 @@ def test_a_stage_module_plans_the_whole_pipeline_and_refuses_what_it_cannot_run(
         gpt.config.virtual_pipeline_model_parallel_size = 2
         with pytest.raises(ModelError, match="virtual_pipeline_model_parallel_size is 2.*"
                                              "interleaved"):
+            canzona.plan_model(gpt, dp=1)
+
+
+def test_a_whole_model_built_for_stages_is_refused():
+    """A GPTModel whose TransformerConfig says pp 2 but that holds every layer (built outside a
+    pipeline): none of the stages, refused in one line."""
+    import canzona
+    from canzona.planner import ModelError
+    from megatron_stubs import gpt_model, megatron_world
+
+    with megatron_world(1, 1):
+        _, gpt = gpt_model(_config(False), 1, pipeline_model_parallel_size=PP,
+                           pipeline_dtype=torch.float32)
+        with pytest.raises(ModelError, match="is none of the 2 stages"):
             canzona.plan_model(gpt, dp=1)
