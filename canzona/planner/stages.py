@@ -66,9 +66,12 @@ def stage_layers(layers: int, split: StageSplit) -> tuple[int, ...]:
     ends = (first is not None) + (last is not None)
     rest = layers - (first or 0) - (last or 0)
     middle = pp - ends
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
-        given = " + ".join(f"{{{n}}} {v}" for n, v in ((FIRST, first), (LAST, last))
-                           if v is not None)
+    given = " + ".join(f"{{{n}}} {v}" for n, v in ((FIRST, first), (LAST, last))
+                       if v is not None)
+    if rest < 0:
+        raise SizeError(f"{given} is more than the {layers} decoder layers; change "
+                        f"{{{FIRST}}} or {{{LAST}}}.", fields=(PP, FIRST, LAST))
+    if (middle == 0 and rest) or (middle and rest % middle):
         raise SizeError(
             f"{given} leaves {rest} of the {layers} decoder layers for {middle} other "
             f"stage{'s' if middle != 1 else ''} at pp {pp}, which must split them evenly; "

@@ -50,7 +50,7 @@ def test_inspect_simulate_and_compare_read_a_pipeline(staged):
     (("plan", "--model", "qwen3-0.6b", "--pp", 3), ("--pp 3 must divide the 28", "--first-stage")),
     (("plan", "--model", "qwen3-0.6b", "--first-stage-layers", 2), ("need --pp > 1",)),
     (("plan", "--model", "qwen3-0.6b", "--pp", 2, "--first-stage-layers", 30),
-     ("--first-stage-layers 30 leaves -2",)),
+     ("--first-stage-layers 30 is more than the 28 decoder layers",)),
     (("compare", "--model", "qwen3-0.6b", "--pp", 5), ("--pp 5 must divide",)),
 ])
 def test_bad_stage_splits_are_one_line(args, needles):
