@@ -1,7 +1,7 @@
 """Megatron-core GPTModels in pipeline stages, trained with Megatron's own 1F1B schedule
 (``get_forward_backward_func``) and canzona on every stage, equal one process within 1e-5:
-untied and tied embeddings at pp 2 × dp 2 (Muon; tied also Shampoo) and at pp 2 × tp 2,
-clipping active.
+untied and tied embeddings at pp 2 × dp 2 and at pp 2 × tp 2, Muon, clipping active (Shampoo
+under pipeline stages: ``tests/runtime/test_pipeline.py``).
 
 The stages' modules number their layers from 0; canzona's plan (``plan_model`` of a stage's
 module) is the whole model's, a section per stage. The tied output layer on the last stage is a
@@ -41,12 +41,7 @@ def _canonical_name(tied: bool, offset: int):
     return rename
 
 
-#: Shampoo as the other tests run it (its ε regularises rank-deficient statistics).
-SHAMPOO = {"eps": 1e-4, "precondition_frequency": 3}
-
-
-def train_stage(rank: int, *, dp: int, tp: int, tied: bool, init: str,
-                optimizer: str = "muon") -> dict:
+def train_stage(rank: int, *, dp: int, tp: int, tied: bool, init: str) -> dict:
     """Rank ``rank`` of a pp 2 × dp × tp world: its stage's GPTModel trained by canzona under
     Megatron's schedule. Returns the stage's canonical weights (DP rank 0, gathered over TP),
     the norms and whether the tied copies were equal after each step."""
@@ -67,17 +62,13 @@ def train_stage(rank: int, *, dp: int, tp: int, tied: bool, init: str,
         offset = int(gpt.decoder.layers[0].layer_number) - 1
         rename = _canonical_name(tied, offset)
         load_canonical(gpt, tp, tp_rank, cfg, rename=rename)
-        shampoo = optimizer == "shampoo"
-        plan = canzona.plan_model(gpt, dp=dp, vocab=cfg.vocab, comm_dtype="fp32",
-                                  optimizer=optimizer,
-                                  **({"shampoo_precondition_frequency": 3} if shampoo else {}))
+        plan = canzona.plan_model(gpt, dp=dp, vocab=cfg.vocab, comm_dtype="fp32")
         pp_group = ps.get_pipeline_model_parallel_group()
         opt = canzona.CanzonaOptimizer(
             gpt, plan, dp_group=ps.get_data_parallel_group(),
             tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
             pp_group=pp_group, ns_dtype=torch.float32, lr=LR, adamw_lr=ADAMW_LR,
-            adamw_weight_decay=0.01, collective_timeout=60,
-            matrix_options={"eps": SHAMPOO["eps"]} if shampoo else None)
+            adamw_weight_decay=0.01, collective_timeout=60)
         mask = causal_attention_mask(SEQ)
         pos = torch.arange(SEQ)[None]
 
@@ -118,9 +109,9 @@ def train_stage(rank: int, *, dp: int, tp: int, tied: bool, init: str,
                 "equal": equal, "weights": weights if dp_rank == 0 and tp_rank == 0 else None}
 
 
-def reference(rank: int, *, dp: int, tied: bool, init: str, optimizer: str = "muon") -> dict:
+def reference(rank: int, *, dp: int, tied: bool, init: str) -> dict:
     """One process, pp 1, tp 1: the DP ranks' batches together, clipped as canzona clips."""
-    from canzona.runtime.optim import Muon, MuonConfig, Shampoo, ShampooConfig
+    from canzona.runtime.optim import Muon, MuonConfig
     from megatron_stubs import gpt_model, megatron_world
     from megatron_train import LR, STEPS, gather_canonical, load_canonical, reference_steps, tokens
 
@@ -128,8 +119,7 @@ def reference(rank: int, *, dp: int, tied: bool, init: str, optimizer: str = "mu
     with megatron_world(1, 1, backend="gloo", rank=0, init_method=init, timeout_s=60):
         _, gpt = gpt_model(cfg, 1)
         load_canonical(gpt, 1, 0, cfg)
-        kernel = (Shampoo(ShampooConfig(lr=LR, **SHAMPOO)) if optimizer == "shampoo"
-                  else Muon(MuonConfig(lr=LR, ns_dtype=torch.float32)))
+        kernel = Muon(MuonConfig(lr=LR, ns_dtype=torch.float32))
         reference_steps(gpt, kernel, LR, lambda: torch.cat([tokens(d) for d in range(dp)]),
                         STEPS, clip=CLIP)
         return {"weights": gather_canonical(gpt, 1, None, cfg)}
@@ -147,27 +137,21 @@ def runs(tmp_path_factory):
         return f"file://{out}/{tag}"
 
     phases = []
-    for tag, dp, tp, tied, opt in (("untied-dp2", 2, 1, False, "muon"),
-                                   ("tied-dp2", 2, 1, True, "muon"),
-                                   ("tied-tp2", 1, 2, True, "muon"),
-                                   ("untied-tp2", 1, 2, False, "muon"),
-                                   ("tied-dp2-shampoo", 2, 1, True, "shampoo")):
+    for tag, dp, tp, tied in (("untied-dp2", 2, 1, False), ("tied-dp2", 2, 1, True),
+                              ("tied-tp2", 1, 2, True), ("untied-tp2", 1, 2, False)):
         phases.append((tag, {r: functools.partial(train_stage, r, dp=dp, tp=tp, tied=tied,
-                                                  init=init(tag), optimizer=opt)
-                             for r in range(4)}))
-    for dp, tied, opt in ((2, False, "muon"), (2, True, "muon"), (1, True, "muon"),
-                          (1, False, "muon"), (2, True, "shampoo")):
-        tag = f"ref-{'tied' if tied else 'untied'}-dp{dp}-{opt}"
+                                                  init=init(tag)) for r in range(4)}))
+    for dp, tied in ((2, False), (2, True), (1, True), (1, False)):
+        tag = f"ref-{'tied' if tied else 'untied'}-dp{dp}"
         phases.append((tag, {0: functools.partial(reference, 0, dp=dp, tied=tied,
-                                                  init=init(tag), optimizer=opt)}))
+                                                  init=init(tag))}))
     return run_phases(4, phases, str(out))
 
 
-@pytest.mark.parametrize("tag, tied, dp, optimizer", [
-    ("untied-dp2", False, 2, "muon"), ("tied-dp2", True, 2, "muon"), ("tied-tp2", True, 1, "muon"),
-    ("untied-tp2", False, 1, "muon"), ("tied-dp2-shampoo", True, 2, "shampoo")])
-def test_megatron_stages_train_as_one_process(runs, tag, tied, dp, optimizer):
-    ref = runs[0][f"ref-{'tied' if tied else 'untied'}-dp{dp}-{optimizer}"]["weights"]
+@pytest.mark.parametrize("tag, tied, dp", [("untied-dp2", False, 2), ("tied-dp2", True, 2),
+                                           ("tied-tp2", True, 1), ("untied-tp2", False, 1)])
+def test_megatron_stages_train_as_one_process(runs, tag, tied, dp):
+    ref = runs[0][f"ref-{'tied' if tied else 'untied'}-dp{dp}"]["weights"]
     got: dict[str, torch.Tensor] = {}
     for r in runs:
         w = r[tag]["weights"]
