@@ -318,8 +318,7 @@ def stages_view(d: dict) -> None:
     for r in d["stages"]:
         crit = r["stage"] == d["critical_stage"]
         name = f"{r['stage']}" + (" ◀ critical" if crit else "")
-        held = "".join(" + emb" if x.startswith("embedding") else " + out"
-                       for x in r["end_layers"])
+        held = (" + emb" if r["stage"] == 0 else " + out") if r["end_layers"] else ""
         lay = (f"{r['first_layer']}–{r['first_layer'] + r['layers'] - 1}" if r["layers"]
                else "none") + held
         row = [name, lay, params_count(r["params"]), str(r["matrices"]),

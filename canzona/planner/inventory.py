@@ -30,6 +30,7 @@ import dataclasses
 import fnmatch
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
@@ -47,6 +48,18 @@ EXPERT_PART = "expert"
 Kind = Literal["matrix", "expert", "vector", "embedding", "output", "router"]
 OptimizerRoute = Literal["matrix", "adamw"]
 TPLayout = Literal["replicated", "column", "row", "qkv", "gate_up", "vocab"]
+
+
+#: A decoder layer's number in a parameter name (``decoder.layers.3.…``, ``model.layers.3.…``,
+#: ``layers.3.…``): the one rule by which a live module's parameters are placed in layers,
+#: stages and checkpoint keys.
+LAYER_NAME = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer number ``name`` carries (its first ``layers.N.``), or None."""
+    m = LAYER_NAME.search(name)
+    return int(m[2]) if m is not None else None
 
 
 @dataclass(frozen=True, slots=True)

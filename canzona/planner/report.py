@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .comm import CommSummary
 from .errors import CanzonaError
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, hardware_names, load_hardware
-from .inventory import ModelSpec, build_inventory
+from .inventory import ModelSpec, build_inventory, layer_index
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.comm_section import plan_summary
@@ -471,8 +471,8 @@ def stages_dict(plan: PipelinePlan, hw: HardwareProfile | None = None, *,
         assert st is not None
         mx, mean = max_mean(m.dp_load)
         smx, smean = max_mean(m.dp_state_bytes)
-        ends = [t for t in p.tasks
-                if t.optimizer == "adamw" and t.param.split(".")[0] in _END_MODULES]
+        ends = [t for t in p.tasks  # the embedding or output layer: 2-D, outside the layers
+                if t.optimizer == "adamw" and len(t.shape) == 2 and layer_index(t.param) is None]
         row = {"stage": s, "first_layer": st.first_layer, "layers": st.layers,
                "params": p.total_params,
                "matrices": sum(1 for t in p.tasks if t.optimizer == "matrix"),
@@ -497,7 +497,3 @@ def stages_dict(plan: PipelinePlan, hw: HardwareProfile | None = None, *,
             "step_s": simd["step_s"], "iteration_s": simd["iteration_s"],
             "critical_stage": sim.critical_stage, "stages": rows}
 
-
-#: The top-level modules of parameters outside the decoder layers that a pipeline's end stages
-#: hold beside their layers (Megatron's names).
-_END_MODULES = ("embedding", "output_layer")

@@ -32,8 +32,7 @@ import torch
 from torch import nn
 
 from canzona.planner.errors import ModelError
-from canzona.planner.inventory import Kind, ModelSpec, ParamSpec, TPLayout, route
-from canzona.runtime.checkpoint.names import layer_index
+from canzona.planner.inventory import Kind, ModelSpec, ParamSpec, TPLayout, layer_index, route
 
 __all__ = [
     "DEFAULT_EMBEDDING_GLOBS",

@@ -20,8 +20,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FORMAT", "KEY_UPGRADES", "Placement", "expert_index", "global_name", "layer_index",
-           "upgrade_key"]
+from canzona.planner.inventory import LAYER_NAME
+
+__all__ = ["FORMAT", "KEY_UPGRADES", "Placement", "expert_index", "global_name", "upgrade_key"]
 
 #: The key scheme this canzona writes: 2 names layers and experts by their global index.
 FORMAT = 2
@@ -30,7 +31,7 @@ FORMAT = 2
 #: runs with one pipeline stage and one expert-parallel rank, where they are the global ones.
 KEY_UPGRADES: dict[int, Callable[[str], str]] = {1: lambda key: key}
 
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_LAYER = LAYER_NAME
 _EXPERT = (re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)"),  # Megatron SequentialMLP
            re.compile(r"(\.experts\.linear_fc[12]\.weight)(\d+)($)"),  # Megatron grouped GEMM
            re.compile(r"(\.experts\.)(\d+)(\.)"))  # Hugging Face, one module per expert
@@ -66,12 +67,6 @@ def global_name(name: str, placement: Placement = Placement()) -> str:
             if renamed != name:
                 return renamed
     return name
-
-
-def layer_index(name: str) -> int | None:
-    """The decoder layer number ``name`` carries (its first ``layers.N.``), or None."""
-    m = _LAYER.search(name)
-    return int(m[2]) if m is not None else None
 
 
 def expert_index(name: str) -> int | None:
