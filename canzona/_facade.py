@@ -13,7 +13,7 @@ from canzona.planner import optimizers, pipeline
 from canzona.planner.errors import CanzonaError, SizeError
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.options import DEFAULT_COST, DEFAULT_SHARE, DPOptions, TPOptions
-from canzona.planner.plan import PipelinePlan, Plan
+from canzona.planner.plan import FSDP2Plan, PipelinePlan, Plan
 from canzona.planner.settings import OptimizerSettings
 from canzona.planner.stages import StageSplit
 
@@ -49,8 +49,9 @@ def plan_model(
     pp: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    storage: str | None = None,
     **settings: Any,
-) -> Plan | PipelinePlan:
+) -> Plan | PipelinePlan | FSDP2Plan:
     """Plan ZeRO-1 data parallelism with whole-matrix ownership for a live model.
 
     Args:
@@ -100,6 +101,10 @@ def plan_model(
             name. A Megatron-core model built with ``pipeline_model_parallel_size`` > 1 is one
             stage's module: the plan is the whole model's, its stages as the TransformerConfig
             lays them out (``pp`` must then agree or be left out).
+        storage: where the parameters live (``canzona.planner.pipeline.STORAGES``): ``zero1``
+            (canzona's ZeRO-1 buckets) or ``fsdp2`` (a ``fully_shard``-ed model: each matrix's
+            owner and the all-to-all rounds, an :class:`~canzona.planner.plan.FSDP2Plan`; tp 1).
+            Default: ``fsdp2`` for a model with ``fully_shard``-ed modules, else ``zero1``.
         **settings: further :class:`~canzona.planner.settings.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``,
             ``qkv_split``: ``fused``, ``qkv`` or ``heads``, …).
@@ -154,7 +159,18 @@ def plan_model(
                             "; leave them out.")
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
-                         tp_options=tp_options, progress=progress, stages=split)
+                         tp_options=tp_options, progress=progress, stages=split,
+                         storage=storage or ("fsdp2" if _fully_sharded(model) else "zero1"))
+
+
+def _fully_sharded(model: Any) -> bool:
+    """Whether ``model`` holds a module ``fully_shard`` (FSDP2) has sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    modules = getattr(model, "modules", None)
+    return modules is not None and any(isinstance(m, FSDPModule) for m in modules())
 
 
 def _built(given: int | None, arg: str, built: int, field: str, what: str) -> int:

@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tp", ("tp",)),
     ("solve", ("solve",)),
     ("sharing", ("sharing",)),
+    ("fsdp2", ("fsdp2",)),
     ("plan", ("plan",)),
     ("front", ("pipeline", "report", "strategies", "simulate", "baselines")),
 )

@@ -33,7 +33,7 @@ from ._units import gpus, human, human_bytes, human_flops, load, params_count
 
 if TYPE_CHECKING:
     from canzona.planner.hardware import HardwareProfile
-    from canzona.planner.plan import PipelinePlan, Plan
+    from canzona.planner.plan import FSDP2Plan, PipelinePlan, Plan
 
 console = Console(width=None if sys.stdout.isatty() else 120)
 err_console = Console(stderr=True)
@@ -304,6 +304,43 @@ def pipeline_summary(plan: PipelinePlan, path: Path, wall_s: float,
     console.print(f"wall time: {wall_s:.2f} s   (canzona inspect PLAN shows each stage in full: "
                   "--stage S)", highlight=False)
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
+
+
+def fsdp2_summary(plan: FSDP2Plan, path: Path, wall_s: float, d: dict) -> None:
+    """What ``canzona plan --storage fsdp2`` prints after writing ``path``."""
+    inp = plan.inputs
+    console.print(f"[bold]{escape(inp.model)}[/]  dp={inp.dp} ({gpus(inp.dp)}), FSDP2 storage, "
+                  f"{escape(inp.optimizer.name)}", highlight=False)
+    fsdp2_view(d)
+    console.print(f"wall time: {wall_s:.2f} s", highlight=False)
+    console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
+
+
+def fsdp2_view(d: dict) -> None:
+    """An FSDP2 plan (:func:`canzona.planner.report.fsdp2_dict`): owners, rounds, and the
+    strategies side by side."""
+    console.print(
+        f"{d['matrices']} matrices on planned owners (busiest rank "
+        f"{d['dp_load_max_over_mean']:.4f}× the mean load, optimizer state "
+        f"{human_bytes(d['dp_state_bytes_max'])} max / {human_bytes(d['dp_state_bytes_mean'])} "
+        f"mean per GPU), {d['adamw']} AdamW tensors on every rank's own rows", highlight=False)
+    console.print(
+        f"{len(d['rounds'])} all-to-all rounds (cap {human_bytes(d['cmax_bytes'])} of whole "
+        f"matrices per rank and round; rows in {d['comm_dtype']}, the busiest rank receives "
+        f"{human_bytes(d['received_bytes_max'])} and sends as much back)", highlight=False)
+    t = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
+    for c in ("strategy", "matrices' step", "× bound", "× plan", "rounds"):
+        t.add_column(c, justify="left" if c == "strategy" else "right")
+    for r in d["strategies"]:
+        t.add_row(r["strategy"], seconds(r["step_s"]),
+                  "-" if r["over_bound"] is None else f"{r['over_bound']:.3f}",
+                  "-" if r["over_plan"] is None else f"{r['over_plan']:.3f}", str(r["rounds"]),
+                  style="bold" if r["strategy"] == "canzona" else None)
+    console.print(t)
+    console.print(
+        f"modelled on {escape(d['hardware'])} ({d['link'].replace('_', '-')} link): gathers, "
+        f"compute and returns pipelined, round k + 1's gather during round k's compute; bound "
+        f"{seconds(d['bound_s'])} for any whole-matrix owners", highlight=False)
 
 
 def stages_view(d: dict) -> None:

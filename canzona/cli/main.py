@@ -406,15 +406,21 @@ def plan(
         "--output", "-o", show_default="./MODEL-dpD-tpT-OPTIMIZER.plan.json",
         help="Plan file (written atomically); an existing folder: that default name inside "
              "it.")] = None,
+    storage: Annotated[str, typer.Option(
+        "--storage", help="Where the parameters live: zero1 (ZeRO-1 buckets: Megatron's or "
+                          "canzona's own) or fsdp2 (fully_shard's Shard(0) rows: each "
+                          "matrix's owner and the all-to-all rounds that bring its rows there "
+                          "and back; tp 1, ep 1, pp 1; --cmax caps a round, --hardware prices "
+                          "it).")] = "zero1",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts) and write the
-    plan."""
+    """Plan which DP rank computes every whole matrix (α-balanced ZeRO-1 cuts, or owners and
+    all-to-all rounds under FSDP2) and write the plan."""
     from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions, pipeline,
                                  resolve_model)
     from canzona.planner.inventory import NAMINGS
-    from canzona.planner.plan import PipelinePlan, save_plan
+    from canzona.planner.plan import FSDP2Plan, PipelinePlan, save_plan
     from canzona.planner.planning import default_plan_name
     from canzona.planner.stages import StageSplit, stage_layers
 
@@ -436,7 +442,8 @@ def plan(
                        last_stage_layers=last_stage_layers)
     cfg = resolve_model(model, config)
     stage_layers(cfg.layers, split)  # a split that does not fit fails before anything else
-    default = default_plan_name(cfg.name, sizes, settings.name, pp=pp)
+    storage = _choice(storage, pipeline.STORAGES, "--storage")
+    default = default_plan_name(cfg.name, sizes, settings.name, pp=pp, storage=storage)
     out = output / default if output is not None and output.is_dir() else output or Path(default)
     _check_output(out)
     ep_text = f" ep={ep}" if ep > 1 else ""
@@ -445,14 +452,23 @@ def plan(
                           quiet=quiet) as say:
         result = pipeline.plan(model or config, sizes, settings, dp_options=dp_options,
                                tp_options=tp_options, progress=say,
-                               names=_choice(names, tuple(NAMINGS), "--names"), stages=split)
+                               names=_choice(names, tuple(NAMINGS), "--names"), stages=split,
+                               storage=storage)
         wall = time.perf_counter() - t0
         say("writing the plan")
         save_plan(result, out)
     from canzona.planner.hardware import load_hardware
 
     hw = load_hardware(tp_options.hardware)
-    if isinstance(result, PipelinePlan):
+    if isinstance(result, FSDP2Plan):
+        from canzona.planner.report import fsdp2_dict
+
+        d = fsdp2_dict(result, config=config)
+        if as_json:
+            _render.json_out({"fsdp2": d, "wall_s": wall, "output": str(out)})
+        else:
+            _render.fsdp2_summary(result, out, wall, d)
+    elif isinstance(result, PipelinePlan):
         if as_json:
             _render.json_out(_render.pipeline_json(result, out, wall, hw))
         else:
@@ -488,8 +504,8 @@ def inspect(
 ) -> None:
     """Report a plan: per-DP-index loads and collectives, the costliest buckets, gap to the bound,
     heaviest tasks, every baseline; a pipeline's stages side by side, then one stage so."""
-    from canzona.planner.report import inspect_report, stages_dict
-    from canzona.planner.plan import PipelinePlan
+    from canzona.planner.report import fsdp2_dict, inspect_report, stages_dict
+    from canzona.planner.plan import FSDP2Plan, PipelinePlan
     from canzona.planner.plan.load import load_plan
 
     from . import plots
@@ -499,7 +515,11 @@ def inspect(
     with _render.progress(f"inspecting {plan_file.name}", quiet=quiet) as say:
         say("reading the plan")
         whole = load_plan(plan_file)
-        if isinstance(whole, PipelinePlan):
+        if isinstance(whole, FSDP2Plan):
+            _refuse_for_fsdp2(plan_file, stage=stage, plot=plot)
+            say("the FSDP2 strategies, modelled")
+            d = fsdp2_dict(whole, config=config)
+        elif isinstance(whole, PipelinePlan):
             say("the stages, simulated")
             stages = stages_dict(whole)
             s = _stage_of(whole, stage, stages["critical_stage"])
@@ -509,10 +529,18 @@ def inspect(
                 raise CanzonaError(f"--stage {stage}: {plan_file} is a plan of a whole model "
                                    "(pp 1); drop --stage.")
             p = whole
-        charts = plots.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
-        report = inspect_report(p, config=config, top=top, progress=say)
-        plots.write_charts(p, charts, progress=say)
-    if as_json:
+        if isinstance(whole, FSDP2Plan):
+            charts = []
+        else:
+            charts = plots.chart_paths(plan_file, plot, tp=p.tp is not None) if plot else []
+            report = inspect_report(p, config=config, top=top, progress=say)
+            plots.write_charts(p, charts, progress=say)
+    if isinstance(whole, FSDP2Plan):
+        if as_json:
+            _render.json_out({"fsdp2": d})
+        else:
+            _render.fsdp2_view(d)
+    elif as_json:
         _render.json_out(report if stages is None else
                          {"pipeline": stages, "stage": s, "report": report})
     else:
@@ -523,6 +551,15 @@ def inspect(
         if report["tp_schedule"] is not None:
             _render.tp_view(p, report["tp_schedule"], ranks=ranks)
     _render.wrote_charts(charts, as_json=as_json)
+
+
+def _refuse_for_fsdp2(plan_file: Path, **given: Any) -> None:
+    """An FSDP2 plan has no stages, buckets or per-bucket charts: the options about them are
+    refused in one line."""
+    for name, value in given.items():
+        if value is not None:
+            raise CanzonaError(f"--{name}: {plan_file} is an FSDP2 plan (one DP mesh "
+                               f"dimension, no buckets or stages); drop --{name}.")
 
 
 def _stage_of(plan: Any, stage: int | None, critical: int) -> int:
@@ -565,7 +602,7 @@ def simulate(
     all-gather, what overlaps what, and the critical rank. Behind the same forward/backward as
     canzona compare (6·N_active·tokens at --mfu) unless told. A pipeline's plan: one 1F1B
     iteration, each stage's step behind its own last backward, then one stage in full."""
-    from canzona.planner.plan import PipelinePlan
+    from canzona.planner.plan import FSDP2Plan, PipelinePlan
     from canzona.planner.report import stages_dict
     from canzona.planner.simulate import (plan_forward_backward, plan_hardware, simulate_plan,
                                           split_forward_backward)
@@ -578,6 +615,21 @@ def simulate(
     if backward is not None and forward_backward is not None:
         raise CanzonaError("give --backward or --forward-backward, not both.")
     whole = load_plan(plan_file)
+    if isinstance(whole, FSDP2Plan):
+        from canzona.planner.report import fsdp2_dict
+
+        if hardware is not None and hardware.strip() != whole.fsdp2.hardware:
+            raise CanzonaError(f"--hardware {hardware}: {plan_file} is an FSDP2 plan modelled "
+                               f"on {whole.fsdp2.hardware}, its rounds chosen for it; re-plan "
+                               f"with 'canzona plan ... --storage fsdp2 --hardware {hardware}'.")
+        _refuse_for_fsdp2(plan_file, stage=stage, plot=plot, backward=backward,
+                          tokens=tokens, **{"forward-backward": forward_backward})
+        d = fsdp2_dict(whole)
+        if as_json:
+            _render.json_out({"fsdp2": d})
+        else:
+            _render.fsdp2_view(d)
+        return
     if isinstance(whole, PipelinePlan):
         if backward is not None or tokens is not None or seq != 4096 or mfu != 0.4:
             raise CanzonaError(
@@ -711,10 +763,15 @@ def compare(
     first_stage_layers: FirstStageOpt = None,
     last_stage_layers: LastStageOpt = None,
     microbatches: MicrobatchesOpt = None,
+    storage: Annotated[Optional[str], typer.Option(
+        "--storage", show_default="zero1, or the plan's",
+        help="fsdp2: the FSDP2 strategies side by side (canzona's owners and rounds, "
+             "dist-muon: torchtitan DistMuon's longest-first owners on FLOPs, sync: every "
+             f"rank computes every matrix), modelled on --hardware.{FROM_PLAN}")] = None,
 ) -> None:
     """Predict the optimizer step and iteration of every strategy (sc, zero1, layer-wise as
     megatron-core deals it and by LPT, Megatron's packed layout, the paper's greedy, canzona) on
-    one model, sizes and cluster."""
+    one model, sizes and cluster; under FSDP2 (--storage fsdp2), its strategies'."""
     from canzona.planner import (DPOptions, OptimizerSettings, ParallelSizes, TPOptions,
                                  resolve_model)
     from canzona.planner.strategies import CANZONA, STRATEGIES, compare as run_compare, compare_plan
@@ -730,6 +787,11 @@ def compare(
         raise CanzonaError("--strategies: name at least one of: " + ", ".join(STRATEGIES) + ".")
     kw = dict(strategies=chosen, mfu=mfu, seq=seq, tokens=tokens,
               forward_backward_s=forward_backward, overlap_param_gather=overlap_param_gather)
+    if _compare_fsdp2(model, config, plan_file, storage, dp=dp, tp=tp, ep=ep,
+                      optimizer=optimizer, hardware=hardware, as_json=as_json, quiet=quiet,
+                      others={"pp": pp, "plot": plot, "share": share,
+                              "bucket-size": bucket_size, "microbatches": microbatches}):
+        return
     staged = _compare_stages(plan_file, pp, first_stage_layers, last_stage_layers)
     if staged is not None:
         if plot is not None:
@@ -794,6 +856,57 @@ def compare(
     if chart is not None:
         _render.wrote_charts([chart, plots.timeline_path(chart)], as_json=as_json,
                              labels=("chart", "timeline"))
+
+
+def _compare_fsdp2(model: str | None, config: Path | None, plan_file: Path | None,
+                   storage: str | None, *, dp: int | None, tp: int | None, ep: int | None,
+                   optimizer: str | None, hardware: str | None, as_json: bool, quiet: bool,
+                   others: dict[str, Any]) -> bool:
+    """``compare`` under FSDP2 (``--storage fsdp2``, or an FSDP2 plan given with ``--plan``):
+    the FSDP2 strategies side by side. False when it is not FSDP2's."""
+    from canzona.planner import OptimizerSettings, ParallelSizes, TPOptions, pipeline
+    from canzona.planner.plan import FSDP2Plan
+    from canzona.planner.plan.load import load_plan
+    from canzona.planner.report import fsdp2_dict
+
+    if storage is not None:
+        storage = _choice(storage, pipeline.STORAGES, "--storage")
+    given = load_plan(plan_file) if plan_file is not None else None
+    if given is not None:
+        if model is not None:
+            raise CanzonaError("give --plan or --model, not both (--config goes with --plan "
+                               "only for plans made from a config.json).")
+        got = "fsdp2" if isinstance(given, FSDP2Plan) else "zero1"
+        _agree_with_plan(plan_file, {"storage": (storage, got)})
+        storage = got
+    if storage != "fsdp2":
+        return False
+    for name, value in others.items():
+        if value is not None:
+            raise CanzonaError(f"--{name} does not apply to FSDP2's strategies (one DP mesh "
+                               f"dimension, no buckets or stages); drop --{name}.")
+    with _render.progress("comparing FSDP2 strategies", quiet=quiet) as say:
+        if isinstance(given, FSDP2Plan):
+            _agree_with_plan(plan_file, {
+                "dp": (dp, given.inputs.dp), "tp": (tp, 1), "ep": (ep, 1),
+                "optimizer": (optimizer and _choice(optimizer, optimizers.names(),
+                                                    "--optimizer"), given.inputs.optimizer.name),
+                "hardware": (hardware, given.fsdp2.hardware)})
+            made = given
+        else:
+            settings = OptimizerSettings(
+                name=_choice(optimizer or "muon", optimizers.names(),  # type: ignore[arg-type]
+                             "--optimizer"))
+            made = pipeline.plan(model or config, ParallelSizes(dp=dp or 1, tp=tp or 1,
+                                                                ep=ep or 1), settings,
+                                 tp_options=TPOptions(hardware=(hardware or "h100").strip()),
+                                 progress=say, storage="fsdp2")
+        d = fsdp2_dict(made, config=config)
+    if as_json:
+        _render.json_out({"fsdp2": d})
+    else:
+        _render.fsdp2_view(d)
+    return True
 
 
 def _compare_stages(plan_file: Path | None, pp: int | None, first: int | None,

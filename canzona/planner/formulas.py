@@ -137,6 +137,17 @@ def block_sizes(dim: int, max_block: int) -> list[int]:
     return [max_block] * full + ([rest] if rest else [])
 
 
+def fsdp2_rows(rows: int, ranks: int) -> tuple[tuple[int, int], ...]:
+    """Per DP rank, (first row, rows) of a parameter's ``Shard(0)`` under FSDP2's
+    ``fully_shard``: ``torch.chunk``'s rule, ``ceil(rows / ranks)`` rows each from the top, so
+    the last ranks may hold fewer rows or none (FSDP2 pads them in its own buffer)."""
+    _check_positive("ranks", ranks)
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    each = -(-rows // ranks)
+    return tuple((min(r * each, rows), max(0, min(each, rows - r * each))) for r in range(ranks))
+
+
 def muon_flops(m: int, n: int, *, ns_steps: int = 5) -> int:
     """Matmul FLOPs of Muon's Newton–Schulz orthogonalisation of an m×n matrix.
 

@@ -24,9 +24,11 @@ from .inventory import NAMINGS, ModelSpec, build_inventory
 from .layout import ParallelSizes, validate_sizes
 from .models import PRESETS, ModelConfig, get_preset, load_hf_config
 from .objective import objective_name
+from .fsdp2 import make_fsdp2_problem, solve_fsdp2
 from .options import DPOptions, TPOptions
-from .plan import PipelinePlan, Plan, SolverOptions
+from .plan import FSDP2Plan, PipelinePlan, Plan, SolverOptions
 from .plan.build import build_plan
+from .plan.fsdp2_plan import build_fsdp2_plan
 from .plan.tp_section import placements, tp_plan
 from .planning import DPProblem, make_problem
 from .settings import OptimizerSettings
@@ -43,7 +45,7 @@ Source = str | Path | ModelConfig | ModelSpec
 #: the paper's greedy plan: (seconds, ``overlap_param_gather``).
 Behind = tuple[float, bool]
 
-__all__ = ["Behind", "Source", "greedy_options", "inventory_of", "plan", "plan_problem"]
+__all__ = ["STORAGES", "Behind", "Source", "greedy_options", "inventory_of", "plan", "plan_problem"]
 
 
 def inventory_of(source: Source, names: str = "megatron") -> tuple[ModelSpec, str]:
@@ -79,7 +81,8 @@ def plan(
     progress: Callable[[str], None] | None = None,
     names: str = "megatron",
     stages: StageSplit | None = None,
-) -> Plan | PipelinePlan:
+    storage: str = "zero1",
+) -> Plan | PipelinePlan | FSDP2Plan:
     """Plan ``source`` at ``sizes``: the DP partition and, for tp > 1, the TP micro-groups; with
     pipeline stages (``stages.pp`` > 1), each stage's, in one :class:`PipelinePlan`.
 
@@ -100,6 +103,11 @@ def plan(
         stages: the trainer's pipeline stages (:class:`~canzona.planner.stages.StageSplit`:
             pp and Megatron's first and last stages' layers). Each stage is planned on its own
             over its DP and TP groups (``sizes`` are each stage's); nothing moves across stages.
+        storage: where the parameters live: ``zero1`` (ZeRO-1 buckets, the default) or
+            ``fsdp2`` (``fully_shard``'s ``Shard(0)`` rows over the DP ranks: each matrix's
+            owner and the all-to-all rounds, :mod:`canzona.planner.fsdp2`, in an
+            :class:`FSDP2Plan`; tp 1, ep 1, no stages; the rounds' cap is
+            ``tp_options.cmax_mib`` and their times are priced on ``tp_options.hardware``).
 
     Raises:
         CanzonaError: bad input (unknown model, sizes the model does not allow, an option out of
@@ -120,6 +128,11 @@ def plan(
                         fields=("ParallelSizes.tp", "ParallelSizes.ep"))
     spec, model_source = inventory_of(source, names)
     split = stages or StageSplit()
+    if storage not in STORAGES:
+        raise CanzonaError(f"storage {storage!r} is not known; choose one of "
+                           f"{', '.join(STORAGES)}.")
+    if storage == "fsdp2":
+        return _plan_fsdp2(spec, sizes, split, settings, o, t, model_source, say)
     if split.pp == 1:
         stage_layers(0, split)  # first/last counts without stages fail here
         problem = make_problem(spec, sizes, settings, cost=o.cost, bucket_size=o.bucket_size,
@@ -141,6 +154,34 @@ def plan(
             said.add((n.category, str(n.message)))
             warnings.warn(n.message, n.category, stacklevel=2)
     return PipelinePlan(pp=split.pp, stages=tuple(made))
+
+
+#: Where a plan's parameters live: the storages :func:`plan` plans for.
+STORAGES = ("zero1", "fsdp2")
+
+
+def _plan_fsdp2(spec: ModelSpec, sizes: ParallelSizes, split: StageSplit,
+                settings: OptimizerSettings, o: DPOptions, t: TPOptions, model_source: str,
+                say: Callable[[str], None]) -> FSDP2Plan:
+    """:func:`plan` for FSDP2's storage: one DP mesh dimension."""
+    for field, value, flag in (("ParallelSizes.tp", sizes.tp, "tp"),
+                               ("ParallelSizes.ep", sizes.ep, "ep"),
+                               ("StageSplit.pp", split.pp, "pp")):
+        if value != 1:
+            raise SizeError(f"FSDP2 storage is planned over one DP mesh dimension; got "
+                            f"{{{field}}} {value}. Plan --storage fsdp2 with {flag} 1 (FSDP2 "
+                            "with TP, EP or pipeline stages is not supported yet).",
+                            fields=(field,))
+    if spec.config is not None:
+        validate_sizes(spec.config, sizes)
+    hw = load_hardware(t.hardware)
+    say("FSDP2 owners and rounds")
+    problem = make_fsdp2_problem(spec, sizes.dp, settings, hardware=hw,
+                                 cmax_bytes=t.cmax_bytes)
+    solution = solve_fsdp2(problem, "canzona")
+    return build_fsdp2_plan(problem, solution, cost=o.cost if isinstance(o.cost, str) else
+                            "flops", solver=SolverOptions(strategy="canzona", solver="greedy"),
+                            model_source=model_source)
 
 
 def _plan_stages(parts: tuple[ModelSpec, ...], split: StageSplit, sizes: ParallelSizes,

@@ -448,12 +448,15 @@ def _bucket_part(b: BucketProblem, c: Sequence[int], ix: tuple[int, ...], split_
     return tuple((d, *v) for d, v in acc.items()), owners, frozenset(assigned), split
 
 
-def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str, *, pp: int = 1) -> str:
+def default_plan_name(model: str, sizes: ParallelSizes, optimizer: str, *, pp: int = 1,
+                      storage: str = "zero1") -> str:
     ep = f"-ep{sizes.ep}" if sizes.ep > 1 else ""
     if sizes.expert_tp != sizes.tp:
         ep += f"-etp{sizes.expert_tp}"
     if pp > 1:
         ep += f"-pp{pp}"
+    if storage != "zero1":
+        ep += f"-{storage}"
     return f"{model}-dp{sizes.dp}-tp{sizes.tp}{ep}-{optimizer}.plan.json"
 
 

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 from .comm import CommSummary
 from .errors import CanzonaError
+from .fsdp2 import FSDP2_STRATEGIES, make_fsdp2_problem, solve_fsdp2
 from .hardware import DEFAULT_HARDWARE, HardwareProfile, hardware_names, load_hardware
 from .inventory import ModelSpec, build_inventory, layer_index
 from .layout import ParallelSizes, PhysicalLayout, build_layout
 from .models import PRESETS, ModelConfig
 from .plan.comm_section import plan_summary
-from .plan.inverse import read_problem
+from .plan.inverse import read_problem, rebuild_model
 from .simulate import (plan_forward_backward, plan_hardware, simulate_pipeline,
                        simulate_plan_behind)
 from .strategies import baseline_rows, tp_baseline_rows
@@ -31,13 +32,13 @@ from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_pi
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
-    from .plan import MicroGroupPlan, PipelinePlan, Plan
+    from .plan import FSDP2Plan, MicroGroupPlan, PipelinePlan, Plan
     from .tp.baselines import TPBaselineRow
     from .tp.context import Run
 
-__all__ = ["busiest_index", "comm_dict", "inspect_dict", "inspect_report", "layout_dict",
-           "layout_of", "max_mean", "model_rows", "oversized_groups", "peak_within_cmax",
-           "predicted_step", "stages_dict", "task_name", "tp_dict"]
+__all__ = ["busiest_index", "comm_dict", "fsdp2_dict", "inspect_dict", "inspect_report",
+           "layout_dict", "layout_of", "max_mean", "model_rows", "oversized_groups",
+           "peak_within_cmax", "predicted_step", "stages_dict", "task_name", "tp_dict"]
 
 
 # --- small metrics shared by the reports and their renderers ---------------------------------
@@ -497,3 +498,42 @@ def stages_dict(plan: PipelinePlan, hw: HardwareProfile | None = None, *,
             "step_s": simd["step_s"], "iteration_s": simd["iteration_s"],
             "critical_stage": sim.critical_stage, "stages": rows}
 
+
+
+def fsdp2_dict(plan: FSDP2Plan, *, config: Path | None = None) -> dict:
+    """The data behind ``plan`` and ``inspect`` of an FSDP2 plan: its owners' loads, its rounds,
+    its modelled step against the bound, and (where the model can be rebuilt: a preset's or a
+    config's plan) the same model under the other FSDP2 strategies
+    (:data:`~canzona.planner.fsdp2.FSDP2_STRATEGIES`: ``dist-muon``, ``sync``) side by side."""
+    sec, inp = plan.fsdp2, plan.inputs
+    m = plan.metrics
+    rounds = [{"index": r.index, "tasks": len(r.tasks),
+               "gathered_bytes_max": max(r.gathered_bytes),
+               "received_bytes_max": max(r.received_bytes),
+               "compute_s_max": max(r.compute_s)} for r in sec.rounds]
+    rows = [{"strategy": "canzona", "description": FSDP2_STRATEGIES["canzona"],
+             "step_s": sec.modelled_step_s, "rounds": len(sec.rounds)}]
+    spec = rebuild_model(plan, config)
+    if spec is not None and inp.model_source != "module":
+        hw = load_hardware(sec.hardware) if sec.hardware.lower() in hardware_names() else None
+        if hw is not None:
+            problem = make_fsdp2_problem(spec, inp.dp, inp.optimizer, hardware=hw,
+                                         comm_dtype=sec.comm_dtype, cmax_bytes=sec.cmax_bytes)
+            for name in ("dist-muon", "sync"):
+                sol = solve_fsdp2(problem, name)
+                rows.append({"strategy": name, "description": FSDP2_STRATEGIES[name],
+                             "step_s": round(sol.step_s, 9), "rounds": len(sol.rounds)})
+    for r in rows:
+        r["over_bound"] = round(r["step_s"] / sec.bound_s, 6) if sec.bound_s else None
+        r["over_plan"] = round(r["step_s"] / sec.modelled_step_s, 6) \
+            if sec.modelled_step_s else None
+    matrices = sum(1 for t in plan.tasks if t.optimizer == "matrix")
+    return {"model": inp.model, "dp": inp.dp, "optimizer": inp.optimizer.name,
+            "storage": "fsdp2", "hardware": sec.hardware, "link": sec.link,
+            "comm_dtype": sec.comm_dtype, "cmax_bytes": sec.cmax_bytes, "matrices": matrices,
+            "adamw": len(plan.tasks) - matrices, "dp_load_max_over_mean": m.max_over_mean,
+            "dp_state_bytes_max": max(m.dp_state_bytes),
+            "dp_state_bytes_mean": sum(m.dp_state_bytes) / inp.dp,
+            "received_bytes_max": max(m.dp_reduce_scatter_bytes),
+            "modelled_step_s": sec.modelled_step_s, "bound_s": sec.bound_s,
+            "rounds": rounds, "strategies": rows}

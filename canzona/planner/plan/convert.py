@@ -16,8 +16,9 @@ The chain:
 * 2 → 3 (TP groups share matrices: ``tp.share``, ``tp.indices[d].shared``), 3 → 4 (DP pairs:
   ``dp_shared``), 4 → 5 (TP groups share with a partner DP index's: ``SharedTaskPlan.partner``,
   ``dp_shared`` at tp > 1), 5 → 6 (the optimizer settings' ``ns_coefficients``): each adds only
-  fields a plan without that feature does not write, as does 8 → 9 (a pipeline stage:
-  ``inputs.stage``; a pipeline's file, ``PipelinePlan``, holds one plan per stage), and 7 → 8
+  fields a plan without that feature does not write, as do 8 → 9 (a pipeline stage:
+  ``inputs.stage``; a pipeline's file, ``PipelinePlan``, holds one plan per stage) and 9 → 10
+  (FSDP2's storage: a file of its own, ``FSDP2Plan``, read by ``load``), and 7 → 8
   (the compact file of :mod:`~canzona.planner.plan.compact`, decoded when read), so
   a file of the older version already is one of the newer. These converters return the data as it
   is, and the plan keeps the version it was written as: the writer
@@ -37,8 +38,8 @@ from ..hardware import DEFAULT_HARDWARE, load_hardware
 from .comm_section import comm_section
 from .messages import REGENERATE, version_error
 from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
-                     RECIPE_VERSION, SCHEMA_VERSION,
-                     TP_PAIR_VERSION, TP_SHARE_VERSION, BufferPlan)
+                     PIPELINE_VERSION, RECIPE_VERSION, SCHEMA_VERSION, TP_PAIR_VERSION,
+                     TP_SHARE_VERSION, BufferPlan)
 
 #: A converter: a version-n file's data (and its name, for errors) → version n + 1's data.
 Converter = Callable[[dict, str], dict]
@@ -84,10 +85,11 @@ def _v1_to_v2(data: dict, source: str) -> dict:
 
 
 def _adds_optional_fields(data: dict, source: str) -> dict:  # noqa: ARG001
-    """Versions 2 → 3, 3 → 4, 4 → 5, 5 → 6, 6 → 7 and 8 → 9 (a pipeline stage,
-    ``inputs.stage``): the newer version only adds fields a plan without its feature does not
-    write; 7 → 8: the newer version is an encoding, read by ``compact.decode`` before the chain.
-    The data (and its version) stay as they are. A plan of a whole model is one of a pipeline of
+    """Versions 2 → 3, 3 → 4, 4 → 5, 5 → 6, 6 → 7, 8 → 9 (a pipeline stage,
+    ``inputs.stage``) and 9 → 10 (a plan kind of its own, ``FSDP2Plan``): the newer version
+    only adds fields (or files) a plan without its feature does not write; 7 → 8: the newer
+    version is an encoding, read by ``compact.decode`` before the chain. The data (and its
+    version) stay as they are. A plan of a whole model is one of a pipeline of
     one stage (``load.load_pipeline``)."""
     return data
 
@@ -102,6 +104,7 @@ UPGRADES: dict[int, Converter] = {
     RECIPE_VERSION: _adds_optional_fields,  # → HEADS_VERSION
     HEADS_VERSION: _adds_optional_fields,  # → COMPACT_VERSION
     COMPACT_VERSION: _adds_optional_fields,  # → PIPELINE_VERSION
+    PIPELINE_VERSION: _adds_optional_fields,  # → FSDP2_VERSION
 }
 #: The oldest schema version this canzona reads.
 OLDEST_VERSION = min(UPGRADES)

@@ -28,10 +28,11 @@ from pydantic import ValidationError
 
 from ..errors import PlanFileError
 from .checks import check_plan
+from .fsdp2_plan import check_fsdp2_plan
 from .convert import OLDEST_VERSION, unreadable, upgrade
 from . import compact
-from .schema import (COMPACT_VERSION, PIPELINE_VERSION, SCHEMA_VERSION, PipelinePlan, Plan,
-                     gc_paused)
+from .schema import (COMPACT_VERSION, FSDP2_VERSION, PIPELINE_VERSION, SCHEMA_VERSION,
+                     FSDP2Plan, PipelinePlan, Plan, gc_paused)
 
 __all__ = ["as_pipeline", "load_plan", "parse_plan"]
 
@@ -40,10 +41,12 @@ UPGRADE = ("upgrade canzona (python -m pip install -U canzona) or re-plan with t
            "'canzona plan'")
 
 
-def load_plan(path: str | Path) -> Plan | PipelinePlan:
+def load_plan(path: str | Path) -> Plan | PipelinePlan | FSDP2Plan:
     """Read a plan file and check everything: JSON, version, schema, structure and the planner's
     formulas (:func:`parse_plan`). This is ``canzona.load_plan``. A pipeline's file (pp > 1)
-    gives a :class:`~canzona.planner.plan.schema.PipelinePlan`, a plan per stage, each checked.
+    gives a :class:`~canzona.planner.plan.schema.PipelinePlan`, a plan per stage, each checked;
+    an FSDP2 plan (``storage: fsdp2``) a :class:`~canzona.planner.plan.schema.FSDP2Plan`,
+    checked by :func:`~canzona.planner.plan.fsdp2_plan.check_fsdp2_plan`.
 
     Raises:
         PlanFileError: unreadable, not JSON, a schema version this canzona does not read, fields
@@ -59,7 +62,7 @@ def load_plan(path: str | Path) -> Plan | PipelinePlan:
     return parse_plan(text, str(path))
 
 
-def parse_plan(text: str, source: str = "<plan>") -> Plan | PipelinePlan:
+def parse_plan(text: str, source: str = "<plan>") -> Plan | PipelinePlan | FSDP2Plan:
     """Plan JSON text → a checked :class:`~canzona.planner.plan.schema.Plan` (every check of the
     module docstring), or for a pipeline's file a
     :class:`~canzona.planner.plan.schema.PipelinePlan` whose every stage is checked so;
@@ -79,6 +82,8 @@ def parse_plan(text: str, source: str = "<plan>") -> Plan | PipelinePlan:
                                 f"a few levels deep).") from None
         if isinstance(data, dict) and "stages" in data:
             return _pipeline(data, source)
+        if isinstance(data, dict) and "storage" in data:
+            return _fsdp2(data, source)
         return _plan(data, source)
 
 
@@ -113,6 +118,29 @@ def _pipeline(data: dict, source: str) -> PipelinePlan:
         loc = ".".join(str(x) for x in err["loc"]) or "<root>"
         raise unreadable(source, found, f"malformed pipeline plan: field '{loc}': {err['msg']}"
                          ) from None
+
+
+def _fsdp2(data: dict, source: str) -> FSDP2Plan:
+    """An FSDP2 plan's file (``storage: fsdp2``): its version, the schema, then its checks
+    (:func:`~canzona.planner.plan.fsdp2_plan.check_fsdp2_plan`)."""
+    found = data.get("schema_version")
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise unreadable(source, repr(found), "schema_version must be an integer")
+    if found > SCHEMA_VERSION:
+        raise unreadable(source, found, "a plan newer than this canzona reads", UPGRADE)
+    if found != FSDP2_VERSION:
+        raise unreadable(source, found, f"an FSDP2 plan file is schema version "
+                                        f"{FSDP2_VERSION}")
+    try:
+        plan = FSDP2Plan.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        raise unreadable(source, found, f"malformed plan: field '{loc}': {err['msg']}{more}"
+                         ) from None
+    check_fsdp2_plan(plan, source)
+    return plan
 
 
 def as_pipeline(plan: Plan | PipelinePlan) -> tuple[Plan, ...]:

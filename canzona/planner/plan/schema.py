@@ -43,7 +43,7 @@ from ..settings import OptimizerSettings
 from . import compact
 
 #: The newest plan version this canzona reads and writes.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
@@ -62,6 +62,9 @@ COMPACT_VERSION = 8
 #: The version of a plan for one pipeline stage (``inputs.stage``) and of a pipeline's file
 #: (:class:`PipelinePlan`), whatever else it records.
 PIPELINE_VERSION = 9
+#: The version of a plan for FSDP2's storage (:class:`FSDP2Plan`: every parameter in ``Shard(0)``
+#: rows over the DP ranks, each matrix gathered to its owner by all-to-all rounds).
+FSDP2_VERSION = 10
 #: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
@@ -532,6 +535,69 @@ class PipelinePlan(_Frozen):
         return json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
+class RoundPlan(_Frozen):
+    """One all-to-all round of an FSDP2 plan: the matrices whose rows travel to their owners
+    together (one all-to-all), are computed there (alike shapes batched) and whose update rows
+    travel back together (a second all-to-all). Round k + 1's gather runs during round k's
+    compute."""
+
+    index: int = Field(ge=0)
+    tasks: tuple[int, ...] = Field(description="matrix task ids (plan.tasks), each computed by "
+                                               "its task's owner.")
+    gathered_bytes: tuple[int, ...] = Field(
+        description="per DP rank: the whole matrices it owns in this round, in the comm dtype "
+                    "(what the round's cap bounds).")
+    sent_bytes: tuple[int, ...] = Field(
+        description="per DP rank: the bytes it sends in the round's gather (its rows of other "
+                    "ranks' matrices); the return sends as many back.")
+    received_bytes: tuple[int, ...] = Field(
+        description="per DP rank: the bytes it receives in the gather (other ranks' rows of "
+                    "its matrices).")
+    compute_s: tuple[float, ...] = Field(description="per DP rank: its owned updates, seconds "
+                                                     "(hardware profile; not measured).")
+
+
+class FSDP2Section(_Frozen):
+    """How an FSDP2 plan moves and computes the matrices (:class:`FSDP2Plan`)."""
+
+    cmax_bytes: int = Field(ge=1, description="cap on the whole-matrix bytes a rank holds in "
+                                              "one round (an oversized matrix has a round of "
+                                              "its own).")
+    comm_dtype: str = Field(description="dtype the rows travel in (the gradients' and the "
+                                        "updates').")
+    hardware: str = Field(description="profile of the modelled times.")
+    link: Literal["intra_node", "inter_node"] = Field(description="link of the DP mesh.")
+    rounds: tuple[RoundPlan, ...]
+    modelled_step_s: float = Field(ge=0, description="the matrices' part of the optimizer "
+                                                     "step: the rounds' gathers, compute and "
+                                                     "returns pipelined, seconds.")
+    bound_s: float = Field(ge=0, description="a lower bound on that time for any owners and "
+                                             "rounds, seconds.")
+
+
+class FSDP2Plan(_Frozen):
+    """A plan for FSDP2's storage (schema version 10): the model is ``fully_shard``-ed over the
+    DP ranks, so every parameter is held as ``Shard(0)`` rows (``torch.chunk``'s rule,
+    ``formulas.fsdp2_rows``) and FSDP2 itself reduces the gradients and gathers the parameters.
+    The plan chooses each matrix task's owner (``tasks[i].owner``) and the all-to-all rounds
+    that bring its rows there and its update rows back (``fsdp2.rounds``); AdamW parameters
+    are updated on every rank's own rows."""
+
+    schema_version: Literal[10] = FSDP2_VERSION
+    storage: Literal["fsdp2"] = "fsdp2"
+    inputs: PlanInputs
+    fingerprint: str = Field(
+        description="sha256 of the inventory: names, shapes, dtypes, TP attrs.")
+    total_params: int
+    tasks: tuple[TaskPlan, ...]
+    metrics: Metrics
+    fsdp2: FSDP2Section
+
+    def to_json(self) -> str:
+        """Canonical text: fields in schema order, two-space indent, trailing newline."""
+        return self.model_dump_json(indent=2) + "\n"
+
+
 def _open_temp(folder: Path, name: str) -> tuple[int, Path]:
     """Create a new, empty temporary file next to the target, mode 0666 & ~umask.
 
@@ -548,7 +614,7 @@ def _open_temp(folder: Path, name: str) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "no free temporary file name", str(folder))
 
 
-def save_plan(plan: Plan | PipelinePlan, path: str | Path) -> Path:
+def save_plan(plan: Plan | PipelinePlan | FSDP2Plan, path: str | Path) -> Path:
     """Write ``plan`` atomically (temporary file in the same folder, fsync, rename).
 
     The file gets the permissions of any new file under the current umask (0666 & ~umask); the

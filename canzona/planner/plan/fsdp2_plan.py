@@ -1,0 +1,203 @@
+"""An FSDP2 plan file (:class:`~canzona.planner.plan.schema.FSDP2Plan`): its one assembly step,
+:func:`build_fsdp2_plan` (a problem of :mod:`canzona.planner.fsdp2` and a solution → the
+plan), and its checks, :func:`check_fsdp2_plan`, which loading runs: every relation the
+assembly computes from the tasks, owners and rounds is recomputed from the plan itself —
+
+* task ids in order, each matrix task with an owner in ``[0, dp)`` and each AdamW task none;
+* every matrix task in exactly one round, AdamW tasks in none, rounds indexed in order;
+* per round and rank, the whole-matrix bytes gathered and the bytes sent and received
+  (``formulas.fsdp2_rows`` at the plan's dp and comm dtype);
+* each task's ``flops`` and ``state_bytes`` from ``cost.task_cost``; ``total_params``;
+* the per-rank metrics from the owners, and their bounds and ratios.
+
+Every failure is one :class:`~canzona.planner.errors.PlanFileError` line naming the field and
+the fix.
+"""
+
+from __future__ import annotations
+
+from ..comm import ELEMENT_BYTES
+from ..cost import Task, make_cost_model, task_cost
+from ..formulas import fsdp2_rows
+from ..fsdp2 import FSDP2Problem, FSDP2Solution, round_traffic
+from ..layout import ParallelSizes
+from .messages import inconsistency, label
+from .schema import (FSDP2Plan, FSDP2Section, Metrics, PlanInputs, RoundPlan, SolverOptions,
+                     TaskPlan)
+
+__all__ = ["build_fsdp2_plan", "check_fsdp2_plan"]
+
+
+def build_fsdp2_plan(problem: FSDP2Problem, solution: FSDP2Solution, *, cost: str,
+                     solver: SolverOptions, model_source: str = "preset") -> FSDP2Plan:
+    """The plan file of ``solution`` (``cost``: the cost model of the tasks' ``cost`` and the
+    per-rank loads, a key of ``cost.make_cost_model``)."""
+    sizes = ParallelSizes(dp=problem.dp, tp=1)
+    model = make_cost_model(cost, problem.settings, sizes, problem.hardware)
+    owners = solution.owners
+    tasks = tuple(
+        TaskPlan(id=t.id, param=t.param, part=t.part, shape=t.shape,
+                 optimizer=t.optimizer,  # type: ignore[arg-type]
+                 owner=owners.get(t.id) if t.optimizer == "matrix" else None,
+                 cost=model.cost(t), flops=c.flops, state_bytes=c.state_bytes, tp_comm_bytes=0)
+        for t, c in zip(problem.tasks, problem.costs))
+    rounds = []
+    for k, ids in enumerate(solution.rounds):
+        gathered, sent, received, compute = round_traffic(problem, owners, ids)
+        rounds.append(RoundPlan(index=k, tasks=ids, gathered_bytes=tuple(gathered),
+                                sent_bytes=tuple(sent), received_bytes=tuple(received),
+                                compute_s=tuple(round(c, 9) for c in compute)))
+    section = FSDP2Section(
+        cmax_bytes=problem.cmax_bytes, comm_dtype=problem.comm_dtype,
+        hardware=problem.hardware.name, link=problem.link_name,  # type: ignore[arg-type]
+        rounds=tuple(rounds), modelled_step_s=round(solution.step_s, 9),
+        bound_s=round(solution.bound_s, 9))
+    inputs = PlanInputs(
+        model=problem.spec.name, model_source=model_source,  # type: ignore[arg-type]
+        dp=problem.dp, tp=1, optimizer=problem.settings, cost_model=getattr(model, "name", cost),
+        bucket_size=None, grad_dtype="fp32", comm_dtype=problem.comm_dtype, solver=solver)
+    return FSDP2Plan(inputs=inputs, fingerprint=problem.spec.fingerprint(),
+                     total_params=problem.spec.total_params, tasks=tasks,
+                     metrics=_metrics(tasks, problem.dp, _received(rounds, problem.dp),
+                                      status=solution.strategy),
+                     fsdp2=section)
+
+
+def _received(rounds, dp: int) -> tuple[int, ...]:  # noqa: ANN001
+    """Per rank, the bytes its gathers receive over every round."""
+    return tuple(sum(r.received_bytes[d] for r in rounds) for d in range(dp))
+
+
+def _metrics(tasks: tuple[TaskPlan, ...], dp: int, received: tuple[int, ...], *,
+             status: str) -> Metrics:
+    """Per rank: its matrices' loads, FLOPs and state; its AdamW tensors' by its share of their
+    rows (each rank updates its own rows); the bytes its gathers receive (recorded as
+    ``dp_reduce_scatter_bytes``: FSDP2's own reduce-scatter is not the plan's). Bounds in cost
+    units over whole matrices."""
+    load, flops, state = [0] * dp, [0] * dp, [0] * dp
+    for t in tasks:
+        if t.optimizer == "matrix":
+            o = t.owner
+            assert o is not None
+            load[o] += t.cost
+            flops[o] += t.flops
+            state[o] += t.state_bytes
+            continue
+        rows = t.shape[0] if t.shape else 1
+        parts = fsdp2_rows(rows, dp) if t.shape else ((0, 1),) + ((0, 0),) * (dp - 1)
+        done = [0, 0, 0]
+        at = 0
+        for r, (_, n) in enumerate(parts):  # cumulative rounding: the shares add up exactly
+            at += n
+            share = [v * at // rows for v in (t.cost, t.flops, t.state_bytes)]
+            load[r] += share[0] - done[0]
+            flops[r] += share[1] - done[1]
+            state[r] += share[2] - done[2]
+            done = share
+    matrix = [t.cost for t in tasks if t.optimizer == "matrix"]
+    total = sum(load)
+    lower = max(-(-total // dp), max(matrix, default=0))
+    mean = total / dp
+    return Metrics(dp_load=tuple(load), dp_flops=tuple(flops), dp_state_bytes=tuple(state),
+                   dp_reduce_scatter_bytes=tuple(received),
+                   max_over_mean=round(max(load) / mean, 6) if mean else 1.0,
+                   lower_bound=lower, certified_bound=lower,
+                   gap_to_bound=round(max(load) / lower - 1, 6) if lower else 0.0,
+                   split_matrices=0, solver_status=status)
+
+
+def check_fsdp2_plan(plan: FSDP2Plan, source: str = "<plan>") -> None:
+    """Check ``plan`` against what :func:`build_fsdp2_plan` computes from its tasks, owners and
+    rounds (the module docstring).
+
+    Raises:
+        PlanFileError: one line naming ``source``, the field and the fix.
+    """
+    def bad(field: str, problem: str) -> Exception:
+        return inconsistency(source, field, problem)
+
+    inp, dp = plan.inputs, plan.inputs.dp
+    if inp.tp != 1 or inp.ep != 1 or inp.stage is not None:
+        raise bad("inputs", "an FSDP2 plan is over one DP mesh dimension (tp 1, ep 1, no "
+                            "pipeline stage)")
+    e = ELEMENT_BYTES.get(plan.fsdp2.comm_dtype)
+    if e is None:
+        raise bad("fsdp2.comm_dtype", f"is {plan.fsdp2.comm_dtype!r}; choose one of "
+                                      f"{', '.join(ELEMENT_BYTES)}")
+    sizes = ParallelSizes(dp=dp, tp=1)
+    total = 0
+    for i, t in enumerate(plan.tasks):
+        if t.id != i:
+            raise bad(f"tasks[{i}].id", f"is {t.id}; tasks are numbered in order from 0")
+        n = 1
+        for x in t.shape:
+            n *= x
+        total += n
+        if t.optimizer == "matrix":
+            if len(t.shape) != 2:
+                raise bad(f"tasks[{i}].shape", f"'{label(t)}' is a matrix task of shape "
+                                               f"{t.shape}; matrix tasks are 2-D")
+            if t.owner is None or not 0 <= t.owner < dp:
+                raise bad(f"tasks[{i}].owner", f"'{label(t)}' has owner {t.owner}; a matrix "
+                                               f"task's owner is a DP rank in [0, {dp})")
+        elif t.owner is not None:
+            raise bad(f"tasks[{i}].owner", f"'{label(t)}' is an AdamW task with an owner; "
+                                           "AdamW tensors are updated on every rank's rows")
+        c = task_cost(Task(t.id, t.param, t.part, t.shape, t.optimizer, False), inp.optimizer,
+                      sizes, plan.fsdp2.comm_dtype)
+        if (t.flops, t.state_bytes) != (c.flops, c.state_bytes):
+            raise bad(f"tasks[{i}]", f"'{label(t)}' records flops {t.flops} and state_bytes "
+                                     f"{t.state_bytes}; the formulas give {c.flops} and "
+                                     f"{c.state_bytes}")
+    if plan.total_params != total:
+        raise bad("total_params", f"is {plan.total_params} but the tasks' shapes add up to "
+                                  f"{total} parameters")
+    seen: dict[int, int] = {}
+    for k, rnd in enumerate(plan.fsdp2.rounds):
+        if rnd.index != k:
+            raise bad(f"fsdp2.rounds[{k}].index", f"is {rnd.index}; rounds are numbered in "
+                                                  "order from 0")
+        for i in rnd.tasks:
+            if not 0 <= i < len(plan.tasks) or plan.tasks[i].optimizer != "matrix":
+                raise bad(f"fsdp2.rounds[{k}].tasks", f"lists {i}, which is not a matrix task")
+            if i in seen:
+                raise bad(f"fsdp2.rounds[{k}].tasks", f"lists task {i} "
+                                                      f"('{label(plan.tasks[i])}') again "
+                                                      f"(round {seen[i]} has it)")
+            seen[i] = k
+        _check_round(plan, k, e, bad)
+    missing = [t for t in plan.tasks if t.optimizer == "matrix" and t.id not in seen]
+    if missing:
+        raise bad("fsdp2.rounds", f"no round has task {missing[0].id} "
+                                  f"('{label(missing[0])}'); every matrix task is in one round")
+    want = _metrics(plan.tasks, dp, _received(plan.fsdp2.rounds, dp),
+                    status=plan.metrics.solver_status)
+    for name in ("dp_load", "dp_flops", "dp_state_bytes", "dp_reduce_scatter_bytes",
+                 "max_over_mean", "lower_bound"):
+        if getattr(plan.metrics, name) != getattr(want, name):
+            raise bad(f"metrics.{name}", f"is {getattr(plan.metrics, name)} but the owners "
+                                         f"give {getattr(want, name)}")
+
+
+def _check_round(plan: FSDP2Plan, k: int, e: int, bad) -> None:  # noqa: ANN001
+    """Round ``k``'s per-rank bytes from its tasks' shapes and owners."""
+    dp = plan.inputs.dp
+    rnd = plan.fsdp2.rounds[k]
+    gathered, sent, received = [0] * dp, [0] * dp, [0] * dp
+    for i in rnd.tasks:
+        t = plan.tasks[i]
+        rows, cols = t.shape
+        o = t.owner
+        gathered[o] += rows * cols * e
+        for r, (_, n) in enumerate(fsdp2_rows(rows, dp)):
+            if r != o:
+                sent[r] += n * cols * e
+                received[o] += n * cols * e
+    for name, got in (("gathered_bytes", gathered), ("sent_bytes", sent),
+                      ("received_bytes", received)):
+        if tuple(getattr(rnd, name)) != tuple(got):
+            raise bad(f"fsdp2.rounds[{k}].{name}", f"is {list(getattr(rnd, name))} but the "
+                                                   f"round's tasks and owners give {got}")
+    if len(rnd.compute_s) != dp:
+        raise bad(f"fsdp2.rounds[{k}].compute_s", f"has {len(rnd.compute_s)} entries for dp "
+                                                  f"{dp}")
