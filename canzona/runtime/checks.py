@@ -28,7 +28,7 @@ from canzona.planner.plan import Plan
 from canzona.runtime.checkpoint.names import expert_index
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.experts import plan_experts
-from canzona.runtime.introspect import dtype_name, inventory
+from canzona.runtime.introspect import dtype_name, fsdp2_modules, inventory
 from canzona.runtime.megatron import find_gpt
 from canzona.runtime.optim import registry
 from canzona.runtime.schedule import Schedule
@@ -66,6 +66,29 @@ def check_not_ddp(model: Any, grad_sync: str) -> None:
                          "the gradients: pass grad_sync='external' to use DDP's averaged .grad, "
                          "or give canzona the unwrapped model (model.module) and drop DDP, as "
                          "canzona reduces the gradients itself")
+
+
+def check_not_fully_sharded(model: Any, pairs: list[tuple[str, Tensor]]) -> None:
+    """A ZeRO-1 plan (canzona's own buckets over DP) for a model whose parameters are already
+    sharded over DP: a ``fully_shard``-ed (FSDP2) module, or a DTensor sharded on a named mesh
+    dim other than ``tp``. One line, before any collective."""
+    sharded = fsdp2_modules(model)
+    if sharded:
+        where = f"module '{sharded[0][0]}'" if sharded[0][0] else "the root module"
+        raise PlanMismatchError(
+            f"the model is fully_shard-ed (FSDP2: {where}) but the plan is a ZeRO-1 plan; plan "
+            "it for FSDP2's storage (canzona.plan_model(model, dp=..., storage='fsdp2')) or "
+            "give canzona the model without fully_shard.")
+    for name, p in pairs:
+        mesh = getattr(p, "device_mesh", None)
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        for k, pl in enumerate(getattr(p, "placements", ()) if names else ()):
+            if pl.is_shard() and k < len(names) and names[k] != "tp":
+                raise PlanMismatchError(
+                    f"parameter '{name}' is a DTensor sharded {pl!r} on mesh dim "
+                    f"'{names[k]}', not 'tp': sharded over data parallelism, as fully_shard "
+                    "shards, which a ZeRO-1 plan does not execute; plan a fully_shard-ed model "
+                    "with storage='fsdp2'.")
 
 
 def check_main_params(main_params: Any) -> None:
@@ -309,6 +332,31 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
                 f"{len(live)} in the model; the {other} lacks '{first}'.")
     return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
             f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs "
+            f"{spec.fingerprint()[:19]}…).")
+
+
+def fsdp2_fingerprint_problem(plan: Any, spec: ModelSpec) -> str | None:
+    """None if an FSDP2 plan's fingerprint and tasks match ``spec``, the live inventory (a
+    ``fully_shard``-ed model read whole: global shapes), else one line naming the first
+    parameter that differs (name or shape; the plan records dtypes in its fingerprint only)."""
+    planned = list(dict.fromkeys((t.param, tuple(t.shape)) for t in plan.tasks))
+    live = [(p.name, tuple(p.shape)) for p in spec.params]
+    if spec.fingerprint() == plan.fingerprint and planned == live:
+        return None
+    for k, (a, b) in enumerate(zip(planned, live)):
+        if a[0] != b[0]:
+            return (f"the plan does not match the model: parameter #{k} is '{a[0]}' in the "
+                    f"plan but '{b[0]}' in the model.")
+        if a[1] != b[1]:
+            return (f"the plan does not match the model: parameter '{a[0]}' has shape "
+                    f"{list(a[1])} in the plan but {list(b[1])} in the model.")
+    if len(planned) != len(live):
+        longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
+        first = longer[min(len(planned), len(live))][0]
+        return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
+                f"{len(live)} in the model; the {other} lacks '{first}'.")
+    return (f"the plan does not match the model: names and shapes agree but the dtypes or "
+            f"layouts differ (fingerprint {plan.fingerprint[:19]}… vs "
             f"{spec.fingerprint()[:19]}…).")
 
 

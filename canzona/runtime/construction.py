@@ -68,6 +68,7 @@ class Construction:
         checks.check_not_ddp(model, grad_sync)
         check_megatron_model(model)  # FSDP storage, legacy GroupedMLP: before any collective
         pairs = named_params(model)
+        checks.check_not_fully_sharded(model, pairs)  # FSDP2: an FSDP2Plan's optimizer runs it
         if self._stage.pp > 1:  # decoder layers by their global number, as the plan has them
             names = stages.global_names([n for n, _ in pairs], self._stage,
                                         {t.param for t in plan.tasks})

@@ -20,7 +20,10 @@ is read from Megatron's ``tensor_model_parallel``/``partition_dim`` attributes w
 live Megatron model fingerprints like the preset inventory of the same model), from a DTensor's
 placement on its ``tp`` mesh dim (``Shard(0)`` → ``column``, ``Shard(1)`` → ``row``,
 ``Replicate`` → ``replicated``; the recorded shape is the DTensor's global one), and is
-``replicated`` otherwise.
+``replicated`` otherwise. The parameters of a ``fully_shard``-ed module (FSDP2) are read whole:
+their ``Shard(0)`` over the DP mesh is where FSDP2 stores the rows, not tensor parallelism, so
+they record their global shape and ``replicated``, as the module had before it was sharded
+(:func:`fsdp2_managed`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ __all__ = [
     "DEFAULT_OUTPUT_GLOBS",
     "DEFAULT_ROUTER_GLOBS",
     "dtype_name",
+    "fsdp2_managed",
+    "fsdp2_modules",
     "inventory",
     "is_tp_split",
     "local_grad",
@@ -162,6 +167,26 @@ def _dtensor_layout(name: str, p: torch.Tensor) -> TPLayout:
                      "matrix, Shard(0) of a vector, or Replicate.")
 
 
+def fsdp2_modules(model: object) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module of ``model`` that ``fully_shard`` (FSDP2) has sharded
+    (``FSDPModule``), in ``named_modules`` order; none for a model without them or a list of
+    named parameters."""
+    if not isinstance(model, nn.Module):
+        return []
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp2_managed(model: object) -> set[int]:
+    """The ``id`` of every parameter a ``fully_shard``-ed module of ``model`` manages: the
+    parameters of each ``FSDPModule`` and of the modules under it (``fully_shard`` takes every
+    parameter below the module not taken by a nested call)."""
+    return {id(p) for _, m in fsdp2_modules(model) for p in m.parameters()}
+
+
 def is_tp_split(p: torch.Tensor) -> bool:
     """The live tensor is a TP shard (Megatron's ``tensor_model_parallel``, a sharded DTensor)."""
     if _is_dtensor(p):
@@ -169,7 +194,14 @@ def is_tp_split(p: torch.Tensor) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False))
 
 
-def _tp_layout(name: str, p: torch.Tensor) -> TPLayout:
+def _tp_layout(name: str, p: torch.Tensor, fsdp2: bool = False) -> TPLayout:
+    if fsdp2:  # FSDP2's Shard(0) rows over the DP mesh: storage, read whole
+        ndim = p.device_mesh.ndim if _is_dtensor(p) else 1  # type: ignore[attr-defined]
+        if ndim != 1:
+            raise ModelError(f"parameter '{name}' is sharded by fully_shard over a {ndim}-D "
+                             "mesh (HSDP, or FSDP2 with TP); canzona reads fully_shard over "
+                             "one DP mesh dimension.")
+        return "replicated"
     if _is_dtensor(p):
         return _dtensor_layout(name, p)
     if not getattr(p, "tensor_model_parallel", False):
@@ -220,6 +252,7 @@ def inventory(
     if not pairs:
         raise ModelError("the model has no parameters to plan.")
     embeddings = _embedding_names(model) if isinstance(model, nn.Module) else set()
+    managed = fsdp2_managed(model)
     specs = []
     for pname, p in pairs:
         shape = tuple(int(s) for s in p.shape)
@@ -239,11 +272,22 @@ def inventory(
         heads = head_dim if head_dim and kind == "matrix" and _match(pname, head_globs) else 0
         specs.append(ParamSpec(name=pname, shape=shape, dtype=dtype_name(p.dtype, pname), kind=kind,
                                layer=layer_index(pname), expert=None,
-                               tp_layout=_tp_layout(pname, p), head_rows=heads))
-    label = name or (type(model).__name__ if isinstance(model, nn.Module) else "module")
+                               tp_layout=_tp_layout(pname, p, id(p) in managed),
+                               head_rows=heads))
+    label = name or (_class_name(model) if isinstance(model, nn.Module) else "module")
     return ModelSpec(config=None, label=label,
                      params=tuple(route(specs, matrix_globs=matrix_globs, adamw_globs=adamw_globs)),
                      tied=_tied_output(model, specs, output_globs))
+
+
+def _class_name(model: nn.Module) -> str:
+    """The module's class name; for a ``fully_shard``-ed module its own class's (FSDP2 makes
+    it an ``FSDP<Class>``), so that it plans under the name it had before."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return type(model).__name__
+    return next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def _tied_output(model: object, specs: Sequence[ParamSpec],

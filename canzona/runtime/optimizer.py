@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from canzona.planner.plan import PipelinePlan, Plan
-from canzona.runtime import checks, flags, qk_clip, replicated, stages, update
+from canzona.runtime import checks, executors, flags, qk_clip, replicated, stages, update
 from canzona.runtime.construction import Construction
 from canzona.runtime.errors import UnusedParameterWarning
 from canzona.runtime.storage.gradients import clip_owned
@@ -92,7 +92,11 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
     Args:
         model: the ``nn.Module`` (or its ``named_parameters()``) the plan was made for.
         plan: a :class:`~canzona.planner.plan.Plan` (``canzona.plan_model`` or
-            ``canzona.load_plan``).
+            ``canzona.load_plan``). An :class:`~canzona.planner.plan.FSDP2Plan` (a
+            ``fully_shard``-ed model, ``canzona.plan_model(model, dp=, storage="fsdp2")``)
+            builds an :class:`~canzona.runtime.fsdp2.FSDP2Optimizer`, a subclass
+            (``runtime.executors``: the class per plan type), whose arguments are these but
+            for the ZeRO-1, TP and pipeline ones.
 
     Every other argument is keyword-only:
 
@@ -189,6 +193,18 @@ class CanzonaOptimizer(Construction, Lifecycle, Reporting, torch.optim.Optimizer
         ValueError: a ``DistributedDataParallel`` model with ``grad_sync="reduce_scatter"``.
         TypeError: an argument after ``plan`` given by position.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CanzonaOptimizer:
+        """The optimizer that executes ``plan``: the subclass ``runtime.executors`` registers
+        for its type (an ``FSDP2Plan``: ``runtime.fsdp2.FSDP2Optimizer``), else this class."""
+        plan = args[1] if len(args) > 1 else kwargs.get("plan")
+        target = executors.executor_for(plan) if plan is not None else None
+        if target is not None and not issubclass(cls, target):
+            if cls is not CanzonaOptimizer:
+                raise TypeError(f"{cls.__name__} cannot execute a {type(plan).__name__}: "
+                                f"subclass {target.__name__} for it.")
+            cls = target
+        return super().__new__(cls)
 
     def __init__(
         self,

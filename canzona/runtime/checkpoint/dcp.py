@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from canzona.planner.plan import FSDP2Plan
 from canzona.runtime.checkpoint.keys import FORMAT, Entries, entries
 from canzona.runtime.checkpoint.names import upgrade_key
 from canzona.runtime.checkpoint.pieces import LoadPlanner, SavePlanner
@@ -73,6 +74,11 @@ def dcp_state(model: nn.Module | None, optimizer: Any, *,
     ``CheckpointError`` on every rank.
     """
     optimizer._check_open("dcp_state")
+    if isinstance(getattr(optimizer, "plan", None), FSDP2Plan):
+        raise CheckpointError(
+            "logical checkpoints (canzona.save_checkpoint, load_checkpoint, dcp_state) do not "
+            "support an FSDP2 plan's optimizer yet: save optimizer.state_dict() on every rank "
+            "(it loads under the same plan and DP rank) beside the model's DCP checkpoint.")
     _check_model(model, optimizer)
     if load_from is None:
         E = entries(optimizer, model, saving=True, group_rank=rank_in(process_group))

@@ -1,0 +1,466 @@
+"""``FSDP2Optimizer``: an FSDP2 plan (:class:`~canzona.planner.plan.FSDP2Plan`) executed inside
+``optimizer.step()`` on a ``fully_shard``-ed model.
+
+``CanzonaOptimizer(model, plan)`` builds one when ``plan`` is an FSDP2 plan
+(``runtime.executors``). FSDP2 keeps every parameter as ``Shard(0)`` rows over the DP mesh,
+averages the gradients into the same rows (its reduce-scatter) and all-gathers the parameters
+before the next forward; the storage, :class:`~canzona.runtime.storage.fsdp2.FSDP2Rows`, says
+where the rows are and moves them. A step on DP rank r of W:
+
+1. **agree** — one MAX all-reduce over the DP group of, per parameter, "got a gradient" and
+   "holds NaN/Inf in my rows" (and per rank "got any gradient"): every rank raises alike
+   (``NonFiniteGradientError``, ``UnevenBackwardError``) or skips alike (``nonfinite="skip"``)
+   before anything is updated (``runtime.flags``' policy);
+2. **AdamW** on this rank's rows of every AdamW parameter (state of the rows' shape), while
+   round 0's rows travel;
+3. **rounds** (``plan.fsdp2.rounds``): one ``all_to_all_single`` gathers each matrix of the round
+   whole on its owner (fp32), the owner's kernel computes the round's directions in one call
+   (alike shapes batched; the state of an owned matrix lives on its owner, full-matrix shaped),
+   a second ``all_to_all_single`` returns each rank its rows of every update, and each rank
+   applies them to its rows (``kernel.apply(..., full_shape=)``). Round k + 1's gather is
+   launched before round k is computed, and round k's return runs while round k + 1 is;
+   every handle is waited for before ``step()`` returns.
+
+``clip_grad_norm_`` sums the squares of each rank's gradient rows (every element lies in
+exactly one rank's rows) with one all-reduce over DP. The launch order of the last step is kept
+in ``_fsdp2_trace`` (``("gather", k)``, ``("compute", k)``, ``("return", k)``, ``("apply", k)``).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from canzona.planner import formulas
+from canzona.planner.plan import FSDP2Plan
+from canzona.runtime import checks, flags
+from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.flight import FlightRecorder
+from canzona.runtime.groups import build_param_groups
+from canzona.runtime.introspect import inventory
+from canzona.runtime.optim._base import check_finite
+from canzona.runtime.optimizer import CanzonaOptimizer
+from canzona.runtime.storage.fsdp2 import (APPLY, FAILED, LEAVE, FSDP2Rows, build_rounds,
+                                           check_mixed_precision, sharded_parameters)
+from canzona.runtime.storage.gradients import clip_owned
+
+__all__ = ["NOT_UNDER_FSDP2", "FSDP2Optimizer"]
+
+#: ``CanzonaOptimizer``'s keyword arguments that do not apply to an FSDP2 plan: the one value
+#: accepted (the default) and why.
+NOT_UNDER_FSDP2: dict[str, tuple[Any, str]] = {
+    "tp_group": (None, "FSDP2 plans have tp = 1"),
+    "expert_dp_group": (None, "FSDP2 plans have ep = 1"),
+    "tp_sum_grads": ((), "FSDP2 plans have tp = 1"),
+    "overlap_tp": (True, "FSDP2 plans have no TP micro-groups"),
+    "grad_sync": ("reduce_scatter", "FSDP2 reduces the gradients itself"),
+    "collective": (None, "the rounds move rows with all_to_all_single"),
+    "overlap_param_gather": (False, "FSDP2 all-gathers the parameters in the next forward"),
+    "main_params": (None, "the sharded parameters are the fp32 copies; fully_shard's "
+                          "MixedPrecisionPolicy casts them for compute"),
+    "sync_init": (False, "each rank holds its own rows, which fully_shard took from its module"),
+    "pp_group": (None, "FSDP2 plans have no pipeline stages"),
+    "stage": (None, "FSDP2 plans have no pipeline stages"),
+}
+
+
+def _refuse(given: dict[str, Any]) -> None:
+    """One line for the first argument that does not apply to an FSDP2 plan."""
+    for key, value in given.items():
+        if key not in NOT_UNDER_FSDP2:
+            raise TypeError(f"CanzonaOptimizer() got an unexpected keyword argument {key!r}")
+        default, why = NOT_UNDER_FSDP2[key]
+        same = value is default or (isinstance(default, tuple) and not value) or (
+            not isinstance(value, (tuple, list)) and value == default)
+        if not same:
+            raise ValueError(f"{key}={value!r} does not apply to an FSDP2 plan ({why}); leave it "
+                             "out.")
+
+
+class FSDP2Optimizer(CanzonaOptimizer):
+    """:class:`CanzonaOptimizer` for an FSDP2 plan (see the module docstring); build it as
+    ``CanzonaOptimizer(model, plan, ...)``.
+
+    ``model`` is the ``fully_shard``-ed ``nn.Module`` (every parameter a DTensor placed
+    ``Shard(0)`` over one 1-D DP mesh; ``reshard_after_forward`` either way; the
+    ``MixedPrecisionPolicy`` with fp32 ``param_dtype`` and ``reduce_dtype``, or None). The
+    keyword arguments are :class:`CanzonaOptimizer`'s but for those of
+    :data:`NOT_UNDER_FSDP2` (refused unless left at their default); ``device_mesh`` is the 1-D
+    DP mesh (default: the parameters'), ``dp_group`` its process group (default: the mesh's).
+
+    The parameter groups hold the sharded parameters (``"matrix"`` and ``"adamw"``, read at
+    every step); ``state`` has an entry per parameter: an AdamW parameter's state of this rank's
+    rows, a matrix's full-matrix state on its owner (empty elsewhere). ``state_dict()`` is this
+    rank's (it loads under the same plan and rank); ``canzona.save_checkpoint`` refuses an FSDP2
+    optimizer for now. Gradient accumulation is FSDP2's (``model.set_requires_gradient_sync``):
+    ``no_sync()`` refuses, as do ``qk_clip_`` and ``add_param_group``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: FSDP2Plan,
+        *,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        momentum: float | None = None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 1e-2,
+        adamw_nonfinite: str = "raise",
+        dp_group: Any = None,
+        device_mesh: Any = None,
+        optimizer: str | None = None,
+        ns_steps: int | None = None,
+        matrix_options: dict[str, Any] | None = None,
+        collective_timeout: float | None = None,
+        flight_record: str | os.PathLike | None = None,
+        **others: Any,
+    ) -> None:
+        # -- checks that need no collective ---------------------------------------------------
+        _refuse(others)
+        if not isinstance(plan, FSDP2Plan):
+            raise TypeError(f"plan must be an FSDP2Plan here, got {type(plan).__name__}")
+        self._timeout = checks.checked_timeout(collective_timeout)
+        pairs, modules = sharded_parameters(model)
+        check_mixed_precision(model)
+        mesh = self._join_mesh(plan, pairs, device_mesh, dp_group)
+        self._names = [n for n, _ in pairs]
+        #: The sharded DTensor parameters (what the param groups and the state hold); their
+        #: local tensors are the rows this rank updates.
+        self._live = [p for _, p in pairs]
+        self._params = list(self._live)
+        rounds = build_rounds(plan, self._names, self._rank, self._dp)
+
+        # -- every rank agrees before it acts: the plan (hash + fingerprint) and the rows -----
+        problem = (checks.fsdp2_fingerprint_problem(plan, inventory(model))
+                   or self._rows_problem(mesh, dp_group))
+        checks.agree(plan, problem, dp=self._dp, group=self._group, device=self._device())
+
+        # -- kernels, param groups, storage, state ----------------------------------------------
+        self._build_kernels(
+            plan, optimizer=optimizer, matrix_options=matrix_options, ns_dtype=ns_dtype,
+            explicit={"lr": lr, "weight_decay": weight_decay, "momentum": momentum,
+                      "ns_steps": ns_steps},
+            adamw={"lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps,
+                   "weight_decay": adamw_weight_decay, "nonfinite": adamw_nonfinite})
+        self.plan = plan
+        self._digest = checks.plan_digest(plan)
+        route = {t.param: t.optimizer for t in plan.tasks}
+        self._matrix_ids = [i for i, n in enumerate(self._names) if route[n] == "matrix"]
+        self._adamw_ids = [i for i, n in enumerate(self._names) if route[n] != "matrix"]
+        self._main_params = None
+        self._hooks: list[Any] = []
+        self._received: list[int] | None = None  # the flags agreed this iteration
+        self._fsdp2_trace: list[tuple[str, int]] = []
+        self._flight = None
+        if flight_record is not None:
+            self._flight = FlightRecorder(flight_record, dist.get_rank(),
+                                          labels={"dp_rank": self._rank})
+        self._storage = FSDP2Rows(self._params, rounds, modules, rank=self._rank, size=self._dp,
+                                  group=self._group, comm_dtype=plan.fsdp2.comm_dtype,
+                                  timeout_s=self._timeout, flight=self._flight)
+        self._build_fsdp2_groups()
+        self._init_fsdp2_state()
+        self._closed = False
+
+    # -- construction -----------------------------------------------------------------------------
+
+    def _join_mesh(self, plan: FSDP2Plan, pairs: list[tuple[str, Tensor]], device_mesh: Any,
+                   dp_group: Any) -> Any:
+        """The DP mesh (given, or the parameters'), its process group and this rank's place,
+        checked against the plan's dp. Returns the mesh."""
+        mesh = pairs[0][1].device_mesh if pairs else None  # type: ignore[attr-defined]
+        if device_mesh is not None:
+            if dp_group is not None:
+                raise ValueError("pass either device_mesh= or dp_group=, not both")
+            if getattr(device_mesh, "ndim", None) != 1:
+                raise ValueError(f"device_mesh must be the 1-D DP mesh the model is "
+                                 f"fully_shard-ed over, got a {getattr(device_mesh, 'ndim', '?')}"
+                                 f"-D mesh")
+            if mesh is not None and device_mesh != mesh:
+                raise PlanMismatchError("device_mesh is not the mesh the model is fully_shard-ed "
+                                        "over; leave it out (the parameters' mesh is used).")
+            mesh = device_mesh
+        if mesh is None:
+            raise PlanMismatchError("the model has no parameters to optimise.")
+        size = mesh.size()
+        if dp_group is not None and dist.get_world_size(dp_group) != size:
+            raise PlanMismatchError(f"dp_group has {dist.get_world_size(dp_group)} ranks but the "
+                                    f"model is fully_shard-ed over a mesh of {size}.")
+        if size != plan.inputs.dp:
+            raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} but the model is "
+                                    f"fully_shard-ed over a mesh of {size} ranks.")
+        # The mesh's group stays alive with the DTensors anyway; close() drops this reference.
+        self._group = dp_group if dp_group is not None else mesh.get_group()
+        self._dp = size
+        self._rank = mesh.get_local_rank()
+        self._tp, self._tp_group, self._tp_rank = 1, None, 0
+        return mesh
+
+    def _rows_problem(self, mesh: Any, dp_group: Any) -> str | None:
+        """One line if this rank's rows are not FSDP2's ``torch.chunk`` rows of its place in the
+        mesh (``formulas.fsdp2_rows``), or ``dp_group`` orders the ranks otherwise; else None."""
+        if dp_group is not None and dist.get_rank(dp_group) != self._rank:
+            return (f"dp_group puts this rank at {dist.get_rank(dp_group)} but the model's mesh "
+                    f"at {self._rank}; pass the mesh's group (or leave dp_group out).")
+        for name, p in zip(self._names, self._params):
+            shape = tuple(p.shape)
+            if not shape:
+                return f"parameter '{name}' is a scalar, which Shard(0) cannot hold."
+            rows = formulas.fsdp2_rows(shape[0], self._dp)[self._rank][1]
+            local = tuple(p._local_tensor.shape)  # type: ignore[attr-defined]
+            if local != (rows, *shape[1:]):
+                return (f"parameter '{name}' holds {list(local)} on DP rank {self._rank}, not "
+                        f"its Shard(0) rows {[rows, *shape[1:]]} of {list(shape)} (torch.chunk's "
+                        "rule over the mesh).")
+        return None
+
+    def _build_fsdp2_groups(self) -> None:
+        """``"matrix"`` and ``"adamw"`` groups of the sharded parameters, then fixed."""
+        groups, defaults = build_param_groups(
+            [self._params[i] for i in self._matrix_ids],
+            [self._params[i] for i in self._adamw_ids], self._matrix, self._adamw)
+        self._groups_fixed = False
+        torch.optim.Optimizer.__init__(self, groups, {})
+        self._groups_fixed = True
+        self.defaults = defaults
+
+    def _init_fsdp2_state(self) -> None:
+        """fp32 state made now (``torch.distributed.checkpoint``'s ``get_state_dict`` steps an
+        optimizer without state to make it): each owned matrix's (full shape), each AdamW
+        parameter's of this rank's rows, and an empty entry for every other parameter."""
+        device = self._device()
+        for rnd in self._storage.rounds:
+            for t in rnd.owned:
+                self.state[self._params[t.param]] = self._matrix.init_state(
+                    t.shape, torch.float32, device)
+        for i in self._adamw_ids:
+            self.state[self._params[i]] = self._adamw.init_state(
+                self._storage.local(i).shape, torch.float32, device)
+        for p in self._params:
+            if p not in self.state:
+                self.state[p] = {}
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Agree on the gradients, AdamW on this rank's rows, the matrices round by round.
+
+        Raises (on every rank alike, before anything is updated): ``UnevenBackwardError`` when
+        some DP ranks produced gradients and others none; ``NonFiniteGradientError`` for a
+        NaN/Inf gradient under ``nonfinite="raise"``."""
+        self._check_open("step")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        self._storage.reshard()
+        received = self._agree_gradients()
+        try:
+            self._run(received)
+        finally:
+            self._received = None
+        return loss
+
+    def _agree_gradients(self) -> list[int]:
+        """Per parameter whether any rank got a gradient for it, after the non-finite policy
+        (``runtime.flags``): one MAX all-reduce over the DP group, once per iteration."""
+        if self._received is not None:
+            return self._received
+        storage, n, size = self._storage, len(self._params), self._dp
+        grads = [storage.grad(i) for i in range(n)]
+        held = [i for i, g in enumerate(grads) if g is not None]
+        finite = check_finite([grads[i] for i in held])
+        bad = [0] * n
+        for i, ok in zip(held, finite):
+            bad[i] = 0 if ok else 1
+        had = [0] * size
+        had[self._rank] = 1 if held else 0
+        got = [1 if g is not None else 0 for g in grads]
+        t = torch.tensor(got + had + bad, dtype=torch.int32, device=self._device())
+        flags.all_reduce_max(t, dp=size, group=self._group, tp=1, tp_group=None,
+                             flight=self._flight, timeout_s=self._timeout, rank=self._rank)
+        values = t.cpu().tolist()
+        ranks = values[n:n + size]
+        missing = [r for r, x in enumerate(ranks) if not x] if any(ranks) else []
+        nonfinite = [i for i, f in enumerate(values[n + size:]) if f]
+        agreed = SimpleNamespace(received_anywhere=values[:n])
+        flags.apply_policy((nonfinite, missing), grads=agreed, buffers=(), work=None,
+                           names=self._names, matrix_params=self._matrix_ids,
+                           matrix=self._matrix, adamw=self._adamw, reset=self._drop_grads)
+        for i in nonfinite:  # skipped alike: their rows count as zero (a finite global norm)
+            g = grads[i]
+            if g is not None:
+                g.zero_()
+        self._received = list(agreed.received_anywhere)
+        return self._received
+
+    def _drop_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self._received = None
+
+    def _run(self, received: list[int]) -> None:
+        """AdamW, then the rounds, pipelined (see the module docstring); a kernel that raised
+        on an owner raises there after every round, and the other ranks raise with it."""
+        storage = self._storage
+        count = len(storage.rounds)
+        trace = self._fsdp2_trace = []
+        gathers: dict[int, Any] = {}
+        if count:
+            gathers[0] = storage.start_gather(0)
+            trace.append(("gather", 0))
+        self._step_adamw(received)  # while round 0's rows travel
+        error: Exception | None = None
+        failed: list[Any] = []
+        pending = None  # (round, its return in flight)
+        for k in range(count):
+            recv = gathers.pop(k).wait()
+            if k + 1 < count:
+                gathers[k + 1] = storage.start_gather(k + 1)
+                trace.append(("gather", k + 1))
+            trace.append(("compute", k))
+            updates, status, raised = self._compute_round(k, recv, received)
+            error = error or raised
+            returning = storage.start_return(k, updates, status)
+            trace.append(("return", k))
+            if pending is not None:
+                failed += self._apply_round(*pending, received)
+            pending = (k, returning)
+        if pending is not None:
+            failed += self._apply_round(*pending, received)
+        if error is not None:
+            raise error
+        if failed:
+            t = failed[0]
+            raise RuntimeError(f"the matrix kernel raised on DP rank {t.owner} for '{t.name}' "
+                               f"(see that rank's error); the step's other updates were "
+                               "applied.")
+
+    def _step_adamw(self, received: list[int]) -> None:
+        """AdamW on this rank's rows of every AdamW parameter that got a gradient."""
+        ids = [i for i in self._adamw_ids if received[i]]
+        if not ids:
+            return
+        storage = self._storage
+        rows = [storage.local(i) for i in ids]
+        grads = [storage.grad(i) for i in ids]
+        grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, grads)]
+        self._adamw.step(rows, grads, [self.state[self._params[i]] for i in ids],
+                         names=[self._names[i] for i in ids])
+
+    def _compute_round(self, k: int, recv: Tensor, received: list[int]
+                       ) -> tuple[list[Tensor | None], list[int], Exception | None]:
+        """The owner's side of round ``k``: its matrices whole, their directions in one kernel
+        call; per owned task its update (or None) and status."""
+        rnd = self._storage.rounds[k]
+        updates: list[Tensor | None] = [None] * len(rnd.owned)
+        status = [LEAVE] * len(rnd.owned)
+        todo = [j for j, t in enumerate(rnd.owned) if received[t.param]]
+        if not todo:
+            return updates, status, None
+        fulls = self._storage.whole(k, recv)
+        try:
+            out = self._matrix.direction(
+                [fulls[j] for j in todo],
+                [self.state[self._params[rnd.owned[j].param]] for j in todo],
+                names=[rnd.owned[j].name for j in todo])
+        except Exception as exc:  # noqa: BLE001 - raised after the rounds, on every rank
+            for j in todo:
+                status[j] = FAILED
+            return updates, status, exc
+        for j, u in zip(todo, out):
+            if u is not None:
+                updates[j], status[j] = u, APPLY
+        return updates, status, None
+
+    def _apply_round(self, k: int, returning: Any, received: list[int]) -> list[Any]:
+        """This rank's rows of round ``k``'s updates applied to its rows; returns the tasks
+        whose owner's kernel raised."""
+        recv = returning.wait()
+        self._fsdp2_trace.append(("apply", k))
+        failed = []
+        for t, rows, code in self._storage.returned(k, recv):
+            if not received[t.param]:
+                continue
+            if code == FAILED:
+                failed.append(t)
+            elif code == APPLY and rows.shape[0]:
+                self._matrix.apply(self._storage.local(t.param), rows.to(torch.float32),
+                                   full_shape=t.shape)
+        return failed
+
+    # -- gradients --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the averaged gradients by their global norm (as
+        ``torch.nn.utils.clip_grad_norm_``): each rank's rows, one all-reduce over DP. Call it
+        after the last backward and before ``step()``. Returns the total norm before clipping."""
+        self._check_open("clip_grad_norm_")
+        if norm_type not in (2.0, float("inf")):
+            raise ValueError(f"norm_type = {norm_type!r} is not supported; use 2.0 or inf")
+        self._agree_gradients()
+        grads = [g for g in (self._storage.grad(i) for i in range(len(self._params)))
+                 if g is not None]
+        return clip_owned(grads, max_norm, norm_type, dp=self._dp, group=self._group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) the sharded parameters' ``.grad``."""
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self._received = None
+
+    def no_sync(self) -> Any:
+        raise RuntimeError("CanzonaOptimizer.no_sync: under an FSDP2 plan FSDP2 reduces the "
+                           "gradients; accumulate with model.set_requires_gradient_sync(False) "
+                           "on the fully_shard-ed model instead.")
+
+    def qk_clip_(self, *args: Any, **kwargs: Any) -> float:
+        raise RuntimeError("CanzonaOptimizer.qk_clip_ is not supported under an FSDP2 plan yet.")
+
+    # -- reports and lifecycle --------------------------------------------------------------------
+
+    def tp_scratch_bytes(self) -> int:
+        """0: FSDP2 plans have no TP micro-groups (:meth:`round_scratch_bytes` is the rounds')."""
+        return 0
+
+    def round_scratch_bytes(self) -> int:
+        """Most bytes of whole fp32 matrices this rank holds at once: its matrices of two
+        consecutive rounds (one computed while the previous one's return runs)."""
+        held = [4 * sum(t.shape[0] * t.shape[1] for t in r.owned) for r in self._storage.rounds]
+        return max((a + b for a, b in zip(held, held[1:] + [0])), default=0)
+
+    def predicted_state_bytes(self) -> int:
+        """``state_bytes()`` predicted from the plan and the kernels: the state of each matrix
+        this rank owns and AdamW's of its rows (two moments and a step counter per parameter)."""
+        total = sum(4 * self._matrix.state_numel(t.shape) for r in self._storage.rounds
+                    for t in r.owned)
+        return total + sum(4 * formulas.adamw_state_numel(self._storage.local(i).numel())
+                           for i in self._adamw_ids)
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank sends per step in the rounds' gathers and returns."""
+        return self._storage.comm_bytes()
+
+    def _release(self) -> None:
+        self._hooks = []
+        self._storage.release()
+        self._group = None  # the mesh keeps its group; this optimizer no longer does
+        if self._flight is not None:
+            self._flight.close()
+        self._closed = True

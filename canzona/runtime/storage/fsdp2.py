@@ -1,0 +1,393 @@
+"""FSDP2's storage (``torch.distributed.fsdp.fully_shard``): where each parameter's rows live,
+and how the rows of a matrix reach its owner and the rows of its update come back.
+
+Under ``fully_shard`` every parameter is a DTensor placed ``Shard(0)`` over the 1-D DP mesh: DP
+rank r holds rows ``formulas.fsdp2_rows(rows, W)[r]`` (``torch.chunk``'s rule: the last ranks
+may hold fewer rows, or none) in its local tensor. FSDP2 itself reduce-scatters (and averages)
+the gradients into the same rows and all-gathers the parameters before the next forward, so
+this storage reduces and gathers nothing: it reads each rank's gradient rows where FSDP2 leaves
+them and the optimizer writes the updated rows in place, into the local tensor of the sharded
+parameter, which FSDP2's next all-gather reads. (Where a module kept its unsharded parameters,
+``set_reshard_after_backward(False)``, :meth:`FSDP2Rows.reshard` drops them at ``step()``: the
+next forward gathers the updated rows.)
+
+A matrix's update needs the whole matrix on its owner (``plan.tasks[i].owner``). The plan's
+rounds (``plan.fsdp2.rounds``) move them, each with two ``all_to_all_single`` calls over the DP
+group (uneven and zero split sizes; gloo and NCCL)::
+
+    round k, W = 3: A (10 rows, owner 0), B (6 rows, owner 2); rows per rank A 4/4/2, B 2/2/2
+
+    gather   rank r sends   to 0: [A rows of r]       to 2: [B rows of r]        (nothing to 1)
+             rank 0 receives from s = 0, 1, 2: A's rows of s → A whole (fp32)
+    compute  the owner's kernel: the directions of its matrices of the round, in one call
+    return   rank 0 sends to s: [A's update rows of s, status]; rank 2 likewise for B
+             rank r applies its rows of A's and B's updates to its rows of A and B
+
+Within a send buffer the rows go to each destination in the round's task order; a receive
+buffer holds each source's block in rank order. The return is the gather reversed, with one
+status element after each task's rows (:data:`APPLY`, :data:`LEAVE` — the kernel left the
+matrix alone: SOAP's first step — or :data:`FAILED`, the owner's kernel raised), so that every
+rank learns each matrix's fate, a rank that holds none of its rows too. The rows travel in the
+plan's ``fsdp2.comm_dtype``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from canzona.planner.formulas import fsdp2_rows
+from canzona.runtime.errors import PlanMismatchError
+from canzona.runtime.introspect import fsdp2_modules, local_grad, local_tensor
+from canzona.runtime.waits import wait_for
+
+__all__ = ["APPLY", "COMM_DTYPES", "FAILED", "FSDP2Rows", "LEAVE", "Round", "RowTask",
+           "build_rounds", "check_mixed_precision", "sharded_parameters"]
+
+#: The plan's ``fsdp2.comm_dtype`` → the dtype the rows travel in.
+COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: A matrix's fate in the return's status element: its update rows apply; the kernel left it
+#: alone this step (``None``); the owner's kernel raised.
+APPLY, LEAVE, FAILED = 0, 1, 2
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def sharded_parameters(model: Any) -> tuple[list[tuple[str, Tensor]], list[nn.Module]]:
+    """A ``fully_shard``-ed model's ``(name, sharded parameter)`` pairs in registration order,
+    and its ``FSDPModule``\\ s. Every module is resharded first (a no-op unless it kept its
+    unsharded parameters), so that the model holds the sharded DTensors, whose local tensors
+    FSDP2's all-gather reads. Refuses, in one line, a model that is not ``fully_shard``-ed or a
+    parameter that is not a DTensor placed ``Shard(0)`` over one 1-D mesh."""
+    if not isinstance(model, nn.Module):
+        raise PlanMismatchError(
+            "the plan is an FSDP2 plan: give CanzonaOptimizer the fully_shard-ed nn.Module, not "
+            "its named parameters (the optimizer reads FSDP2's modules).")
+    modules = fsdp2_modules(model)
+    if not modules:
+        raise PlanMismatchError(
+            f"the plan is an FSDP2 plan but the model ({type(model).__name__}) is not "
+            "fully_shard-ed: apply torch.distributed.fsdp.fully_shard over the DP mesh first, or "
+            "plan the model for ZeRO-1 (storage='zero1').")
+    for _, m in modules:
+        m.reshard()  # type: ignore[operator]
+    pairs = list(model.named_parameters())
+    mesh = None
+    for name, p in pairs:
+        placements = tuple(getattr(p, "placements", ()))
+        pmesh = getattr(p, "device_mesh", None)
+        if local_tensor(p) is p or pmesh is None or pmesh.ndim != 1 or len(placements) != 1 \
+                or not placements[0].is_shard(0):
+            what = (f"a DTensor placed {list(placements)} over a {pmesh.ndim}-D mesh"
+                    if local_tensor(p) is not p and pmesh is not None else "not a DTensor")
+            raise PlanMismatchError(
+                f"the plan is an FSDP2 plan but parameter '{name}' is {what}; fully_shard every "
+                "module that holds parameters (the root last) over one 1-D DP mesh, with the "
+                "default Shard(0) placement.")
+        if mesh is None:
+            mesh = pmesh
+        elif pmesh != mesh:
+            raise PlanMismatchError(
+                f"parameter '{name}' is sharded over another mesh than '{pairs[0][0]}'; "
+                "fully_shard the whole model over one DP mesh.")
+    return pairs, [m for _, m in modules]
+
+
+def check_mixed_precision(model: nn.Module) -> None:
+    """Each ``fully_shard``'s ``MixedPrecisionPolicy`` keeps fp32 parameters and an fp32
+    gradient reduction (``param_dtype`` and ``reduce_dtype`` None or ``torch.float32``)."""
+    for name, m in fsdp2_modules(model):
+        state = m._get_fsdp_state()  # type: ignore[operator]
+        groups = getattr(state, "_fsdp_param_groups", None) or ()
+        policies = [g.mp_policy for g in groups] or [getattr(state, "_mp_policy", None)]
+        for mp in policies:
+            for field in ("param_dtype", "reduce_dtype"):
+                value = getattr(mp, field, None)
+                if value not in (None, torch.float32):
+                    where = f"module '{name}'" if name else "the root module"
+                    raise PlanMismatchError(
+                        f"fully_shard's MixedPrecisionPolicy on {where} has {field}={value}; "
+                        "canzona's FSDP2 storage runs fp32 parameters with an fp32 gradient "
+                        "reduction (param_dtype and reduce_dtype None or torch.float32).")
+
+
+# --- the rounds ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RowTask:
+    """A matrix task as the rounds move it: its parameter (index and name), owner, global
+    shape (m, n) and each DP rank's rows ``(first row, rows)``."""
+
+    id: int
+    param: int
+    name: str
+    owner: int
+    shape: tuple[int, int]
+    rows: tuple[tuple[int, int], ...]
+
+    def numel(self, rank: int) -> int:
+        """Elements of rank ``rank``'s rows."""
+        return self.rows[rank][1] * self.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One round as rank ``rank`` runs it (see the module docstring): ``tasks`` in plan order,
+    ``owned`` this rank's, ``by_owner`` per DP rank its tasks; the gather's ``send`` (elements to
+    each rank: this rank's rows of that rank's matrices) and ``recv`` (from each rank: its rows
+    of this rank's matrices). The return is the gather reversed, plus a status element per task
+    (:attr:`return_send`, :attr:`return_recv`)."""
+
+    index: int
+    tasks: tuple[RowTask, ...]
+    owned: tuple[RowTask, ...]
+    by_owner: tuple[tuple[RowTask, ...], ...]
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+
+    @property
+    def return_send(self) -> tuple[int, ...]:
+        return tuple(n + len(self.owned) for n in self.recv)
+
+    @property
+    def return_recv(self) -> tuple[int, ...]:
+        return tuple(n + len(ts) for n, ts in zip(self.send, self.by_owner))
+
+
+def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple[Round, ...]:
+    """The plan's rounds as rank ``rank`` of ``size`` runs them, checked: every matrix task
+    whole (no part), 2-D, with an owner in ``[0, size)``, in exactly one round."""
+    index = {n: i for i, n in enumerate(names)}
+    tasks: dict[int, RowTask] = {}
+    for t in plan.tasks:
+        if t.optimizer != "matrix":
+            continue
+        if t.part is not None:
+            raise PlanMismatchError(f"the FSDP2 plan splits '{t.param}' (task {t.id}, part "
+                                    f"{t.part!r}); FSDP2 plans update whole matrices.")
+        if len(t.shape) != 2 or t.owner is None or not 0 <= t.owner < size:
+            raise PlanMismatchError(f"the FSDP2 plan's matrix task {t.id} ('{t.param}', shape "
+                                    f"{list(t.shape)}) has owner {t.owner}; a 2-D matrix with "
+                                    f"an owner in 0 … {size - 1} is needed; regenerate it.")
+        m, n = (int(x) for x in t.shape)
+        tasks[t.id] = RowTask(t.id, index[t.param], t.param, t.owner, (m, n), fsdp2_rows(m, size))
+    seen: set[int] = set()
+    rounds = []
+    for r in plan.fsdp2.rounds:
+        bad = [i for i in r.tasks if i not in tasks or i in seen]
+        if bad:
+            why = "twice" if bad[0] in seen else "and it is no matrix task"
+            raise PlanMismatchError(f"the FSDP2 plan's round {r.index} lists task {bad[0]} "
+                                    f"{why}; regenerate the plan.")
+        seen.update(r.tasks)
+        ts = tuple(tasks[i] for i in r.tasks)
+        by_owner = tuple(tuple(t for t in ts if t.owner == o) for o in range(size))
+        rounds.append(Round(
+            index=len(rounds), tasks=ts, owned=by_owner[rank], by_owner=by_owner,
+            send=tuple(sum(t.numel(rank) for t in by_owner[o]) for o in range(size)),
+            recv=tuple(sum(t.numel(s) for t in by_owner[rank]) for s in range(size))))
+    missing = sorted(set(tasks) - seen)
+    if missing:
+        raise PlanMismatchError(f"the FSDP2 plan's matrix task {missing[0]} "
+                                f"('{tasks[missing[0]].name}') is in no round; regenerate it.")
+    return tuple(rounds)
+
+
+# --- the storage ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    """An all-to-all in flight: its output, its work handle and its send buffer (kept alive
+    until the collective completes: on NCCL it runs on the communicator's stream)."""
+
+    out: Tensor
+    work: Any
+    send: Tensor | None
+    what: str
+    owner: FSDP2Rows
+
+    def wait(self) -> Tensor:
+        if self.work is not None:  # on CUDA: the current stream waits for the collective
+            work, self.work = self.work, None
+            wait_for(work, self.what, self.owner.timeout_s, self.owner.rank)
+        self.send = None
+        if self in self.owner.in_flight:
+            self.owner.in_flight.remove(self)
+        return self.out
+
+
+class FSDP2Rows:
+    """Where a ``fully_shard``-ed model's rows live and how the rounds move them (see the
+    module docstring). ``params`` are the sharded DTensors taken at construction; the local
+    tensor and gradient of each are read at every use (FSDP2 may re-point them, e.g. after
+    ``load_state_dict(assign=True)``).
+
+    The attributes the optimizer's lifecycle and reports read of a storage: ``buffers`` (none:
+    no flat buckets), ``main_copies`` (none), ``methods``, ``wait_gathers`` (nothing: FSDP2
+    gathers), ``finish`` (every all-to-all still in flight waited for) and ``release``."""
+
+    buffers: tuple = ()
+
+    def __init__(self, params: Sequence[Tensor], rounds: Sequence[Round],
+                 modules: Sequence[nn.Module], *, rank: int, size: int, group: Any,
+                 comm_dtype: str, timeout_s: float | None = None, flight: Any = None) -> None:
+        if comm_dtype not in COMM_DTYPES:
+            raise PlanMismatchError(f"the FSDP2 plan's comm_dtype {comm_dtype!r} is not one of "
+                                    f"{', '.join(COMM_DTYPES)}; regenerate the plan.")
+        self.params = list(params)
+        self.rounds = tuple(rounds)
+        self.modules = list(modules)
+        self.rank, self.size, self.group = rank, size, group
+        self.comm = COMM_DTYPES[comm_dtype]
+        self.timeout_s, self.flight = timeout_s, flight
+        self.in_flight: list[_InFlight] = []
+
+    # -- where the rows are -----------------------------------------------------------------------
+
+    def local(self, i: int) -> Tensor:
+        """This rank's rows of parameter ``i`` (the sharded DTensor's local tensor)."""
+        return local_tensor(self.params[i])
+
+    def grad(self, i: int) -> Tensor | None:
+        """This rank's rows of parameter ``i``'s averaged gradient (None: no gradient)."""
+        return local_grad(self.params[i])
+
+    def reshard(self) -> None:
+        """Every module drops unsharded parameters it kept (``reshard_after_backward=False``),
+        so that the next forward all-gathers the rows the step updates."""
+        for m in self.modules:
+            m.reshard()  # type: ignore[operator]
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """Per round, the collective that moves it."""
+        return ("all_to_all",) * len(self.rounds)
+
+    @property
+    def main_copies(self) -> list[Tensor | None]:
+        return []
+
+    # -- moving rows -------------------------------------------------------------------------------
+
+    def _device(self) -> torch.device:
+        return self.local(0).device if self.params else torch.device("cpu")
+
+    def _all_to_all(self, send: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                    what: str) -> _InFlight:
+        out = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
+        if self.size == 1:
+            out.copy_(send)
+            return _InFlight(out, None, None, what, self)
+        work = dist.all_to_all_single(out, send, list(out_splits), list(in_splits),
+                                      group=self.group, async_op=True)
+        if self.flight is not None:
+            self.flight.add(what, work)
+        job = _InFlight(out, work, send, what, self)
+        self.in_flight.append(job)
+        return job
+
+    def start_gather(self, k: int) -> _InFlight:
+        """Launch round ``k``'s gather: this rank's gradient rows of each matrix to its owner
+        (zeros for a parameter without a gradient here)."""
+        rnd = self.rounds[k]
+        send = torch.empty(sum(rnd.send), dtype=self.comm, device=self._device())
+        at = 0
+        for owned in rnd.by_owner:
+            for t in owned:
+                n = t.numel(self.rank)
+                if n:
+                    g = self.grad(t.param)
+                    if g is None:
+                        send[at:at + n].zero_()
+                    else:
+                        send[at:at + n].copy_(g.reshape(-1))
+                at += n
+        return self._all_to_all(send, rnd.recv, rnd.send,
+                                f"the FSDP2 gather (all-to-all) of round {k}")
+
+    def whole(self, k: int, recv: Tensor) -> list[Tensor]:
+        """This rank's matrices of round ``k``, whole (fp32), from the gather's output."""
+        rnd = self.rounds[k]
+        fulls = [torch.empty(t.shape, dtype=torch.float32, device=recv.device)
+                 for t in rnd.owned]
+        at = 0
+        for s in range(self.size):
+            for t, full in zip(rnd.owned, fulls):
+                first, rows = t.rows[s]
+                n = rows * t.shape[1]
+                if n:
+                    full[first:first + rows].copy_(recv[at:at + n].view(rows, t.shape[1]))
+                at += n
+        return fulls
+
+    def start_return(self, k: int, updates: Sequence[Tensor | None],
+                     status: Sequence[int]) -> _InFlight:
+        """Launch round ``k``'s return: to each rank, its rows of every update computed here
+        (per owned task in order), each followed by the task's status."""
+        rnd = self.rounds[k]
+        send = torch.empty(sum(rnd.return_send), dtype=self.comm, device=self._device())
+        at = 0
+        for s in range(self.size):
+            for t, u, st in zip(rnd.owned, updates, status):
+                first, rows = t.rows[s]
+                n = rows * t.shape[1]
+                if n:
+                    if st == APPLY and u is not None:
+                        send[at:at + n].view(rows, t.shape[1]).copy_(u[first:first + rows])
+                    else:
+                        send[at:at + n].zero_()
+                send[at + n] = st
+                at += n + 1
+        return self._all_to_all(send, rnd.return_recv, rnd.return_send,
+                                f"the FSDP2 return (all-to-all) of round {k}")
+
+    def returned(self, k: int, recv: Tensor) -> list[tuple[RowTask, Tensor, int]]:
+        """Every task of round ``k`` (by owner, in order): this rank's rows of its update (in
+        the comm dtype, shaped like the rows) and its status, from the return's output."""
+        rnd = self.rounds[k]
+        out = []
+        at = 0
+        statuses = []
+        for owned in rnd.by_owner:
+            for t in owned:
+                rows = t.rows[self.rank][1]
+                n = rows * t.shape[1]
+                out.append((t, recv[at:at + n].view(rows, t.shape[1])))
+                statuses.append(at + n)
+                at += n + 1
+        codes = recv[torch.tensor(statuses, dtype=torch.long, device=recv.device)].tolist() \
+            if statuses else []
+        return [(t, rows, int(c)) for (t, rows), c in zip(out, codes)]
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def wait_gathers(self) -> None:
+        """Nothing: FSDP2 gathers the parameters in the next forward."""
+
+    def finish(self) -> None:
+        """Wait for every all-to-all still in flight (a step that raised may leave some)."""
+        while self.in_flight:
+            self.in_flight[0].wait()
+
+    def release(self) -> None:
+        """Forget the work handles, the process group and the modules."""
+        self.in_flight = []
+        self.group = None
+        self.modules = []
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank sends per step in the rounds' gathers and returns (the status
+        elements included)."""
+        size = torch.empty((), dtype=self.comm).element_size()
+        mine = lambda splits: sum(n for s, n in enumerate(splits) if s != self.rank)  # noqa: E731
+        return {"gather": size * sum(mine(r.send) for r in self.rounds),
+                "return": size * sum(mine(r.return_send) for r in self.rounds)}
