@@ -88,3 +88,11 @@ def test_pipeline_example_trains_and_exits_cleanly(examples):
     ``tests/runtime/test_pipeline.py`` runs): exit 0 and a falling loss."""
     losses = examples.losses("train_pipeline.py", 2, "--steps", "4", timeout=240)
     assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
+
+
+def test_fsdp2_example_trains_a_fully_shard_model(examples):
+    """examples/train_fsdp2.py: a ``fully_shard``-ed GPT at dp 2, planned for FSDP2's storage
+    (owners and all-to-all rounds); exact against one process in
+    ``tests/runtime/test_fsdp2.py``."""
+    losses = examples.losses("train_fsdp2.py", 2, "--steps", "21", timeout=180)
+    assert losses[-1] < losses[0], f"the loss did not fall: {losses}"
