@@ -324,6 +324,12 @@ def fsdp2_view(d: dict) -> None:
         f"{d['dp_load_max_over_mean']:.4f}× the mean load, optimizer state "
         f"{human_bytes(d['dp_state_bytes_max'])} max / {human_bytes(d['dp_state_bytes_mean'])} "
         f"mean per GPU), {d['adamw']} AdamW tensors on every rank's own rows", highlight=False)
+    if d["shared"]:
+        console.print(
+            f"{len(d['shared'])} matrices shared by adjacent pairs of ranks (each gathers its "
+            f"block of the long dimension; Newton–Schulz together, the Gram summed over the "
+            f"pair), e.g. {escape(d['shared'][0]['task'])}: {seconds(d['shared'][0]['piece_s'])} "
+            "per member", highlight=False)
     console.print(
         f"{len(d['rounds'])} all-to-all rounds (cap {human_bytes(d['cmax_bytes'])} of whole "
         f"matrices per rank and round; rows in {d['comm_dtype']}, the busiest rank receives "
@@ -340,7 +346,7 @@ def fsdp2_view(d: dict) -> None:
     console.print(
         f"modelled on {escape(d['hardware'])} ({d['link'].replace('_', '-')} link): gathers, "
         f"compute and returns pipelined, round k + 1's gather during round k's compute; bound "
-        f"{seconds(d['bound_s'])} for any whole-matrix owners", highlight=False)
+        f"{seconds(d['bound_s'])} for any owners, pairs and rounds", highlight=False)
 
 
 def stages_view(d: dict) -> None:

@@ -137,10 +137,12 @@ def block_sizes(dim: int, max_block: int) -> list[int]:
     return [max_block] * full + ([rest] if rest else [])
 
 
+@lru_cache(maxsize=1 << 12)
 def fsdp2_rows(rows: int, ranks: int) -> tuple[tuple[int, int], ...]:
     """Per DP rank, (first row, rows) of a parameter's ``Shard(0)`` under FSDP2's
     ``fully_shard``: ``torch.chunk``'s rule, ``ceil(rows / ranks)`` rows each from the top, so
-    the last ranks may hold fewer rows or none (FSDP2 pads them in its own buffer)."""
+    the last ranks may hold fewer rows or none (FSDP2 pads them in its own buffer). Computed
+    once per size."""
     _check_positive("ranks", ranks)
     if rows < 0:
         raise ValueError(f"rows must be >= 0, got {rows}")

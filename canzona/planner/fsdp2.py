@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import lru_cache
 
 from .comm import ELEMENT_BYTES
 from .cost import Task, TaskCost, build_tasks, task_cost
@@ -31,9 +32,16 @@ from .hardware import HardwareProfile, LinkProfile
 from .inventory import ModelSpec
 from .layout import ParallelSizes
 from .settings import OptimizerSettings
+from .sharing.pieces import profile_rate, shared_piece
 
-__all__ = ["FSDP2_STRATEGIES", "FSDP2Problem", "FSDP2Solution", "make_fsdp2_problem",
-           "round_timeline", "solve_fsdp2"]
+__all__ = ["FSDP2_STRATEGIES", "SHARE_K", "FSDP2Problem", "FSDP2Solution", "block_bounds",
+           "deal_rounds", "gather_bytes", "make_fsdp2_problem", "round_timeline", "solve_fsdp2",
+           "step_bound"]
+
+#: Ranks that share a matrix: adjacent pairs (2s, 2s + 1).
+SHARE_K = 2
+#: Bytes per element of the shared Newton–Schulz's collectives (bf16, as it runs).
+NS_BYTES = 2
 
 #: The strategies :func:`solve_fsdp2` knows, with what each does.
 FSDP2_STRATEGIES: dict[str, str] = {
@@ -67,6 +75,7 @@ class FSDP2Problem:
     link_name: str
     link: LinkProfile
     cmax_bytes: int
+    _pieces: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def matrices(self) -> list[int]:
@@ -82,18 +91,76 @@ class FSDP2Problem:
         """Per rank, (first row, rows) of task ``i``'s parameter."""
         return fsdp2_rows(self.tasks[i].shape[0], self.dp)
 
-    def moved_bytes(self, i: int, owner: int) -> tuple[list[int], int]:
-        """Task ``i`` owned by ``owner``: per rank, the bytes it sends the owner in the gather,
-        and the bytes the owner receives."""
-        cols = self.tasks[i].shape[1]
-        sent = [0 if r == owner else n * cols * self.elem_bytes
-                for r, (_, n) in enumerate(self.rows(i))]
-        return sent, sum(sent)
-
     def weight(self, i: int) -> float:
         """Task ``i``'s time on its owner: its compute, and receiving its rows and sending its
         update rows back (at most all of them)."""
         return self.compute_s[i] + 2 * self.full_bytes(i) / self.link.busbw
+
+    def shareable(self, i: int) -> bool:
+        """Whether task ``i`` may be shared by a pair: a matrix of an optimizer whose
+        Newton–Schulz is shared by its Gram (Muon, NorMuon), at least two ranks, both sides
+        at least two long."""
+        t = self.tasks[i]
+        return (t.optimizer == "matrix" and self.dp >= 2 and self.settings.spec.gram_shared
+                and min(t.shape) >= SHARE_K)
+
+    def blocks(self, i: int, k: int = 2) -> tuple[int, ...]:
+        """:func:`block_bounds` of task ``i``."""
+        return block_bounds(self.tasks[i].shape, k)
+
+    def piece_s(self, i: int, k: int = 2) -> float:
+        """One member's seconds of task ``i`` shared by ``k`` adjacent ranks: its block's
+        Newton–Schulz and the Gram's collectives they do not hide
+        (``sharing.pieces.shared_piece`` on the link k ranks span)."""
+        key = (self.tasks[i].shape, k)
+        got = self._pieces.get(key)
+        if got is None:
+            m, n = max(self.tasks[i].shape), min(self.tasks[i].shape)
+            piece = shared_piece("dp", k, False, m, n, self.settings.ns_steps, NS_BYTES,
+                                 self.hardware.link(k), rate=profile_rate(self.hardware))
+            got = self._pieces[key] = piece.alone_s(profile_rate(self.hardware))
+        return got
+
+    def piece_weight(self, i: int, k: int = 2) -> float:
+        """:meth:`weight` of one member's piece: its seconds, and receiving its block and
+        sending its update back."""
+        return self.piece_s(i, k) + 2 * self.full_bytes(i) / k / self.link.busbw
+
+    def moved(self, i: int, dests: Sequence[tuple[int, int, int]]
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """:func:`gather_bytes` of task ``i``."""
+        return gather_bytes(self.tasks[i].shape, self.dp, self.elem_bytes, tuple(dests))
+
+
+def block_bounds(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """The k + 1 boundaries of a matrix's blocks along its long dimension (rows of a tall
+    matrix, columns of a wide one), ``ceil(long / k)`` each: what each of k ranks sharing it
+    computes."""
+    long = max(shape)
+    each = -(-long // k)
+    return tuple(min(j * each, long) for j in range(k + 1))
+
+
+@lru_cache(maxsize=1 << 14)
+def gather_bytes(shape: tuple[int, ...], dp: int, elem_bytes: int,
+                 dests: tuple[tuple[int, int, int], ...]
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A matrix's gather to ``dests`` (per destination: its rank and the block [b0, b1) of the
+    long dimension it computes) from its ``Shard(0)`` rows at ``dp`` ranks: per rank the bytes
+    it sends, and the bytes each rank receives. A rank keeps its own rows of its block; a wide
+    matrix's block is columns, of which every rank sends its rows."""
+    rows, cols = shape
+    tall = rows >= cols
+    sent, received = [0] * dp, [0] * dp
+    for r, (start, n) in enumerate(fsdp2_rows(rows, dp)):
+        for o, b0, b1 in dests:
+            if r == o or not n:
+                continue
+            part = (max(0, min(start + n, b1) - max(start, b0)) * cols if tall
+                    else n * (b1 - b0))
+            sent[r] += part * elem_bytes
+            received[o] += part * elem_bytes
+    return tuple(sent), tuple(received)
 
 
 def make_fsdp2_problem(spec: ModelSpec, dp: int, settings: OptimizerSettings, *,
@@ -133,11 +200,14 @@ class FSDP2Solution:
     """Owners and rounds of a strategy, and the modelled step.
 
     Attributes:
-        owners: matrix task id → its DP rank (``sync``: every rank computes every matrix; the
-            owners are then the ranks the matrices would be returned from, unused).
+        owners: matrix task id → its DP rank (a shared task: its first member; ``sync``: every
+            rank computes every matrix, the owners are unused).
         rounds: per round, its task ids in order.
         step_s: the modelled step of the matrices (:func:`round_timeline`).
-        bound_s: a lower bound on that step for any owners and rounds.
+        bound_s: a lower bound on that step for any owners, pairs and rounds
+            (:func:`step_bound`).
+        shared: task id → the adjacent ranks that share it (each computes its block of the
+            long dimension, :meth:`FSDP2Problem.blocks`).
     """
 
     strategy: str
@@ -145,23 +215,38 @@ class FSDP2Solution:
     rounds: tuple[tuple[int, ...], ...]
     step_s: float
     bound_s: float
+    shared: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def places(self) -> dict[int, tuple[int, ...]]:
+        """Task id → the ranks that compute it."""
+        return _places(self.owners, self.shared)
 
     def loads(self, problem: FSDP2Problem) -> list[float]:
-        """Per rank, the weight of the matrices it owns (:meth:`FSDP2Problem.weight`)."""
+        """Per rank, the weight of the matrices and pieces it computes
+        (:meth:`FSDP2Problem.weight`, :meth:`FSDP2Problem.piece_weight`)."""
         out = [0.0] * problem.dp
-        for i, o in self.owners.items():
-            out[o] += problem.weight(i)
+        for i, ranks in self.places.items():
+            w = problem.weight(i) if len(ranks) == 1 else problem.piece_weight(i, len(ranks))
+            for r in ranks:
+                out[r] += w
         return out
+
+
+def _places(owners: dict[int, int], shared: dict[int, tuple[int, ...]] | None
+            ) -> dict[int, tuple[int, ...]]:
+    shared = shared or {}
+    return {i: shared.get(i, (o,)) for i, o in owners.items()}
 
 
 # -- owners -------------------------------------------------------------------------------------
 
 
-def longest_first(ids: Sequence[int], weight: Sequence[float] | dict[int, float], ranks: int
-                  ) -> dict[int, int]:
+def longest_first(ids: Sequence[int], weight: Sequence[float] | dict[int, float], ranks: int,
+                  *, base: Sequence[float] | None = None) -> dict[int, int]:
     """Longest-first (LPT): the heaviest task first, each on the least loaded rank (ties: the
-    lowest rank; equal weights: the lower id first)."""
-    loads = [0.0] * ranks
+    lowest rank; equal weights: the lower id first), from the loads ``base`` (default 0)."""
+    loads = list(base) if base is not None else [0.0] * ranks
     owners: dict[int, int] = {}
     for i in sorted(ids, key=lambda i: (-weight[i], i)):
         r = min(range(ranks), key=lambda r: (loads[r], r))
@@ -170,13 +255,29 @@ def longest_first(ids: Sequence[int], weight: Sequence[float] | dict[int, float]
     return owners
 
 
+def pair_places(ids: Sequence[int], weight: dict[int, float], ranks: int
+                ) -> tuple[dict[int, tuple[int, int]], list[float]]:
+    """Shared tasks on adjacent pairs (2s, 2s + 1), longest-first (a piece on each member);
+    and the per-rank loads they leave."""
+    loads = [0.0] * ranks
+    out: dict[int, tuple[int, int]] = {}
+    pairs = [(2 * s, 2 * s + 1) for s in range(ranks // SHARE_K)]
+    for i in sorted(ids, key=lambda i: (-weight[i], i)):
+        a, b = min(pairs, key=lambda ab: (max(loads[ab[0]], loads[ab[1]]), ab))
+        out[i] = (a, b)
+        loads[a] += weight[i]
+        loads[b] += weight[i]
+    return out, loads
+
+
 def refine(owners: dict[int, int], weight: dict[int, float], ranks: int, *,
-           rounds: int = 2000) -> dict[int, int]:
+           base: Sequence[float] | None = None, rounds: int = 2000) -> dict[int, int]:
     """Moves and swaps that lower the busiest rank's load, until none does (or ``rounds``
     improvements): a task of the busiest rank moves to the least loaded rank where that lowers
-    the pair's larger load, else swaps with a lighter task of another rank that does."""
+    the pair's larger load, else swaps with a lighter task of another rank that does. ``base``:
+    loads the tasks sit on (pieces of shared tasks), which do not move."""
     owners = dict(owners)
-    loads = [0.0] * ranks
+    loads = list(base) if base is not None else [0.0] * ranks
     held: list[list[int]] = [[] for _ in range(ranks)]
     for i, o in sorted(owners.items()):
         loads[o] += weight[i]
@@ -219,43 +320,71 @@ def refine(owners: dict[int, int], weight: dict[int, float], ranks: int, *,
 # -- rounds -------------------------------------------------------------------------------------
 
 
-def capped_rounds(problem: FSDP2Problem, owners: dict[int, int]) -> tuple[tuple[int, ...], ...]:
+def _item(problem: FSDP2Problem, i: int, ranks: tuple[int, ...]) -> tuple[float, int]:
+    """(compute seconds, whole-matrix bytes held) of task ``i`` on each of ``ranks``."""
+    if len(ranks) == 1:
+        return problem.compute_s[i], problem.full_bytes(i)
+    k = len(ranks)
+    return problem.piece_s(i, k), -(-problem.full_bytes(i) // k)
+
+
+def capped_rounds(problem: FSDP2Problem, places: dict[int, tuple[int, ...]]
+                  ) -> tuple[tuple[int, ...], ...]:
     """The rounds of the shortest modelled step (:func:`round_timeline`; ties: fewer rounds):
-    K from the fewest that keep every rank's whole matrices of a round within ``C_max`` (a
-    matrix larger than it alone) to the most matrices a rank owns, each rank's matrices dealt
-    onto the K rounds by :func:`deal_rounds`. More rounds hide more of the gathers behind
-    compute and cost a latency each."""
-    held = _held(problem, owners)
-    least = max(_rounds_needed([problem.full_bytes(i) for i in ids], problem.cmax_bytes)
-                for ids in held)
+    K from the fewest that keep every rank's matrices and pieces of a round within ``C_max``
+    (one larger than it alone) to the most a rank computes, dealt onto the K rounds by
+    :func:`deal_rounds`. More rounds hide more of the gathers behind compute and cost a
+    latency each."""
+    held = _held(problem, places)
+    least = max(_rounds_needed([_item(problem, i, places[i])[1] for i in ids],
+                               problem.cmax_bytes) for ids in held)
     most = max(least, max(len(ids) for ids in held))
     best: tuple[float, tuple[tuple[int, ...], ...]] | None = None
     for count in range(least, most + 1):
-        rounds = deal_rounds(problem, owners, count)
-        t = round_timeline(problem, owners, rounds)
+        rounds = deal_rounds(problem, places, count)
+        t = round_timeline(problem, places, rounds)
         if best is None or t < best[0] - 1e-12:
             best = (t, rounds)
     assert best is not None
     return best[1]
 
 
-def _held(problem: FSDP2Problem, owners: dict[int, int]) -> list[list[int]]:
+def _held(problem: FSDP2Problem, places: dict[int, tuple[int, ...]]) -> list[list[int]]:
     held: list[list[int]] = [[] for _ in range(problem.dp)]
-    for i, o in sorted(owners.items()):
-        held[o].append(i)
+    for i, ranks in sorted(places.items()):
+        for r in ranks:
+            held[r].append(i)
     return held
 
 
-def deal_rounds(problem: FSDP2Problem, owners: dict[int, int], count: int
+def deal_rounds(problem: FSDP2Problem, places: dict[int, tuple[int, ...]], count: int
                 ) -> tuple[tuple[int, ...], ...]:
-    """Each rank's matrices onto ``count`` rounds (:func:`_deal`): every round's compute alike
-    across ranks, none over ``C_max`` where the matrices allow. A round lists its tasks by
-    owner, then id; empty rounds are dropped."""
+    """Every rank's matrices and pieces onto ``count`` rounds: each round's compute alike
+    across ranks, none over ``C_max`` where the matrices allow. A shared task's members take
+    it in the same round (they compute it together), placed first; then each rank's whole
+    matrices, longest-first into its round of least compute that has room. A round lists its
+    tasks by first rank, then id; empty rounds are dropped."""
+    cap = problem.cmax_bytes
+    compute = [[0.0] * count for _ in range(problem.dp)]
+    used = [[0] * count for _ in range(problem.dp)]
     rounds: list[list[int]] = [[] for _ in range(count)]
-    for ids in _held(problem, owners):
-        for k, part in enumerate(_deal(problem, ids, count, problem.cmax_bytes)):
-            rounds[k].extend(part)
-    return tuple(tuple(sorted(r, key=lambda i: (owners[i], i))) for r in rounds if r)
+
+    def put(i: int, ranks: tuple[int, ...]) -> None:
+        c, b = _item(problem, i, ranks)
+        fits = [k for k in range(count) if all(used[r][k] + b <= cap for r in ranks)]
+        pick = (lambda k: (max(compute[r][k] for r in ranks), k))
+        k = (min(fits, key=pick) if fits
+             else min(range(count), key=lambda k: (max(used[r][k] for r in ranks), k)))
+        rounds[k].append(i)
+        for r in ranks:
+            compute[r][k] += c
+            used[r][k] += b
+
+    order = sorted(places, key=lambda i: (len(places[i]) == 1,
+                                          -_item(problem, i, places[i])[0], i))
+    for i in order:
+        put(i, places[i])
+    return tuple(tuple(sorted(r, key=lambda i: (places[i][0], i))) for r in rounds if r)
 
 
 def _rounds_needed(sizes: list[int], cap: int) -> int:
@@ -272,57 +401,45 @@ def _rounds_needed(sizes: list[int], cap: int) -> int:
     return max(1, len(bins))
 
 
-def _deal(problem: FSDP2Problem, ids: list[int], count: int, cap: int) -> list[list[int]]:
-    """One rank's matrices onto ``count`` rounds: longest-first on compute, into the round of
-    least compute whose bytes stay within ``cap`` (none: the round of fewest bytes)."""
-    compute = [0.0] * count
-    used = [0] * count
-    out: list[list[int]] = [[] for _ in range(count)]
-    for i in sorted(ids, key=lambda i: (-problem.compute_s[i], i)):
-        size = problem.full_bytes(i)
-        fits = [k for k in range(count) if used[k] + size <= cap]
-        k = (min(fits, key=lambda k: (compute[k], k)) if fits
-             else min(range(count), key=lambda k: (used[k], k)))
-        out[k].append(i)
-        compute[k] += problem.compute_s[i]
-        used[k] += size
-    return out
-
-
 # -- the modelled step --------------------------------------------------------------------------
 
 
-def round_traffic(problem: FSDP2Problem, owners: dict[int, int], tasks: Sequence[int]
-                  ) -> tuple[list[int], list[int], list[int], list[float]]:
-    """A round's per-rank gathered whole-matrix bytes, bytes sent and received in its gather,
-    and compute seconds."""
+def round_traffic(problem: FSDP2Problem, places: dict[int, tuple[int, ...]],
+                  tasks: Sequence[int]) -> tuple[list[int], list[int], list[int], list[float]]:
+    """A round's per-rank gathered whole-matrix (or block) bytes, bytes sent and received in
+    its gather, and compute seconds."""
     dp = problem.dp
     gathered, sent, received, compute = [0] * dp, [0] * dp, [0] * dp, [0.0] * dp
     for i in tasks:
-        o = owners[i]
-        out, into = problem.moved_bytes(i, o)
-        for r, b in enumerate(out):
-            sent[r] += b
-        received[o] += into
-        gathered[o] += problem.full_bytes(i)
-        compute[o] += problem.compute_s[i]
+        ranks = places[i]
+        b = problem.blocks(i, len(ranks))
+        out, into = problem.moved(i, [(o, b[j], b[j + 1]) for j, o in enumerate(ranks)])
+        c, held = _item(problem, i, ranks)
+        for r in range(dp):
+            sent[r] += out[r]
+            received[r] += into[r]
+        for j, o in enumerate(ranks):
+            gathered[o] += (problem.full_bytes(i) if len(ranks) == 1 else
+                            (b[j + 1] - b[j]) * min(problem.tasks[i].shape) * problem.elem_bytes)
+            compute[o] += c
     return gathered, sent, received, compute
 
 
-def round_timeline(problem: FSDP2Problem, owners: dict[int, int],
+def round_timeline(problem: FSDP2Problem, places: dict[int, tuple[int, ...]],
                    rounds: Sequence[Sequence[int]]) -> float:
     """The matrices' step, rounds pipelined as the runtime issues them.
 
     Each rank runs, for round k: issue the gather of round k + 1, wait for round k's gather,
     compute round k, issue round k's return. The collectives run one at a time in issue order
     (G0, G1, R0, G2, R1, …), each once every rank has issued it, for the α–β time of its
-    busiest rank; the step ends when the last return does."""
+    busiest rank; the step ends when the last return does. A shared task's members compute it
+    together in its round (its Gram's collectives are in its pieces' seconds)."""
     if not rounds:
         return 0.0
     dp, link = problem.dp, problem.link
     comm, compute = [], []
     for tasks in rounds:
-        _, sent, received, c = round_traffic(problem, owners, tasks)
+        _, sent, received, c = round_traffic(problem, places, tasks)
         comm.append(link.seconds(max(max(sent), max(received))))
         compute.append(c)
     K = len(rounds)
@@ -348,25 +465,35 @@ def round_timeline(problem: FSDP2Problem, owners: dict[int, int],
 
 
 def step_bound(problem: FSDP2Problem) -> float:
-    """A lower bound on the matrices' step for any owners and rounds, the largest of:
+    """A lower bound on the matrices' step for any owners, pairs and rounds, the largest of:
 
-    * the busiest rank's compute (at least the mean), with one gather latency before it and
-      one return latency after;
-    * any one matrix: its owner receives all its rows but its own, computes, then sends the
-      update rows back, one after the other;
-    * the channel's busy time: every byte some rank must receive, and send back (per rank at
-      least the mean), twice over."""
+    * the busiest rank's compute: at least the mean of the matrices' compute (a shared piece
+      does no less than its share of the whole) and, for every matrix, the least of computing
+      it whole and one piece of it;
+    * any one matrix, whole or shared: its owner receives all its rows (its block's) but its
+      own, computes, then sends the update back, one after the other;
+    * the channel's busy time: every byte some rank must receive, and send back, twice over
+      (per rank at least the mean);
+
+    with one gather latency before and one return latency after."""
     ids = problem.matrices
     if not ids:
         return 0.0
     link, dp = problem.link, problem.dp
     alpha = 2 * link.latency_s
-    compute = max(max(problem.compute_s[i] for i in ids),
-                  sum(problem.compute_s[i] for i in ids) / dp)
-    # the owner of a matrix receives at least all rows but its own, whoever owns it
-    least = {i: problem.full_bytes(i) - max(n for _, n in problem.rows(i))
-             * problem.tasks[i].shape[1] * problem.elem_bytes for i in ids}
-    one = max(problem.compute_s[i] + 2 * least[i] / link.busbw for i in ids)
+    e = problem.elem_bytes
+
+    def own_rows(i: int) -> int:  # the most of a matrix one rank holds
+        return max(n for _, n in problem.rows(i)) * problem.tasks[i].shape[1] * e
+
+    least = {i: max(0, problem.full_bytes(i) - own_rows(i)) for i in ids}
+    whole = {i: problem.compute_s[i] + 2 * least[i] / link.busbw for i in ids}
+    piece = {i: problem.piece_s(i) + 2 * max(0, problem.full_bytes(i) // SHARE_K - own_rows(i))
+             / link.busbw for i in ids if problem.shareable(i)}
+    one = max(min(whole[i], piece.get(i, whole[i])) for i in ids)
+    compute = max(sum(problem.compute_s[i] for i in ids) / dp,
+                  max(min(problem.compute_s[i], problem.piece_s(i) if i in piece
+                          else problem.compute_s[i]) for i in ids))
     channel = 2 * (sum(least.values()) / dp) / link.busbw
     return max(compute, one, channel) + alpha
 
@@ -389,12 +516,53 @@ def solve_fsdp2(problem: FSDP2Problem, strategy: str = "canzona") -> FSDP2Soluti
         flops = {i: float(problem.costs[i].flops) for i in ids}
         owners = longest_first(ids, flops, problem.dp)
         rounds = _one_per_rank(owners, flops, problem.dp)
-    else:
-        weight = {i: problem.weight(i) for i in ids}
-        owners = refine(longest_first(ids, weight, problem.dp), weight, problem.dp)
-        rounds = capped_rounds(problem, owners)
-    return FSDP2Solution(strategy, owners, rounds, round_timeline(problem, owners, rounds),
-                         bound)
+        return FSDP2Solution(strategy, owners, rounds,
+                             round_timeline(problem, _places(owners, None), rounds), bound)
+    best = _placed(problem, frozenset(), bound)
+    classes = _share_classes(problem)
+    for group in classes:  # heaviest shapes first, each kept where it helps
+        tried = _placed(problem, best[0] | group, bound)
+        if tried[1].step_s < best[1].step_s - 1e-12:
+            best = tried
+    every = frozenset().union(*classes) if classes else frozenset()
+    if every and every != best[0]:  # pieces help together what they do not one class at a time
+        tried = _placed(problem, every, bound)
+        if tried[1].step_s < best[1].step_s - 1e-12:
+            best = tried
+    return best[1]
+
+
+def _placed(problem: FSDP2Problem, shared_ids: frozenset[int], bound: float
+            ) -> tuple[frozenset[int], FSDP2Solution]:
+    """canzona's owners and rounds with ``shared_ids`` shared by adjacent pairs: the pairs
+    placed longest-first, the whole matrices longest-first beside them and refined, the rounds
+    of the shortest step."""
+    ids = [i for i in problem.matrices if i not in shared_ids]
+    pieces = {i: problem.piece_weight(i) for i in shared_ids}
+    pairs, base = pair_places(sorted(shared_ids), pieces, problem.dp)
+    weight = {i: problem.weight(i) for i in ids}
+    owners = refine(longest_first(ids, weight, problem.dp, base=base), weight, problem.dp,
+                    base=base)
+    owners.update({i: ab[0] for i, ab in pairs.items()})
+    shared = {i: tuple(ab) for i, ab in pairs.items()}
+    places = _places(owners, shared)
+    rounds = capped_rounds(problem, places)
+    return shared_ids, FSDP2Solution("canzona", owners, rounds,
+                                     round_timeline(problem, places, rounds), bound,
+                                     shared)
+
+
+def _share_classes(problem: FSDP2Problem) -> list[frozenset[int]]:
+    """The shareable matrices by shape, heaviest first: sharing a heavy matrix shortens its
+    rank, and sharing lighter ones gives the rounds finer pieces to hide the gathers behind."""
+    ids = [i for i in problem.matrices if problem.shareable(i)]
+    if problem.dp < SHARE_K or not ids:
+        return []
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i in ids:
+        by_shape.setdefault(problem.tasks[i].shape, []).append(i)
+    return [frozenset(v) for _, v in sorted(by_shape.items(),
+                                            key=lambda kv: (-problem.weight(kv[1][0]), kv[0]))]
 
 
 def _one_per_rank(owners: dict[int, int], order: dict[int, float], ranks: int

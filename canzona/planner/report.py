@@ -535,5 +535,7 @@ def fsdp2_dict(plan: FSDP2Plan, *, config: Path | None = None) -> dict:
             "dp_state_bytes_max": max(m.dp_state_bytes),
             "dp_state_bytes_mean": sum(m.dp_state_bytes) / inp.dp,
             "received_bytes_max": max(m.dp_reduce_scatter_bytes),
+            "shared": [{"task": task_name(plan.tasks[x.id].param, plan.tasks[x.id].part),
+                        "owners": list(x.owners), "piece_s": x.piece_s} for x in sec.shared],
             "modelled_step_s": sec.modelled_step_s, "bound_s": sec.bound_s,
             "rounds": rounds, "strategies": rows}

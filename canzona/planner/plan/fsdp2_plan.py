@@ -5,8 +5,10 @@ assembly computes from the tasks, owners and rounds is recomputed from the plan 
 
 * task ids in order, each matrix task with an owner in ``[0, dp)`` and each AdamW task none;
 * every matrix task in exactly one round, AdamW tasks in none, rounds indexed in order;
-* per round and rank, the whole-matrix bytes gathered and the bytes sent and received
-  (``formulas.fsdp2_rows`` at the plan's dp and comm dtype);
+* each shared task a matrix task of a Gram-shared optimizer, on an adjacent pair (2s, 2s + 1)
+  whose first member is its owner, its blocks ``fsdp2.block_bounds``;
+* per round and rank, the whole-matrix (or block) bytes gathered and the bytes sent and
+  received (``fsdp2.gather_bytes`` at the plan's dp and comm dtype);
 * each task's ``flops`` and ``state_bytes`` from ``cost.task_cost``; ``total_params``;
 * the per-rank metrics from the owners, and their bounds and ratios.
 
@@ -19,11 +21,12 @@ from __future__ import annotations
 from ..comm import ELEMENT_BYTES
 from ..cost import Task, make_cost_model, task_cost
 from ..formulas import fsdp2_rows
-from ..fsdp2 import FSDP2Problem, FSDP2Solution, round_traffic
+from ..fsdp2 import (SHARE_K, FSDP2Problem, FSDP2Solution, block_bounds, gather_bytes,
+                     round_traffic)
 from ..layout import ParallelSizes
 from .messages import inconsistency, label
-from .schema import (FSDP2Plan, FSDP2Section, Metrics, PlanInputs, RoundPlan, SolverOptions,
-                     TaskPlan)
+from .schema import (FSDP2Plan, FSDP2Section, FSDP2SharedPlan, Metrics, PlanInputs, RoundPlan,
+                     SolverOptions, TaskPlan)
 
 __all__ = ["build_fsdp2_plan", "check_fsdp2_plan"]
 
@@ -41,9 +44,10 @@ def build_fsdp2_plan(problem: FSDP2Problem, solution: FSDP2Solution, *, cost: st
                  owner=owners.get(t.id) if t.optimizer == "matrix" else None,
                  cost=model.cost(t), flops=c.flops, state_bytes=c.state_bytes, tp_comm_bytes=0)
         for t, c in zip(problem.tasks, problem.costs))
+    places = solution.places
     rounds = []
     for k, ids in enumerate(solution.rounds):
-        gathered, sent, received, compute = round_traffic(problem, owners, ids)
+        gathered, sent, received, compute = round_traffic(problem, places, ids)
         rounds.append(RoundPlan(index=k, tasks=ids, gathered_bytes=tuple(gathered),
                                 sent_bytes=tuple(sent), received_bytes=tuple(received),
                                 compute_s=tuple(round(c, 9) for c in compute)))
@@ -51,7 +55,11 @@ def build_fsdp2_plan(problem: FSDP2Problem, solution: FSDP2Solution, *, cost: st
         cmax_bytes=problem.cmax_bytes, comm_dtype=problem.comm_dtype,
         hardware=problem.hardware.name, link=problem.link_name,  # type: ignore[arg-type]
         rounds=tuple(rounds), modelled_step_s=round(solution.step_s, 9),
-        bound_s=round(solution.bound_s, 9))
+        bound_s=round(solution.bound_s, 9),
+        shared=tuple(FSDP2SharedPlan(id=i, owners=ranks,
+                                     blocks=problem.blocks(i, len(ranks)),
+                                     piece_s=round(problem.piece_s(i, len(ranks)), 9))
+                     for i, ranks in sorted(solution.shared.items())))
     inputs = PlanInputs(
         model=problem.spec.name, model_source=model_source,  # type: ignore[arg-type]
         dp=problem.dp, tp=1, optimizer=problem.settings, cost_model=getattr(model, "name", cost),
@@ -59,7 +67,7 @@ def build_fsdp2_plan(problem: FSDP2Problem, solution: FSDP2Solution, *, cost: st
     return FSDP2Plan(inputs=inputs, fingerprint=problem.spec.fingerprint(),
                      total_params=problem.spec.total_params, tasks=tasks,
                      metrics=_metrics(tasks, problem.dp, _received(rounds, problem.dp),
-                                      status=solution.strategy),
+                                      solution.shared, status=solution.strategy),
                      fsdp2=section)
 
 
@@ -68,20 +76,22 @@ def _received(rounds, dp: int) -> tuple[int, ...]:  # noqa: ANN001
     return tuple(sum(r.received_bytes[d] for r in rounds) for d in range(dp))
 
 
-def _metrics(tasks: tuple[TaskPlan, ...], dp: int, received: tuple[int, ...], *,
-             status: str) -> Metrics:
-    """Per rank: its matrices' loads, FLOPs and state; its AdamW tensors' by its share of their
-    rows (each rank updates its own rows); the bytes its gathers receive (recorded as
+def _metrics(tasks: tuple[TaskPlan, ...], dp: int, received: tuple[int, ...],
+             shared: dict[int, tuple[int, ...]], *, status: str) -> Metrics:
+    """Per rank: its matrices' loads, FLOPs and state (a shared matrix's split evenly over its
+    members, cumulative integer rounding); its AdamW tensors' by its share of their rows (each
+    rank updates its own rows); the bytes its gathers receive (recorded as
     ``dp_reduce_scatter_bytes``: FSDP2's own reduce-scatter is not the plan's). Bounds in cost
     units over whole matrices."""
     load, flops, state = [0] * dp, [0] * dp, [0] * dp
     for t in tasks:
         if t.optimizer == "matrix":
-            o = t.owner
-            assert o is not None
-            load[o] += t.cost
-            flops[o] += t.flops
-            state[o] += t.state_bytes
+            ranks = shared.get(t.id, (t.owner,))
+            k = len(ranks)
+            for j, o in enumerate(ranks):
+                load[o] += t.cost * (j + 1) // k - t.cost * j // k
+                flops[o] += t.flops * (j + 1) // k - t.flops * j // k
+                state[o] += t.state_bytes * (j + 1) // k - t.state_bytes * j // k
             continue
         rows = t.shape[0] if t.shape else 1
         parts = fsdp2_rows(rows, dp) if t.shape else ((0, 1),) + ((0, 0),) * (dp - 1)
@@ -152,6 +162,7 @@ def check_fsdp2_plan(plan: FSDP2Plan, source: str = "<plan>") -> None:
     if plan.total_params != total:
         raise bad("total_params", f"is {plan.total_params} but the tasks' shapes add up to "
                                   f"{total} parameters")
+    shared = _check_shared(plan, bad)
     seen: dict[int, int] = {}
     for k, rnd in enumerate(plan.fsdp2.rounds):
         if rnd.index != k:
@@ -165,12 +176,12 @@ def check_fsdp2_plan(plan: FSDP2Plan, source: str = "<plan>") -> None:
                                                       f"('{label(plan.tasks[i])}') again "
                                                       f"(round {seen[i]} has it)")
             seen[i] = k
-        _check_round(plan, k, e, bad)
+        _check_round(plan, k, e, shared, bad)
     missing = [t for t in plan.tasks if t.optimizer == "matrix" and t.id not in seen]
     if missing:
         raise bad("fsdp2.rounds", f"no round has task {missing[0].id} "
                                   f"('{label(missing[0])}'); every matrix task is in one round")
-    want = _metrics(plan.tasks, dp, _received(plan.fsdp2.rounds, dp),
+    want = _metrics(plan.tasks, dp, _received(plan.fsdp2.rounds, dp), shared,
                     status=plan.metrics.solver_status)
     for name in ("dp_load", "dp_flops", "dp_state_bytes", "dp_reduce_scatter_bytes",
                  "max_over_mean", "lower_bound"):
@@ -179,20 +190,53 @@ def check_fsdp2_plan(plan: FSDP2Plan, source: str = "<plan>") -> None:
                                          f"give {getattr(want, name)}")
 
 
-def _check_round(plan: FSDP2Plan, k: int, e: int, bad) -> None:  # noqa: ANN001
-    """Round ``k``'s per-rank bytes from its tasks' shapes and owners."""
+def _check_shared(plan: FSDP2Plan, bad) -> dict[int, tuple[int, ...]]:  # noqa: ANN001
+    """The shared tasks against the tasks and the pairing rule; task id → its members."""
+    out: dict[int, tuple[int, ...]] = {}
+    dp = plan.inputs.dp
+    for j, x in enumerate(plan.fsdp2.shared):
+        where = f"fsdp2.shared[{j}]"
+        if not 0 <= x.id < len(plan.tasks) or plan.tasks[x.id].optimizer != "matrix":
+            raise bad(f"{where}.id", f"is {x.id}, which is not a matrix task")
+        t = plan.tasks[x.id]
+        if not plan.inputs.optimizer.spec.gram_shared:
+            raise bad(where, f"shares '{label(t)}', but {plan.inputs.optimizer.name}'s update "
+                             "is not shared by its Gram")
+        a = x.owners[0] if x.owners else -1
+        if (len(x.owners) != SHARE_K or a % SHARE_K
+                or x.owners != tuple(range(a, a + SHARE_K)) or x.owners[-1] >= dp):
+            raise bad(f"{where}.owners", f"is {list(x.owners)}; a shared task's ranks are an "
+                                         f"adjacent pair (2s, 2s + 1) of the {dp}")
+        if t.owner != a:
+            raise bad(f"tasks[{x.id}].owner", f"is {t.owner} but '{label(t)}' is shared by "
+                                              f"{list(x.owners)}; its owner is the first")
+        if x.blocks != block_bounds(t.shape, len(x.owners)):
+            raise bad(f"{where}.blocks", f"is {list(x.blocks)}; the long dimension's blocks "
+                                         f"are {list(block_bounds(t.shape, len(x.owners)))}")
+        if x.id in out:
+            raise bad(f"{where}.id", f"task {x.id} is shared twice")
+        out[x.id] = x.owners
+    return out
+
+
+def _check_round(plan: FSDP2Plan, k: int, e: int, shared: dict[int, tuple[int, ...]],
+                 bad) -> None:  # noqa: ANN001
+    """Round ``k``'s per-rank bytes from its tasks' shapes, owners and blocks."""
     dp = plan.inputs.dp
     rnd = plan.fsdp2.rounds[k]
     gathered, sent, received = [0] * dp, [0] * dp, [0] * dp
     for i in rnd.tasks:
         t = plan.tasks[i]
-        rows, cols = t.shape
-        o = t.owner
-        gathered[o] += rows * cols * e
-        for r, (_, n) in enumerate(fsdp2_rows(rows, dp)):
-            if r != o:
-                sent[r] += n * cols * e
-                received[o] += n * cols * e
+        ranks = shared.get(i, (t.owner,))
+        b = block_bounds(t.shape, len(ranks))
+        out, into = gather_bytes(tuple(t.shape), dp, e,
+                                 tuple((o, b[j], b[j + 1]) for j, o in enumerate(ranks)))
+        for r in range(dp):
+            sent[r] += out[r]
+            received[r] += into[r]
+        for j, o in enumerate(ranks):
+            gathered[o] += (b[j + 1] - b[j]) * min(t.shape) * e if len(ranks) > 1 \
+                else t.shape[0] * t.shape[1] * e
     for name, got in (("gathered_bytes", gathered), ("sent_bytes", sent),
                       ("received_bytes", received)):
         if tuple(getattr(rnd, name)) != tuple(got):

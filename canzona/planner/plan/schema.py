@@ -557,6 +557,23 @@ class RoundPlan(_Frozen):
                                                      "(hardware profile; not measured).")
 
 
+class FSDP2SharedPlan(_Frozen):
+    """A matrix task of an FSDP2 plan computed by adjacent ranks together: each gathers its
+    block of the matrix's long dimension (rows of a tall matrix, columns of a wide one), they
+    run the Newton–Schulz together (its Gram summed over them), and each returns its block's
+    update rows."""
+
+    id: int = Field(ge=0, description="task id (plan.tasks); its owner is owners[0].")
+    owners: tuple[int, ...] = Field(description="the ranks sharing it, ascending and adjacent "
+                                                "(2s, 2s + 1).")
+    blocks: tuple[int, ...] = Field(description="len(owners) + 1 boundaries along the long "
+                                                "dimension: owners[j] computes [blocks[j], "
+                                                "blocks[j + 1]).")
+    piece_s: float = Field(ge=0, description="per member: its block's compute and the Gram's "
+                                             "collectives it does not hide, seconds (hardware "
+                                             "profile; not measured).")
+
+
 class FSDP2Section(_Frozen):
     """How an FSDP2 plan moves and computes the matrices (:class:`FSDP2Plan`)."""
 
@@ -571,8 +588,12 @@ class FSDP2Section(_Frozen):
     modelled_step_s: float = Field(ge=0, description="the matrices' part of the optimizer "
                                                      "step: the rounds' gathers, compute and "
                                                      "returns pipelined, seconds.")
-    bound_s: float = Field(ge=0, description="a lower bound on that time for any owners and "
-                                             "rounds, seconds.")
+    bound_s: float = Field(ge=0, description="a lower bound on that time for any owners, pairs "
+                                             "and rounds, seconds.")
+    shared: tuple[FSDP2SharedPlan, ...] = Field(
+        default=(), exclude_if=lambda v: not v,
+        description="matrix tasks computed by adjacent ranks together (written only when "
+                    "any).")
 
 
 class FSDP2Plan(_Frozen):
