@@ -335,7 +335,8 @@ def measured_lines() -> list[str]:
     return lines
 
 
-def modelled_lines() -> list[str]:
+def modelled() -> dict[int, dict]:
+    """Per rank count of :data:`SCALE`, each strategy's solution (``canzona.planner.fsdp2``)."""
     from canzona.planner.fsdp2 import make_fsdp2_problem, solve_fsdp2
     from canzona.planner.hardware import load_hardware
     from canzona.planner.inventory import build_inventory
@@ -344,18 +345,36 @@ def modelled_lines() -> list[str]:
 
     model, sizes, hw = SCALE
     spec = build_inventory(get_preset(model))
-    lines = [f"**Modelled**: {model}, Muon, {hw}, rows in fp32 "
-             "(`canzona compare --storage fsdp2`):", "",
-             "| ranks | strategy | matrices' step | × bound | × dist-muon | rounds |",
-             "|---:|---|---:|---:|---:|---:|"]
+    out = {}
     for dp in sizes:
         problem = make_fsdp2_problem(spec, dp, OptimizerSettings(), hardware=load_hardware(hw))
-        sols = {name: solve_fsdp2(problem, name) for name in ("canzona", "dist-muon", "sync")}
+        out[dp] = {name: solve_fsdp2(problem, name) for name in ("canzona", "dist-muon", "sync")}
+    return out
+
+
+def figures() -> dict[str, float]:
+    """The modelled figures the README quotes (``benchmarks/check_docs.py``): canzona's
+    matrices' step over DistMuon's, and over the bound, per rank count."""
+    out = {}
+    for dp, sols in modelled().items():
+        mine = sols["canzona"]
+        out[f"vs_dist_muon_{dp}"] = mine.step_s / sols["dist-muon"].step_s
+        out[f"over_bound_{dp}"] = mine.step_s / mine.bound_s
+    return out
+
+
+def modelled_lines() -> list[str]:
+    model, _, hw = SCALE
+    lines = [f"**Modelled**: {model}, Muon, {hw}, rows in fp32 "
+             "(`canzona compare --storage fsdp2`):", "",
+             "| ranks | strategy | matrices' step | × bound | × dist-muon | rounds | "
+             "shared by pairs |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for dp, sols in modelled().items():
         base = sols["dist-muon"].step_s
         for name, sol in sols.items():
             lines.append(f"| {dp} | {name} | {sol.step_s * 1e3:.2f} ms | "
                          f"{sol.step_s / sol.bound_s:.3f} | {sol.step_s / base:.3f} | "
-                         f"{len(sol.rounds)} |")
+                         f"{len(sol.rounds)} | {len(sol.shared)} |")
     return lines
 
 

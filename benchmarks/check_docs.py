@@ -80,8 +80,15 @@ def _gpu() -> dict[str, tuple[float, float]]:
     return {k: (min(v), max(v)) for k, v in values.items()}
 
 
+def _fsdp2() -> dict[str, float]:
+    import bench_fsdp2
+
+    return bench_fsdp2.figures()
+
+
 SOURCES: dict[str, Callable[[], dict[str, Any]]] = {
-    "paper": _paper, "paper_constants": _paper_constants, "plan": _plan, "gpu": _gpu}
+    "paper": _paper, "paper_constants": _paper_constants, "plan": _plan, "gpu": _gpu,
+    "fsdp2": _fsdp2}
 
 
 def expected(spec: dict[str, Any], value: Any) -> str:
