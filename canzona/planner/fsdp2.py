@@ -332,15 +332,18 @@ def capped_rounds(problem: FSDP2Problem, places: dict[int, tuple[int, ...]]
                   ) -> tuple[tuple[int, ...], ...]:
     """The rounds of the shortest modelled step (:func:`round_timeline`; ties: fewer rounds):
     K from the fewest that keep every rank's matrices and pieces of a round within ``C_max``
-    (one larger than it alone) to the most a rank computes, dealt onto the K rounds by
-    :func:`deal_rounds`. More rounds hide more of the gathers behind compute and cost a
-    latency each."""
+    (one larger than it alone) to the most a rank computes (every count up to 8 above the
+    fewest, then a quarter more at a time), dealt onto the K rounds by :func:`deal_rounds`.
+    More rounds hide more of the gathers behind compute and cost a latency each."""
     held = _held(problem, places)
     least = max(_rounds_needed([_item(problem, i, places[i])[1] for i in ids],
                                problem.cmax_bytes) for ids in held)
     most = max(least, max(len(ids) for ids in held))
+    counts = list(range(least, min(most, least + 8) + 1))
+    while counts[-1] < most:
+        counts.append(min(most, max(counts[-1] + 1, counts[-1] * 5 // 4)))
     best: tuple[float, tuple[tuple[int, ...], ...]] | None = None
-    for count in range(least, most + 1):
+    for count in counts:
         rounds = deal_rounds(problem, places, count)
         t = round_timeline(problem, places, rounds)
         if best is None or t < best[0] - 1e-12:
