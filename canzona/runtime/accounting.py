@@ -15,6 +15,7 @@ from canzona.planner import formulas
 from canzona.planner.heads import head_places
 from canzona.planner.plan import Plan
 from canzona.runtime.checks import check_main_params
+from canzona.runtime.introspect import local_tensor
 
 __all__ = ["predicted_state_bytes"]
 
@@ -124,11 +125,12 @@ def kernel_state_bytes(plan: Plan, rank: int, work: Any, matrix_names: set[str],
 def measured_state_bytes(state: Mapping[Any, Mapping[str, Any]],
                          main: Iterable[Tensor | None]) -> int:
     """Bytes of every tensor in an optimizer's ``state`` (one level of nested dicts: the parts of
-    a split parameter) and of the fp32 main copies."""
+    a split parameter; a DTensor's local tensor) and of the fp32 main copies."""
     total = sum(m.numel() * m.element_size() for m in main if m is not None)
     for st in state.values():
         for v in st.values():
             for t in (v.values() if isinstance(v, dict) else (v,)):
+                t = local_tensor(t)
                 total += t.numel() * t.element_size()
     return total
 

@@ -14,12 +14,20 @@ where the rows are and moves them. A step on DP rank r of W:
 2. **AdamW** on this rank's rows of every AdamW parameter (state of the rows' shape), while
    round 0's rows travel;
 3. **rounds** (``plan.fsdp2.rounds``): one ``all_to_all_single`` gathers each matrix of the round
-   whole on its owner (fp32), the owner's kernel computes the round's directions in one call
-   (alike shapes batched; the state of an owned matrix lives on its owner, full-matrix shaped),
-   a second ``all_to_all_single`` returns each rank its rows of every update, and each rank
-   applies them to its rows (``kernel.apply(..., full_shape=)``). Round k + 1's gather is
-   launched before round k is computed, and round k's return runs while round k + 1 is;
-   every handle is waited for before ``step()`` returns.
+   whole on its owner, the owner's kernel computes the round's directions in one call (alike
+   shapes batched), a second ``all_to_all_single`` returns each rank its rows of every update,
+   and each rank applies them to its rows (``kernel.apply(..., full_shape=)``). Round k + 1's
+   gather is launched before round k is computed, and round k's return runs while round k + 1
+   is; every handle is waited for before ``step()`` returns.
+
+Where a matrix's state lives depends on the kernel. A kernel with ``local_state`` (Muon) keeps
+it in the parameters' layout: each rank holds the momentum of its own rows of every matrix,
+updates it before the round's gather (``kernel.momentum_inputs``) and sends the Newton–Schulz
+input of its rows; the owner only orthogonalises the whole inputs (``kernel.orthogonalise``).
+Under bfloat16 Newton–Schulz the rows then travel in bfloat16 whatever the plan's comm dtype
+(``FSDP2Rows.wire_for``: the same result). Any other kernel (Shampoo, SOAP, NorMuon) gets the
+gradient's rows (fp32 on the owner) and keeps each matrix's state on its owner, full-matrix
+shaped (``kernel.direction``).
 
 ``clip_grad_norm_`` sums the squares of each rank's gradient rows (every element lies in
 exactly one rank's rows) with one all-reduce over DP. The launch order of the last step is kept
@@ -28,6 +36,7 @@ in ``_fsdp2_trace`` (``("gather", k)``, ``("compute", k)``, ``("return", k)``, `
 
 from __future__ import annotations
 
+import math
 import os
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from canzona.planner import formulas
 from canzona.planner.plan import FSDP2Plan
@@ -42,11 +52,12 @@ from canzona.runtime import checks, flags
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.groups import build_param_groups
-from canzona.runtime.introspect import inventory
+from canzona.runtime.introspect import inventory, local_tensor
 from canzona.runtime.optim._base import check_finite
 from canzona.runtime.optimizer import CanzonaOptimizer
-from canzona.runtime.storage.fsdp2 import (APPLY, FAILED, LEAVE, FSDP2Rows, build_rounds,
-                                           check_mixed_precision, sharded_parameters)
+from canzona.runtime.storage.fsdp2 import (APPLY, FAILED, LEAVE, ROWS_FAILED, FSDP2Rows,
+                                           build_rounds, check_mixed_precision,
+                                           sharded_parameters)
 from canzona.runtime.storage.gradients import clip_owned
 
 __all__ = ["NOT_UNDER_FSDP2", "FSDP2Optimizer"]
@@ -94,11 +105,14 @@ class FSDP2Optimizer(CanzonaOptimizer):
     DP mesh (default: the parameters'), ``dp_group`` its process group (default: the mesh's).
 
     The parameter groups hold the sharded parameters (``"matrix"`` and ``"adamw"``, read at
-    every step); ``state`` has an entry per parameter: an AdamW parameter's state of this rank's
-    rows, a matrix's full-matrix state on its owner (empty elsewhere). ``state_dict()`` is this
-    rank's (it loads under the same plan and rank); ``canzona.save_checkpoint`` refuses an FSDP2
-    optimizer for now. Gradient accumulation is FSDP2's (``model.set_requires_gradient_sync``):
-    ``no_sync()`` refuses, as do ``qk_clip_`` and ``add_param_group``.
+    every step); ``state`` has an entry per parameter, made at construction: an AdamW
+    parameter's state and, for a kernel with ``local_state``, a matrix's as DTensors placed as
+    the parameter (this rank's rows, possibly none: ``Shard(0)`` over the same mesh); else a
+    matrix's full-matrix state on its owner (empty elsewhere). ``state_dict()`` is this rank's
+    (it loads under the same plan and rank); ``canzona.save_checkpoint`` /
+    ``load_checkpoint`` save and load under any plan of the same model, FSDP2's or ZeRO-1's.
+    Gradient accumulation is FSDP2's (``model.set_requires_gradient_sync``): ``no_sync()``
+    refuses, as do ``qk_clip_`` and ``add_param_group``.
     """
 
     def __init__(
@@ -167,6 +181,7 @@ class FSDP2Optimizer(CanzonaOptimizer):
         self._storage = FSDP2Rows(self._params, rounds, modules, rank=self._rank, size=self._dp,
                                   group=self._group, comm_dtype=plan.fsdp2.comm_dtype,
                                   timeout_s=self._timeout, flight=self._flight)
+        self._storage.wire = self._storage.wire_for(self._matrix)
         self._build_fsdp2_groups()
         self._init_fsdp2_state()
         self._closed = False
@@ -235,19 +250,50 @@ class FSDP2Optimizer(CanzonaOptimizer):
 
     def _init_fsdp2_state(self) -> None:
         """fp32 state made now (``torch.distributed.checkpoint``'s ``get_state_dict`` steps an
-        optimizer without state to make it): each owned matrix's (full shape), each AdamW
-        parameter's of this rank's rows, and an empty entry for every other parameter."""
+        optimizer without state to make it): each AdamW parameter's of this rank's rows and,
+        for a kernel with ``local_state``, each matrix's of this rank's rows (DTensors placed as
+        the parameter, :meth:`_as_rows`); else each owned matrix's (full shape); an empty entry
+        for every other parameter."""
         device = self._device()
-        for rnd in self._storage.rounds:
-            for t in rnd.owned:
-                self.state[self._params[t.param]] = self._matrix.init_state(
-                    t.shape, torch.float32, device)
+        storage = self._storage
+        if self._matrix.local_state:
+            for i in self._matrix_ids:
+                made = self._matrix.init_row_state(storage.local(i).shape[0],
+                                                   self._params[i].shape, torch.float32, device)
+                self.state[self._params[i]] = self._as_rows(i, made)
+        else:
+            for rnd in storage.rounds:
+                for t in rnd.owned:
+                    self.state[self._params[t.param]] = self._matrix.init_state(
+                        t.shape, torch.float32, device)
         for i in self._adamw_ids:
-            self.state[self._params[i]] = self._adamw.init_state(
-                self._storage.local(i).shape, torch.float32, device)
+            made = self._adamw.init_state(storage.local(i).shape, torch.float32, device)
+            self.state[self._params[i]] = self._as_rows(i, made)
         for p in self._params:
             if p not in self.state:
                 self.state[p] = {}
+
+    def _as_rows(self, i: int, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``state`` of this rank's rows of parameter ``i``: each tensor with as many rows as
+        the rank's as a DTensor placed as the parameter (its global shape: the parameter's rows,
+        the tensor's other dims); the rest (``step``) as it is."""
+        p = self._params[i]
+        mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+        rows = self._storage.local(i).shape[0]
+        out = {}
+        for key, x in state.items():
+            if x.dim() == 0 or x.shape[0] != rows:
+                out[key] = x
+                continue
+            shape = torch.Size((p.shape[0], *x.shape[1:]))
+            stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+            out[key] = DTensor.from_local(x, mesh, placements, run_check=False, shape=shape,
+                                          stride=stride)
+        return out
+
+    def _local_state(self, i: int) -> dict[str, Tensor]:
+        """Parameter ``i``'s state as this rank's kernels read it: DTensors' local rows."""
+        return {k: local_tensor(v) for k, v in self.state[self._params[i]].items()}
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -312,22 +358,25 @@ class FSDP2Optimizer(CanzonaOptimizer):
 
     def _run(self, received: list[int]) -> None:
         """AdamW, then the rounds, pipelined (see the module docstring); a kernel that raised
-        on an owner raises there after every round, and the other ranks raise with it."""
+        (on an owner, or on a rank making its rows of the input) raises there after every
+        round, and the other ranks raise with it."""
         storage = self._storage
+        storage.wire = storage.wire_for(self._matrix)
         count = len(storage.rounds)
         trace = self._fsdp2_trace = []
         gathers: dict[int, Any] = {}
+        error: Exception | None = None
         if count:
-            gathers[0] = storage.start_gather(0)
+            gathers[0], error = self._start_gather(0, received)
             trace.append(("gather", 0))
         self._step_adamw(received)  # while round 0's rows travel
-        error: Exception | None = None
         failed: list[Any] = []
         pending = None  # (round, its return in flight)
         for k in range(count):
             recv = gathers.pop(k).wait()
             if k + 1 < count:
-                gathers[k + 1] = storage.start_gather(k + 1)
+                gathers[k + 1], raised = self._start_gather(k + 1, received)
+                error = error or raised
                 trace.append(("gather", k + 1))
             trace.append(("compute", k))
             updates, status, raised = self._compute_round(k, recv, received)
@@ -342,10 +391,34 @@ class FSDP2Optimizer(CanzonaOptimizer):
         if error is not None:
             raise error
         if failed:
-            t = failed[0]
-            raise RuntimeError(f"the matrix kernel raised on DP rank {t.owner} for '{t.name}' "
-                               f"(see that rank's error); the step's other updates were "
-                               "applied.")
+            t, code = failed[0]
+            where = (f"on DP rank {t.owner} for '{t.name}'" if code == FAILED else
+                     f"on a DP rank making its rows of '{t.name}'")
+            raise RuntimeError(f"the matrix kernel raised {where} (see that rank's error); the "
+                               "step's other updates were applied.")
+
+    def _start_gather(self, k: int, received: list[int]) -> tuple[Any, Exception | None]:
+        """Launch round ``k``'s gather of this rank's rows of the kernel's input: for a kernel
+        with ``local_state`` the Newton–Schulz inputs of its rows (their momentum stepped now),
+        else the gradient's rows. Returns the gather in flight and what the kernel raised."""
+        storage = self._storage
+        rnd = storage.rounds[k]
+        kernel = self._matrix
+        rows: dict[int, Tensor | None] = {}
+        if not kernel.local_state:
+            rows.update((t.param, storage.grad(t.param)) for t in rnd.tasks)
+            return storage.start_gather(k, rows), None
+        ids = [t.param for t in rnd.tasks if received[t.param] and t.rows[self._rank][1]]
+        try:
+            grads = [storage.grad(i) for i in ids]
+            grads = [torch.zeros_like(storage.local(i)) if g is None else g
+                     for i, g in zip(ids, grads)]
+            made = kernel.momentum_inputs(grads, [self._local_state(i) for i in ids],
+                                          names=[self._names[i] for i in ids])
+        except Exception as exc:  # noqa: BLE001 - the owners hear of it with the rows
+            return storage.start_gather(k, rows, failed=set(ids)), exc
+        rows.update(zip(ids, made))
+        return storage.start_gather(k, rows), None
 
     def _step_adamw(self, received: list[int]) -> None:
         """AdamW on this rank's rows of every AdamW parameter that got a gradient."""
@@ -356,25 +429,34 @@ class FSDP2Optimizer(CanzonaOptimizer):
         rows = [storage.local(i) for i in ids]
         grads = [storage.grad(i) for i in ids]
         grads = [torch.zeros_like(r) if g is None else g for r, g in zip(rows, grads)]
-        self._adamw.step(rows, grads, [self.state[self._params[i]] for i in ids],
+        self._adamw.step(rows, grads, [self._local_state(i) for i in ids],
                          names=[self._names[i] for i in ids])
 
     def _compute_round(self, k: int, recv: Tensor, received: list[int]
                        ) -> tuple[list[Tensor | None], list[int], Exception | None]:
         """The owner's side of round ``k``: its matrices whole, their directions in one kernel
-        call; per owned task its update (or None) and status."""
+        call (``orthogonalise`` of the inputs for a kernel with ``local_state``, else
+        ``direction`` of the gradients with the owner's state); per owned task its update (or
+        None) and status."""
         rnd = self._storage.rounds[k]
+        kernel = self._matrix
         updates: list[Tensor | None] = [None] * len(rnd.owned)
         status = [LEAVE] * len(rnd.owned)
         todo = [j for j, t in enumerate(rnd.owned) if received[t.param]]
         if not todo:
             return updates, status, None
-        fulls = self._storage.whole(k, recv)
+        fulls, bad = self._storage.whole(k, recv, self._whole_dtype())
+        for j in [j for j in todo if bad[j]]:
+            status[j] = ROWS_FAILED
+        todo = [j for j in todo if not bad[j]]
+        names = [rnd.owned[j].name for j in todo]
         try:
-            out = self._matrix.direction(
-                [fulls[j] for j in todo],
-                [self.state[self._params[rnd.owned[j].param]] for j in todo],
-                names=[rnd.owned[j].name for j in todo])
+            if kernel.local_state:
+                out = kernel.orthogonalise([fulls[j] for j in todo], names=names)
+            else:
+                out = kernel.direction(
+                    [fulls[j] for j in todo],
+                    [self.state[self._params[rnd.owned[j].param]] for j in todo], names=names)
         except Exception as exc:  # noqa: BLE001 - raised after the rounds, on every rank
             for j in todo:
                 status[j] = FAILED
@@ -386,15 +468,15 @@ class FSDP2Optimizer(CanzonaOptimizer):
 
     def _apply_round(self, k: int, returning: Any, received: list[int]) -> list[Any]:
         """This rank's rows of round ``k``'s updates applied to its rows; returns the tasks
-        whose owner's kernel raised."""
+        whose kernel raised (on the owner, or on a rank making its rows), with the code."""
         recv = returning.wait()
         self._fsdp2_trace.append(("apply", k))
         failed = []
         for t, rows, code in self._storage.returned(k, recv):
             if not received[t.param]:
                 continue
-            if code == FAILED:
-                failed.append(t)
+            if code in (FAILED, ROWS_FAILED):
+                failed.append((t, code))
             elif code == APPLY and rows.shape[0]:
                 self._matrix.apply(self._storage.local(t.param), rows.to(torch.float32),
                                    full_shape=t.shape)
@@ -425,6 +507,12 @@ class FSDP2Optimizer(CanzonaOptimizer):
                     p.grad.zero_()
         self._received = None
 
+    def _start_next_iteration(self) -> None:
+        """After a checkpoint's load: the next forward gathers the loaded rows; the gradients'
+        agreement is made anew."""
+        self._storage.reset()
+        self._received = None
+
     def no_sync(self) -> Any:
         raise RuntimeError("CanzonaOptimizer.no_sync: under an FSDP2 plan FSDP2 reduces the "
                            "gradients; accumulate with model.set_requires_gradient_sync(False) "
@@ -439,17 +527,34 @@ class FSDP2Optimizer(CanzonaOptimizer):
         """0: FSDP2 plans have no TP micro-groups (:meth:`round_scratch_bytes` is the rounds')."""
         return 0
 
+    def _whole_dtype(self) -> torch.dtype:
+        """The dtype of the whole matrices an owner assembles: the wire's for a kernel with
+        ``local_state`` (its input travels as the kernel reads it), else fp32."""
+        return self._storage.wire if self._matrix.local_state else torch.float32
+
     def round_scratch_bytes(self) -> int:
-        """Most bytes of whole fp32 matrices this rank holds at once: its matrices of two
-        consecutive rounds (one computed while the previous one's return runs)."""
-        held = [4 * sum(t.shape[0] * t.shape[1] for t in r.owned) for r in self._storage.rounds]
+        """Most bytes of whole matrices (:meth:`_whole_dtype`) this rank holds at once: its
+        matrices of two consecutive rounds (one computed while the previous one's return
+        runs)."""
+        size = torch.empty((), dtype=self._whole_dtype()).element_size()
+        held = [size * sum(t.shape[0] * t.shape[1] for t in r.owned)
+                for r in self._storage.rounds]
         return max((a + b for a, b in zip(held, held[1:] + [0])), default=0)
 
     def predicted_state_bytes(self) -> int:
-        """``state_bytes()`` predicted from the plan and the kernels: the state of each matrix
-        this rank owns and AdamW's of its rows (two moments and a step counter per parameter)."""
-        total = sum(4 * self._matrix.state_numel(t.shape) for r in self._storage.rounds
-                    for t in r.owned)
+        """``state_bytes()`` predicted from the plan and the kernels: for a kernel with
+        ``local_state`` the state of this rank's rows of every matrix (the state is elementwise
+        in the rows), else the state of each matrix this rank owns; AdamW's of its rows (two
+        moments and a step counter per parameter)."""
+        if self._matrix.local_state:
+            total = 0
+            for i in self._matrix_ids:
+                m, n = self._params[i].shape
+                rows = self._storage.local(i).shape[0]
+                total += 4 * (self._matrix.state_numel((m, n)) * rows // m)
+        else:
+            total = sum(4 * self._matrix.state_numel(t.shape) for r in self._storage.rounds
+                        for t in r.owned)
         return total + sum(4 * formulas.adamw_state_numel(self._storage.local(i).numel())
                            for i in self._adamw_ids)
 

@@ -69,16 +69,12 @@ def dcp_state(model: nn.Module | None, optimizer: Any, *,
         st.finish()
 
     The keys are those of ``canzona.save_checkpoint`` (which adds crash-safe publishing and
-    ``canzona.json``). With ``load_from`` every rank checks the checkpoint's keys and shapes
-    against what it needs and all agree (one all-reduce) before returning; a problem raises
+    ``canzona.json``), the same under ZeRO-1 and FSDP2 plans (a checkpoint of either loads into
+    the other). With ``load_from`` every rank checks the checkpoint's keys and shapes against
+    what it needs and all agree (one all-reduce) before returning; a problem raises
     ``CheckpointError`` on every rank.
     """
     optimizer._check_open("dcp_state")
-    if isinstance(getattr(optimizer, "plan", None), FSDP2Plan):
-        raise CheckpointError(
-            "logical checkpoints (canzona.save_checkpoint, load_checkpoint, dcp_state) do not "
-            "support an FSDP2 plan's optimizer yet: save optimizer.state_dict() on every rank "
-            "(it loads under the same plan and DP rank) beside the model's DCP checkpoint.")
     _check_model(model, optimizer)
     if load_from is None:
         E = entries(optimizer, model, saving=True, group_rank=rank_in(process_group))
@@ -125,6 +121,7 @@ def _metadata(opt: Any, extra: list[str], weights: bool) -> dict[str, Any]:
         "kernel": opt._matrix.name,
         "optimizer": inputs.optimizer.model_dump(mode="json"),
         "model": inputs.model,
+        "storage": getattr(opt.plan, "storage", "zero1"),
         "dp": inputs.dp,
         "tp": inputs.tp,
         "plan_sha256": opt._digest.hex(),
@@ -150,8 +147,10 @@ def _check_model(model: nn.Module | None, opt: Any) -> None:
             "(moe_grouped_gemm=False).")
     if model is None:
         return
+    if isinstance(opt.plan, FSDP2Plan):
+        opt._storage.reshard()  # the model's parameters are the sharded DTensors again
     names = [n for n, _ in named_params(model)]
-    if names != list(opt._local_names):
+    if names != list(getattr(opt, "_local_names", opt._names)):
         raise CheckpointError("the model is not the one the optimizer was built for (its "
                               "parameters differ): pass the same model.")
 

@@ -9,12 +9,14 @@ out), saved as the boxes each rank holds and read back as the boxes each rank ne
 plan::
 
     model.<name>                   the weights (DP rank 0 of each TP rank saves its shard; an
-                                   expert's first expert-DP rank)
+                                   expert's first expert-DP rank; under FSDP2 every rank its
+                                   rows)
     optim.<name>.main              fp32 main copies (main_params="fp32"): each rank's own pieces
     optim.<name>.exp_avg|exp_avg_sq|step        AdamW: each rank's element ranges (+ its step)
     optim.<name>.momentum_buffer   Muon: each matrix task's rows, saved by its owner (a fused
                                    matrix and its split parts are rows of the same tensor, so
-                                   Muon's momentum follows a change between them)
+                                   Muon's momentum follows a change between them); under FSDP2
+                                   every rank its rows
     optim.<name>[#<part>].<key>    Shampoo/SOAP: per matrix task, its owner's whole state, rows
                                    (and left statistics' columns) in canonical order; Shampoo's
                                    blocks preconditioned shard by shard (tp > 1): each TP rank's
@@ -26,23 +28,30 @@ plan::
     extra.<key>                    the caller's Stateful objects (scheduler, step, data position)
 
 :func:`entries` builds one rank's DCP state dict under these keys (saving: the data; loading:
-views to fill, and what must run once DCP has filled them).
+views to fill, and what must run once DCP has filled them). Under an FSDP2 plan the weights and
+every state kept in the parameters' layout (AdamW's; Muon's momentum, ``local_state``) are the
+DTensors themselves, ``Shard(0)`` rows that DCP reshards to any other layout, and an owner's
+whole-matrix state (Shampoo, SOAP, NorMuon) is written by its owner as ZeRO-1's owners write a
+whole matrix's: the keys are the same, so a checkpoint of either storage loads into the other.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from canzona.runtime.checkpoint.mapping import RankLayout
+from canzona.planner.formulas import fsdp2_rows
+from canzona.planner.plan import FSDP2Plan
+from canzona.runtime.checkpoint.mapping import RankLayout, logical_key_shape
 from canzona.runtime.checkpoint.names import FORMAT, Placement, global_name
 from canzona.runtime.checkpoint.pieces import Pieces
 from canzona.runtime.errors import CheckpointError
-from canzona.runtime.introspect import local_tensor
+from canzona.runtime.introspect import _is_dtensor, local_tensor
 
 __all__ = ["FORMAT", "Entries", "entries"]
 
@@ -106,6 +115,8 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
              group_rank: int = 0) -> Entries:
     """This rank's entries. ``saved``: the checkpoint's DCP metadata (loading);
     ``group_rank``: this rank in the saving group."""
+    if isinstance(opt.plan, FSDP2Plan):
+        return fsdp2_entries(opt, model, saving=saving, saved=saved, group_rank=group_rank)
     L = RankLayout(opt)
     E = Entries()
     opt.wait_params()
@@ -123,13 +134,7 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
                     flat.zero_()  # the vocabulary's TP padding: not in the checkpoint
             E.add_pieces(f"model.{_key(view.name)}", view.logical,
                          view.pieces(flat, 0, flat.numel()))
-        params = {id(p) for p in opt._live}
-        for key, value in model.state_dict(keep_vars=True).items():
-            if id(value) in params or not isinstance(value, Tensor):
-                continue
-            if saving and group_rank != 0:
-                continue  # replicated: the saving group's rank 0 writes it
-            E.add_tensor(f"model_buffers.{key}", local_tensor(value))
+        _add_buffers(E, model, opt._live, saving=saving, group_rank=group_rank)
     # -- fp32 main copies: each rank's own pieces -------------------------------------------------
     for i, view in enumerate(L.views):
         b, a, z = L.own(i)
@@ -195,7 +200,72 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
             flat = val.view(-1)
             E.add_pieces(f"optim.{_key(view.name)}.{key}", view.logical,
                          view.pieces(flat, at, at + flat.numel()))
-    # -- hyper-parameters -------------------------------------------------------------------------
+    _add_groups(E, opt, saving=saving)
+    return E
+
+
+def fsdp2_entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = None,
+                  group_rank: int = 0) -> Entries:
+    """This rank's entries under an FSDP2 plan (see the module docstring): the weights and the
+    states in the parameters' layout as this rank's rows of DTensors (every rank writes and
+    reads its own), each owned matrix's whole state by its owner."""
+    E = Entries()
+    storage = opt._storage
+    storage.reshard()  # the model holds its sharded parameters, the DTensors below
+    if model is not None:
+        for name, p in zip(opt._names, opt._live):
+            _add_rows(E, f"model.{_key(name)}", p.detach(), opt)
+        _add_buffers(E, model, opt._live, saving=saving, group_rank=group_rank)
+    kernel = opt._matrix
+    in_rows = list(opt._adamw_ids) + (list(opt._matrix_ids) if kernel.local_state else [])
+    for i in in_rows:
+        base = f"optim.{_key(opt._names[i])}"
+        for key, x in opt.state[opt._params[i]].items():
+            if _is_dtensor(x):
+                _add_rows(E, f"{base}.{key}", x, opt)
+            else:  # the step counter, the same on every rank
+                E.add_tensor(f"{base}.{key}", x)
+    if not kernel.local_state:
+        for rnd in storage.rounds:
+            for t in rnd.owned:
+                _add_task_state(E, t, opt.state[opt._params[t.param]], torch.arange(t.shape[0]),
+                                kernel, saving=saving, saved=saved)
+    _add_groups(E, opt, saving=saving)
+    return E
+
+
+def _add_rows(E: Entries, key: str, x: Any, opt: Any) -> None:
+    """A DTensor placed ``Shard(0)`` over the DP mesh, under its logical key: itself where the
+    key has its shape (DCP saves and reads this rank's rows), else (more than two dims, viewed
+    as 2-D) this rank's rows as a box of the 2-D view."""
+    logical = logical_key_shape(x.shape)
+    if tuple(x.shape) == logical:
+        E.sd[key] = x
+        E.needs[key] = logical
+        return
+    local = local_tensor(x)
+    first = fsdp2_rows(x.shape[0], opt._dp)[opt._rank][0]
+    per = math.prod(x.shape[1:-1])
+    if local.numel():
+        E.add_pieces(key, logical, [((first * per, 0), local.reshape(-1, x.shape[-1]))])
+    else:
+        E.needs[key] = logical
+
+
+def _add_buffers(E: Entries, model: nn.Module, params: list[Tensor], *, saving: bool,
+                 group_rank: int) -> None:
+    """The model's non-parameter tensors (replicated: the saving group's rank 0 writes them)."""
+    ids = {id(p) for p in params}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in ids or not isinstance(value, Tensor):
+            continue
+        if saving and group_rank != 0:
+            continue
+        E.add_tensor(f"model_buffers.{key}", local_tensor(value))
+
+
+def _add_groups(E: Entries, opt: Any, *, saving: bool) -> None:
+    """The param groups' hyper-parameters as JSON (loaded into the live groups after DCP)."""
     if saving:
         groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"}
                   for g in opt.param_groups]
@@ -203,7 +273,6 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
     else:
         E.sd["optim.param_groups"] = ""
         E.after.append(lambda: _load_groups(opt, E.sd["optim.param_groups"]))
-    return E
 
 
 def _add_shard_rows(E: Entries, key: str, val: Tensor, x: Any, view: Any, at: int,

@@ -205,6 +205,13 @@ class MatrixOptimizer(ABC):
     #: by each task's owner (only Muon: its state is elementwise in the matrix's rows).
     row_state_only: bool = False
 
+    #: The state is elementwise in the matrix's rows and the whole matrix is needed only for
+    #: the orthogonalisation: a rank holding some rows of a matrix keeps their state
+    #: (:meth:`init_row_state`), makes their inputs (:meth:`momentum_inputs`) and the matrix's
+    #: owner orthogonalises the whole inputs (:meth:`orthogonalise`); ``direction`` is the two
+    #: composed. Muon; not NorMuon, whose row statistics read the whole orthogonalised update.
+    local_state: bool = False
+
     def state_roles(self, shape: Sequence[int]) -> dict[str, str] | None:
         """How each state key of an m×n task follows a permutation P of the matrix's rows (the
         rows of a TP-gathered matrix in canonical order): ``"rows"`` (X → P X), ``"both"``
@@ -239,6 +246,26 @@ class MatrixOptimizer(ABC):
         Returns:
             One update per gradient, or ``None`` where the parameter must be left untouched.
         """
+
+    def init_row_state(self, rows: int, shape: Sequence[int],
+                       dtype: torch.dtype = torch.float32,
+                       device: torch.device | str | None = None) -> dict[str, Tensor]:
+        """Fresh state of ``rows`` rows (0 allowed) of an m×n task (kernels with
+        :attr:`local_state`)."""
+        raise NotImplementedError(f"{self.name} keeps whole-matrix state (local_state is False)")
+
+    def momentum_inputs(self, grads: Sequence[Tensor], states: Sequence[dict[str, Tensor]], *,
+                        names: Sequence[str] | None = None) -> list[Tensor | None]:
+        """The state step of blocks of rows (kernels with :attr:`local_state`): per gradient
+        block, its state (from :meth:`init_row_state`) updated in place and the rows of the
+        input to :meth:`orthogonalise`, or None where the parameter is left alone."""
+        raise NotImplementedError(f"{self.name} keeps whole-matrix state (local_state is False)")
+
+    def orthogonalise(self, inputs: Sequence[Tensor | None], *,
+                      names: Sequence[str] | None = None) -> list[Tensor | None]:
+        """The updates of whole matrices from their whole :meth:`momentum_inputs` (kernels with
+        :attr:`local_state`); None stays None."""
+        raise NotImplementedError(f"{self.name} keeps whole-matrix state (local_state is False)")
 
     @abstractmethod
     def apply(

@@ -219,7 +219,10 @@ def _newton_schulz_(X: Tensor, schedule: Sequence[Coefficients], eps: float) -> 
 class Muon(MatrixOptimizer):
     """Muon kernels: batched ``direction`` on whole matrices, elementwise ``apply`` on shards.
 
-    State per m×n task: ``{"momentum_buffer": m×n}``.
+    State per m×n task: ``{"momentum_buffer": m×n}``. ``direction`` is
+    :meth:`momentum_inputs` (elementwise in the rows: a rank may run it on its own rows, with
+    the state of those rows, :meth:`init_row_state`) then :meth:`orthogonalise` (on the whole
+    inputs, the matrix's owner): :attr:`local_state`.
 
     Example::
 
@@ -234,6 +237,7 @@ class Muon(MatrixOptimizer):
         self.config = config if config is not None else MuonConfig()
 
     row_state_only = True
+    local_state = True
 
     def state_roles(self, shape) -> dict[str, str]:
         matrix_shape(self.name, shape)
@@ -251,7 +255,21 @@ class Muon(MatrixOptimizer):
         m, n = matrix_shape(self.name, shape)
         return formulas.muon_state_numel(m, n)
 
+    def init_row_state(self, rows, shape, dtype=torch.float32, device=None) -> dict[str, Tensor]:
+        m, n = matrix_shape(self.name, shape)
+        if not 0 <= rows <= m:
+            raise ValueError(f"{self.name}: {rows} rows of a {m}×{n} matrix")
+        return {"momentum_buffer": torch.zeros((rows, n), dtype=dtype, device=device)}
+
     def direction(self, grads, states, *, names=None) -> list[Tensor | None]:
+        return self.orthogonalise(self.momentum_inputs(grads, states, names=names))
+
+    def momentum_inputs(self, grads, states, *, names=None) -> list[Tensor | None]:
+        """Momentum ``B ← lerp(B, G, 1 − μ)`` on each gradient (a whole matrix or a block of its
+        rows) and the Newton–Schulz input: ``lerp(G, B, μ)`` with Nesterov, else ``B`` itself
+        (the state's tensor: read it, do not modify it). None for a non-finite gradient under
+        ``nonfinite="skip"`` (its state untouched); ``NonFiniteGradientError`` under
+        ``"raise"``, before anything is modified."""
         cfg = self.config
         common_length(self.name, grads, states)
         names = param_names(names, len(grads))
@@ -272,16 +290,33 @@ class Muon(MatrixOptimizer):
             # Momentum is kept in the state's dtype (e.g. fp32 state for bf16 gradients).
             gs = [grads[i].to(bufs[0].dtype) for i in idx]
             torch._foreach_lerp_(bufs, gs, 1 - cfg.momentum)
-            if cfg.nesterov:
-                ups = torch._foreach_lerp(gs, bufs, cfg.momentum)
-            else:
-                ups = bufs
+            ups = torch._foreach_lerp(gs, bufs, cfg.momentum) if cfg.nesterov else bufs
+            for i, u in zip(idx, ups):
+                out[i] = u
+        return out
+
+    def orthogonalise(self, inputs, *, names=None) -> list[Tensor | None]:
+        """Newton–Schulz in ``ns_dtype`` of whole matrices' inputs (None stays None; the inputs
+        are not modified): one call per group of alike shapes (a stacked ``bmm`` for several, a
+        single matrix as ``torch.optim.Muon`` does it). Results are in ``ns_dtype``, those of a
+        group views into one batched tensor."""
+        cfg = self.config
+        names = param_names(names, len(inputs))
+        check_matrix_grads(self.name, [x for x in inputs if x is not None],
+                           [n for x, n in zip(inputs, names) if x is not None])
+        out: list[Tensor | None] = [None] * len(inputs)
+        groups: dict[tuple, list[int]] = {}
+        for i, x in enumerate(inputs):
+            if x is not None:
+                groups.setdefault((tuple(x.shape), x.dtype, x.device), []).append(i)
+        for idx in groups.values():
+            ups = [inputs[i] for i in idx]
             if len(idx) == 1:
-                ortho = newton_schulz(ups[0], cfg.schedule, eps=cfg.eps, dtype=cfg.ns_dtype)
-                out[idx[0]] = ortho
+                out[idx[0]] = newton_schulz(ups[0], cfg.schedule, eps=cfg.eps, dtype=cfg.ns_dtype)
                 continue
             # One stacked copy in the iteration dtype (the cast torch does per matrix).
-            stack = torch.empty((len(idx), *gs[0].shape), dtype=cfg.ns_dtype, device=gs[0].device)
+            stack = torch.empty((len(idx), *ups[0].shape), dtype=cfg.ns_dtype,
+                                device=ups[0].device)
             torch._foreach_copy_(list(stack.unbind(0)), ups)
             ortho = _newton_schulz_(stack, cfg.schedule, cfg.eps)
             for k, i in enumerate(idx):

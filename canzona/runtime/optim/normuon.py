@@ -79,6 +79,9 @@ class NorMuon(Muon):
 
     name = "NorMuon"
     config: NorMuonConfig
+    #: The rows' second moments are statistics of the whole orthogonalised update: its state
+    #: stays with the matrix's owner.
+    local_state = False
 
     def __init__(self, config: NorMuonConfig | None = None):
         super().__init__(config if config is not None else NorMuonConfig())

@@ -17,23 +17,31 @@ group (uneven and zero split sizes; gloo and NCCL)::
 
     round k, W = 3: A (10 rows, owner 0), B (6 rows, owner 2); rows per rank A 4/4/2, B 2/2/2
 
-    gather   rank r sends   to 0: [A rows of r]       to 2: [B rows of r]        (nothing to 1)
-             rank 0 receives from s = 0, 1, 2: A's rows of s → A whole (fp32)
+    gather   rank r sends   to 0: [A rows of r, status]   to 2: [B rows of r, status]   (none to 1)
+             rank 0 receives from s = 0, 1, 2: A's rows of s → A whole
     compute  the owner's kernel: the directions of its matrices of the round, in one call
     return   rank 0 sends to s: [A's update rows of s, status]; rank 2 likewise for B
              rank r applies its rows of A's and B's updates to its rows of A and B
 
-Within a send buffer the rows go to each destination in the round's task order; a receive
-buffer holds each source's block in rank order. The return is the gather reversed, with one
-status element after each task's rows (:data:`APPLY`, :data:`LEAVE` — the kernel left the
-matrix alone: SOAP's first step — or :data:`FAILED`, the owner's kernel raised), so that every
-rank learns each matrix's fate, a rank that holds none of its rows too. The rows travel in the
-plan's ``fsdp2.comm_dtype``.
+What a rank sends of a matrix are its rows of the kernel's input: the gradient's rows, or, for
+a kernel with ``local_state`` (Muon), the Newton–Schulz input of its rows, made from the
+momentum it keeps for them (the owner then only orthogonalises). Within a send buffer the rows
+go to each destination in the round's task order, each task's followed by one status element
+(:data:`APPLY`, or :data:`ROWS_FAILED`: the sender's kernel raised making them); a receive
+buffer holds each source's block in rank order. The return is the gather reversed, each
+task's status now its fate (:data:`APPLY`, :data:`LEAVE` — the kernel left the matrix alone:
+SOAP's first step —, :data:`FAILED`, the owner's kernel raised, or :data:`ROWS_FAILED`), so
+that every rank learns each matrix's fate, a rank that holds none of its rows too.
+
+The rows travel in the plan's ``fsdp2.comm_dtype``, or in bfloat16 where the kernel has local
+state and iterates Newton–Schulz in bfloat16 (:meth:`FSDP2Rows.wire_for`): the owner casts the
+input to bfloat16 before anything else and the update it returns is bfloat16, so the result is
+the same and the bytes are half of fp32's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,15 +54,16 @@ from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import fsdp2_modules, local_grad, local_tensor
 from canzona.runtime.waits import wait_for
 
-__all__ = ["APPLY", "COMM_DTYPES", "FAILED", "FSDP2Rows", "LEAVE", "Round", "RowTask",
-           "build_rounds", "check_mixed_precision", "sharded_parameters"]
+__all__ = ["APPLY", "COMM_DTYPES", "FAILED", "FSDP2Rows", "LEAVE", "ROWS_FAILED", "Round",
+           "RowTask", "build_rounds", "check_mixed_precision", "sharded_parameters"]
 
 #: The plan's ``fsdp2.comm_dtype`` → the dtype the rows travel in.
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-#: A matrix's fate in the return's status element: its update rows apply; the kernel left it
-#: alone this step (``None``); the owner's kernel raised.
-APPLY, LEAVE, FAILED = 0, 1, 2
+#: A matrix's fate in a status element: its rows (or update rows) apply; the kernel left it
+#: alone this step (``None``); the owner's kernel raised; a sender's kernel raised making its
+#: rows of the input (the gather's status, passed on by the return).
+APPLY, LEAVE, FAILED, ROWS_FAILED = 0, 1, 2, 3
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -141,9 +150,10 @@ class RowTask:
 @dataclass(frozen=True, slots=True)
 class Round:
     """One round as rank ``rank`` runs it (see the module docstring): ``tasks`` in plan order,
-    ``owned`` this rank's, ``by_owner`` per DP rank its tasks; the gather's ``send`` (elements to
-    each rank: this rank's rows of that rank's matrices) and ``recv`` (from each rank: its rows
-    of this rank's matrices). The return is the gather reversed, plus a status element per task
+    ``owned`` this rank's, ``by_owner`` per DP rank its tasks; ``send`` (elements to each rank:
+    this rank's rows of that rank's matrices) and ``recv`` (from each rank: its rows of this
+    rank's matrices). The gather moves them plus a status element per task
+    (:attr:`gather_send`, :attr:`gather_recv`), the return the same reversed
     (:attr:`return_send`, :attr:`return_recv`)."""
 
     index: int
@@ -154,12 +164,20 @@ class Round:
     recv: tuple[int, ...]
 
     @property
-    def return_send(self) -> tuple[int, ...]:
+    def gather_send(self) -> tuple[int, ...]:
+        return tuple(n + len(ts) for n, ts in zip(self.send, self.by_owner))
+
+    @property
+    def gather_recv(self) -> tuple[int, ...]:
         return tuple(n + len(self.owned) for n in self.recv)
 
     @property
+    def return_send(self) -> tuple[int, ...]:
+        return self.gather_recv
+
+    @property
     def return_recv(self) -> tuple[int, ...]:
-        return tuple(n + len(ts) for n, ts in zip(self.send, self.by_owner))
+        return self.gather_send
 
 
 def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple[Round, ...]:
@@ -231,9 +249,13 @@ class FSDP2Rows:
     tensor and gradient of each are read at every use (FSDP2 may re-point them, e.g. after
     ``load_state_dict(assign=True)``).
 
+    ``comm`` is the plan's comm dtype, ``wire`` the one the rounds use (set by the optimizer
+    from its kernel at every step, :meth:`wire_for`).
+
     The attributes the optimizer's lifecycle and reports read of a storage: ``buffers`` (none:
     no flat buckets), ``main_copies`` (none), ``methods``, ``wait_gathers`` (nothing: FSDP2
-    gathers), ``finish`` (every all-to-all still in flight waited for) and ``release``."""
+    gathers), ``reset`` (before the next iteration), ``finish`` (every all-to-all still in
+    flight waited for) and ``release``."""
 
     buffers: tuple = ()
 
@@ -247,7 +269,7 @@ class FSDP2Rows:
         self.rounds = tuple(rounds)
         self.modules = list(modules)
         self.rank, self.size, self.group = rank, size, group
-        self.comm = COMM_DTYPES[comm_dtype]
+        self.comm = self.wire = COMM_DTYPES[comm_dtype]
         self.timeout_s, self.flight = timeout_s, flight
         self.in_flight: list[_InFlight] = []
 
@@ -266,6 +288,22 @@ class FSDP2Rows:
         so that the next forward all-gathers the rows the step updates."""
         for m in self.modules:
             m.reshard()  # type: ignore[operator]
+
+    def reset(self) -> None:
+        """Before the next iteration (after a checkpoint's load): the next forward gathers the
+        rows as they are now."""
+        self.reshard()
+
+    def wire_for(self, kernel: Any) -> torch.dtype:
+        """The dtype the rounds' rows travel in under ``kernel``: the plan's comm dtype, or
+        bfloat16 where the kernel has local state and iterates Newton–Schulz in bfloat16 (what
+        its owner reads of the input is its bfloat16 cast, and the update it returns is
+        bfloat16: the result is the same)."""
+        config = getattr(kernel, "config", None)
+        if getattr(kernel, "local_state", False) \
+                and getattr(config, "ns_dtype", None) == torch.bfloat16:
+            return torch.bfloat16
+        return self.comm
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -295,30 +333,34 @@ class FSDP2Rows:
         self.in_flight.append(job)
         return job
 
-    def start_gather(self, k: int) -> _InFlight:
-        """Launch round ``k``'s gather: this rank's gradient rows of each matrix to its owner
-        (zeros for a parameter without a gradient here)."""
+    def start_gather(self, k: int, rows: Mapping[int, Tensor | None],
+                     failed: Collection[int] = ()) -> _InFlight:
+        """Launch round ``k``'s gather: to each matrix's owner, this rank's ``rows[param]`` of
+        the kernel's input (zeros where None) and a status (:data:`ROWS_FAILED` for the
+        parameters in ``failed``, else :data:`APPLY`), in the wire dtype."""
         rnd = self.rounds[k]
-        send = torch.empty(sum(rnd.send), dtype=self.comm, device=self._device())
+        send = torch.empty(sum(rnd.gather_send), dtype=self.wire, device=self._device())
         at = 0
         for owned in rnd.by_owner:
             for t in owned:
                 n = t.numel(self.rank)
-                if n:
-                    g = self.grad(t.param)
-                    if g is None:
-                        send[at:at + n].zero_()
-                    else:
-                        send[at:at + n].copy_(g.reshape(-1))
-                at += n
-        return self._all_to_all(send, rnd.recv, rnd.send,
+                x = rows.get(t.param)
+                if n and x is None:
+                    send[at:at + n].zero_()
+                elif n:
+                    send[at:at + n].copy_(x.reshape(-1))
+                send[at + n] = ROWS_FAILED if t.param in failed else APPLY
+                at += n + 1
+        return self._all_to_all(send, rnd.gather_recv, rnd.gather_send,
                                 f"the FSDP2 gather (all-to-all) of round {k}")
 
-    def whole(self, k: int, recv: Tensor) -> list[Tensor]:
-        """This rank's matrices of round ``k``, whole (fp32), from the gather's output."""
+    def whole(self, k: int, recv: Tensor, dtype: torch.dtype = torch.float32
+              ) -> tuple[list[Tensor], list[bool]]:
+        """This rank's matrices of round ``k`` whole (in ``dtype``) from the gather's output,
+        and per matrix whether a sender's rows failed (:data:`ROWS_FAILED`)."""
         rnd = self.rounds[k]
-        fulls = [torch.empty(t.shape, dtype=torch.float32, device=recv.device)
-                 for t in rnd.owned]
+        fulls = [torch.empty(t.shape, dtype=dtype, device=recv.device) for t in rnd.owned]
+        statuses = []
         at = 0
         for s in range(self.size):
             for t, full in zip(rnd.owned, fulls):
@@ -326,15 +368,22 @@ class FSDP2Rows:
                 n = rows * t.shape[1]
                 if n:
                     full[first:first + rows].copy_(recv[at:at + n].view(rows, t.shape[1]))
-                at += n
-        return fulls
+                statuses.append(at + n)
+                at += n + 1
+        bad = [False] * len(fulls)
+        if statuses:
+            codes = recv[torch.tensor(statuses, dtype=torch.long, device=recv.device)].tolist()
+            for j, code in enumerate(codes):
+                if code == ROWS_FAILED:
+                    bad[j % len(fulls)] = True
+        return fulls, bad
 
     def start_return(self, k: int, updates: Sequence[Tensor | None],
                      status: Sequence[int]) -> _InFlight:
         """Launch round ``k``'s return: to each rank, its rows of every update computed here
-        (per owned task in order), each followed by the task's status."""
+        (per owned task in order), each followed by the task's status, in the wire dtype."""
         rnd = self.rounds[k]
-        send = torch.empty(sum(rnd.return_send), dtype=self.comm, device=self._device())
+        send = torch.empty(sum(rnd.return_send), dtype=self.wire, device=self._device())
         at = 0
         for s in range(self.size):
             for t, u, st in zip(rnd.owned, updates, status):
@@ -352,7 +401,7 @@ class FSDP2Rows:
 
     def returned(self, k: int, recv: Tensor) -> list[tuple[RowTask, Tensor, int]]:
         """Every task of round ``k`` (by owner, in order): this rank's rows of its update (in
-        the comm dtype, shaped like the rows) and its status, from the return's output."""
+        the wire dtype, shaped like the rows) and its status, from the return's output."""
         rnd = self.rounds[k]
         out = []
         at = 0
@@ -386,8 +435,8 @@ class FSDP2Rows:
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes this rank sends per step in the rounds' gathers and returns (the status
-        elements included)."""
-        size = torch.empty((), dtype=self.comm).element_size()
+        elements included), in the wire dtype."""
+        size = torch.empty((), dtype=self.wire).element_size()
         mine = lambda splits: sum(n for s, n in enumerate(splits) if s != self.rank)  # noqa: E731
-        return {"gather": size * sum(mine(r.send) for r in self.rounds),
+        return {"gather": size * sum(mine(r.gather_send) for r in self.rounds),
                 "return": size * sum(mine(r.return_send) for r in self.rounds)}

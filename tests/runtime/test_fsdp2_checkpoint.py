@@ -1,0 +1,236 @@
+"""Logical checkpoints of an FSDP2 plan's optimizer (``canzona.save_checkpoint`` /
+``load_checkpoint``): a run saved at dp 2 resumes at dp 4 under another plan (other owners,
+other rows) and the reverse, Muon and Shampoo, equal to the uninterrupted run within 1e-5
+(float32 Newton–Schulz); a ZeRO-1 checkpoint loads into an FSDP2 optimizer and the reverse (the
+same logical keys); a checkpoint of another model or kernel is refused on every rank in one line
+and changes nothing; torch's ``get_state_dict`` changes neither the parameters nor the state.
+
+ONE 4-rank spawn for the module: a 2-D mesh ("rep", "dp") of shape (2, 2) runs two dp-2 runs
+side by side (Muon on one half, Shampoo on the other, each saving or loading its own
+checkpoint), the whole world the dp-4 ones. The model is ``test_fsdp2``'s (rows that do not
+divide by 4: some ranks hold fewer rows, one none)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import dp_helpers as H
+import test_fsdp2 as F
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+SAVE_AT = 6  # of F.STEPS = 10
+HALVES = ("muon", "shampoo")  # what each "rep" half of the (2, 2) mesh runs at dp 2
+
+
+def _steps(model, opt, sched, steps, d: int, dp: int) -> None:
+    """Train ``steps`` on DP rank ``d`` of ``dp`` as ``test_fsdp2.train`` does (clipping)."""
+    for step in steps:
+        x, y = F.batch(step)
+        F.loss_fn(model, x[F.rows(d, dp)], y[F.rows(d, dp)]).backward()
+        opt.clip_grad_norm_(F.CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    opt.wait_params()
+
+
+def _fsdp2(dp: int, optimizer: str, *, seed: int = 0, other: bool = False, wide: bool = False):
+    """A ``fully_shard``-ed model (init ``seed``) at ``dp`` with its optimizer and scheduler:
+    the planner's plan, or (``other``) random owners over 3 rounds."""
+    model = F.Model(seed, wide=wide)
+    plan = F.planned(model, dp, optimizer)
+    if other:
+        plan = F.scrambled(plan, seed=dp)
+    F.shard(model, F.dp_mesh(dp))
+    opt = F.build(model, plan, optimizer)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
+
+
+def _zero1(dp: int, optimizer: str, group, *, seed: int = 0):
+    """The unsharded model at ``dp`` under a ZeRO-1 plan over ``group``."""
+    import canzona
+
+    model = F.Model(seed)
+    plan = canzona.plan_model(model, dp=dp, optimizer=optimizer, bucket_size=400,
+                              **H.plan_settings(optimizer))
+    opt = F.build(model, plan, optimizer, dp_group=group)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
+
+
+def _state(opt) -> dict:
+    """This rank's optimizer state, local tensors cloned."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    return {i: {k: local(v).clone() for k, v in opt.state[p].items()}
+            for i, p in enumerate(opt._params)}
+
+
+def save_halves(rank: int, world: int, *, ck: str, zero1: bool = False) -> dict:
+    """dp 2: each half trains its optimizer SAVE_AT steps (FSDP2, or ZeRO-1) and saves over its
+    DP group. Under FSDP2 torch's ``get_state_dict`` is called first: it must change neither
+    the parameters nor the state."""
+    import canzona
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    half, d = divmod(rank, 2)
+    optimizer = HALVES[half]
+    mesh = F.dp_mesh(2)
+    group = mesh.get_group()
+    if zero1:
+        model, opt, sched = _zero1(2, optimizer, group)
+    else:
+        model, opt, sched = _fsdp2(2, optimizer)
+    _steps(model, opt, sched, range(SAVE_AT), d, 2)
+    out: dict = {}
+    if not zero1:
+        params, state = F.full(model), _state(opt)
+        get_state_dict(model, opt)
+        after = _state(opt)
+        out["get_state_dict unchanged"] = (
+            all(torch.equal(a, b) for a, b in zip(params.values(), F.full(model).values()))
+            and all(torch.equal(state[i][k], after[i][k]) for i in state for k in state[i]))
+        out["momentum rows"] = {n: tuple(v.to_local().shape) for n, p in
+                                zip(opt._names, opt._params) for k, v in opt.state[p].items()
+                                if k == "momentum_buffer" and hasattr(v, "to_local")}
+    canzona.save_checkpoint(os.path.join(ck, f"{optimizer}-dp2"), model, opt,
+                            extra={"sched": sched}, process_group=group)
+    opt.close()
+    return out
+
+
+def save_world(rank: int, world: int, *, ck: str) -> None:
+    """dp 4: Muon, then Shampoo (other owners), SAVE_AT steps each, saved by the world."""
+    import canzona
+
+    for optimizer in HALVES:
+        model, opt, sched = _fsdp2(WORLD, optimizer, other=optimizer == "shampoo")
+        _steps(model, opt, sched, range(SAVE_AT), rank, WORLD)
+        canzona.save_checkpoint(os.path.join(ck, f"{optimizer}-dp4"), model, opt,
+                                extra={"sched": sched})
+        opt.close()
+
+
+def load_world(rank: int, world: int, *, ck: str, source: str) -> dict:
+    """dp 4: a fresh model (another init) and optimizer under another plan load each half's
+    dp-2 checkpoint (``source``: saved under FSDP2 or ZeRO-1) and train to the end."""
+    import canzona
+
+    out = {}
+    for optimizer in HALVES:
+        model, opt, sched = _fsdp2(WORLD, optimizer, seed=7, other=optimizer == "muon")
+        meta = canzona.load_checkpoint(os.path.join(ck, f"{optimizer}-dp2"), model, opt,
+                                       extra={"sched": sched})
+        _steps(model, opt, sched, range(SAVE_AT, F.STEPS), rank, WORLD)
+        out[optimizer] = {"params": F.full(model), "storage": meta["storage"],
+                          "lr": [g["lr"] for g in opt.param_groups]}
+        opt.close()
+    return out
+
+
+def load_halves(rank: int, world: int, *, ck: str, zero1: bool = False) -> dict:
+    """dp 2: each half loads the dp-4 checkpoint of its optimizer into a fresh model (another
+    init) under FSDP2 (other owners) or ZeRO-1 and trains to the end."""
+    import canzona
+
+    half, d = divmod(rank, 2)
+    optimizer = HALVES[half]
+    group = F.dp_mesh(2).get_group()
+    if zero1:
+        model, opt, sched = _zero1(2, optimizer, group, seed=7)
+    else:
+        model, opt, sched = _fsdp2(2, optimizer, seed=7, other=True)
+    canzona.load_checkpoint(os.path.join(ck, f"{optimizer}-dp4"), model, opt,
+                            extra={"sched": sched}, process_group=group)
+    _steps(model, opt, sched, range(SAVE_AT, F.STEPS), d, 2)
+    params = F.full(model) if not zero1 else H.params_of(model)
+    opt.close()
+    return {"optimizer": optimizer, "params": params}
+
+
+def refusals(rank: int, world: int, *, ck: str) -> dict:
+    """Checkpoints this optimizer cannot take, refused on every rank before anything
+    changes: another model's, another kernel's."""
+    import canzona
+
+    out = {}
+    for what, (optimizer, wide) in {"model": ("muon", True), "kernel": ("shampoo", False)}.items():
+        model, opt, sched = _fsdp2(WORLD, optimizer, seed=3, wide=wide)
+        before, state = F.full(model), _state(opt)
+        out[what] = F._message(lambda: canzona.load_checkpoint(
+            os.path.join(ck, "muon-dp4"), model, opt))
+        after = _state(opt)
+        out[f"{what} unchanged"] = (
+            all(torch.equal(a, b) for a, b in zip(before.values(), F.full(model).values()))
+            and all(torch.equal(state[i][k], after[i][k]) for i in state for k in state[i]))
+        opt.close()
+    return out
+
+
+def cases(ck: str) -> list:
+    fs, z1 = os.path.join(ck, "fsdp2"), os.path.join(ck, "zero1")
+    return [
+        ("save dp2", functools.partial(save_halves, ck=fs)),
+        ("save dp4", functools.partial(save_world, ck=fs)),
+        ("dp2 -> dp4", functools.partial(load_world, ck=fs, source="fsdp2")),
+        ("dp4 -> dp2", functools.partial(load_halves, ck=fs)),
+        ("zero1 save dp2", functools.partial(save_halves, ck=z1, zero1=True)),
+        ("zero1 dp2 -> fsdp2 dp4", functools.partial(load_world, ck=z1, source="zero1")),
+        ("fsdp2 dp4 -> zero1 dp2", functools.partial(load_halves, ck=fs, zero1=True)),
+        ("refusals", functools.partial(refusals, ck=fs)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    ck = str(tmp_path_factory.mktemp("fsdp2-ck"))
+    return H.run_world(WORLD, cases(ck), str(tmp_path_factory.mktemp("fsdp2-ck-world")))
+
+
+def _assert_uninterrupted(params: dict, optimizer: str, what: str) -> None:
+    err = H.max_rel_err(params, F.reference(optimizer, 2)["params"])
+    assert H.is_close_rel(err), f"{what}, {optimizer}: {err:.2e}"
+
+
+@pytest.mark.parametrize("case", ["dp2 -> dp4", "zero1 dp2 -> fsdp2 dp4"])
+def test_saved_at_dp2_resumes_at_dp4_as_uninterrupted(world, case):
+    """A fresh model and optimizer at dp 4 under another plan (other owners and rows) load the
+    dp-2 checkpoint (FSDP2's, or ZeRO-1's) and train to 10 steps: every parameter within 1e-5
+    of 10 uninterrupted steps, on every rank."""
+    for r, got in enumerate(H.results(world, case)):
+        for optimizer in HALVES:
+            assert got[optimizer]["storage"] == ("zero1" if "zero1" in case else "fsdp2")
+            _assert_uninterrupted(got[optimizer]["params"], optimizer, f"{case}, rank {r}")
+
+
+@pytest.mark.parametrize("case", ["dp4 -> dp2", "fsdp2 dp4 -> zero1 dp2"])
+def test_saved_at_dp4_resumes_at_dp2_as_uninterrupted(world, case):
+    for r, got in enumerate(H.results(world, case)):
+        _assert_uninterrupted(got["params"], got["optimizer"], f"{case}, rank {r}")
+
+
+def test_muon_momentum_is_saved_from_each_ranks_rows(world):
+    """Muon's momentum is a DTensor of each rank's rows (at dp 2: 10 rows as 5 and 5, 5 rows
+    as 3 and 2)."""
+    muon = H.results(world, "save dp2")[:2]
+    assert [got["momentum rows"]["blocks.0.fc1.weight"] for got in muon] == [(5, 8), (5, 8)]
+    assert [got["momentum rows"]["blocks.0.gate.weight"] for got in muon] == [(3, 8), (2, 8)]
+
+
+def test_get_state_dict_changes_nothing(world):
+    for got in H.results(world, "save dp2"):
+        assert got["get_state_dict unchanged"]
+
+
+def test_another_models_or_kernels_checkpoint_is_refused_everywhere(world):
+    for got in H.results(world, "refusals"):
+        for what in ("model", "kernel"):
+            assert got[what].startswith("CheckpointError") and "\n" not in got[what], got[what]
+            assert got[f"{what} unchanged"]
+        assert "blocks.1.fc1.weight" in got["model"] and "[10, 8]" in got["model"] \
+            and "[12, 8]" in got["model"], got["model"]
+        assert "Muon" in got["kernel"] and "Shampoo" in got["kernel"], got["kernel"]
