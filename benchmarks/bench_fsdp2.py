@@ -365,7 +365,7 @@ def figures() -> dict[str, float]:
 
 def modelled_lines() -> list[str]:
     model, _, hw = SCALE
-    lines = [f"**Modelled**: {model}, Muon, {hw}, rows in fp32 "
+    lines = [f"**Modelled**: {model}, Muon, {hw}, the Newton–Schulz inputs and updates in bf16 "
              "(`canzona compare --storage fsdp2`):", "",
              "| ranks | strategy | matrices' step | × bound | × dist-muon | rounds | "
              "shared by pairs |", "|---:|---|---:|---:|---:|---:|---:|"]

@@ -36,7 +36,7 @@ from .sharing.pieces import profile_rate, shared_piece
 
 __all__ = ["FSDP2_STRATEGIES", "SHARE_K", "FSDP2Problem", "FSDP2Solution", "block_bounds",
            "deal_rounds", "gather_bytes", "make_fsdp2_problem", "round_timeline", "solve_fsdp2",
-           "step_bound"]
+           "step_bound", "wire_dtype"]
 
 #: Ranks that share a matrix: adjacent pairs (2s, 2s + 1).
 SHARE_K = 2
@@ -164,10 +164,10 @@ def gather_bytes(shape: tuple[int, ...], dp: int, elem_bytes: int,
 
 
 def make_fsdp2_problem(spec: ModelSpec, dp: int, settings: OptimizerSettings, *,
-                       hardware: HardwareProfile, comm_dtype: str = "fp32",
+                       hardware: HardwareProfile, comm_dtype: str | None = None,
                        cmax_bytes: int = 512 << 20) -> FSDP2Problem:
-    """The FSDP2 problem of ``spec`` at ``dp`` ranks (one DP mesh dimension; ``comm_dtype``:
-    what FSDP2's reduced gradients are, the rows' dtype on the wire).
+    """The FSDP2 problem of ``spec`` at ``dp`` ranks (one DP mesh dimension). ``comm_dtype``:
+    the rows' dtype on the wire; by default :func:`wire_dtype`.
 
     Raises:
         SizeError: settings FSDP2 storage does not run (parts of a fused matrix, per-head
@@ -179,6 +179,7 @@ def make_fsdp2_problem(spec: ModelSpec, dp: int, settings: OptimizerSettings, *,
         raise SizeError(f"FSDP2 storage updates whole parameters; {field} splits a fused "
                         "matrix into parts. Plan it with the default (qkv_split 'fused', "
                         "split_gate_up false).", fields=(field,))
+    comm_dtype = comm_dtype or wire_dtype(settings)
     sizes = ParallelSizes(dp=dp, tp=1)
     tasks = tuple(build_tasks(spec, settings, sizes))
     for t in tasks:
@@ -193,6 +194,14 @@ def make_fsdp2_problem(spec: ModelSpec, dp: int, settings: OptimizerSettings, *,
     name = "intra_node" if link is hardware.intra_node else "inter_node"
     return FSDP2Problem(spec, settings, dp, tasks, costs, compute, comm_dtype,
                         ELEMENT_BYTES[comm_dtype], hardware, name, link, cmax_bytes)
+
+
+def wire_dtype(settings: OptimizerSettings) -> str:
+    """The dtype the rows travel in: an optimizer whose state is elementwise in the rows
+    (``OptimizerSpec.local_state``: Muon) sends the Newton–Schulz inputs, which its kernel
+    casts to the Newton–Schulz dtype first (bf16 by default; the runtime sends them in the
+    dtype it runs); the others send FSDP2's fp32 gradients."""
+    return "bf16" if settings.spec.local_state else "fp32"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,9 @@ class OptimizerSpec:
             running second moment of it (NorMuon), so a shared matrix's pieces sum their
             partial row statistics (``formulas.row_stats_numel``): one more all-reduce per
             matrix and step, which the sharing cost counts.
+        local_state: its state is elementwise in the gradient's rows (Muon's momentum): under
+            FSDP2 each rank keeps its own rows' state and sends the owner the Newton–Schulz
+            inputs, in the Newton–Schulz dtype (the runtime kernel's ``local_state``).
     """
 
     name: str
@@ -79,6 +82,7 @@ class OptimizerSpec:
     traffic: CostFormula | None = None
     matmul_bytes: CostFormula | None = None
     row_stats: bool = False
+    local_state: bool = False
 
     @property
     def title(self) -> str:
@@ -146,6 +150,7 @@ register(OptimizerSpec(
     share="gram",
     traffic=lambda m, n, s: formulas.muon_traffic_bytes(m, n),
     matmul_bytes=lambda m, n, s: formulas.muon_matmul_bytes(m, n, ns_steps=s.ns_steps),
+    local_state=True,
 ))
 
 register(OptimizerSpec(

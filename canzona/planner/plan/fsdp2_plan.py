@@ -67,7 +67,8 @@ def build_fsdp2_plan(problem: FSDP2Problem, solution: FSDP2Solution, *, cost: st
     return FSDP2Plan(inputs=inputs, fingerprint=problem.spec.fingerprint(),
                      total_params=problem.spec.total_params, tasks=tasks,
                      metrics=_metrics(tasks, problem.dp, _received(rounds, problem.dp),
-                                      solution.shared, status=solution.strategy),
+                                      solution.shared, problem.settings.spec.local_state,
+                                      status=solution.strategy),
                      fsdp2=section)
 
 
@@ -77,12 +78,13 @@ def _received(rounds, dp: int) -> tuple[int, ...]:  # noqa: ANN001
 
 
 def _metrics(tasks: tuple[TaskPlan, ...], dp: int, received: tuple[int, ...],
-             shared: dict[int, tuple[int, ...]], *, status: str) -> Metrics:
-    """Per rank: its matrices' loads, FLOPs and state (a shared matrix's split evenly over its
-    members, cumulative integer rounding); its AdamW tensors' by its share of their rows (each
-    rank updates its own rows); the bytes its gathers receive (recorded as
-    ``dp_reduce_scatter_bytes``: FSDP2's own reduce-scatter is not the plan's). Bounds in cost
-    units over whole matrices."""
+             shared: dict[int, tuple[int, ...]], local_state: bool, *, status: str) -> Metrics:
+    """Per rank: its matrices' loads and FLOPs (a shared matrix's split evenly over its
+    members, cumulative integer rounding) and their state — on their owners, or with
+    ``local_state`` (Muon's momentum) by each rank's share of their rows —; its AdamW tensors'
+    by its share of their rows (each rank updates its own rows); the bytes its gathers receive
+    (recorded as ``dp_reduce_scatter_bytes``: FSDP2's own reduce-scatter is not the plan's).
+    Bounds in cost units over whole matrices."""
     load, flops, state = [0] * dp, [0] * dp, [0] * dp
     for t in tasks:
         if t.optimizer == "matrix":
@@ -91,19 +93,12 @@ def _metrics(tasks: tuple[TaskPlan, ...], dp: int, received: tuple[int, ...],
             for j, o in enumerate(ranks):
                 load[o] += t.cost * (j + 1) // k - t.cost * j // k
                 flops[o] += t.flops * (j + 1) // k - t.flops * j // k
-                state[o] += t.state_bytes * (j + 1) // k - t.state_bytes * j // k
+                if not local_state:
+                    state[o] += t.state_bytes * (j + 1) // k - t.state_bytes * j // k
+            if local_state:
+                _by_rows(t.shape, dp, ((state, t.state_bytes),))
             continue
-        rows = t.shape[0] if t.shape else 1
-        parts = fsdp2_rows(rows, dp) if t.shape else ((0, 1),) + ((0, 0),) * (dp - 1)
-        done = [0, 0, 0]
-        at = 0
-        for r, (_, n) in enumerate(parts):  # cumulative rounding: the shares add up exactly
-            at += n
-            share = [v * at // rows for v in (t.cost, t.flops, t.state_bytes)]
-            load[r] += share[0] - done[0]
-            flops[r] += share[1] - done[1]
-            state[r] += share[2] - done[2]
-            done = share
+        _by_rows(t.shape, dp, ((load, t.cost), (flops, t.flops), (state, t.state_bytes)))
     matrix = [t.cost for t in tasks if t.optimizer == "matrix"]
     total = sum(load)
     lower = max(-(-total // dp), max(matrix, default=0))
@@ -114,6 +109,22 @@ def _metrics(tasks: tuple[TaskPlan, ...], dp: int, received: tuple[int, ...],
                    lower_bound=lower, certified_bound=lower,
                    gap_to_bound=round(max(load) / lower - 1, 6) if lower else 0.0,
                    split_matrices=0, solver_status=status)
+
+
+def _by_rows(shape: tuple[int, ...], dp: int, parts: tuple[tuple[list[int], int], ...]) -> None:
+    """Add each (per-rank list, amount) of a tensor of ``shape`` by every rank's share of its
+    ``Shard(0)`` rows (a scalar on rank 0), cumulative integer rounding: the shares add up
+    exactly."""
+    rows = shape[0] if shape else 1
+    held = fsdp2_rows(rows, dp) if shape else ((0, 1),) + ((0, 0),) * (dp - 1)
+    done = [0] * len(parts)
+    at = 0
+    for r, (_, n) in enumerate(held):
+        at += n
+        for j, (out, amount) in enumerate(parts):
+            now = amount * at // rows
+            out[r] += now - done[j]
+            done[j] = now
 
 
 def check_fsdp2_plan(plan: FSDP2Plan, source: str = "<plan>") -> None:
@@ -182,7 +193,7 @@ def check_fsdp2_plan(plan: FSDP2Plan, source: str = "<plan>") -> None:
         raise bad("fsdp2.rounds", f"no round has task {missing[0].id} "
                                   f"('{label(missing[0])}'); every matrix task is in one round")
     want = _metrics(plan.tasks, dp, _received(plan.fsdp2.rounds, dp), shared,
-                    status=plan.metrics.solver_status)
+                    inp.optimizer.spec.local_state, status=plan.metrics.solver_status)
     for name in ("dp_load", "dp_flops", "dp_state_bytes", "dp_reduce_scatter_bytes",
                  "max_over_mean", "lower_bound"):
         if getattr(plan.metrics, name) != getattr(want, name):

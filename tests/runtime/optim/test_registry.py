@@ -46,6 +46,7 @@ def test_kernel_from_recorded_settings_costs_what_the_planner_says(name, custom)
         state = kernel.init_state((m, n))
         assert sum(t.numel() for t in state.values()) == planned.state_numel(m, n, s)
     assert all(isinstance(v, bool) for _, v in spec.state_layout(kernel.config))
+    assert kernel.local_state == planned.local_state  # where FSDP2 keeps the state
 
 
 def _tiny():
