@@ -177,8 +177,8 @@ def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
     if cfg.get("scrambled"):
         plan = scrambled(plan)
     opt = build(model, plan, optimizer, ns_dtype=cfg.get("ns_dtype", torch.float32))
-    if cfg.get("fp32_wire"):  # the plan's comm dtype whatever the kernel
-        opt._storage.wire_for = lambda kernel: opt._storage.comm
+    if cfg.get("fp32_wire"):  # fp32 rows whatever the kernel
+        opt._storage.wire_for = lambda kernel: torch.float32
     sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
     norms, traces = [], []
     for step in range(STEPS):

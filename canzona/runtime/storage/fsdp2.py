@@ -295,14 +295,14 @@ class FSDP2Rows:
         self.reshard()
 
     def wire_for(self, kernel: Any) -> torch.dtype:
-        """The dtype the rounds' rows travel in under ``kernel``: the plan's comm dtype, or
-        bfloat16 where the kernel has local state and iterates Newton–Schulz in bfloat16 (what
-        its owner reads of the input is its bfloat16 cast, and the update it returns is
-        bfloat16: the result is the same)."""
+        """The dtype the rounds' rows travel in under ``kernel``: where the kernel has local
+        state, the dtype it iterates Newton–Schulz in (what its owner reads of the input is
+        that cast, and the update it returns is in it: the result is the same; the plan
+        records bf16, the default); else the plan's comm dtype (FSDP2's fp32 gradients)."""
         config = getattr(kernel, "config", None)
-        if getattr(kernel, "local_state", False) \
-                and getattr(config, "ns_dtype", None) == torch.bfloat16:
-            return torch.bfloat16
+        ns = getattr(config, "ns_dtype", None)
+        if getattr(kernel, "local_state", False) and ns is not None:
+            return ns
         return self.comm
 
     @property
