@@ -103,7 +103,8 @@ def plan_model(
             lays them out (``pp`` must then agree or be left out).
         storage: where the parameters live (``canzona.planner.pipeline.STORAGES``): ``zero1``
             (canzona's ZeRO-1 buckets) or ``fsdp2`` (a ``fully_shard``-ed model: each matrix's
-            owner and the all-to-all rounds, an :class:`~canzona.planner.plan.FSDP2Plan`; tp 1).
+            owner and the all-to-all rounds, an :class:`~canzona.planner.plan.FSDP2Plan`; with
+            tp > 1 a dp × tp mesh).
             Default: ``fsdp2`` for a model with ``fully_shard``-ed modules, else ``zero1``.
         **settings: further :class:`~canzona.planner.settings.OptimizerSettings` fields
             (``ns_steps``, ``max_preconditioner_dim``, ``soap_precondition_frequency``,

@@ -410,7 +410,8 @@ def plan(
         "--storage", help="Where the parameters live: zero1 (ZeRO-1 buckets: Megatron's or "
                           "canzona's own) or fsdp2 (fully_shard's Shard(0) rows: each "
                           "matrix's owner and the all-to-all rounds that bring its rows there "
-                          "and back; tp 1, ep 1, pp 1; --cmax caps a round, --hardware prices "
+                          "and back; with --tp a dp × tp mesh, TP then fully_shard as "
+                          "torchtitan; ep 1, pp 1; --cmax caps a round, --hardware prices "
                           "it).")] = "zero1",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,

@@ -150,6 +150,29 @@ def fsdp2_rows(rows: int, ranks: int) -> tuple[tuple[int, int], ...]:
     return tuple((min(r * each, rows), max(0, min(each, rows - r * each))) for r in range(ranks))
 
 
+def fsdp2_block(shape: tuple[int, ...], split_dim: int | None, dp: int, tp: int, d: int,
+                t: int) -> tuple[int, int, int, int]:
+    """(first row, end row, first column, end column) of the block of a 2-D view of a
+    parameter (a vector: one column) that rank (d, t) of a dp × tp mesh holds under FSDP2 with
+    tensor parallelism (torchtitan's ``parallelize_module``, then ``fully_shard`` over the dp
+    dimension): TP's ``Shard(split_dim)`` takes chunk t of that dimension (None: replicated,
+    every t the whole), then FSDP takes chunk d of the TP-local rows, both ``torch.chunk``'s
+    rule (:func:`fsdp2_rows`). Always one rectangle; the last ranks' may be empty."""
+    rows = shape[0] if shape else 1
+    cols = 1
+    for x in shape[1:]:
+        cols *= x
+    r0, r1, c0, c1 = 0, rows, 0, cols
+    if split_dim == 0:
+        start, n = fsdp2_rows(rows, tp)[t]
+        r0, r1 = start, start + n
+    elif split_dim == 1:
+        start, n = fsdp2_rows(cols, tp)[t]
+        c0, c1 = start, start + n
+    start, n = fsdp2_rows(r1 - r0, dp)[d]
+    return r0 + start, r0 + start + n, c0, c1
+
+
 def muon_flops(m: int, n: int, *, ns_steps: int = 5) -> int:
     """Matmul FLOPs of Muon's Newton–Schulz orthogonalisation of an m×n matrix.
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 from .comm import ELEMENT_BYTES
 from .cost import Task, TaskCost, build_tasks, task_cost
 from .errors import SizeError
-from .formulas import fsdp2_rows
+from .formulas import fsdp2_block
 from .hardware import HardwareProfile, LinkProfile
 from .inventory import ModelSpec
 from .layout import ParallelSizes
@@ -55,17 +55,20 @@ FSDP2_STRATEGIES: dict[str, str] = {
 
 @dataclasses.dataclass(frozen=True)
 class FSDP2Problem:
-    """The tasks of a model under FSDP2 at ``dp`` ranks, and what each costs.
+    """The tasks of a model under FSDP2 at ``dp`` ranks (with TP: a dp × tp mesh, rank
+    d·tp + t), and what each costs.
 
     Attributes:
         compute_s: per task, its update's time on one rank (0 for AdamW tasks).
-        moved: per task, (rows, columns) of the matrix the gather moves (AdamW tasks: (0, 0)).
+        split_dims: per task, the dimension TP shards (None: replicated over TP).
         elem_bytes: bytes per element the rows travel in (``comm_dtype``).
     """
 
     spec: ModelSpec
     settings: OptimizerSettings
     dp: int
+    tp: int
+    split_dims: tuple[int | None, ...]
     tasks: tuple[Task, ...]
     costs: tuple[TaskCost, ...]
     compute_s: tuple[float, ...]
@@ -87,9 +90,17 @@ class FSDP2Problem:
         rows, cols = self.tasks[i].shape
         return rows * cols * self.elem_bytes
 
-    def rows(self, i: int) -> tuple[tuple[int, int], ...]:
-        """Per rank, (first row, rows) of task ``i``'s parameter."""
-        return fsdp2_rows(self.tasks[i].shape[0], self.dp)
+    @property
+    def ranks(self) -> int:
+        """The GPUs that own matrices: dp · tp."""
+        return self.dp * self.tp
+
+    def most_held(self, i: int) -> int:
+        """The most bytes of task ``i`` one rank holds (its block, ``formulas.fsdp2_block``)."""
+        shape, dim = self.tasks[i].shape, self.split_dims[i]
+        return self.elem_bytes * max(
+            (r1 - r0) * (c1 - c0) for d in range(self.dp) for t in range(self.tp)
+            for r0, r1, c0, c1 in (fsdp2_block(shape, dim, self.dp, self.tp, d, t),))
 
     def weight(self, i: int) -> float:
         """Task ``i``'s time on its owner: its compute, and receiving its rows and sending its
@@ -101,7 +112,7 @@ class FSDP2Problem:
         Newton–Schulz is shared by its Gram (Muon, NorMuon), at least two ranks, both sides
         at least two long."""
         t = self.tasks[i]
-        return (t.optimizer == "matrix" and self.dp >= 2 and self.settings.spec.gram_shared
+        return (t.optimizer == "matrix" and self.ranks >= 2 and self.settings.spec.gram_shared
                 and min(t.shape) >= SHARE_K)
 
     def blocks(self, i: int, k: int = 2) -> tuple[int, ...]:
@@ -129,7 +140,8 @@ class FSDP2Problem:
     def moved(self, i: int, dests: Sequence[tuple[int, int, int]]
               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """:func:`gather_bytes` of task ``i``."""
-        return gather_bytes(self.tasks[i].shape, self.dp, self.elem_bytes, tuple(dests))
+        return gather_bytes(self.tasks[i].shape, self.split_dims[i], self.dp, self.tp,
+                            self.elem_bytes, tuple(dests))
 
 
 def block_bounds(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
@@ -142,32 +154,42 @@ def block_bounds(shape: tuple[int, ...], k: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=1 << 14)
-def gather_bytes(shape: tuple[int, ...], dp: int, elem_bytes: int,
-                 dests: tuple[tuple[int, int, int], ...]
+def gather_bytes(shape: tuple[int, ...], split_dim: int | None, dp: int, tp: int,
+                 elem_bytes: int, dests: tuple[tuple[int, int, int], ...]
                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A matrix's gather to ``dests`` (per destination: its rank and the block [b0, b1) of the
-    long dimension it computes) from its ``Shard(0)`` rows at ``dp`` ranks: per rank the bytes
-    it sends, and the bytes each rank receives. A rank keeps its own rows of its block; a wide
-    matrix's block is columns, of which every rank sends its rows."""
+    long dimension it computes: rows of a tall matrix, columns of a wide one) from the blocks
+    the dp × tp ranks hold (``formulas.fsdp2_block``; rank d·tp + t): per rank the bytes it
+    sends, and the bytes each rank receives. A rank keeps what it holds of its own block; of a
+    matrix replicated over TP, the copy on the destination's TP rank is sent."""
     rows, cols = shape
     tall = rows >= cols
-    sent, received = [0] * dp, [0] * dp
-    for r, (start, n) in enumerate(fsdp2_rows(rows, dp)):
-        for o, b0, b1 in dests:
-            if r == o or not n:
+    ranks = dp * tp
+    sent, received = [0] * ranks, [0] * ranks
+    for d in range(dp):
+        for t in range(tp):
+            r = d * tp + t
+            r0, r1, c0, c1 = fsdp2_block(shape, split_dim, dp, tp, d, t)
+            if r0 == r1 or c0 == c1:
                 continue
-            part = (max(0, min(start + n, b1) - max(start, b0)) * cols if tall
-                    else n * (b1 - b0))
-            sent[r] += part * elem_bytes
-            received[o] += part * elem_bytes
+            for o, b0, b1 in dests:
+                if r == o or (split_dim is None and t != o % tp):
+                    continue
+                if tall:
+                    part = max(0, min(r1, b1) - max(r0, b0)) * (c1 - c0)
+                else:
+                    part = (r1 - r0) * max(0, min(c1, b1) - max(c0, b0))
+                sent[r] += part * elem_bytes
+                received[o] += part * elem_bytes
     return tuple(sent), tuple(received)
 
 
 def make_fsdp2_problem(spec: ModelSpec, dp: int, settings: OptimizerSettings, *,
                        hardware: HardwareProfile, comm_dtype: str | None = None,
-                       cmax_bytes: int = 512 << 20) -> FSDP2Problem:
-    """The FSDP2 problem of ``spec`` at ``dp`` ranks (one DP mesh dimension). ``comm_dtype``:
-    the rows' dtype on the wire; by default :func:`wire_dtype`.
+                       cmax_bytes: int = 512 << 20, tp: int = 1) -> FSDP2Problem:
+    """The FSDP2 problem of ``spec`` at ``dp`` ranks (with ``tp`` > 1: a dp × tp mesh, TP
+    splitting the parameters as their ``tp_layout`` says, FSDP2 the TP-local rows).
+    ``comm_dtype``: the rows' dtype on the wire; by default :func:`wire_dtype`.
 
     Raises:
         SizeError: settings FSDP2 storage does not run (parts of a fused matrix, per-head
@@ -190,10 +212,19 @@ def make_fsdp2_problem(spec: ModelSpec, dp: int, settings: OptimizerSettings, *,
     costs = tuple(task_cost(t, settings, sizes, comm_dtype) for t in tasks)
     compute = tuple(hardware.seconds(c.flops) if t.optimizer == "matrix" else 0.0
                     for t, c in zip(tasks, costs))
-    link = hardware.link(dp)  # one DP mesh dimension: dp consecutive ranks
+    layouts = {p.name: p.tp_layout for p in spec.params}
+    dims = tuple(None if tp == 1 else SPLIT_DIMS[layouts[t.param]] for t in tasks)
+    link = hardware.link(dp * tp)  # the all-to-alls span the whole mesh
     name = "intra_node" if link is hardware.intra_node else "inter_node"
-    return FSDP2Problem(spec, settings, dp, tasks, costs, compute, comm_dtype,
+    return FSDP2Problem(spec, settings, dp, tp, dims, tasks, costs, compute, comm_dtype,
                         ELEMENT_BYTES[comm_dtype], hardware, name, link, cmax_bytes)
+
+
+#: The dimension TP shards of each TP layout (``inventory.TPLayout``): column-parallel and
+#: fused layouts by rows (torchtitan's ``ColwiseParallel``, the embedding's vocabulary),
+#: row-parallel by columns; None: replicated.
+SPLIT_DIMS: dict[str, int | None] = {"column": 0, "qkv": 0, "gate_up": 0, "vocab": 0,
+                                     "row": 1, "replicated": None}
 
 
 def wire_dtype(settings: OptimizerSettings) -> str:
@@ -232,9 +263,9 @@ class FSDP2Solution:
         return _places(self.owners, self.shared)
 
     def loads(self, problem: FSDP2Problem) -> list[float]:
-        """Per rank, the weight of the matrices and pieces it computes
+        """Per rank (dp · tp), the weight of the matrices and pieces it computes
         (:meth:`FSDP2Problem.weight`, :meth:`FSDP2Problem.piece_weight`)."""
-        out = [0.0] * problem.dp
+        out = [0.0] * problem.ranks
         for i, ranks in self.places.items():
             w = problem.weight(i) if len(ranks) == 1 else problem.piece_weight(i, len(ranks))
             for r in ranks:
@@ -362,7 +393,7 @@ def capped_rounds(problem: FSDP2Problem, places: dict[int, tuple[int, ...]]
 
 
 def _held(problem: FSDP2Problem, places: dict[int, tuple[int, ...]]) -> list[list[int]]:
-    held: list[list[int]] = [[] for _ in range(problem.dp)]
+    held: list[list[int]] = [[] for _ in range(problem.ranks)]
     for i, ranks in sorted(places.items()):
         for r in ranks:
             held[r].append(i)
@@ -377,8 +408,8 @@ def deal_rounds(problem: FSDP2Problem, places: dict[int, tuple[int, ...]], count
     matrices, longest-first into its round of least compute that has room. A round lists its
     tasks by first rank, then id; empty rounds are dropped."""
     cap = problem.cmax_bytes
-    compute = [[0.0] * count for _ in range(problem.dp)]
-    used = [[0] * count for _ in range(problem.dp)]
+    compute = [[0.0] * count for _ in range(problem.ranks)]
+    used = [[0] * count for _ in range(problem.ranks)]
     rounds: list[list[int]] = [[] for _ in range(count)]
 
     def put(i: int, ranks: tuple[int, ...]) -> None:
@@ -420,7 +451,7 @@ def round_traffic(problem: FSDP2Problem, places: dict[int, tuple[int, ...]],
                   tasks: Sequence[int]) -> tuple[list[int], list[int], list[int], list[float]]:
     """A round's per-rank gathered whole-matrix (or block) bytes, bytes sent and received in
     its gather, and compute seconds."""
-    dp = problem.dp
+    dp = problem.ranks
     gathered, sent, received, compute = [0] * dp, [0] * dp, [0] * dp, [0.0] * dp
     for i in tasks:
         ranks = places[i]
@@ -448,7 +479,7 @@ def round_timeline(problem: FSDP2Problem, places: dict[int, tuple[int, ...]],
     together in its round (its Gram's collectives are in its pieces' seconds)."""
     if not rounds:
         return 0.0
-    dp, link = problem.dp, problem.link
+    dp, link = problem.ranks, problem.link
     comm, compute = [], []
     for tasks in rounds:
         _, sent, received, c = round_traffic(problem, places, tasks)
@@ -491,12 +522,9 @@ def step_bound(problem: FSDP2Problem) -> float:
     ids = problem.matrices
     if not ids:
         return 0.0
-    link, dp = problem.link, problem.dp
+    link, dp = problem.link, problem.ranks
     alpha = 2 * link.latency_s
-    e = problem.elem_bytes
-
-    def own_rows(i: int) -> int:  # the most of a matrix one rank holds
-        return max(n for _, n in problem.rows(i)) * problem.tasks[i].shape[1] * e
+    own_rows = problem.most_held
 
     least = {i: max(0, problem.full_bytes(i) - own_rows(i)) for i in ids}
     whole = {i: problem.compute_s[i] + 2 * least[i] / link.busbw for i in ids}
@@ -526,8 +554,8 @@ def solve_fsdp2(problem: FSDP2Problem, strategy: str = "canzona") -> FSDP2Soluti
                              _sync_step(problem), bound)
     if strategy == "dist-muon":
         flops = {i: float(problem.costs[i].flops) for i in ids}
-        owners = longest_first(ids, flops, problem.dp)
-        rounds = _one_per_rank(owners, flops, problem.dp)
+        owners = longest_first(ids, flops, problem.ranks)
+        rounds = _one_per_rank(owners, flops, problem.ranks)
         return FSDP2Solution(strategy, owners, rounds,
                              round_timeline(problem, _places(owners, None), rounds), bound)
     best = _placed(problem, frozenset(), bound)
@@ -551,10 +579,10 @@ def _placed(problem: FSDP2Problem, shared_ids: frozenset[int], bound: float
     of the shortest step."""
     ids = [i for i in problem.matrices if i not in shared_ids]
     pieces = {i: problem.piece_weight(i) for i in shared_ids}
-    pairs, base = pair_places(sorted(shared_ids), pieces, problem.dp)
+    pairs, base = pair_places(sorted(shared_ids), pieces, problem.ranks)
     weight = {i: problem.weight(i) for i in ids}
-    owners = refine(longest_first(ids, weight, problem.dp, base=base), weight, problem.dp,
-                    base=base)
+    owners = refine(longest_first(ids, weight, problem.ranks, base=base), weight,
+                    problem.ranks, base=base)
     owners.update({i: ab[0] for i, ab in pairs.items()})
     shared = {i: tuple(ab) for i, ab in pairs.items()}
     places = _places(owners, shared)
@@ -568,7 +596,7 @@ def _share_classes(problem: FSDP2Problem) -> list[frozenset[int]]:
     """The shareable matrices by shape, heaviest first: sharing a heavy matrix shortens its
     rank, and sharing lighter ones gives the rounds finer pieces to hide the gathers behind."""
     ids = [i for i in problem.matrices if problem.shareable(i)]
-    if problem.dp < SHARE_K or not ids:
+    if problem.ranks < SHARE_K or not ids:
         return []
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i in ids:
@@ -591,6 +619,6 @@ def _one_per_rank(owners: dict[int, int], order: dict[int, float], ranks: int
 def _sync_step(problem: FSDP2Problem) -> float:
     """Every rank all-gathers every matrix (one collective per matrix), then computes all."""
     ids = problem.matrices
-    link, dp = problem.link, problem.dp
+    link, dp = problem.link, problem.ranks
     gather = sum(link.seconds(problem.full_bytes(i) * (dp - 1) / dp) for i in ids)
     return gather + sum(problem.compute_s[i] for i in ids)

@@ -106,7 +106,7 @@ def plan(
         storage: where the parameters live: ``zero1`` (ZeRO-1 buckets, the default) or
             ``fsdp2`` (``fully_shard``'s ``Shard(0)`` rows over the DP ranks: each matrix's
             owner and the all-to-all rounds, :mod:`canzona.planner.fsdp2`, in an
-            :class:`FSDP2Plan`; tp 1, ep 1, no stages; the rounds' cap is
+            :class:`FSDP2Plan`; with tp > 1 a dp × tp mesh; ep 1, no stages; the rounds' cap is
             ``tp_options.cmax_mib`` and their times are priced on ``tp_options.hardware``).
 
     Raises:
@@ -163,21 +163,20 @@ STORAGES = ("zero1", "fsdp2")
 def _plan_fsdp2(spec: ModelSpec, sizes: ParallelSizes, split: StageSplit,
                 settings: OptimizerSettings, o: DPOptions, t: TPOptions, model_source: str,
                 say: Callable[[str], None]) -> FSDP2Plan:
-    """:func:`plan` for FSDP2's storage: one DP mesh dimension."""
-    for field, value, flag in (("ParallelSizes.tp", sizes.tp, "tp"),
-                               ("ParallelSizes.ep", sizes.ep, "ep"),
+    """:func:`plan` for FSDP2's storage: a dp mesh, or dp × tp with tensor parallelism."""
+    for field, value, flag in (("ParallelSizes.ep", sizes.ep, "ep"),
                                ("StageSplit.pp", split.pp, "pp")):
         if value != 1:
-            raise SizeError(f"FSDP2 storage is planned over one DP mesh dimension; got "
+            raise SizeError(f"FSDP2 storage is planned over a dp (× tp) mesh; got "
                             f"{{{field}}} {value}. Plan --storage fsdp2 with {flag} 1 (FSDP2 "
-                            "with TP, EP or pipeline stages is not supported yet).",
+                            "with EP or pipeline stages is not supported yet).",
                             fields=(field,))
     if spec.config is not None:
         validate_sizes(spec.config, sizes)
     hw = load_hardware(t.hardware)
     say("FSDP2 owners and rounds")
     problem = make_fsdp2_problem(spec, sizes.dp, settings, hardware=hw,
-                                 cmax_bytes=t.cmax_bytes)
+                                 cmax_bytes=t.cmax_bytes, tp=sizes.tp)
     solution = solve_fsdp2(problem, "canzona")
     return build_fsdp2_plan(problem, solution, cost=o.cost if isinstance(o.cost, str) else
                             "flops", solver=SolverOptions(strategy="canzona", solver="greedy"),

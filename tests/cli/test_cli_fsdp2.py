@@ -50,8 +50,8 @@ def test_compare_plans_fsdp2_or_reads_its_plan(sharded):
 
 
 @pytest.mark.parametrize("args, needles", [
-    (("plan", "--model", "qwen3-0.6b", "--dp", 4, "--tp", 2, "--storage", "fsdp2"),
-     ("--tp 2", "tp 1")),
+    (("plan", "--model", "qwen3-0.6b", "--dp", 4, "--pp", 2, "--storage", "fsdp2"),
+     ("--pp 2", "pp 1")),
     (("plan", "--model", "qwen3-0.6b", "--dp", 4, "--storage", "ddp"), ("--storage",)),
 ])
 def test_bad_plans_are_refused_in_one_line(tmp_path, args, needles):

@@ -594,12 +594,18 @@ class FSDP2Section(_Frozen):
         default=(), exclude_if=lambda v: not v,
         description="matrix tasks computed by adjacent ranks together (written only when "
                     "any).")
+    split_dims: tuple[int | None, ...] = Field(
+        default=(), exclude_if=lambda v: not v,
+        description="with TP (inputs.tp > 1): per task, the dimension TP shards (null: "
+                    "replicated over TP); ranks are d·tp + t of the dp × tp mesh "
+                    "(formulas.fsdp2_block).")
 
 
 class FSDP2Plan(_Frozen):
     """A plan for FSDP2's storage (schema version 10): the model is ``fully_shard``-ed over the
     DP ranks, so every parameter is held as ``Shard(0)`` rows (``torch.chunk``'s rule,
-    ``formulas.fsdp2_rows``) and FSDP2 itself reduces the gradients and gathers the parameters.
+    ``formulas.fsdp2_rows``; with TP, of each TP shard, ``formulas.fsdp2_block``, over the
+    dp · tp ranks d·tp + t) and FSDP2 itself reduces the gradients and gathers the parameters.
     The plan chooses each matrix task's owner (``tasks[i].owner``) and the all-to-all rounds
     that bring its rows there and its update rows back (``fsdp2.rounds``); AdamW parameters
     are updated on every rank's own rows."""
