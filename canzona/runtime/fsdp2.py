@@ -14,11 +14,24 @@ where the rows are and moves them. A step on DP rank r of W:
 2. **AdamW** on this rank's rows of every AdamW parameter (state of the rows' shape), while
    round 0's rows travel;
 3. **rounds** (``plan.fsdp2.rounds``): one ``all_to_all_single`` gathers each matrix of the round
-   whole on its owner, the owner's kernel computes the round's directions in one call (alike
-   shapes batched), a second ``all_to_all_single`` returns each rank its rows of every update,
-   and each rank applies them to its rows (``kernel.apply(..., full_shape=)``). Round k + 1's
-   gather is launched before round k is computed, and round k's return runs while round k + 1
-   is; every handle is waited for before ``step()`` returns.
+   whole on its owner — or, for a matrix an adjacent pair shares (``plan.fsdp2.shared``), each
+   member's block of its long dimension on that member —, the owner's kernel computes the
+   round's directions in one call (alike shapes batched), a second ``all_to_all_single``
+   returns each rank its rows of every update, and each rank applies them to its rows
+   (``kernel.apply(..., full_shape=)``). Round k + 1's gather is launched before round k is
+   computed, and round k's return runs while round k + 1 is; every handle is waited for before
+   ``step()`` returns.
+
+**Matrices shared by pairs.** Each member holds its block oriented along the long dimension (a
+wide matrix's column block transposed) and the pair orthogonalises the round's shared matrices
+(in plan order, both members alike) with the shared Newton–Schulz
+(``optim.shared_ns.shared_newton_schulz_many``: the Gram summed over the pair, exact up to
+summation order), before the round's whole matrices; the kernel finishes the blocks
+(``finish_shared``: NorMuon's row statistics summed over the pair). The pair's process group is
+created once at construction (:meth:`FSDP2Optimizer._join_pairs`). A kernel without
+``local_state`` (NorMuon) keeps each member's state of its block (a wide block's row statistics
+whole, alike on both members). A plan that shares matrices of a kernel whose update is not
+shared by its Gram (Shampoo, SOAP) is refused.
 
 Where a matrix's state lives depends on the kernel. A kernel with ``local_state`` (Muon) keeps
 it in the parameters' layout: each rank holds the momentum of its own rows of every matrix,
@@ -27,7 +40,7 @@ input of its rows; the owner only orthogonalises the whole inputs (``kernel.orth
 Under bfloat16 Newton–Schulz the rows then travel in bfloat16 whatever the plan's comm dtype
 (``FSDP2Rows.wire_for``: the same result). Any other kernel (Shampoo, SOAP, NorMuon) gets the
 gradient's rows (fp32 on the owner) and keeps each matrix's state on its owner, full-matrix
-shaped (``kernel.direction``).
+shaped (``kernel.direction``; a shared matrix's on its members, block-shaped).
 
 ``clip_grad_norm_`` sums the squares of each rank's gradient rows (every element lies in
 exactly one rank's rows) with one all-reduce over DP. The launch order of the last step is kept
@@ -54,9 +67,11 @@ from canzona.runtime.flight import FlightRecorder
 from canzona.runtime.groups import build_param_groups
 from canzona.runtime.introspect import inventory, local_tensor
 from canzona.runtime.optim._base import check_finite
+from canzona.runtime.optim.shared_ns import shared_newton_schulz_many
+from canzona.runtime.optim.transports import PeerPair, sum_each
 from canzona.runtime.optimizer import CanzonaOptimizer
-from canzona.runtime.storage.fsdp2 import (APPLY, FAILED, LEAVE, ROWS_FAILED, FSDP2Rows,
-                                           build_rounds, check_mixed_precision,
+from canzona.runtime.storage.fsdp2 import (APPLY, FAILED, LEAVE, ROWS_FAILED, Block,
+                                           FSDP2Rows, build_rounds, check_mixed_precision,
                                            sharded_parameters)
 from canzona.runtime.storage.gradients import clip_owned
 
@@ -108,7 +123,8 @@ class FSDP2Optimizer(CanzonaOptimizer):
     every step); ``state`` has an entry per parameter, made at construction: an AdamW
     parameter's state and, for a kernel with ``local_state``, a matrix's as DTensors placed as
     the parameter (this rank's rows, possibly none: ``Shard(0)`` over the same mesh); else a
-    matrix's full-matrix state on its owner (empty elsewhere). ``state_dict()`` is this rank's
+    matrix's full-matrix state on its owner, or a shared matrix's state of each member's block
+    on that member (empty elsewhere). ``state_dict()`` is this rank's
     (it loads under the same plan and rank); ``canzona.save_checkpoint`` /
     ``load_checkpoint`` save and load under any plan of the same model, FSDP2's or ZeRO-1's.
     Gradient accumulation is FSDP2's (``model.set_requires_gradient_sync``): ``no_sync()``
@@ -182,6 +198,8 @@ class FSDP2Optimizer(CanzonaOptimizer):
                                   group=self._group, comm_dtype=plan.fsdp2.comm_dtype,
                                   timeout_s=self._timeout, flight=self._flight)
         self._storage.wire = self._storage.wire_for(self._matrix)
+        #: The ranks this rank shares matrices with (its pair's process group), or None.
+        self._pair_group = self._join_pairs()
         self._build_fsdp2_groups()
         self._init_fsdp2_state()
         self._closed = False
@@ -238,6 +256,32 @@ class FSDP2Optimizer(CanzonaOptimizer):
                         "rule over the mesh).")
         return None
 
+    def _join_pairs(self) -> Any:
+        """The process group of every pair (2s, 2s + 1) of DP ranks that shares matrices in the
+        plan, created once, in ascending order, by every DP rank; returns this rank's (None:
+        it shares none). Where the DP group is the world, every rank takes part in every
+        ``new_group``; else only each pair's members synchronise
+        (``use_local_synchronization``), or, where the default group's communicators are
+        created eagerly (NCCL with a bound device, whose ``new_group`` splits the world's
+        communicator and needs every rank of the world), the pair exchanges point to point on
+        the DP group (:class:`PeerPair`)."""
+        pairs = sorted({t.owners for r in self._storage.rounds for t in r.tasks if t.shared})
+        if not pairs:
+            return None
+        ranks = dist.get_process_group_ranks(self._group)
+        world = len(ranks) == dist.get_world_size()
+        peer = not world and _eager_communicators()
+        mine = None
+        for a, b in pairs:
+            if peer:
+                group: Any = PeerPair((a, b), self._rank - a, self._group) \
+                    if self._rank in (a, b) else None
+            else:
+                group = dist.new_group([ranks[a], ranks[b]], use_local_synchronization=not world)
+            if self._rank in (a, b):
+                mine = group
+        return mine
+
     def _build_fsdp2_groups(self) -> None:
         """``"matrix"`` and ``"adamw"`` groups of the sharded parameters, then fixed."""
         groups, defaults = build_param_groups(
@@ -263,9 +307,9 @@ class FSDP2Optimizer(CanzonaOptimizer):
                 self.state[self._params[i]] = self._as_rows(i, made)
         else:
             for rnd in storage.rounds:
-                for t in rnd.owned:
-                    self.state[self._params[t.param]] = self._matrix.init_state(
-                        t.shape, torch.float32, device)
+                for b in rnd.mine:
+                    self.state[self._params[b.task.param]] = self._matrix.init_state(
+                        b.shape, torch.float32, device)
         for i in self._adamw_ids:
             made = self._adamw.init_state(storage.local(i).shape, torch.float32, device)
             self.state[self._params[i]] = self._as_rows(i, made)
@@ -391,8 +435,8 @@ class FSDP2Optimizer(CanzonaOptimizer):
         if error is not None:
             raise error
         if failed:
-            t, code = failed[0]
-            where = (f"on DP rank {t.owner} for '{t.name}'" if code == FAILED else
+            t, code, who = failed[0]
+            where = (f"on DP rank {who} for '{t.name}'" if code == FAILED else
                      f"on a DP rank making its rows of '{t.name}'")
             raise RuntimeError(f"the matrix kernel raised {where} (see that rank's error); the "
                                "step's other updates were applied.")
@@ -434,49 +478,93 @@ class FSDP2Optimizer(CanzonaOptimizer):
 
     def _compute_round(self, k: int, recv: Tensor, received: list[int]
                        ) -> tuple[list[Tensor | None], list[int], Exception | None]:
-        """The owner's side of round ``k``: its matrices whole, their directions in one kernel
-        call (``orthogonalise`` of the inputs for a kernel with ``local_state``, else
-        ``direction`` of the gradients with the owner's state); per owned task its update (or
-        None) and status."""
+        """The computing side of round ``k``: this rank's blocks (``Round.mine``) — first those
+        of the matrices it shares with its pair, together with it (:meth:`_shared_directions`),
+        then its whole matrices' directions in one kernel call (:meth:`_whole_directions`); per
+        block its update (or None) and status, and what a kernel raised."""
         rnd = self._storage.rounds[k]
-        kernel = self._matrix
-        updates: list[Tensor | None] = [None] * len(rnd.owned)
-        status = [LEAVE] * len(rnd.owned)
-        todo = [j for j, t in enumerate(rnd.owned) if received[t.param]]
+        mine = rnd.mine
+        updates: list[Tensor | None] = [None] * len(mine)
+        status = [LEAVE] * len(mine)
+        todo = [j for j, b in enumerate(mine) if received[b.task.param]]
         if not todo:
             return updates, status, None
         fulls, bad = self._storage.whole(k, recv, self._whole_dtype())
         for j in [j for j in todo if bad[j]]:
             status[j] = ROWS_FAILED
         todo = [j for j in todo if not bad[j]]
-        names = [rnd.owned[j].name for j in todo]
-        try:
-            if kernel.local_state:
-                out = kernel.orthogonalise([fulls[j] for j in todo], names=names)
-            else:
-                out = kernel.direction(
-                    [fulls[j] for j in todo],
-                    [self.state[self._params[rnd.owned[j].param]] for j in todo], names=names)
-        except Exception as exc:  # noqa: BLE001 - raised after the rounds, on every rank
-            for j in todo:
-                status[j] = FAILED
-            return updates, status, exc
-        for j, u in zip(todo, out):
-            if u is not None:
-                updates[j], status[j] = u, APPLY
-        return updates, status, None
+        error: Exception | None = None
+        for run, js in ((self._shared_directions, [j for j in todo if mine[j].task.shared]),
+                        (self._whole_directions, [j for j in todo if not mine[j].task.shared])):
+            if not js:
+                continue
+            try:
+                out = run([mine[j] for j in js], [fulls[j] for j in js])
+            except Exception as exc:  # noqa: BLE001 - raised after the rounds, on every rank
+                for j in js:
+                    status[j] = FAILED
+                error = error or exc
+                continue
+            for j, u in zip(js, out):
+                if u is not None:
+                    updates[j], status[j] = u, APPLY
+        return updates, status, error
+
+    def _whole_directions(self, blocks: list[Block], fulls: list[Tensor]
+                          ) -> list[Tensor | None]:
+        """Whole matrices' directions in one kernel call: ``orthogonalise`` of the inputs for a
+        kernel with ``local_state``, else ``direction`` of the gradients with the owner's
+        state."""
+        kernel = self._matrix
+        names = [b.task.name for b in blocks]
+        if kernel.local_state:
+            return kernel.orthogonalise(fulls, names=names)
+        return kernel.direction(fulls, [self.state[self._params[b.task.param]] for b in blocks],
+                                names=names)
+
+    def _shared_directions(self, blocks: list[Block], fulls: list[Tensor]) -> list[Tensor]:
+        """This rank's blocks of the matrices it shares with its pair (the round's, in plan
+        order; the partner passes its blocks of the same matrices): the Newton–Schulz inputs
+        (for a kernel with ``local_state`` what arrived; else momentum on the gradient's block
+        with this member's state of it), oriented along the long dimension (a wide matrix's
+        column block transposed), orthogonalised together over the pair
+        (``shared_newton_schulz_many``: the Gram summed over both), oriented back and finished
+        by the kernel (``finish_shared``: NorMuon's row statistics summed over the pair)."""
+        kernel = self._matrix
+        cfg = kernel.config
+        names = [b.task.name for b in blocks]
+        pair = list(blocks[0].task.owners)
+        states = ([{} for _ in blocks] if kernel.local_state else
+                  [self.state[self._params[b.task.param]] for b in blocks])
+        inputs = fulls if kernel.local_state else kernel.momentum_inputs(fulls, states,
+                                                                          names=names)
+        orthos = shared_newton_schulz_many(
+            [x if b.task.tall else x.mT for x, b in zip(inputs, blocks)],
+            group=self._pair_group, coefficients=cfg.schedule, steps=cfg.ns_steps, eps=cfg.eps,
+            dtype=cfg.ns_dtype, timeout_s=self._timeout, flight=self._flight,
+            what=[f"the shared Newton–Schulz of '{n}' (DP ranks {pair})" for n in names])
+        pieces = [o if b.task.tall else o.mT for o, b in zip(orthos, blocks)]
+
+        def reduce(items: list[tuple[int, Tensor]]) -> None:
+            sum_each([x for _, x in items], [self._pair_group] * len(items),
+                     [f"the row statistics of '{names[j]}' (DP ranks {pair})" for j, _ in items],
+                     timeout_s=self._timeout, rank=self._rank, flight=self._flight)
+
+        return kernel.finish_shared(pieces, states, [b.task.shape for b in blocks],
+                                    [b.task.tall for b in blocks], reduce)
 
     def _apply_round(self, k: int, returning: Any, received: list[int]) -> list[Any]:
         """This rank's rows of round ``k``'s updates applied to its rows; returns the tasks
-        whose kernel raised (on the owner, or on a rank making its rows), with the code."""
+        whose kernel raised (on a rank computing it, or on a rank making its rows), with the
+        code and the rank."""
         recv = returning.wait()
         self._fsdp2_trace.append(("apply", k))
         failed = []
-        for t, rows, code in self._storage.returned(k, recv):
+        for t, rows, code, who in self._storage.returned(k, recv):
             if not received[t.param]:
                 continue
             if code in (FAILED, ROWS_FAILED):
-                failed.append((t, code))
+                failed.append((t, code, who))
             elif code == APPLY and rows.shape[0]:
                 self._matrix.apply(self._storage.local(t.param), rows.to(torch.float32),
                                    full_shape=t.shape)
@@ -533,19 +621,20 @@ class FSDP2Optimizer(CanzonaOptimizer):
         return self._storage.wire if self._matrix.local_state else torch.float32
 
     def round_scratch_bytes(self) -> int:
-        """Most bytes of whole matrices (:meth:`_whole_dtype`) this rank holds at once: its
-        matrices of two consecutive rounds (one computed while the previous one's return
-        runs)."""
+        """Most bytes of whole matrices and shared blocks (:meth:`_whole_dtype`) this rank
+        holds at once: its blocks of two consecutive rounds (one computed while the previous
+        one's return runs)."""
         size = torch.empty((), dtype=self._whole_dtype()).element_size()
-        held = [size * sum(t.shape[0] * t.shape[1] for t in r.owned)
+        held = [size * sum(b.shape[0] * b.shape[1] for b in r.mine)
                 for r in self._storage.rounds]
         return max((a + b for a, b in zip(held, held[1:] + [0])), default=0)
 
     def predicted_state_bytes(self) -> int:
         """``state_bytes()`` predicted from the plan and the kernels: for a kernel with
         ``local_state`` the state of this rank's rows of every matrix (the state is elementwise
-        in the rows), else the state of each matrix this rank owns; AdamW's of its rows (two
-        moments and a step counter per parameter)."""
+        in the rows), else the state of each matrix this rank owns and of its block of each
+        matrix it shares; AdamW's of its rows (two moments and a step counter per
+        parameter)."""
         if self._matrix.local_state:
             total = 0
             for i in self._matrix_ids:
@@ -553,8 +642,8 @@ class FSDP2Optimizer(CanzonaOptimizer):
                 rows = self._storage.local(i).shape[0]
                 total += 4 * (self._matrix.state_numel((m, n)) * rows // m)
         else:
-            total = sum(4 * self._matrix.state_numel(t.shape) for r in self._storage.rounds
-                        for t in r.owned)
+            total = sum(4 * self._matrix.state_numel(b.shape) for r in self._storage.rounds
+                        for b in r.mine)
         return total + sum(4 * formulas.adamw_state_numel(self._storage.local(i).numel())
                            for i in self._adamw_ids)
 
@@ -566,6 +655,16 @@ class FSDP2Optimizer(CanzonaOptimizer):
         self._hooks = []
         self._storage.release()
         self._group = None  # the mesh keeps its group; this optimizer no longer does
+        # nor its pair's: a subgroup stays in torch's registry, as every subgroup does, until
+        # torch.distributed.destroy_process_group()
+        self._pair_group = None
         if self._flight is not None:
             self._flight.close()
         self._closed = True
+
+
+def _eager_communicators() -> bool:
+    """Whether the default group creates its communicators eagerly (bound to a device: NCCL's
+    ``new_group`` then splits the world's communicator, which every rank of the world must
+    join)."""
+    return getattr(dist.group.WORLD, "bound_device_id", None) is not None

@@ -1,11 +1,11 @@
 """FSDP2 plans in the runtime: ``CanzonaOptimizer(model, plan)`` on a ``fully_shard``-ed model
 (``runtime.fsdp2``, ``runtime.storage.fsdp2``) trains as one process does (Muon and Shampoo,
 clipping active, at dp 2 and dp 4, both ``reshard_after_forward`` settings, the planner's
-owners and random owners over 3 rounds); Muon's momentum lives on each rank's rows, and under
-bfloat16 Newton–Schulz its rows travel in bfloat16 with the same result as fp32 rows; round
-k + 1's gather is launched before round k is computed; bad input is refused in one line; the
-optimizer's surface (state dict, close, groups, non-finite gradients, a kernel raising on an
-owner or on a rank making its rows) works.
+owners and random owners over 3 rounds; matrices shared by adjacent pairs, Muon and NorMuon);
+Muon's momentum lives on each rank's rows, and under bfloat16 Newton–Schulz its rows travel in
+bfloat16 with the same result as fp32 rows; round k + 1's gather is launched before round k is
+computed; bad input is refused in one line; the optimizer's surface (state dict, close, groups,
+non-finite gradients, a kernel raising on an owner or on a rank making its rows) works.
 
 ONE 4-rank spawn for the module: a 2-D mesh ("rep", "dp") of shape (2, 2) runs two dp-2 cases
 side by side (one per "rep" half), the whole world the dp-4 ones. The model's row counts do not
@@ -31,7 +31,7 @@ WORLD = 4
 VOCAB, DIM, SEQ, BATCH = 18, 8, 6, 8
 STEPS = 10
 CLIP = 0.2  # below the gradients' norm at every step: clipping is active
-LR = {"muon": H.MATRIX_LR["muon"], "shampoo": H.MATRIX_LR["shampoo"]}
+LR = {k: H.MATRIX_LR[k] for k in ("muon", "normuon", "shampoo")}
 
 
 class Block(nn.Module):
@@ -144,6 +144,54 @@ def scrambled(plan, rounds: int = 3, seed: int = 0):
                                    "fsdp2": plan.fsdp2.model_copy(update={"rounds": made})})
 
 
+def paired(plan, shares: dict[str, tuple[int, int]]):
+    """``plan`` with each matrix named in ``shares`` computed by the pair given (its owner the
+    first member, its blocks ``block_bounds`` of its shape, in the round it is in; the rounds'
+    byte counts left as they are: the runtime reads tasks, owners, rounds and shares)."""
+    from canzona.planner.fsdp2 import block_bounds
+    from canzona.planner.plan import FSDP2SharedPlan
+
+    ids = {t.param: t.id for t in plan.tasks}
+    tasks = tuple(t.model_copy(update={"owner": shares[t.param][0]}) if t.param in shares
+                  else t for t in plan.tasks)
+    shared = tuple(FSDP2SharedPlan(id=ids[n], owners=pair, piece_s=0.0,
+                                   blocks=block_bounds(tasks[ids[n]].shape, 2))
+                   for n, pair in sorted(shares.items(), key=lambda kv: ids[kv[0]]))
+    return plan.model_copy(update={"tasks": tasks, "fsdp2": plan.fsdp2.model_copy(
+        update={"shared": shared})})
+
+
+#: Shared at dp 4: a tall matrix whose rows straddle the blocks' boundary (fc1: 10 rows, 3/3/3/1
+#: per rank, blocks [0, 5, 10]), a wide one (fc2), a wide one a rank holds no rows of (gate: 5
+#: rows, 2/2/1/0) and a tall one (up), over both pairs.
+SHARES4 = {"blocks.0.fc1.weight": (0, 1), "blocks.0.fc2.weight": (2, 3),
+           "blocks.1.gate.weight": (2, 3), "blocks.1.up.weight": (0, 1),
+           "blocks.1.fc1.weight": (2, 3)}
+#: Shared at dp 2, by the whole group: tall, wide, and wide with an odd row count.
+SHARES2 = {"blocks.0.fc1.weight": (0, 1), "blocks.0.fc2.weight": (0, 1),
+           "blocks.1.gate.weight": (0, 1)}
+
+
+def accounted(plan, dp: int, d: int) -> list[int]:
+    """Per round, the elements DP rank ``d`` sends to other ranks in its gather by the
+    planner's accounting (``fsdp2.gather_bytes``: a shared task's rows to the member whose
+    block they fall in, a wide one's columns), status elements left out."""
+    from canzona.planner.fsdp2 import gather_bytes
+
+    tasks = {t.id: t for t in plan.tasks}
+    shared = {x.id: x for x in plan.fsdp2.shared}
+
+    def dests(i: int) -> tuple:
+        x = shared.get(i)
+        if x is None:
+            return ((tasks[i].owner, 0, max(tasks[i].shape)),)
+        return tuple((o, x.blocks[j], x.blocks[j + 1]) for j, o in enumerate(x.owners))
+
+    return [sum(gather_bytes(tuple(tasks[i].shape), split_dim=None, dp=dp, tp=1, elem_bytes=1,
+                             dests=dests(i))[0][d] for i in r.tasks)
+            for r in plan.fsdp2.rounds]
+
+
 def build(model: nn.Module, plan, optimizer: str, **kw):
     import canzona
 
@@ -176,7 +224,15 @@ def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
         shard(model, mesh, raf=cfg["raf"], rab=cfg.get("rab", True))
     if cfg.get("scrambled"):
         plan = scrambled(plan)
+    if cfg.get("shares"):
+        plan = paired(plan, cfg["shares"])
+    if cfg.get("peer"):  # as under eager NCCL: the pair exchanges point to point on DP
+        import canzona.runtime.fsdp2 as R
+
+        eager, R._eager_communicators = R._eager_communicators, lambda: True
     opt = build(model, plan, optimizer, ns_dtype=cfg.get("ns_dtype", torch.float32))
+    if cfg.get("peer"):
+        R._eager_communicators = eager
     if cfg.get("fp32_wire"):  # fp32 rows whatever the kernel
         opt._storage.wire_for = lambda kernel: torch.float32
     sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
@@ -195,6 +251,8 @@ def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
            "state_bytes": opt.state_bytes(), "predicted": opt.predicted_state_bytes(),
            "local_rows": {n: p.to_local().shape[0] for n, p in named.items()},
            "wire": opt._storage.wire, "comm_bytes": opt.comm_bytes(),
+           "sent": [sum(n for o, n in enumerate(r.send) if o != d) for r in opt._storage.rounds],
+           "pair": type(opt._pair_group).__name__, "accounted": accounted(plan, dp, d),
            "state": {n: {k: (type(v).__name__, tuple(v.shape), tuple(v.to_local().shape)
                              if hasattr(v, "to_local") else None)
                          for k, v in opt.state[p].items()} for n, p in named.items()}}
@@ -235,6 +293,10 @@ def refusals(rank: int, world: int) -> dict[str, str]:
                        ("pp_group", object()), ("sync_init", True)):
         out[key] = _message(lambda: build(shard(Model(), mesh), plan, "muon", **{key: value}))
     out["unknown"] = _message(lambda: build(shard(Model(), mesh), plan, "muon", bogus=1))
+    shampoo = paired(planned(Model(), WORLD, "shampoo"), {"blocks.0.fc1.weight": (0, 1)})
+    out["shared by shampoo"] = _message(lambda: build(shard(Model(), mesh), shampoo, "shampoo"))
+    out["pair"] = _message(lambda: build(shard(Model(), mesh), paired(
+        plan, {"blocks.0.fc1.weight": (1, 2)}), "muon"))
     out["2-D mesh"] = _message(lambda: build(shard(Model(), mesh), plan, "muon",
                                              device_mesh=_MESHES.get(0) or _two_d()))
     # accepted: the mesh given, the default keyword values given
@@ -383,6 +445,13 @@ CASES = [
         {"optimizer": "muon", "raf": True, "scrambled": True, "ns_dtype": torch.bfloat16},
         {"optimizer": "muon", "raf": True, "scrambled": True, "ns_dtype": torch.bfloat16,
          "fp32_wire": True}))),
+    # matrices shared by pairs: Muon at dp 4 over both pairs (3 rounds, random owners), at dp 2
+    # by the whole group (a process group on one half, point to point on the other)
+    ("dp4-pairs", functools.partial(train, dp=4, configs=(
+        {"optimizer": "muon", "raf": True, "scrambled": True, "shares": SHARES4},))),
+    ("dp2-pairs", functools.partial(train, dp=2, configs=(
+        {"optimizer": "muon", "raf": True, "shares": SHARES2},
+        {"optimizer": "normuon", "raf": True, "shares": SHARES2, "peer": True}))),
     ("refusals", refusals),
     ("surface", surface),
 ]
@@ -491,6 +560,31 @@ def test_bf16_newton_schulz_rows_travel_in_bf16_with_the_same_result(world):
         assert err < 1e-3, err
 
 
+@pytest.mark.parametrize("case", ["dp4-pairs", "dp2-pairs"])
+def test_matrices_shared_by_pairs_train_as_one_process(world, case):
+    """Matrices a pair computes together (``plan.fsdp2.shared``: tall and wide, rows that
+    straddle the blocks' boundary, a rank without rows; Muon at dp 4 over both pairs and 3
+    rounds, at dp 2 Muon and NorMuon by the whole group, over a process group or point to
+    point): every parameter within 1e-5 (relative) of one process, the norms too; each rank's
+    gather sends what the planner's ``gather_bytes`` accounts (its rows to the member whose
+    block they fall in); NorMuon's members keep their block's state."""
+    dp = 4 if case.startswith("dp4") else 2
+    for r, got in enumerate(H.results(world, case)):
+        ref = reference(got["config"]["optimizer"], dp)
+        err = H.max_rel_err(got["params"], ref["params"])
+        assert H.is_close_rel(err), f"{case}, rank {r} ({got['config']}): {err:.2e}"
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert got["state_bytes"] == got["predicted"]
+        assert got["sent"] == got["accounted"], (r, got["sent"], got["accounted"])
+        assert got["pair"] == ("PeerPair" if got["config"].get("peer") else "ProcessGroup")
+        if got["config"]["optimizer"] == "normuon":  # fc1 tall (10 × 8), fc2 wide (8 × 10)
+            state = got["state"]
+            assert state["blocks.0.fc1.weight"]["momentum_buffer"][1] == (5, 8)
+            assert state["blocks.0.fc1.weight"]["second_momentum_buffer"][1] == (5, 1)
+            assert state["blocks.0.fc2.weight"]["momentum_buffer"][1] == (8, 5)
+            assert state["blocks.0.fc2.weight"]["second_momentum_buffer"][1] == (8, 1)
+
+
 def test_uneven_rows_and_a_rank_without_rows(world):
     """At dp 4 the 10-row matrices hold 3/3/3/1 rows, the 5-row ones 2/2/1/0."""
     ranks = H.results(world, "dp4-shampoo")
@@ -534,6 +628,11 @@ def test_bad_input_is_refused_in_one_line(world):
             assert got[key].startswith("ValueError") and f"{key}=" in got[key] \
                 and "FSDP2 plan" in got[key], got[key]
         assert got["unknown"].startswith("TypeError") and "bogus" in got["unknown"]
+        assert got["shared by shampoo"].startswith("PlanMismatchError") \
+            and "blocks.0.fc1.weight" in got["shared by shampoo"] \
+            and "not shared by its Gram" in got["shared by shampoo"]
+        assert got["pair"].startswith("PlanMismatchError") and "[1, 2]" in got["pair"] \
+            and "(2s, 2s + 1)" in got["pair"]
         assert "1-D DP mesh" in got["2-D mesh"]
         assert got["add_param_group"].startswith("RuntimeError")
         assert "set_requires_gradient_sync" in got["no_sync"]

@@ -1,9 +1,11 @@
 """Logical checkpoints of an FSDP2 plan's optimizer (``canzona.save_checkpoint`` /
 ``load_checkpoint``): a run saved at dp 2 resumes at dp 4 under another plan (other owners,
 other rows) and the reverse, Muon and Shampoo, equal to the uninterrupted run within 1e-5
-(float32 Newton–Schulz); a ZeRO-1 checkpoint loads into an FSDP2 optimizer and the reverse (the
-same logical keys); a checkpoint of another model or kernel is refused on every rank in one line
-and changes nothing; torch's ``get_state_dict`` changes neither the parameters nor the state.
+(float32 Newton–Schulz), and NorMuon's state of matrices shared by pairs (each member's block)
+saved at dp 4 resumes at dp 2; a ZeRO-1 checkpoint loads into an FSDP2 optimizer and the reverse
+(the same logical keys); a checkpoint of another model or kernel is refused on every rank in one
+line and changes nothing; torch's ``get_state_dict`` changes neither the parameters nor the
+state.
 
 ONE 4-rank spawn for the module: a 2-D mesh ("rep", "dp") of shape (2, 2) runs two dp-2 runs
 side by side (Muon on one half, Shampoo on the other, each saving or loading its own
@@ -40,13 +42,17 @@ def _steps(model, opt, sched, steps, d: int, dp: int) -> None:
     opt.wait_params()
 
 
-def _fsdp2(dp: int, optimizer: str, *, seed: int = 0, other: bool = False, wide: bool = False):
+def _fsdp2(dp: int, optimizer: str, *, seed: int = 0, other: bool = False, wide: bool = False,
+           shares: dict | None = None):
     """A ``fully_shard``-ed model (init ``seed``) at ``dp`` with its optimizer and scheduler:
-    the planner's plan, or (``other``) random owners over 3 rounds."""
+    the planner's plan, or (``other``) random owners over 3 rounds; ``shares``: matrices
+    shared by pairs (``test_fsdp2.paired``)."""
     model = F.Model(seed, wide=wide)
     plan = F.planned(model, dp, optimizer)
     if other:
         plan = F.scrambled(plan, seed=dp)
+    if shares:
+        plan = F.paired(plan, shares)
     F.shard(model, F.dp_mesh(dp))
     opt = F.build(model, plan, optimizer)
     return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
@@ -152,6 +158,35 @@ def load_halves(rank: int, world: int, *, ck: str, zero1: bool = False) -> dict:
     return {"optimizer": optimizer, "params": params}
 
 
+def save_pairs(rank: int, world: int, *, ck: str) -> None:
+    """dp 4: NorMuon with matrices shared by both pairs (``test_fsdp2.SHARES4``: each member
+    keeps its block's state), random owners over 3 rounds, SAVE_AT steps, saved by the
+    world."""
+    import canzona
+
+    model, opt, sched = _fsdp2(WORLD, "normuon", other=True, shares=F.SHARES4)
+    _steps(model, opt, sched, range(SAVE_AT), rank, WORLD)
+    canzona.save_checkpoint(os.path.join(ck, "normuon-pairs-dp4"), model, opt,
+                            extra={"sched": sched})
+    opt.close()
+
+
+def load_pairs(rank: int, world: int, *, ck: str) -> dict:
+    """dp 2: each half loads that checkpoint into a fresh model (another init), one under the
+    planner's plan (every matrix whole on its owner), the other with matrices shared by the
+    whole group (``test_fsdp2.SHARES2``: other blocks), and trains to the end."""
+    import canzona
+
+    half, d = divmod(rank, 2)
+    model, opt, sched = _fsdp2(2, "normuon", seed=7, shares=F.SHARES2 if half else None)
+    canzona.load_checkpoint(os.path.join(ck, "normuon-pairs-dp4"), model, opt,
+                            extra={"sched": sched}, process_group=F.dp_mesh(2).get_group())
+    _steps(model, opt, sched, range(SAVE_AT, F.STEPS), d, 2)
+    params = F.full(model)
+    opt.close()
+    return {"params": params, "shared": bool(half)}
+
+
 def refusals(rank: int, world: int, *, ck: str) -> dict:
     """Checkpoints this optimizer cannot take, refused on every rank before anything
     changes: another model's, another kernel's."""
@@ -181,6 +216,8 @@ def cases(ck: str) -> list:
         ("zero1 save dp2", functools.partial(save_halves, ck=z1, zero1=True)),
         ("zero1 dp2 -> fsdp2 dp4", functools.partial(load_world, ck=z1, source="zero1")),
         ("fsdp2 dp4 -> zero1 dp2", functools.partial(load_halves, ck=fs, zero1=True)),
+        ("save dp4 pairs", functools.partial(save_pairs, ck=fs)),
+        ("dp4 pairs -> dp2", functools.partial(load_pairs, ck=fs)),
         ("refusals", functools.partial(refusals, ck=fs)),
     ]
 
@@ -211,6 +248,16 @@ def test_saved_at_dp2_resumes_at_dp4_as_uninterrupted(world, case):
 def test_saved_at_dp4_resumes_at_dp2_as_uninterrupted(world, case):
     for r, got in enumerate(H.results(world, case)):
         _assert_uninterrupted(got["params"], got["optimizer"], f"{case}, rank {r}")
+
+
+def test_state_of_matrices_shared_by_pairs_resumes_as_uninterrupted(world):
+    """NorMuon saved at dp 4 with matrices shared by pairs (each member saves its block's
+    state: rows of a tall matrix, columns of a wide one) resumes at dp 2 with every matrix
+    whole, and with other pairs' blocks: within 1e-5 of 10 uninterrupted steps."""
+    got = H.results(world, "dp4 pairs -> dp2")
+    assert [g["shared"] for g in got] == [False, False, True, True]
+    for r, g in enumerate(got):
+        _assert_uninterrupted(g["params"], "normuon", f"dp4 pairs -> dp2, rank {r}")
 
 
 def test_muon_momentum_is_saved_from_each_ranks_rows(world):

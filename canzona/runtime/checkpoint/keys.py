@@ -32,7 +32,8 @@ views to fill, and what must run once DCP has filled them). Under an FSDP2 plan 
 every state kept in the parameters' layout (AdamW's; Muon's momentum, ``local_state``) are the
 DTensors themselves, ``Shard(0)`` rows that DCP reshards to any other layout, and an owner's
 whole-matrix state (Shampoo, SOAP, NorMuon) is written by its owner as ZeRO-1's owners write a
-whole matrix's: the keys are the same, so a checkpoint of either storage loads into the other.
+whole matrix's (a matrix an adjacent pair shares: each member its block's box of it): the keys
+are the same, so a checkpoint of either storage loads into the other.
 """
 
 from __future__ import annotations
@@ -208,7 +209,8 @@ def fsdp2_entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any
                   group_rank: int = 0) -> Entries:
     """This rank's entries under an FSDP2 plan (see the module docstring): the weights and the
     states in the parameters' layout as this rank's rows of DTensors (every rank writes and
-    reads its own), each owned matrix's whole state by its owner."""
+    reads its own), each owned matrix's whole state by its owner, each block's of a matrix a pair
+    shares by its member (:func:`_add_block_state`)."""
     E = Entries()
     storage = opt._storage
     storage.reshard()  # the model holds its sharded parameters, the DTensors below
@@ -230,8 +232,28 @@ def fsdp2_entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any
             for t in rnd.owned:
                 _add_task_state(E, t, opt.state[opt._params[t.param]], torch.arange(t.shape[0]),
                                 kernel, saving=saving, saved=saved)
+            for b in rnd.mine:
+                if b.task.shared:
+                    _add_block_state(E, b, opt.state[opt._params[b.task.param]], kernel)
     _add_groups(E, opt, saving=saving)
     return E
+
+
+def _add_block_state(E: Entries, b: Any, st: dict[str, Tensor], kernel: Any) -> None:
+    """A member's state of its block of a matrix a pair shares under an FSDP2 plan (NorMuon's),
+    under the whole matrix's keys: each tensor as the box it is of the whole matrix's state
+    (rows [r0, r1) of a tall matrix's, columns [c0, c1) of a wide one's; per-row statistics of
+    a tall block at its rows), and one of the whole state's shape as itself (a wide block's
+    row statistics, the same on both members)."""
+    base = f"optim.{_task_key(b.task)}"
+    whole = kernel.init_state(b.task.shape, torch.float32, torch.device("meta"))
+    for key, x in st.items():
+        shape = tuple(whole[key].shape)
+        if tuple(x.shape) == shape:
+            E.add_tensor(f"{base}.{key}", x)
+            continue
+        cols = b.c0 if len(shape) > 1 and shape[1] == b.task.shape[1] else 0
+        E.add_pieces(f"{base}.{key}", shape, [((b.r0, cols), x)])
 
 
 def _add_rows(E: Entries, key: str, x: Any, opt: Any) -> None:

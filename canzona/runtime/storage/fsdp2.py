@@ -1,5 +1,5 @@
 """FSDP2's storage (``torch.distributed.fsdp.fully_shard``): where each parameter's rows live,
-and how the rows of a matrix reach its owner and the rows of its update come back.
+and how the rows of a matrix reach the ranks computing it and the rows of its update come back.
 
 Under ``fully_shard`` every parameter is a DTensor placed ``Shard(0)`` over the 1-D DP mesh: DP
 rank r holds rows ``formulas.fsdp2_rows(rows, W)[r]`` (``torch.chunk``'s rule: the last ranks
@@ -23,15 +23,29 @@ group (uneven and zero split sizes; gloo and NCCL)::
     return   rank 0 sends to s: [A's update rows of s, status]; rank 2 likewise for B
              rank r applies its rows of A's and B's updates to its rows of A and B
 
+A matrix the plan shares (``plan.fsdp2.shared``) is computed by an adjacent pair (2s, 2s + 1),
+each member a :class:`Block` of its long dimension (``blocks``): of a tall matrix (rows ≥
+columns) rows [b0, b1), all columns, so each rank sends its rows ∩ [b0, b1) to that member; of
+a wide one columns [b0, b1), all rows, so each rank sends every member its rows restricted to
+the member's columns. The return sends each rank its rows of each member's block of the
+update, which it assembles into its rows (``canzona.planner.fsdp2.gather_bytes`` is the
+planner's count of these bytes)::
+
+    A (10 × 8, tall) shared by 0 and 1, blocks [0, 5, 10]; rows per rank 3/3/3/1 (W = 4)
+
+    gather   rank 1 (rows 3–5) sends rows 3–4 to 0 and row 5 to 1; rank 2 (6–8) all to 1
+    return   0 sends rank 1 its update rows 3–4, 1 sends it row 5
+
 What a rank sends of a matrix are its rows of the kernel's input: the gradient's rows, or, for
 a kernel with ``local_state`` (Muon), the Newton–Schulz input of its rows, made from the
 momentum it keeps for them (the owner then only orthogonalises). Within a send buffer the rows
-go to each destination in the round's task order, each task's followed by one status element
+go to each destination in the round's task order, each block's followed by one status element
 (:data:`APPLY`, or :data:`ROWS_FAILED`: the sender's kernel raised making them); a receive
 buffer holds each source's block in rank order. The return is the gather reversed, each
-task's status now its fate (:data:`APPLY`, :data:`LEAVE` — the kernel left the matrix alone:
-SOAP's first step —, :data:`FAILED`, the owner's kernel raised, or :data:`ROWS_FAILED`), so
-that every rank learns each matrix's fate, a rank that holds none of its rows too.
+block's status now its fate (:data:`APPLY`, :data:`LEAVE` — the kernel left the matrix alone:
+SOAP's first step —, :data:`FAILED`, the kernel raised where the block was computed, or
+:data:`ROWS_FAILED`), so that every rank learns each matrix's fate, a rank that holds none of
+its rows too.
 
 The rows travel in the plan's ``fsdp2.comm_dtype``, or in bfloat16 where the kernel has local
 state and iterates Newton–Schulz in bfloat16 (:meth:`FSDP2Rows.wire_for`): the owner casts the
@@ -54,8 +68,9 @@ from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import fsdp2_modules, local_grad, local_tensor
 from canzona.runtime.waits import wait_for
 
-__all__ = ["APPLY", "COMM_DTYPES", "FAILED", "FSDP2Rows", "LEAVE", "ROWS_FAILED", "Round",
-           "RowTask", "build_rounds", "check_mixed_precision", "sharded_parameters"]
+__all__ = ["APPLY", "COMM_DTYPES", "FAILED", "FSDP2Rows", "LEAVE", "ROWS_FAILED", "Block",
+           "Round", "RowTask", "build_rounds", "check_mixed_precision", "sharded_parameters",
+           "task_blocks"]
 
 #: The plan's ``fsdp2.comm_dtype`` → the dtype the rows travel in.
 COMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -133,7 +148,11 @@ def check_mixed_precision(model: nn.Module) -> None:
 @dataclass(frozen=True, slots=True)
 class RowTask:
     """A matrix task as the rounds move it: its parameter (index and name), owner, global
-    shape (m, n) and each DP rank's rows ``(first row, rows)``."""
+    shape (m, n), each DP rank's rows ``(first row, rows)`` and the ranks that compute it
+    (``owners``: the owner alone, or the adjacent pair sharing it, ``owners[0]`` the owner)
+    with the boundaries of their blocks along its long dimension (``blocks``: owners[j]
+    computes [blocks[j], blocks[j + 1]) of the rows of a tall matrix, rows ≥ columns, or of
+    the columns of a wide one)."""
 
     id: int
     param: int
@@ -141,6 +160,18 @@ class RowTask:
     owner: int
     shape: tuple[int, int]
     rows: tuple[tuple[int, int], ...]
+    owners: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        """Whether several ranks compute it, each a block."""
+        return len(self.owners) > 1
+
+    @property
+    def tall(self) -> bool:
+        """Its long dimension is its rows (rows ≥ columns)."""
+        return self.shape[0] >= self.shape[1]
 
     def numel(self, rank: int) -> int:
         """Elements of rank ``rank``'s rows."""
@@ -148,28 +179,72 @@ class RowTask:
 
 
 @dataclass(frozen=True, slots=True)
+class Block:
+    """What DP rank ``rank`` computes of ``task``: rows [r0, r1) × columns [c0, c1) of the
+    matrix — all of it, or member ``member``'s block of a shared task (rows of a tall
+    matrix, columns of a wide one)."""
+
+    task: RowTask
+    rank: int
+    member: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.r1 - self.r0, self.c1 - self.c0)
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s rows of the block, ``(first, end)`` (global row numbers, the end
+        excluded; none where they are equal)."""
+        first, n = self.task.rows[rank]
+        lo, hi = max(first, self.r0), min(first + n, self.r1)
+        return lo, max(lo, hi)
+
+    def numel(self, rank: int) -> int:
+        """Elements of rank ``rank``'s rows of the block."""
+        lo, hi = self.rows_of(rank)
+        return (hi - lo) * (self.c1 - self.c0)
+
+
+def task_blocks(t: RowTask) -> tuple[Block, ...]:
+    """The blocks of task ``t``, one per rank computing it."""
+    m, n = t.shape
+    if not t.shared:
+        return (Block(t, t.owner, 0, 0, m, 0, n),)
+    b = t.blocks
+    if t.tall:
+        return tuple(Block(t, o, j, b[j], b[j + 1], 0, n) for j, o in enumerate(t.owners))
+    return tuple(Block(t, o, j, 0, m, b[j], b[j + 1]) for j, o in enumerate(t.owners))
+
+
+@dataclass(frozen=True, slots=True)
 class Round:
     """One round as rank ``rank`` runs it (see the module docstring): ``tasks`` in plan order,
-    ``owned`` this rank's, ``by_owner`` per DP rank its tasks; ``send`` (elements to each rank:
-    this rank's rows of that rank's matrices) and ``recv`` (from each rank: its rows of this
-    rank's matrices). The gather moves them plus a status element per task
-    (:attr:`gather_send`, :attr:`gather_recv`), the return the same reversed
-    (:attr:`return_send`, :attr:`return_recv`)."""
+    ``blocks`` per DP rank the blocks it computes (task order), ``mine`` this rank's and
+    ``owned`` the tasks it computes whole; ``send`` (elements to each rank: this rank's rows
+    of that rank's blocks) and ``recv`` (from each rank: its rows of this rank's blocks). The
+    gather moves them plus a status element per block (:attr:`gather_send`,
+    :attr:`gather_recv`), the return the same reversed (:attr:`return_send`,
+    :attr:`return_recv`)."""
 
     index: int
     tasks: tuple[RowTask, ...]
+    blocks: tuple[tuple[Block, ...], ...]
+    mine: tuple[Block, ...]
     owned: tuple[RowTask, ...]
-    by_owner: tuple[tuple[RowTask, ...], ...]
     send: tuple[int, ...]
     recv: tuple[int, ...]
 
     @property
     def gather_send(self) -> tuple[int, ...]:
-        return tuple(n + len(ts) for n, ts in zip(self.send, self.by_owner))
+        return tuple(n + len(bs) for n, bs in zip(self.send, self.blocks))
 
     @property
     def gather_recv(self) -> tuple[int, ...]:
-        return tuple(n + len(self.owned) for n in self.recv)
+        return tuple(n + len(self.mine) for n in self.recv)
 
     @property
     def return_send(self) -> tuple[int, ...]:
@@ -182,7 +257,10 @@ class Round:
 
 def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple[Round, ...]:
     """The plan's rounds as rank ``rank`` of ``size`` runs them, checked: every matrix task
-    whole (no part), 2-D, with an owner in ``[0, size)``, in exactly one round."""
+    whole (no part), 2-D, with an owner in ``[0, size)``, in exactly one round; each shared
+    task (``plan.fsdp2.shared``) a matrix task of a kernel whose Newton–Schulz is shared by
+    its Gram, on an adjacent pair (2s, 2s + 1) whose first member is its owner, its blocks
+    from 0 to its long dimension, ascending."""
     index = {n: i for i, n in enumerate(names)}
     tasks: dict[int, RowTask] = {}
     for t in plan.tasks:
@@ -196,7 +274,11 @@ def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple
                                     f"{list(t.shape)}) has owner {t.owner}; a 2-D matrix with "
                                     f"an owner in 0 … {size - 1} is needed; regenerate it.")
         m, n = (int(x) for x in t.shape)
-        tasks[t.id] = RowTask(t.id, index[t.param], t.param, t.owner, (m, n), fsdp2_rows(m, size))
+        tasks[t.id] = RowTask(t.id, index[t.param], t.param, t.owner, (m, n),
+                              fsdp2_rows(m, size), (t.owner,), (0, max(m, n)))
+    for x in getattr(plan.fsdp2, "shared", ()):
+        t = _shared_task(plan, x, tasks, size)
+        tasks[t.id] = t
     seen: set[int] = set()
     rounds = []
     for r in plan.fsdp2.rounds:
@@ -207,16 +289,48 @@ def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple
                                     f"{why}; regenerate the plan.")
         seen.update(r.tasks)
         ts = tuple(tasks[i] for i in r.tasks)
-        by_owner = tuple(tuple(t for t in ts if t.owner == o) for o in range(size))
+        made = [b for t in ts for b in task_blocks(t)]
+        blocks = tuple(tuple(b for b in made if b.rank == o) for o in range(size))
         rounds.append(Round(
-            index=len(rounds), tasks=ts, owned=by_owner[rank], by_owner=by_owner,
-            send=tuple(sum(t.numel(rank) for t in by_owner[o]) for o in range(size)),
-            recv=tuple(sum(t.numel(s) for t in by_owner[rank]) for s in range(size))))
+            index=len(rounds), tasks=ts, blocks=blocks, mine=blocks[rank],
+            owned=tuple(b.task for b in blocks[rank] if not b.task.shared),
+            send=tuple(sum(b.numel(rank) for b in blocks[o]) for o in range(size)),
+            recv=tuple(sum(b.numel(s) for b in blocks[rank]) for s in range(size))))
     missing = sorted(set(tasks) - seen)
     if missing:
         raise PlanMismatchError(f"the FSDP2 plan's matrix task {missing[0]} "
                                 f"('{tasks[missing[0]].name}') is in no round; regenerate it.")
     return tuple(rounds)
+
+
+def _shared_task(plan: Any, x: Any, tasks: dict[int, RowTask], size: int) -> RowTask:
+    """Shared entry ``x`` of the plan as its task, checked (each problem one line)."""
+    where = f"the FSDP2 plan's shared task {x.id}"
+    t = tasks.get(x.id)
+    if t is None:
+        raise PlanMismatchError(f"{where} is no matrix task; regenerate the plan.")
+    spec = plan.inputs.optimizer.spec
+    if not spec.gram_shared:
+        raise PlanMismatchError(f"{where} ('{t.name}') is shared by DP ranks {list(x.owners)}, "
+                                f"but {plan.inputs.optimizer.name}'s update is not shared by its "
+                                "Gram (no shared Newton–Schulz); regenerate the plan.")
+    owners, blocks = tuple(x.owners), tuple(x.blocks)
+    a = owners[0] if owners else -1
+    if len(owners) != 2 or a % 2 or owners[1] != a + 1 or owners[1] >= size:
+        raise PlanMismatchError(f"{where} ('{t.name}') is shared by DP ranks {list(owners)}; "
+                                f"a pair is (2s, 2s + 1) of the {size}; regenerate the plan.")
+    if t.owner != a:
+        raise PlanMismatchError(f"{where} ('{t.name}') has owner {t.owner} but is shared by DP "
+                                f"ranks {list(owners)}; its owner is the first; regenerate it.")
+    long = max(t.shape)
+    if len(blocks) != 3 or blocks[0] != 0 or blocks[-1] != long \
+            or any(lo > hi for lo, hi in zip(blocks, blocks[1:])):
+        raise PlanMismatchError(f"{where} ('{t.name}', shape {list(t.shape)}) has blocks "
+                                f"{list(blocks)}; 3 ascending boundaries from 0 to {long} are "
+                                "needed; regenerate the plan.")
+    if t.shared:
+        raise PlanMismatchError(f"{where} ('{t.name}') is shared twice; regenerate the plan.")
+    return RowTask(t.id, t.param, t.name, t.owner, t.shape, t.rows, owners, blocks)
 
 
 # --- the storage ---------------------------------------------------------------------------------
@@ -335,39 +449,44 @@ class FSDP2Rows:
 
     def start_gather(self, k: int, rows: Mapping[int, Tensor | None],
                      failed: Collection[int] = ()) -> _InFlight:
-        """Launch round ``k``'s gather: to each matrix's owner, this rank's ``rows[param]`` of
-        the kernel's input (zeros where None) and a status (:data:`ROWS_FAILED` for the
-        parameters in ``failed``, else :data:`APPLY`), in the wire dtype."""
+        """Launch round ``k``'s gather: to each rank computing a block of a matrix, this rank's
+        rows of the block — of ``rows[param]``, its rows of the kernel's input (zeros where
+        None) — and a status (:data:`ROWS_FAILED` for the parameters in ``failed``, else
+        :data:`APPLY`), in the wire dtype."""
         rnd = self.rounds[k]
         send = torch.empty(sum(rnd.gather_send), dtype=self.wire, device=self._device())
         at = 0
-        for owned in rnd.by_owner:
-            for t in owned:
-                n = t.numel(self.rank)
-                x = rows.get(t.param)
+        for blocks in rnd.blocks:
+            for b in blocks:
+                n = b.numel(self.rank)
+                x = rows.get(b.task.param)
                 if n and x is None:
                     send[at:at + n].zero_()
                 elif n:
-                    send[at:at + n].copy_(x.reshape(-1))
-                send[at + n] = ROWS_FAILED if t.param in failed else APPLY
+                    lo, hi = b.rows_of(self.rank)
+                    first = b.task.rows[self.rank][0]
+                    send[at:at + n].view(hi - lo, b.c1 - b.c0).copy_(
+                        x[lo - first:hi - first, b.c0:b.c1])
+                send[at + n] = ROWS_FAILED if b.task.param in failed else APPLY
                 at += n + 1
         return self._all_to_all(send, rnd.gather_recv, rnd.gather_send,
                                 f"the FSDP2 gather (all-to-all) of round {k}")
 
     def whole(self, k: int, recv: Tensor, dtype: torch.dtype = torch.float32
               ) -> tuple[list[Tensor], list[bool]]:
-        """This rank's matrices of round ``k`` whole (in ``dtype``) from the gather's output,
-        and per matrix whether a sender's rows failed (:data:`ROWS_FAILED`)."""
+        """This rank's blocks of round ``k`` (``Round.mine``: whole matrices, or its block of a
+        shared one, as rows × columns of the matrix) in ``dtype`` from the gather's output, and
+        per block whether a sender's rows failed (:data:`ROWS_FAILED`)."""
         rnd = self.rounds[k]
-        fulls = [torch.empty(t.shape, dtype=dtype, device=recv.device) for t in rnd.owned]
+        fulls = [torch.empty(b.shape, dtype=dtype, device=recv.device) for b in rnd.mine]
         statuses = []
         at = 0
         for s in range(self.size):
-            for t, full in zip(rnd.owned, fulls):
-                first, rows = t.rows[s]
-                n = rows * t.shape[1]
+            for b, full in zip(rnd.mine, fulls):
+                lo, hi = b.rows_of(s)
+                n = (hi - lo) * (b.c1 - b.c0)
                 if n:
-                    full[first:first + rows].copy_(recv[at:at + n].view(rows, t.shape[1]))
+                    full[lo - b.r0:hi - b.r0].copy_(recv[at:at + n].view(hi - lo, b.c1 - b.c0))
                 statuses.append(at + n)
                 at += n + 1
         bad = [False] * len(fulls)
@@ -380,18 +499,20 @@ class FSDP2Rows:
 
     def start_return(self, k: int, updates: Sequence[Tensor | None],
                      status: Sequence[int]) -> _InFlight:
-        """Launch round ``k``'s return: to each rank, its rows of every update computed here
-        (per owned task in order), each followed by the task's status, in the wire dtype."""
+        """Launch round ``k``'s return: to each rank, its rows of every update block computed
+        here (per block of ``Round.mine``, shaped as the block), each followed by the block's
+        status, in the wire dtype."""
         rnd = self.rounds[k]
         send = torch.empty(sum(rnd.return_send), dtype=self.wire, device=self._device())
         at = 0
         for s in range(self.size):
-            for t, u, st in zip(rnd.owned, updates, status):
-                first, rows = t.rows[s]
-                n = rows * t.shape[1]
+            for b, u, st in zip(rnd.mine, updates, status):
+                lo, hi = b.rows_of(s)
+                n = (hi - lo) * (b.c1 - b.c0)
                 if n:
                     if st == APPLY and u is not None:
-                        send[at:at + n].view(rows, t.shape[1]).copy_(u[first:first + rows])
+                        send[at:at + n].view(hi - lo, b.c1 - b.c0).copy_(
+                            u[lo - b.r0:hi - b.r0])
                     else:
                         send[at:at + n].zero_()
                 send[at + n] = st
@@ -399,23 +520,41 @@ class FSDP2Rows:
         return self._all_to_all(send, rnd.return_recv, rnd.return_send,
                                 f"the FSDP2 return (all-to-all) of round {k}")
 
-    def returned(self, k: int, recv: Tensor) -> list[tuple[RowTask, Tensor, int]]:
-        """Every task of round ``k`` (by owner, in order): this rank's rows of its update (in
-        the wire dtype, shaped like the rows) and its status, from the return's output."""
+    def returned(self, k: int, recv: Tensor) -> list[tuple[RowTask, Tensor, int, int]]:
+        """Every task of round ``k``: this rank's rows of its update (in the wire dtype, shaped
+        like the rows; a shared task's assembled from its members' blocks), its status and the
+        rank whose block gave it (a failure's: :data:`FAILED` or :data:`ROWS_FAILED` where a
+        block has it, else :data:`LEAVE` where one has it, else :data:`APPLY`)."""
         rnd = self.rounds[k]
-        out = []
-        at = 0
+        got: list[tuple[Block, Tensor]] = []
         statuses = []
-        for owned in rnd.by_owner:
-            for t in owned:
-                rows = t.rows[self.rank][1]
-                n = rows * t.shape[1]
-                out.append((t, recv[at:at + n].view(rows, t.shape[1])))
+        at = 0
+        for blocks in rnd.blocks:
+            for b in blocks:
+                lo, hi = b.rows_of(self.rank)
+                n = (hi - lo) * (b.c1 - b.c0)
+                got.append((b, recv[at:at + n].view(hi - lo, b.c1 - b.c0)))
                 statuses.append(at + n)
                 at += n + 1
         codes = recv[torch.tensor(statuses, dtype=torch.long, device=recv.device)].tolist() \
             if statuses else []
-        return [(t, rows, int(c)) for (t, rows), c in zip(out, codes)]
+        parts: dict[int, list[tuple[Block, Tensor, int]]] = {}
+        for (b, piece), code in zip(got, codes):
+            parts.setdefault(b.task.id, []).append((b, piece, int(code)))
+        out = []
+        for t in rnd.tasks:
+            mine = parts[t.id]
+            code, who = _fate([(c, b.rank) for b, _, c in mine])
+            if len(mine) == 1:
+                rows = mine[0][1]
+            else:  # a shared task: its members' blocks of this rank's rows
+                first, count = t.rows[self.rank]
+                rows = torch.empty((count, t.shape[1]), dtype=recv.dtype, device=recv.device)
+                for b, piece, _ in mine:
+                    lo, hi = b.rows_of(self.rank)
+                    rows[lo - first:hi - first, b.c0:b.c1].copy_(piece)
+            out.append((t, rows, code, who))
+        return out
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -440,3 +579,13 @@ class FSDP2Rows:
         mine = lambda splits: sum(n for s, n in enumerate(splits) if s != self.rank)  # noqa: E731
         return {"gather": size * sum(mine(r.gather_send) for r in self.rounds),
                 "return": size * sum(mine(r.return_send) for r in self.rounds)}
+
+
+def _fate(codes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """A task's status from its blocks' ``(status, rank)``: a failure where one failed, else
+    :data:`LEAVE` where one was left alone, else :data:`APPLY`; with the rank that gave it."""
+    for want in ((FAILED, ROWS_FAILED), (LEAVE,)):
+        for code, rank in codes:
+            if code in want:
+                return code, rank
+    return APPLY, codes[0][1]
