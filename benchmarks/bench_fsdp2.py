@@ -6,7 +6,8 @@ baseline, measured on CPU/gloo, and modelled at scale.
 
 **Measured.** One ``fully_shard``-ed model (a stack of transformer-like blocks whose row counts
 do not divide by 4, an embedding and norms on AdamW) trains at dp 2 and dp 4 under three
-optimizers, side by side in one run, each from the same weights on the same batches:
+optimizers, side by side in one run, each from the same weights on the same batches, their
+iterations interleaved:
 
 * ``dist-muon`` — torchtitan DistMuon's method, written here in float32: owners by longest-first
   on the Newton–Schulz FLOPs, one matrix per rank per all-to-all round, every shard zero-padded
@@ -238,34 +239,46 @@ class Sync(_Peer):
 # -- one rank's run -------------------------------------------------------------------------------
 
 
-def _run(strategy: str, mesh, plan) -> tuple[list[float], "object"]:  # noqa: ANN001
+STRATEGIES = ("dist-muon", "canzona", "sync")
+
+
+def _run(mesh, plan) -> dict[str, tuple[list[float], dict]]:  # noqa: ANN001
+    """Every strategy from the same weights on the same batches, their iterations
+    interleaved (step k of each, in turn), so a change of the machine's load falls on all of
+    them alike. Per strategy: its iteration times and its parameters at the end."""
     import torch
     import torch.distributed as dist
 
     import canzona
 
-    model = shard(build_model(), mesh)
     group = mesh.get_group()
-    if strategy == "canzona":
-        opt = canzona.CanzonaOptimizer(model, plan, lr=LR, momentum=MOMENTUM, weight_decay=WD,
-                                       ns_dtype=torch.float32, adamw_lr=ADAMW_LR)
-    else:
-        opt = (DistMuon if strategy == "dist-muon" else Sync)(model, plan, group)
-    times = []
+    runs = {}
+    for strategy in STRATEGIES:
+        model = shard(build_model(), mesh)
+        if strategy == "canzona":
+            opt = canzona.CanzonaOptimizer(model, plan, lr=LR, momentum=MOMENTUM,
+                                           weight_decay=WD, ns_dtype=torch.float32,
+                                           adamw_lr=ADAMW_LR)
+        else:
+            opt = (DistMuon if strategy == "dist-muon" else Sync)(model, plan, group)
+        runs[strategy] = (model, opt, [])
     data = batches(dist.get_rank(group), STEPS)
     for k in range(STEPS):
-        dist.barrier(group)
-        t = time.perf_counter()
-        model(data[k]).backward()
-        with torch.no_grad():
-            opt.step()
-        opt.zero_grad()
-        dist.barrier(group)
-        times.append(time.perf_counter() - t)
-    params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    if strategy == "canzona":
-        opt.close()
-    return times, params
+        for model, opt, times in runs.values():
+            dist.barrier(group)
+            t = time.perf_counter()
+            model(data[k]).backward()
+            with torch.no_grad():
+                opt.step()
+            opt.zero_grad()
+            dist.barrier(group)
+            times.append(time.perf_counter() - t)
+    out = {}
+    for strategy, (model, opt, times) in runs.items():
+        out[strategy] = (times, {n: p.full_tensor().clone() for n, p in model.named_parameters()})
+        if strategy == "canzona":
+            opt.close()
+    return out
 
 
 def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
@@ -281,9 +294,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         plan = canzona.plan_model(shard(build_model(), mesh), dp=world, hardware="cpu")
-        out = {}
-        for strategy in ("dist-muon", "canzona", "sync"):
-            out[strategy] = _run(strategy, mesh, plan)
+        out = _run(mesh, plan)
         start = {n: p.full_tensor() for n, p in shard(build_model(), mesh).named_parameters()}
         if rank == 0:
             ref = out["dist-muon"][1]
@@ -328,7 +339,7 @@ def measured_lines() -> list[str]:
     for world in (2, 4):
         rows = measure(world)
         base = rows["dist-muon"][0]
-        for name in ("dist-muon", "canzona", "sync"):
+        for name in STRATEGIES:
             t, diff, moved = rows[name]
             lines.append(f"| {world} | {name} | {t * 1e3:.1f} ms | {t / base:.2f} | "
                          f"{diff:.1e} | {moved:.1e} |")
