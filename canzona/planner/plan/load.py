@@ -98,14 +98,7 @@ def _plan(data: object, source: str) -> Plan:
 def _pipeline(data: dict, source: str) -> PipelinePlan:
     """A pipeline's file: its version, then each stage's plan (as a plan file's, every check),
     then the stages against each other."""
-    found = data.get("schema_version")
-    if not isinstance(found, int) or isinstance(found, bool):
-        raise unreadable(source, repr(found), "schema_version must be an integer")
-    if found > SCHEMA_VERSION:
-        raise unreadable(source, found, "a plan newer than this canzona reads", UPGRADE)
-    if found != PIPELINE_VERSION:
-        raise unreadable(source, found, f"a pipeline's plan file is schema version "
-                                        f"{PIPELINE_VERSION}")
+    found = _version(data, source, PIPELINE_VERSION, "a pipeline's plan file")
     stages = data["stages"]
     if not isinstance(stages, list) or not stages:
         raise unreadable(source, found, "malformed plan: field 'stages' must be a non-empty "
@@ -120,17 +113,22 @@ def _pipeline(data: dict, source: str) -> PipelinePlan:
                          ) from None
 
 
-def _fsdp2(data: dict, source: str) -> FSDP2Plan:
-    """An FSDP2 plan's file (``storage: fsdp2``): its version, the schema, then its checks
-    (:func:`~canzona.planner.plan.fsdp2_plan.check_fsdp2_plan`)."""
+def _version(data: dict, source: str, version: int, what: str) -> int:
+    """The schema version of a file of a kind only ``version`` writes (``what``), checked."""
     found = data.get("schema_version")
     if not isinstance(found, int) or isinstance(found, bool):
         raise unreadable(source, repr(found), "schema_version must be an integer")
     if found > SCHEMA_VERSION:
         raise unreadable(source, found, "a plan newer than this canzona reads", UPGRADE)
-    if found != FSDP2_VERSION:
-        raise unreadable(source, found, f"an FSDP2 plan file is schema version "
-                                        f"{FSDP2_VERSION}")
+    if found != version:
+        raise unreadable(source, found, f"{what} is schema version {version}")
+    return found
+
+
+def _fsdp2(data: dict, source: str) -> FSDP2Plan:
+    """An FSDP2 plan's file (``storage: fsdp2``): its version, the schema, then its checks
+    (:func:`~canzona.planner.plan.fsdp2_plan.check_fsdp2_plan`)."""
+    found = _version(data, source, FSDP2_VERSION, "an FSDP2 plan file")
     try:
         plan = FSDP2Plan.model_validate(data)
     except ValidationError as exc:
