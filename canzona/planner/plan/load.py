@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -129,14 +130,7 @@ def _fsdp2(data: dict, source: str) -> FSDP2Plan:
     """An FSDP2 plan's file (``storage: fsdp2``): its version, the schema, then its checks
     (:func:`~canzona.planner.plan.fsdp2_plan.check_fsdp2_plan`)."""
     found = _version(data, source, FSDP2_VERSION, "an FSDP2 plan file")
-    try:
-        plan = FSDP2Plan.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise unreadable(source, found, f"malformed plan: field '{loc}': {err['msg']}{more}"
-                         ) from None
+    plan = _validate(data, found, source, FSDP2Plan)
     check_fsdp2_plan(plan, source)
     return plan
 
@@ -167,11 +161,11 @@ def _read(data: object, source: str) -> tuple[dict, int]:
     return upgrade(data, source), found
 
 
-def _validate(data: dict, found: int, source: str) -> Plan:
-    """The schema's validation of ``data`` (of a file of schema version ``found``): its first
-    problem, in one line."""
+def _validate(data: dict, found: int, source: str, kind: type = Plan) -> Any:
+    """The schema's validation of ``data`` as a ``kind`` (of a file of schema version
+    ``found``): its first problem, in one line."""
     try:
-        return Plan.model_validate(data)
+        return kind.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "<root>"
