@@ -309,8 +309,9 @@ def pipeline_summary(plan: PipelinePlan, path: Path, wall_s: float,
 def fsdp2_summary(plan: FSDP2Plan, path: Path, wall_s: float, d: dict) -> None:
     """What ``canzona plan --storage fsdp2`` prints after writing ``path``."""
     inp = plan.inputs
-    console.print(f"[bold]{escape(inp.model)}[/]  dp={inp.dp} ({gpus(inp.dp)}), FSDP2 storage, "
-                  f"{escape(inp.optimizer.name)}", highlight=False)
+    tp = f" tp={inp.tp}" if inp.tp > 1 else ""
+    console.print(f"[bold]{escape(inp.model)}[/]  dp={inp.dp}{tp} ({gpus(inp.dp * inp.tp)}), "
+                  f"FSDP2 storage, {escape(inp.optimizer.name)}", highlight=False)
     fsdp2_view(d)
     console.print(f"wall time: {wall_s:.2f} s", highlight=False)
     console.print(f"wrote [bold]{escape(str(path))}[/]", highlight=False)
@@ -320,7 +321,7 @@ def fsdp2_view(d: dict) -> None:
     """An FSDP2 plan (:func:`canzona.planner.report.fsdp2_dict`): owners, rounds, and the
     strategies side by side."""
     console.print(
-        f"{d['matrices']} matrices on planned owners (busiest rank "
+        f"{d['matrices']} matrices on planned owners (busiest GPU "
         f"{d['dp_load_max_over_mean']:.4f}× the mean load, optimizer state "
         f"{human_bytes(d['dp_state_bytes_max'])} max / {human_bytes(d['dp_state_bytes_mean'])} "
         f"mean per GPU), {d['adamw']} AdamW tensors on every rank's own rows", highlight=False)

@@ -518,7 +518,8 @@ def fsdp2_dict(plan: FSDP2Plan, *, config: Path | None = None) -> dict:
         hw = load_hardware(sec.hardware) if sec.hardware.lower() in hardware_names() else None
         if hw is not None:
             problem = make_fsdp2_problem(spec, inp.dp, inp.optimizer, hardware=hw,
-                                         comm_dtype=sec.comm_dtype, cmax_bytes=sec.cmax_bytes)
+                                         comm_dtype=sec.comm_dtype, cmax_bytes=sec.cmax_bytes,
+                                         tp=inp.tp)
             for name in ("dist-muon", "sync"):
                 sol = solve_fsdp2(problem, name)
                 rows.append({"strategy": name, "description": FSDP2_STRATEGIES[name],
@@ -528,12 +529,12 @@ def fsdp2_dict(plan: FSDP2Plan, *, config: Path | None = None) -> dict:
         r["over_plan"] = round(r["step_s"] / sec.modelled_step_s, 6) \
             if sec.modelled_step_s else None
     matrices = sum(1 for t in plan.tasks if t.optimizer == "matrix")
-    return {"model": inp.model, "dp": inp.dp, "optimizer": inp.optimizer.name,
+    return {"model": inp.model, "dp": inp.dp, "tp": inp.tp, "optimizer": inp.optimizer.name,
             "storage": "fsdp2", "hardware": sec.hardware, "link": sec.link,
             "comm_dtype": sec.comm_dtype, "cmax_bytes": sec.cmax_bytes, "matrices": matrices,
             "adamw": len(plan.tasks) - matrices, "dp_load_max_over_mean": m.max_over_mean,
             "dp_state_bytes_max": max(m.dp_state_bytes),
-            "dp_state_bytes_mean": sum(m.dp_state_bytes) / inp.dp,
+            "dp_state_bytes_mean": sum(m.dp_state_bytes) / len(m.dp_state_bytes),
             "received_bytes_max": max(m.dp_reduce_scatter_bytes),
             "shared": [{"task": task_name(plan.tasks[x.id].param, plan.tasks[x.id].part),
                         "owners": list(x.owners), "piece_s": x.piece_s} for x in sec.shared],

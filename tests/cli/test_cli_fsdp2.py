@@ -68,3 +68,15 @@ def test_bad_plans_are_refused_in_one_line(tmp_path, args, needles):
 def test_options_that_do_not_apply_are_refused(sharded, args, needles):
     path, _ = sharded
     one_error_line(run(*(str(path) if a == "{p}" else a for a in args)), *needles)
+
+
+def test_fsdp2_with_tp_sets_every_strategy_on_the_whole_mesh():
+    """dp 2 × tp 2 is four owners for every strategy, as dp 4 is."""
+    mesh = run("compare", "--model", "qwen3-0.6b", "--dp", 2, "--tp", 2, "--storage", "fsdp2",
+               "--json")
+    flat = run("compare", "--model", "qwen3-0.6b", "--dp", 4, "--storage", "fsdp2", "--json")
+    assert mesh.exit_code == flat.exit_code == 0, mesh.output + flat.output
+    a, b = json.loads(mesh.output)["fsdp2"], json.loads(flat.output)["fsdp2"]
+    assert (a["dp"], a["tp"]) == (2, 2)
+    rounds = {d["strategy"]: d["rounds"] for d in a["strategies"]}
+    assert rounds == {d["strategy"]: d["rounds"] for d in b["strategies"]}
