@@ -42,8 +42,19 @@ Under bfloat16 Newton–Schulz the rows then travel in bfloat16 whatever the pla
 gradient's rows (fp32 on the owner) and keeps each matrix's state on its owner, full-matrix
 shaped (``kernel.direction``; a shared matrix's on its members, block-shaped).
 
+**With TP** (``plan.inputs.tp`` > 1; torchtitan's order: ``parallelize_module`` over
+``mesh["tp"]``, then ``fully_shard`` over ``mesh["dp"]`` of a mesh named ("dp", "tp")) rank
+d·tp + t of the mesh holds one rectangle of each parameter (``formulas.fsdp2_block`` of its
+``plan.fsdp2.split_dims`` entry: TP's chunk t, then FSDP's chunk d of its rows); the owners are
+ranks of the whole mesh, the all-to-alls, the agreement and the clipping run over all its ranks
+(the world, or the flattened mesh's group). A rank sends each computing rank the intersection
+of its rectangle with that rank's block; of a parameter TP replicates only the copy on the
+computing rank's TP rank is sent, and every copy receives its update rows (all copies stay
+alike: Muon's momentum is stepped on each). The 1-D path is the case tp = 1.
+
 ``clip_grad_norm_`` sums the squares of each rank's gradient rows (every element lies in
-exactly one rank's rows) with one all-reduce over DP. The launch order of the last step is kept
+exactly one rank's rows; with TP a replicated parameter's counts on TP rank 0) with one
+all-reduce over the mesh. The launch order of the last step is kept
 in ``_fsdp2_trace`` (``("gather", k)``, ``("compute", k)``, ``("return", k)``, ``("apply", k)``).
 """
 
@@ -72,7 +83,7 @@ from canzona.runtime.optim.transports import PeerPair, sum_each
 from canzona.runtime.optimizer import CanzonaOptimizer
 from canzona.runtime.storage.fsdp2 import (APPLY, FAILED, LEAVE, ROWS_FAILED, Block,
                                            FSDP2Rows, build_rounds, check_mixed_precision,
-                                           sharded_parameters)
+                                           sharded_parameters, split_dims)
 from canzona.runtime.storage.gradients import clip_owned
 
 __all__ = ["NOT_UNDER_FSDP2", "FSDP2Optimizer"]
@@ -80,9 +91,9 @@ __all__ = ["NOT_UNDER_FSDP2", "FSDP2Optimizer"]
 #: ``CanzonaOptimizer``'s keyword arguments that do not apply to an FSDP2 plan: the one value
 #: accepted (the default) and why.
 NOT_UNDER_FSDP2: dict[str, tuple[Any, str]] = {
-    "tp_group": (None, "FSDP2 plans have tp = 1"),
+    "tp_group": (None, "with TP the mesh's \"tp\" dimension is read"),
     "expert_dp_group": (None, "FSDP2 plans have ep = 1"),
-    "tp_sum_grads": ((), "FSDP2 plans have tp = 1"),
+    "tp_sum_grads": ((), "FSDP2 reduces the gradients"),
     "overlap_tp": (True, "FSDP2 plans have no TP micro-groups"),
     "grad_sync": ("reduce_scatter", "FSDP2 reduces the gradients itself"),
     "collective": (None, "the rounds move rows with all_to_all_single"),
@@ -113,11 +124,13 @@ class FSDP2Optimizer(CanzonaOptimizer):
     ``CanzonaOptimizer(model, plan, ...)``.
 
     ``model`` is the ``fully_shard``-ed ``nn.Module`` (every parameter a DTensor placed
-    ``Shard(0)`` over one 1-D DP mesh; ``reshard_after_forward`` either way; the
-    ``MixedPrecisionPolicy`` with fp32 ``param_dtype`` and ``reduce_dtype``, or None). The
-    keyword arguments are :class:`CanzonaOptimizer`'s but for those of
-    :data:`NOT_UNDER_FSDP2` (refused unless left at their default); ``device_mesh`` is the 1-D
-    DP mesh (default: the parameters'), ``dp_group`` its process group (default: the mesh's).
+    ``Shard(0)`` over one 1-D DP mesh, or with TP over the ("dp", "tp") mesh as the module
+    docstring says; ``reshard_after_forward`` either way; the ``MixedPrecisionPolicy`` with
+    fp32 ``param_dtype`` and ``reduce_dtype``, or None). The keyword arguments are
+    :class:`CanzonaOptimizer`'s but for those of :data:`NOT_UNDER_FSDP2` (refused unless left
+    at their default); ``device_mesh`` is the 1-D DP mesh or the 2-D ("dp", "tp") mesh
+    (default: the parameters'), ``dp_group`` the process group of all its ranks in the mesh's
+    order (default: the mesh's).
 
     The parameter groups hold the sharded parameters (``"matrix"`` and ``"adamw"``, read at
     every step); ``state`` has an entry per parameter, made at construction: an AdamW
@@ -163,16 +176,17 @@ class FSDP2Optimizer(CanzonaOptimizer):
         check_mixed_precision(model)
         mesh = self._join_mesh(plan, pairs, device_mesh, dp_group)
         self._names = [n for n, _ in pairs]
+        self._splits = self._split(plan)
         #: The sharded DTensor parameters (what the param groups and the state hold); their
         #: local tensors are the rows this rank updates.
         self._live = [p for _, p in pairs]
         self._params = list(self._live)
-        rounds = build_rounds(plan, self._names, self._rank, self._dp)
+        rounds = build_rounds(plan, self._names, self._rank, self._ranks, self._tp)
 
         # -- every rank agrees before it acts: the plan (hash + fingerprint) and the rows -----
         problem = (checks.fsdp2_fingerprint_problem(plan, inventory(model))
                    or self._rows_problem(mesh, dp_group))
-        checks.agree(plan, problem, dp=self._dp, group=self._group, device=self._device())
+        checks.agree(plan, problem, dp=self._ranks, group=self._group, device=self._device())
 
         # -- kernels, param groups, storage, state ----------------------------------------------
         self._build_kernels(
@@ -194,7 +208,7 @@ class FSDP2Optimizer(CanzonaOptimizer):
         if flight_record is not None:
             self._flight = FlightRecorder(flight_record, dist.get_rank(),
                                           labels={"dp_rank": self._rank})
-        self._storage = FSDP2Rows(self._params, rounds, modules, rank=self._rank, size=self._dp,
+        self._storage = FSDP2Rows(self._params, rounds, modules, rank=self._rank, size=self._ranks,
                                   group=self._group, comm_dtype=plan.fsdp2.comm_dtype,
                                   timeout_s=self._timeout, flight=self._flight)
         self._storage.wire = self._storage.wire_for(self._matrix)
@@ -208,52 +222,91 @@ class FSDP2Optimizer(CanzonaOptimizer):
 
     def _join_mesh(self, plan: FSDP2Plan, pairs: list[tuple[str, Tensor]], device_mesh: Any,
                    dp_group: Any) -> Any:
-        """The DP mesh (given, or the parameters'), its process group and this rank's place,
-        checked against the plan's dp. Returns the mesh."""
-        mesh = pairs[0][1].device_mesh if pairs else None  # type: ignore[attr-defined]
+        """The mesh (given, or the parameters': with TP the 2-D ("dp", "tp") one), the process
+        group of all its ranks and this rank's place in it (d·tp + t), checked against the
+        plan's dp and tp. Returns the mesh."""
+        meshes = {p.device_mesh.ndim: p.device_mesh for _, p in pairs}  # type: ignore[attr-defined]
+        mesh = meshes.get(2, meshes.get(1))
         if device_mesh is not None:
             if dp_group is not None:
                 raise ValueError("pass either device_mesh= or dp_group=, not both")
-            if getattr(device_mesh, "ndim", None) != 1:
+            ndim = getattr(device_mesh, "ndim", None)
+            names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+            if ndim != 1 and (ndim != 2 or names != ("dp", "tp")):
                 raise ValueError(f"device_mesh must be the 1-D DP mesh the model is "
-                                 f"fully_shard-ed over, got a {getattr(device_mesh, 'ndim', '?')}"
-                                 f"-D mesh")
-            if mesh is not None and device_mesh != mesh:
+                                 f"fully_shard-ed over, or with TP the 2-D mesh with dims named "
+                                 f"('dp', 'tp'), got a {ndim or '?'}-D mesh with dims "
+                                 f"{names or '(unnamed)'}")
+            if mesh is not None and device_mesh != mesh and not (
+                    ndim == 2 and mesh.ndim == 1 and device_mesh["dp"] == mesh):
                 raise PlanMismatchError("device_mesh is not the mesh the model is fully_shard-ed "
                                         "over; leave it out (the parameters' mesh is used).")
             mesh = device_mesh
         if mesh is None:
             raise PlanMismatchError("the model has no parameters to optimise.")
-        size = mesh.size()
+        tp = plan.inputs.tp
+        if mesh.ndim == 1 and tp > 1:
+            root = mesh._get_root_mesh()  # TP left every parameter whole: mesh["dp"]'s root
+            if root.ndim == 2 and tuple(root.mesh_dim_names or ()) == ("dp", "tp") \
+                    and root["dp"] == mesh:
+                mesh = root
+        if mesh.ndim == 2:
+            dp, mesh_tp = mesh["dp"].size(), mesh["tp"].size()
+            if tp != mesh_tp:
+                raise PlanMismatchError(f"the plan is for tp={tp} but the model's mesh has "
+                                        f"{mesh_tp} TP ranks (its \"tp\" dimension); plan it "
+                                        f"with tp={mesh_tp}.")
+        elif tp > 1:
+            raise PlanMismatchError(f"the plan is for tp={tp} but the model is fully_shard-ed "
+                                    "over a 1-D mesh without TP; plan it with tp=1, or pass the "
+                                    "(\"dp\", \"tp\") mesh as device_mesh=.")
+        else:
+            dp = mesh.size()
+        size = dp * tp
         if dp_group is not None and dist.get_world_size(dp_group) != size:
             raise PlanMismatchError(f"dp_group has {dist.get_world_size(dp_group)} ranks but the "
                                     f"model is fully_shard-ed over a mesh of {size}.")
-        if size != plan.inputs.dp:
+        if dp != plan.inputs.dp:
             raise PlanMismatchError(f"the plan is for dp={plan.inputs.dp} but the model is "
-                                    f"fully_shard-ed over a mesh of {size} ranks.")
+                                    f"fully_shard-ed over a mesh of {dp} ranks.")
         # The mesh's group stays alive with the DTensors anyway; close() drops this reference.
-        self._group = dp_group if dp_group is not None else mesh.get_group()
-        self._dp = size
-        self._rank = mesh.get_local_rank()
-        self._tp, self._tp_group, self._tp_rank = 1, None, 0
+        self._group = dp_group if dp_group is not None else _mesh_group(mesh)
+        self._dp, self._ranks = dp, size
+        self._tp, self._tp_group = tp, None
+        if mesh.ndim == 2:
+            self._tp_rank = mesh.get_local_rank("tp")
+            self._rank = mesh.get_local_rank("dp") * tp + self._tp_rank
+        else:
+            self._rank, self._tp_rank = mesh.get_local_rank(), 0
         return mesh
 
+    def _split(self, plan: FSDP2Plan) -> dict[str, int | None]:
+        """Per parameter, the dimension TP shards (None: replicated over TP, or tp = 1)."""
+        dims = split_dims(plan, self._tp)
+        return {t.param: dims[t.id] for t in plan.tasks}
+
     def _rows_problem(self, mesh: Any, dp_group: Any) -> str | None:
-        """One line if this rank's rows are not FSDP2's ``torch.chunk`` rows of its place in the
-        mesh (``formulas.fsdp2_rows``), or ``dp_group`` orders the ranks otherwise; else None."""
+        """One line if this rank's block of a parameter is not FSDP2's ``torch.chunk`` rows of
+        its place in the mesh (``formulas.fsdp2_block``: with TP, of its TP chunk), or
+        ``dp_group`` orders the ranks otherwise; else None."""
         if dp_group is not None and dist.get_rank(dp_group) != self._rank:
             return (f"dp_group puts this rank at {dist.get_rank(dp_group)} but the model's mesh "
                     f"at {self._rank}; pass the mesh's group (or leave dp_group out).")
+        d, t = divmod(self._rank, self._tp)
         for name, p in zip(self._names, self._params):
             shape = tuple(p.shape)
             if not shape:
                 return f"parameter '{name}' is a scalar, which Shard(0) cannot hold."
-            rows = formulas.fsdp2_rows(shape[0], self._dp)[self._rank][1]
+            split = self._splits.get(name)
+            r0, r1, c0, c1 = formulas.fsdp2_block(shape, split, self._dp, self._tp, d, t)
+            want = (r1 - r0, c1 - c0) if split == 1 and len(shape) == 2 else \
+                (r1 - r0, *shape[1:])
             local = tuple(p._local_tensor.shape)  # type: ignore[attr-defined]
-            if local != (rows, *shape[1:]):
-                return (f"parameter '{name}' holds {list(local)} on DP rank {self._rank}, not "
-                        f"its Shard(0) rows {[rows, *shape[1:]]} of {list(shape)} (torch.chunk's "
-                        "rule over the mesh).")
+            if local != want:
+                where = f"DP rank {d}, TP rank {t}" if self._tp > 1 else f"DP rank {d}"
+                return (f"parameter '{name}' holds {list(local)} on {where}, not its block "
+                        f"{list(want)} of {list(shape)} (torch.chunk's rule over the mesh; "
+                        f"TP split {split}).")
         return None
 
     def _join_pairs(self) -> Any:
@@ -301,9 +354,10 @@ class FSDP2Optimizer(CanzonaOptimizer):
         device = self._device()
         storage = self._storage
         if self._matrix.local_state:
-            for i in self._matrix_ids:
-                made = self._matrix.init_row_state(storage.local(i).shape[0],
-                                                   self._params[i].shape, torch.float32, device)
+            for i in self._matrix_ids:  # with TP of this rank's block's columns
+                rows, cols = storage.local(i).shape
+                made = self._matrix.init_row_state(rows, (self._params[i].shape[0], cols),
+                                                   torch.float32, device)
                 self.state[self._params[i]] = self._as_rows(i, made)
         else:
             for rnd in storage.rounds:
@@ -318,18 +372,22 @@ class FSDP2Optimizer(CanzonaOptimizer):
                 self.state[p] = {}
 
     def _as_rows(self, i: int, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``state`` of this rank's rows of parameter ``i``: each tensor with as many rows as
-        the rank's as a DTensor placed as the parameter (its global shape: the parameter's rows,
-        the tensor's other dims); the rest (``step``) as it is."""
+        """``state`` of this rank's rows of parameter ``i``: each tensor of the rank's block's
+        shape, and at tp = 1 each with as many rows as the rank's, as a DTensor placed as the
+        parameter (its global shape: the parameter's rows, the tensor's other dims); the rest
+        (``step``; with TP per-row statistics) as it is."""
         p = self._params[i]
         mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
-        rows = self._storage.local(i).shape[0]
+        local = self._storage.local(i).shape
         out = {}
         for key, x in state.items():
-            if x.dim() == 0 or x.shape[0] != rows:
+            if x.shape == local:
+                shape = p.shape
+            elif x.dim() and x.shape[0] == local[0] and self._tp == 1:
+                shape = torch.Size((p.shape[0], *x.shape[1:]))
+            else:
                 out[key] = x
                 continue
-            shape = torch.Size((p.shape[0], *x.shape[1:]))
             stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
             out[key] = DTensor.from_local(x, mesh, placements, run_check=False, shape=shape,
                                           stride=stride)
@@ -364,10 +422,11 @@ class FSDP2Optimizer(CanzonaOptimizer):
 
     def _agree_gradients(self) -> list[int]:
         """Per parameter whether any rank got a gradient for it, after the non-finite policy
-        (``runtime.flags``): one MAX all-reduce over the DP group, once per iteration."""
+        (``runtime.flags``): one MAX all-reduce over all the mesh's ranks, once per
+        iteration."""
         if self._received is not None:
             return self._received
-        storage, n, size = self._storage, len(self._params), self._dp
+        storage, n, size = self._storage, len(self._params), self._ranks
         grads = [storage.grad(i) for i in range(n)]
         held = [i for i, g in enumerate(grads) if g is not None]
         finite = check_finite([grads[i] for i in held])
@@ -452,7 +511,7 @@ class FSDP2Optimizer(CanzonaOptimizer):
         if not kernel.local_state:
             rows.update((t.param, storage.grad(t.param)) for t in rnd.tasks)
             return storage.start_gather(k, rows), None
-        ids = [t.param for t in rnd.tasks if received[t.param] and t.rows[self._rank][1]]
+        ids = [t.param for t in rnd.tasks if received[t.param] and t.numel(self._rank)]
         try:
             grads = [storage.grad(i) for i in ids]
             grads = [torch.zeros_like(storage.local(i)) if g is None else g
@@ -576,14 +635,24 @@ class FSDP2Optimizer(CanzonaOptimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the averaged gradients by their global norm (as
         ``torch.nn.utils.clip_grad_norm_``): each rank's rows, one all-reduce over DP. Call it
-        after the last backward and before ``step()``. Returns the total norm before clipping."""
+        after the last backward and before ``step()``. Under TP the all-reduce runs over the
+        whole mesh and a parameter replicated over TP counts on TP rank 0 only. Returns the
+        total norm before clipping."""
         self._check_open("clip_grad_norm_")
         if norm_type not in (2.0, float("inf")):
             raise ValueError(f"norm_type = {norm_type!r} is not supported; use 2.0 or inf")
         self._agree_gradients()
-        grads = [g for g in (self._storage.grad(i) for i in range(len(self._params)))
-                 if g is not None]
-        return clip_owned(grads, max_norm, norm_type, dp=self._dp, group=self._group)
+        counted, copies = [], []
+        for i, name in enumerate(self._names):
+            g = self._storage.grad(i)
+            if g is not None:  # a TP copy counts on TP rank 0 only
+                copy = self._tp > 1 and self._splits[name] is None and self._tp_rank
+                (copies if copy else counted).append(g)
+        total = clip_owned(counted, max_norm, norm_type, dp=self._ranks, group=self._group)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in copies:
+            g.mul_(coef.to(g.dtype))
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (or zero) the sharded parameters' ``.grad``."""
@@ -638,9 +707,9 @@ class FSDP2Optimizer(CanzonaOptimizer):
         if self._matrix.local_state:
             total = 0
             for i in self._matrix_ids:
-                m, n = self._params[i].shape
-                rows = self._storage.local(i).shape[0]
-                total += 4 * (self._matrix.state_numel((m, n)) * rows // m)
+                rows, cols = self._storage.local(i).shape
+                if rows and cols:
+                    total += 4 * self._matrix.state_numel((rows, cols))
         else:
             total = sum(4 * self._matrix.state_numel(b.shape) for r in self._storage.rounds
                         for b in r.mine)
@@ -661,6 +730,17 @@ class FSDP2Optimizer(CanzonaOptimizer):
         if self._flight is not None:
             self._flight.close()
         self._closed = True
+
+
+def _mesh_group(mesh: Any) -> Any:
+    """The process group of all of ``mesh``'s ranks in its order (d·tp + t): the mesh's own
+    for a 1-D mesh, the world where the mesh is the world in rank order, else the flattened
+    mesh's."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.mesh.flatten().tolist() == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
 
 
 def _eager_communicators() -> bool:

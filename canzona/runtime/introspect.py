@@ -23,7 +23,9 @@ placement on its ``tp`` mesh dim (``Shard(0)`` → ``column``, ``Shard(1)`` → 
 ``replicated`` otherwise. The parameters of a ``fully_shard``-ed module (FSDP2) are read whole:
 their ``Shard(0)`` over the DP mesh is where FSDP2 stores the rows, not tensor parallelism, so
 they record their global shape and ``replicated``, as the module had before it was sharded
-(:func:`fsdp2_managed`).
+(:func:`fsdp2_managed`); with TP (``parallelize_module`` over ``mesh["tp"]``, then
+``fully_shard`` over ``mesh["dp"]`` of a mesh named ("dp", "tp")) their layout is their
+placement on the "tp" dim, the parameters TP left whole (on the "dp" sub-mesh) ``replicated``.
 """
 
 from __future__ import annotations
@@ -155,12 +157,16 @@ def _dtensor_layout(name: str, p: torch.Tensor) -> TPLayout:
             raise ModelError(f"parameter '{name}' is a DTensor placed {pl!r} on mesh dim "
                              f"{names[k] if k < len(names) else k}; canzona needs Replicate there "
                              "(it shards optimizer state over DP itself).")
-    pl = placements[tp_dim]
-    if pl.is_replicate():
+    return _tp_placement(name, p, placements[tp_dim])
+
+
+def _tp_placement(name: str, p: torch.Tensor, pl: object) -> TPLayout:
+    """The TP layout of a DTensor placed ``pl`` on its ``tp`` mesh dim."""
+    if pl.is_replicate():  # type: ignore[attr-defined]
         return "replicated"
     if pl.is_shard() and len(p.shape) == 2 and pl.dim in (0, 1):  # type: ignore[attr-defined]
         return "column" if pl.dim == 0 else "row"  # type: ignore[attr-defined]
-    if pl.is_shard(0) and len(p.shape) == 1:
+    if pl.is_shard(0) and len(p.shape) == 1:  # type: ignore[attr-defined]
         return "column"  # a column-parallel bias
     raise ModelError(f"parameter '{name}' (shape {list(p.shape)}) is a DTensor placed {pl!r} on "
                      "the tp mesh dim; canzona reads Shard(0) (column), Shard(1) (row) of a "
@@ -195,13 +201,17 @@ def is_tp_split(p: torch.Tensor) -> bool:
 
 
 def _tp_layout(name: str, p: torch.Tensor, fsdp2: bool = False) -> TPLayout:
-    if fsdp2:  # FSDP2's Shard(0) rows over the DP mesh: storage, read whole
-        ndim = p.device_mesh.ndim if _is_dtensor(p) else 1  # type: ignore[attr-defined]
-        if ndim != 1:
-            raise ModelError(f"parameter '{name}' is sharded by fully_shard over a {ndim}-D "
-                             "mesh (HSDP, or FSDP2 with TP); canzona reads fully_shard over "
-                             "one DP mesh dimension.")
-        return "replicated"
+    if fsdp2:  # FSDP2's rows over the "dp" mesh dim: storage, read whole; TP's on "tp"
+        mesh = p.device_mesh if _is_dtensor(p) else None  # type: ignore[attr-defined]
+        if mesh is None or mesh.ndim == 1:
+            return "replicated"
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim != 2 or names != ("dp", "tp"):
+            raise ModelError(f"parameter '{name}' is sharded by fully_shard over a {mesh.ndim}-D "
+                             f"mesh with dims {names or '(unnamed)'}; canzona reads fully_shard "
+                             "over one DP mesh dimension, with TP over a 2-D mesh named "
+                             "('dp', 'tp').")
+        return _tp_placement(name, p, p.placements[1])  # type: ignore[attr-defined]
     if _is_dtensor(p):
         return _dtensor_layout(name, p)
     if not getattr(p, "tensor_model_parallel", False):

@@ -9,7 +9,10 @@ non-finite gradients, a kernel raising on an owner or on a rank making its rows)
 
 ONE 4-rank spawn for the module: a 2-D mesh ("rep", "dp") of shape (2, 2) runs two dp-2 cases
 side by side (one per "rep" half), the whole world the dp-4 ones. The model's row counts do not
-divide by 4 (10, 5 and 18 rows), so some ranks hold fewer rows and one holds none."""
+divide by 4 (10, 5 and 18 rows), so some ranks hold fewer rows and one holds none. With TP
+(torchtitan's order: ``parallelize_module`` over ``mesh["tp"]``, then ``fully_shard`` over
+``mesh["dp"]``) the world is one 2 × 2 ("dp", "tp") mesh and trains as one process too (Muon,
+Shampoo, matrices shared by pairs; sizes TP splits unevenly)."""
 
 from __future__ import annotations
 
@@ -167,6 +170,10 @@ def paired(plan, shares: dict[str, tuple[int, int]]):
 SHARES4 = {"blocks.0.fc1.weight": (0, 1), "blocks.0.fc2.weight": (2, 3),
            "blocks.1.gate.weight": (2, 3), "blocks.1.up.weight": (0, 1),
            "blocks.1.fc1.weight": (2, 3)}
+#: Shared on the 2 × 2 ("dp", "tp") mesh: a wide column-parallel matrix by mesh ranks 0 and 1
+#: (one TP group), a tall row-parallel one and a wide one TP replicates by ranks 2 and 3.
+SHARES_TP = {"blocks.0.fc1.weight": (0, 1), "blocks.1.fc2.weight": (2, 3),
+             "blocks.1.gate.weight": (2, 3)}
 #: Shared at dp 2, by the whole group: tall, wide, and wide with an odd row count.
 SHARES2 = {"blocks.0.fc1.weight": (0, 1), "blocks.0.fc2.weight": (0, 1),
            "blocks.1.gate.weight": (0, 1)}
@@ -256,6 +263,138 @@ def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
            "state": {n: {k: (type(v).__name__, tuple(v.shape), tuple(v.to_local().shape)
                              if hasattr(v, "to_local") else None)
                          for k, v in opt.state[p].items()} for n, p in named.items()}}
+    opt.close()
+    return out
+
+
+# --- FSDP2 with TP: the world as a 2 × 2 ("dp", "tp") mesh ----------------------------------------
+
+TP = 2
+
+
+class TPBlock(Block):
+    """:class:`Block` with a hidden size of 7, which TP splits unevenly (4 and 3): fc1 (7 × 8)
+    and gate (5 × 8) column-parallel, fc2 (8 × 7) and up (8 × 5, its bias replicated over TP)
+    row-parallel, or left whole (matrices replicated over TP; :func:`tp_sharded`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 7, bias=False)
+        self.fc2 = nn.Linear(7, DIM, bias=False)
+
+
+class TPModel(Model):
+    """:class:`Model` with :class:`TPBlock`\\ s; the embedding, norms and head stay whole."""
+
+    def __init__(self, seed: int = 0) -> None:
+        nn.Module.__init__(self)
+        torch.manual_seed(seed)
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(TPBlock() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+
+_TP_MESH: list = []
+
+
+def tp_mesh():
+    """The world as a ("dp", "tp") mesh of 2 × 2 (made once per process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _TP_MESH:
+        _TP_MESH.append(init_device_mesh("cpu", (WORLD // TP, TP), mesh_dim_names=("dp", "tp")))
+    return _TP_MESH[0]
+
+
+def tp_sharded(model: nn.Module, mesh) -> nn.Module:
+    """torchtitan's order: TP over mesh["tp"] (block 0's fc1/fc2 and gate/up, block 1's
+    fc1/fc2; the colwise outputs kept as DTensors, as uneven sizes need), then fully_shard over
+    mesh["dp"]."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    layout = {}
+    for name in ("blocks.0.fc1", "blocks.0.gate", "blocks.1.fc1"):
+        layout[name] = ColwiseParallel(use_local_output=False)
+    for name in ("blocks.0.fc2", "blocks.0.up", "blocks.1.fc2"):
+        layout[name] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], layout)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def tp_accounted(plan, rank: int) -> list[int]:
+    """Per round, the elements mesh rank ``rank`` sends to other ranks in its gather by the
+    planner's ``fsdp2.gather_bytes`` (with TP), status elements left out."""
+    from canzona.planner.fsdp2 import gather_bytes
+
+    tasks = {t.id: t for t in plan.tasks}
+    dims = dict(zip((t.id for t in plan.tasks), plan.fsdp2.split_dims))
+    shared = {x.id: x for x in plan.fsdp2.shared}
+
+    def dests(i: int) -> tuple:
+        x = shared.get(i)
+        if x is None:
+            return ((tasks[i].owner, 0, max(tasks[i].shape)),)
+        return tuple((o, x.blocks[j], x.blocks[j + 1]) for j, o in enumerate(x.owners))
+
+    return [sum(gather_bytes(tuple(tasks[i].shape), split_dim=dims[i], dp=plan.inputs.dp,
+                             tp=plan.inputs.tp, elem_bytes=1, dests=dests(i))[0][rank]
+                for i in r.tasks) for r in plan.fsdp2.rounds]
+
+
+def train_tp(rank: int, world: int, *, optimizer: str, shares: dict | None = None) -> dict:
+    """Train :class:`TPModel` with TP over the "tp" dim and FSDP2 over the "dp" dim of the 2 × 2
+    world mesh, planned by ``canzona.plan_model(model, dp=2, tp=2)`` (the planner's owners, or
+    a pair's shares)."""
+    import canzona
+
+    mesh = tp_mesh()
+    d = rank // TP
+    dp = WORLD // TP
+    model = tp_sharded(TPModel(), mesh)
+    plan = canzona.plan_model(model, dp=dp, tp=TP, storage="fsdp2", comm_dtype="fp32",
+                              optimizer=optimizer, **H.plan_settings(optimizer))
+    if shares:
+        plan = paired(plan, shares)
+    opt = build(model, plan, optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss_fn(model, x[rows(d, dp)], y[rows(d, dp)]).backward()
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    named = dict(model.named_parameters())
+    out = {"params": full(model), "norms": norms, "inputs": (plan.inputs.dp, plan.inputs.tp),
+           "owners": sorted({t.owner for t in plan.tasks if t.optimizer == "matrix"}),
+           "split_dims": {t.param: s for t, s in zip(plan.tasks, plan.fsdp2.split_dims)},
+           "placements": {n: repr(tuple(p.placements)) for n, p in named.items()},
+           "state_bytes": opt.state_bytes(), "predicted": opt.predicted_state_bytes(),
+           "sent": [sum(n for o, n in enumerate(r.send) if o != rank)
+                    for r in opt._storage.rounds], "accounted": tp_accounted(plan, rank),
+           "shared": len(plan.fsdp2.shared)}
+    opt.close()
+    return out
+
+
+def tp_refusals(rank: int, world: int) -> dict[str, str]:
+    """A TP model with a tp = 1 plan, a tp = 2 plan on a model without TP: one line each."""
+    import canzona
+
+    out = {}
+    model = tp_sharded(TPModel(), tp_mesh())
+    out["tp=1 plan"] = _message(lambda: build(model, planned(TPModel(), 2), "muon"))
+    tp_plan = canzona.plan_model(model, dp=2, tp=TP, storage="fsdp2", comm_dtype="fp32")
+    out["1-D mesh"] = _message(lambda: build(shard(TPModel(), dp_mesh(WORLD)), tp_plan, "muon"))
+    opt = build(model, tp_plan, "muon")
+    out["checkpoint"] = _message(lambda: canzona.dcp_state(model, opt))
     opt.close()
     return out
 
@@ -452,6 +591,11 @@ CASES = [
     ("dp2-pairs", functools.partial(train, dp=2, configs=(
         {"optimizer": "muon", "raf": True, "shares": SHARES2},
         {"optimizer": "normuon", "raf": True, "shares": SHARES2, "peer": True}))),
+    # FSDP2 with TP over the world as a 2 × 2 ("dp", "tp") mesh
+    ("tp-muon", functools.partial(train_tp, optimizer="muon")),
+    ("tp-shampoo", functools.partial(train_tp, optimizer="shampoo")),
+    ("tp-pairs", functools.partial(train_tp, optimizer="muon", shares=SHARES_TP)),
+    ("tp-refusals", tp_refusals),
     ("refusals", refusals),
     ("surface", surface),
 ]
@@ -466,7 +610,8 @@ def world(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(optimizer: str, dp: int, ns_dtype: torch.dtype = torch.float32) -> dict:
+def reference(optimizer: str, dp: int, ns_dtype: torch.dtype = torch.float32,
+              tp: bool = False) -> dict:
     """One process, the unsharded model: the batch's gradient as the mean of the DP ranks'
     (each rank's loss / dp), torch's clipping, the matrix kernel per matrix, torch's AdamW."""
     import dataclasses
@@ -474,7 +619,7 @@ def reference(optimizer: str, dp: int, ns_dtype: torch.dtype = torch.float32) ->
     from canzona.runtime.introspect import inventory
 
     torch.set_num_threads(1)
-    model = Model()
+    model = TPModel() if tp else Model()
     route = {p.name: p.optimizer for p in inventory(model).params}
     named = list(model.named_parameters())
     mats = [p for n, p in named if route[n] == "matrix"]
@@ -633,7 +778,7 @@ def test_bad_input_is_refused_in_one_line(world):
             and "not shared by its Gram" in got["shared by shampoo"]
         assert got["pair"].startswith("PlanMismatchError") and "[1, 2]" in got["pair"] \
             and "(2s, 2s + 1)" in got["pair"]
-        assert "1-D DP mesh" in got["2-D mesh"]
+        assert "1-D DP mesh" in got["2-D mesh"] and "('dp', 'tp')" in got["2-D mesh"]
         assert got["add_param_group"].startswith("RuntimeError")
         assert "set_requires_gradient_sync" in got["no_sync"]
         assert "closed" in got["closed step"]
@@ -660,6 +805,46 @@ def test_the_optimizer_surface(world):
             assert got["rows failure"].startswith("RuntimeError") \
                 and "making its rows" in got["rows failure"], got["rows failure"]
         assert got["step after rows failure"] == "accepted"
+
+
+@pytest.mark.parametrize("case", ["tp-muon", "tp-shampoo", "tp-pairs"])
+def test_fsdp2_with_tp_trains_as_one_process(world, case):
+    """TP (uneven column- and row-parallel pairs, a bias and matrices TP replicates) then
+    fully_shard on the 2 × 2 ("dp", "tp") world mesh, planned by ``plan_model(dp=2, tp=2)``
+    (owners over all 4 ranks; for ``tp-pairs`` three matrices shared by pairs of mesh ranks),
+    clipping active, 10 steps: every parameter of every rank (each TP copy of a replicated one)
+    within 1e-5 (relative) of one process, the norms too; each rank's gather sends what the
+    planner's ``gather_bytes`` accounts (a replicated matrix only from the owner's TP rank)."""
+    start = H.params_of(TPModel())
+    for r, got in enumerate(H.results(world, case)):
+        ref = reference("shampoo" if case == "tp-shampoo" else "muon", 2, tp=True)
+        err = H.max_rel_err(got["params"], ref["params"])
+        assert H.is_close_rel(err), f"{case}, rank {r}: {err:.2e}"
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert min(got["norms"]) > CLIP
+        assert all(not torch.equal(start[n], p) for n, p in got["params"].items())
+        assert got["inputs"] == (2, TP) and got["owners"] == [0, 1, 2, 3]
+        assert got["sent"] == got["accounted"], (r, got["sent"], got["accounted"])
+        assert got["state_bytes"] == got["predicted"]
+        assert got["shared"] == (3 if case == "tp-pairs" else 0)
+        dims, where = got["split_dims"], got["placements"]
+        assert (dims["blocks.0.fc1.weight"], dims["blocks.0.fc2.weight"]) == (0, 1)
+        assert dims["blocks.1.gate.weight"] is None and dims["blocks.0.up.bias"] is None
+        assert "_StridedShard" in where["blocks.0.fc1.weight"]
+        assert where["blocks.0.up.bias"] == "(Shard(dim=0), Replicate())"
+        assert where["blocks.1.gate.weight"] == "(Shard(dim=0),)"
+
+
+def test_fsdp2_with_tp_refuses_another_tp_and_checkpoints_in_one_line(world):
+    """A tp = 1 plan on the TP model, a tp = 2 plan on a model without TP; canzona's
+    checkpoints of a TP run (not supported)."""
+    for got in H.results(world, "tp-refusals"):
+        assert all("\n" not in m for m in got.values())
+        assert got["tp=1 plan"].startswith("PlanMismatchError") \
+            and "tp=1" in got["tp=1 plan"] and "2 TP ranks" in got["tp=1 plan"]
+        assert got["1-D mesh"].startswith("PlanMismatchError") \
+            and "tp=2" in got["1-D mesh"] and "1-D mesh" in got["1-D mesh"]
+        assert got["checkpoint"].startswith("CheckpointError") and "TP" in got["checkpoint"]
 
 
 def test_a_fully_sharded_model_is_read_whole_by_introspection(world):

@@ -210,7 +210,11 @@ def fsdp2_entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any
     """This rank's entries under an FSDP2 plan (see the module docstring): the weights and the
     states in the parameters' layout as this rank's rows of DTensors (every rank writes and
     reads its own), each owned matrix's whole state by its owner, each block's of a matrix a pair
-    shares by its member (:func:`_add_block_state`)."""
+    shares by its member (:func:`_add_block_state`). A plan with TP (tp > 1) is refused."""
+    if getattr(opt, "_tp", 1) > 1:
+        raise CheckpointError(f"canzona checkpoints of an FSDP2 plan with TP (tp={opt._tp}) are "
+                              "not supported; opt.state_dict() saves this rank's state under "
+                              "the same plan.")
     E = Entries()
     storage = opt._storage
     storage.reshard()  # the model holds its sharded parameters, the DTensors below

@@ -47,6 +47,13 @@ SOAP's first step —, :data:`FAILED`, the kernel raised where the block was com
 :data:`ROWS_FAILED`), so that every rank learns each matrix's fate, a rank that holds none of
 its rows too.
 
+With TP (a dp × tp mesh named ("dp", "tp"), ranks d·tp + t) each rank holds one rectangle of
+a parameter (``formulas.fsdp2_block``: TP's chunk t of its split dimension, then FSDP's chunk
+d of the rows), and everything above reads "this rank's rows" as that rectangle: a rank sends
+a computing rank the rectangle's intersection with its block (of a matrix TP replicates, only
+the copy on the computing rank's TP rank: :meth:`RowTask.sends`), and the return sends every
+rank, every TP copy included, its intersection of the update.
+
 The rows travel in the plan's ``fsdp2.comm_dtype``, or in bfloat16 where the kernel has local
 state and iterates Newton–Schulz in bfloat16 (:meth:`FSDP2Rows.wire_for`): the owner casts the
 input to bfloat16 before anything else and the update it returns is bfloat16, so the result is
@@ -63,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from canzona.planner.formulas import fsdp2_rows
+from canzona.planner.formulas import fsdp2_block
 from canzona.runtime.errors import PlanMismatchError
 from canzona.runtime.introspect import fsdp2_modules, local_grad, local_tensor
 from canzona.runtime.waits import wait_for
@@ -89,7 +96,10 @@ def sharded_parameters(model: Any) -> tuple[list[tuple[str, Tensor]], list[nn.Mo
     and its ``FSDPModule``\\ s. Every module is resharded first (a no-op unless it kept its
     unsharded parameters), so that the model holds the sharded DTensors, whose local tensors
     FSDP2's all-gather reads. Refuses, in one line, a model that is not ``fully_shard``-ed or a
-    parameter that is not a DTensor placed ``Shard(0)`` over one 1-D mesh."""
+    parameter that is not a DTensor placed ``Shard(0)`` over one 1-D mesh — or, with TP, over
+    a 2-D mesh named ("dp", "tp"): ``Shard(0)`` (``_StridedShard`` of rows) on "dp" and
+    ``Shard(0)``, ``Shard(1)`` or ``Replicate`` on "tp", the parameters TP leaves whole on its
+    "dp" sub-mesh."""
     if not isinstance(model, nn.Module):
         raise PlanMismatchError(
             "the plan is an FSDP2 plan: give CanzonaOptimizer the fully_shard-ed nn.Module, not "
@@ -103,25 +113,46 @@ def sharded_parameters(model: Any) -> tuple[list[tuple[str, Tensor]], list[nn.Mo
     for _, m in modules:
         m.reshard()  # type: ignore[operator]
     pairs = list(model.named_parameters())
-    mesh = None
+    meshes: dict[int, Any] = {}  # per mesh dimension count, the first parameter's
     for name, p in pairs:
         placements = tuple(getattr(p, "placements", ()))
         pmesh = getattr(p, "device_mesh", None)
-        if local_tensor(p) is p or pmesh is None or pmesh.ndim != 1 or len(placements) != 1 \
-                or not placements[0].is_shard(0):
-            what = (f"a DTensor placed {list(placements)} over a {pmesh.ndim}-D mesh"
-                    if local_tensor(p) is not p and pmesh is not None else "not a DTensor")
+        problem = _placement_problem(p, pmesh, placements)
+        if problem:
             raise PlanMismatchError(
-                f"the plan is an FSDP2 plan but parameter '{name}' is {what}; fully_shard every "
-                "module that holds parameters (the root last) over one 1-D DP mesh, with the "
-                "default Shard(0) placement.")
-        if mesh is None:
-            mesh = pmesh
-        elif pmesh != mesh:
+                f"the plan is an FSDP2 plan but parameter '{name}' is {problem}; fully_shard "
+                "every module that holds parameters (the root last) over one 1-D DP mesh (with "
+                "TP: its \"dp\" dimension), with the default Shard(0) placement.")
+        held = meshes.setdefault(pmesh.ndim, pmesh)
+        if pmesh != held:
             raise PlanMismatchError(
-                f"parameter '{name}' is sharded over another mesh than '{pairs[0][0]}'; "
-                "fully_shard the whole model over one DP mesh.")
+                f"parameter '{name}' is sharded over another mesh than "
+                f"'{next(n for n, q in pairs if q.device_mesh is held)}'; fully_shard the whole "
+                "model over one DP mesh.")
+    if len(meshes) == 2 and meshes[2]["dp"] != meshes[1]:
+        raise PlanMismatchError("the parameters TP leaves whole are fully_shard-ed over another "
+                                "mesh than the (\"dp\", \"tp\") mesh's \"dp\" dimension; "
+                                "fully_shard the whole model over mesh[\"dp\"].")
     return pairs, [m for _, m in modules]
+
+
+def _placement_problem(p: Tensor, mesh: Any, placements: tuple) -> str | None:
+    """What is wrong with a parameter's placement under FSDP2 (see :func:`sharded_parameters`),
+    or None."""
+    if local_tensor(p) is p or mesh is None:
+        return "not a DTensor"
+    what = f"a DTensor placed {list(placements)} over a {mesh.ndim}-D mesh"
+    if mesh.ndim == 1:
+        return None if len(placements) == 1 and placements[0].is_shard(0) else what
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or names != ("dp", "tp"):
+        return f"{what} with dims {names or '(unnamed)'} (a 2-D mesh is read as ('dp', 'tp'))"
+    dp, tp = placements
+    strided = type(dp).__name__ == "_StridedShard"  # FSDP's rows of TP's row chunks
+    if getattr(dp, "dim", None) != 0 or not (dp.is_shard() or strided) \
+            or not (tp.is_replicate() or (tp.is_shard() and tp.dim in (0, 1))):
+        return what
+    return None
 
 
 def check_mixed_precision(model: nn.Module) -> None:
@@ -148,20 +179,25 @@ def check_mixed_precision(model: nn.Module) -> None:
 @dataclass(frozen=True, slots=True)
 class RowTask:
     """A matrix task as the rounds move it: its parameter (index and name), owner, global
-    shape (m, n), each DP rank's rows ``(first row, rows)`` and the ranks that compute it
-    (``owners``: the owner alone, or the adjacent pair sharing it, ``owners[0]`` the owner)
-    with the boundaries of their blocks along its long dimension (``blocks``: owners[j]
-    computes [blocks[j], blocks[j + 1]) of the rows of a tall matrix, rows ≥ columns, or of
-    the columns of a wide one)."""
+    shape (m, n), each rank's block of it ``(r0, r1, c0, c1)`` (``held``: rows [r0, r1) ×
+    columns [c0, c1); at tp = 1 its ``Shard(0)`` rows, all columns; with TP
+    ``formulas.fsdp2_block`` of rank d·tp + t), the ranks that compute it (``owners``: the owner
+    alone, or the adjacent pair sharing it, ``owners[0]`` the owner) with the boundaries of
+    their blocks along its long dimension (``blocks``: owners[j] computes [blocks[j],
+    blocks[j + 1]) of the rows of a tall matrix, rows ≥ columns, or of the columns of a wide
+    one), and ``tp`` with ``replicated``: whether every TP rank holds a copy of its block
+    (then only the copy on a computing rank's TP rank is sent there)."""
 
     id: int
     param: int
     name: str
     owner: int
     shape: tuple[int, int]
-    rows: tuple[tuple[int, int], ...]
+    held: tuple[tuple[int, int, int, int], ...]
     owners: tuple[int, ...] = ()
     blocks: tuple[int, ...] = ()
+    tp: int = 1
+    replicated: bool = False
 
     @property
     def shared(self) -> bool:
@@ -174,8 +210,14 @@ class RowTask:
         return self.shape[0] >= self.shape[1]
 
     def numel(self, rank: int) -> int:
-        """Elements of rank ``rank``'s rows."""
-        return self.rows[rank][1] * self.shape[1]
+        """Elements of rank ``rank``'s block."""
+        r0, r1, c0, c1 = self.held[rank]
+        return (r1 - r0) * (c1 - c0)
+
+    def sends(self, rank: int, to: int) -> bool:
+        """Whether rank ``rank`` sends its part to rank ``to`` computing a block: always, but
+        of a matrix replicated over TP only the copy on ``to``'s TP rank."""
+        return not self.replicated or rank % self.tp == to % self.tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,17 +238,22 @@ class Block:
     def shape(self) -> tuple[int, int]:
         return (self.r1 - self.r0, self.c1 - self.c0)
 
-    def rows_of(self, rank: int) -> tuple[int, int]:
-        """Rank ``rank``'s rows of the block, ``(first, end)`` (global row numbers, the end
-        excluded; none where they are equal)."""
-        first, n = self.task.rows[rank]
-        lo, hi = max(first, self.r0), min(first + n, self.r1)
-        return lo, max(lo, hi)
+    def part(self, rank: int) -> tuple[int, int, int, int]:
+        """Rank ``rank``'s part of the block, ``(r0, r1, c0, c1)`` in the matrix's numbers (ends
+        excluded; empty where r0 == r1 or c0 == c1)."""
+        h0, h1, g0, g1 = self.task.held[rank]
+        r0, c0 = max(h0, self.r0), max(g0, self.c0)
+        return r0, max(r0, min(h1, self.r1)), c0, max(c0, min(g1, self.c1))
 
     def numel(self, rank: int) -> int:
-        """Elements of rank ``rank``'s rows of the block."""
-        lo, hi = self.rows_of(rank)
-        return (hi - lo) * (self.c1 - self.c0)
+        """Elements of rank ``rank``'s part of the block."""
+        r0, r1, c0, c1 = self.part(rank)
+        return (r1 - r0) * (c1 - c0)
+
+    def sent(self, rank: int) -> int:
+        """Elements rank ``rank`` sends of the block in the gather (none from a TP copy of a
+        replicated matrix on another TP rank than the block's)."""
+        return self.numel(rank) if self.task.sends(rank, self.rank) else 0
 
 
 def task_blocks(t: RowTask) -> tuple[Block, ...]:
@@ -224,11 +271,12 @@ def task_blocks(t: RowTask) -> tuple[Block, ...]:
 class Round:
     """One round as rank ``rank`` runs it (see the module docstring): ``tasks`` in plan order,
     ``blocks`` per DP rank the blocks it computes (task order), ``mine`` this rank's and
-    ``owned`` the tasks it computes whole; ``send`` (elements to each rank: this rank's rows
-    of that rank's blocks) and ``recv`` (from each rank: its rows of this rank's blocks). The
-    gather moves them plus a status element per block (:attr:`gather_send`,
-    :attr:`gather_recv`), the return the same reversed (:attr:`return_send`,
-    :attr:`return_recv`)."""
+    ``owned`` the tasks it computes whole; ``send`` (elements to each rank: this rank's parts
+    of that rank's blocks, :meth:`Block.sent`) and ``recv`` (from each rank: its parts of this
+    rank's blocks). The gather moves them plus a status element per block
+    (:attr:`gather_send`, :attr:`gather_recv`); the return sends every rank its part of each
+    block computed here (``back``: to each rank; ``back_recv``: from each rank), each with a
+    status element (:attr:`return_send`, :attr:`return_recv`)."""
 
     index: int
     tasks: tuple[RowTask, ...]
@@ -237,6 +285,8 @@ class Round:
     owned: tuple[RowTask, ...]
     send: tuple[int, ...]
     recv: tuple[int, ...]
+    back: tuple[int, ...]
+    back_recv: tuple[int, ...]
 
     @property
     def gather_send(self) -> tuple[int, ...]:
@@ -248,20 +298,24 @@ class Round:
 
     @property
     def return_send(self) -> tuple[int, ...]:
-        return self.gather_recv
+        return tuple(n + len(self.mine) for n in self.back)
 
     @property
     def return_recv(self) -> tuple[int, ...]:
-        return self.gather_send
+        return tuple(n + len(bs) for n, bs in zip(self.back_recv, self.blocks))
 
 
-def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple[Round, ...]:
-    """The plan's rounds as rank ``rank`` of ``size`` runs them, checked: every matrix task
-    whole (no part), 2-D, with an owner in ``[0, size)``, in exactly one round; each shared
-    task (``plan.fsdp2.shared``) a matrix task of a kernel whose Newton–Schulz is shared by
-    its Gram, on an adjacent pair (2s, 2s + 1) whose first member is its owner, its blocks
-    from 0 to its long dimension, ascending."""
+def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int, tp: int = 1
+                 ) -> tuple[Round, ...]:
+    """The plan's rounds as rank ``rank`` of ``size`` (dp · tp, rank d·tp + t) runs them,
+    checked: every matrix task whole (no part), 2-D, with an owner in ``[0, size)``, in
+    exactly one round; each shared task (``plan.fsdp2.shared``) a matrix task of a kernel whose
+    Newton–Schulz is shared by its Gram, on an adjacent pair (2s, 2s + 1) whose first member
+    is its owner, its blocks from 0 to its long dimension, ascending. With ``tp`` > 1 each
+    task's blocks are ``formulas.fsdp2_block`` of its ``plan.fsdp2.split_dims`` entry."""
     index = {n: i for i, n in enumerate(names)}
+    dp = size // tp
+    dims = split_dims(plan, tp)
     tasks: dict[int, RowTask] = {}
     for t in plan.tasks:
         if t.optimizer != "matrix":
@@ -274,8 +328,10 @@ def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple
                                     f"{list(t.shape)}) has owner {t.owner}; a 2-D matrix with "
                                     f"an owner in 0 … {size - 1} is needed; regenerate it.")
         m, n = (int(x) for x in t.shape)
-        tasks[t.id] = RowTask(t.id, index[t.param], t.param, t.owner, (m, n),
-                              fsdp2_rows(m, size), (t.owner,), (0, max(m, n)))
+        split = dims[t.id]
+        held = tuple(fsdp2_block((m, n), split, dp, tp, *divmod(r, tp)) for r in range(size))
+        tasks[t.id] = RowTask(t.id, index[t.param], t.param, t.owner, (m, n), held,
+                              (t.owner,), (0, max(m, n)), tp, tp > 1 and split is None)
     for x in getattr(plan.fsdp2, "shared", ()):
         t = _shared_task(plan, x, tasks, size)
         tasks[t.id] = t
@@ -294,13 +350,28 @@ def build_rounds(plan: Any, names: Sequence[str], rank: int, size: int) -> tuple
         rounds.append(Round(
             index=len(rounds), tasks=ts, blocks=blocks, mine=blocks[rank],
             owned=tuple(b.task for b in blocks[rank] if not b.task.shared),
-            send=tuple(sum(b.numel(rank) for b in blocks[o]) for o in range(size)),
-            recv=tuple(sum(b.numel(s) for b in blocks[rank]) for s in range(size))))
+            send=tuple(sum(b.sent(rank) for b in blocks[o]) for o in range(size)),
+            recv=tuple(sum(b.sent(s) for b in blocks[rank]) for s in range(size)),
+            back=tuple(sum(b.numel(s) for b in blocks[rank]) for s in range(size)),
+            back_recv=tuple(sum(b.numel(rank) for b in blocks[o]) for o in range(size))))
     missing = sorted(set(tasks) - seen)
     if missing:
         raise PlanMismatchError(f"the FSDP2 plan's matrix task {missing[0]} "
                                 f"('{tasks[missing[0]].name}') is in no round; regenerate it.")
     return tuple(rounds)
+
+
+def split_dims(plan: Any, tp: int) -> dict[int, int | None]:
+    """Per task id, the dimension TP shards (``plan.fsdp2.split_dims``; None: replicated over
+    TP, and every task at tp = 1), checked: one entry per task, each 0, 1 or None."""
+    dims = tuple(getattr(plan.fsdp2, "split_dims", ()) or ())
+    if tp == 1:
+        return {t.id: None for t in plan.tasks}
+    if len(dims) != len(plan.tasks) or any(d not in (0, 1, None) for d in dims):
+        raise PlanMismatchError(f"the FSDP2 plan has tp={tp} but {len(dims)} split_dims for its "
+                                f"{len(plan.tasks)} tasks (one of 0, 1 or null each is needed); "
+                                "regenerate the plan.")
+    return {t.id: d for t, d in zip(plan.tasks, dims)}
 
 
 def _shared_task(plan: Any, x: Any, tasks: dict[int, RowTask], size: int) -> RowTask:
@@ -330,7 +401,8 @@ def _shared_task(plan: Any, x: Any, tasks: dict[int, RowTask], size: int) -> Row
                                 "needed; regenerate the plan.")
     if t.shared:
         raise PlanMismatchError(f"{where} ('{t.name}') is shared twice; regenerate the plan.")
-    return RowTask(t.id, t.param, t.name, t.owner, t.shape, t.rows, owners, blocks)
+    return RowTask(t.id, t.param, t.name, t.owner, t.shape, t.held, owners, blocks, t.tp,
+                   t.replicated)
 
 
 # --- the storage ---------------------------------------------------------------------------------
@@ -450,23 +522,23 @@ class FSDP2Rows:
     def start_gather(self, k: int, rows: Mapping[int, Tensor | None],
                      failed: Collection[int] = ()) -> _InFlight:
         """Launch round ``k``'s gather: to each rank computing a block of a matrix, this rank's
-        rows of the block — of ``rows[param]``, its rows of the kernel's input (zeros where
-        None) — and a status (:data:`ROWS_FAILED` for the parameters in ``failed``, else
-        :data:`APPLY`), in the wire dtype."""
+        part of the block (:meth:`Block.sent`) — of ``rows[param]``, its block of the kernel's
+        input (zeros where None) — and a status (:data:`ROWS_FAILED` for the parameters in
+        ``failed``, else :data:`APPLY`), in the wire dtype."""
         rnd = self.rounds[k]
         send = torch.empty(sum(rnd.gather_send), dtype=self.wire, device=self._device())
         at = 0
         for blocks in rnd.blocks:
             for b in blocks:
-                n = b.numel(self.rank)
+                n = b.sent(self.rank)
                 x = rows.get(b.task.param)
                 if n and x is None:
                     send[at:at + n].zero_()
                 elif n:
-                    lo, hi = b.rows_of(self.rank)
-                    first = b.task.rows[self.rank][0]
-                    send[at:at + n].view(hi - lo, b.c1 - b.c0).copy_(
-                        x[lo - first:hi - first, b.c0:b.c1])
+                    r0, r1, c0, c1 = b.part(self.rank)
+                    h0, _, g0, _ = b.task.held[self.rank]
+                    send[at:at + n].view(r1 - r0, c1 - c0).copy_(
+                        x[r0 - h0:r1 - h0, c0 - g0:c1 - g0])
                 send[at + n] = ROWS_FAILED if b.task.param in failed else APPLY
                 at += n + 1
         return self._all_to_all(send, rnd.gather_recv, rnd.gather_send,
@@ -483,10 +555,11 @@ class FSDP2Rows:
         at = 0
         for s in range(self.size):
             for b, full in zip(rnd.mine, fulls):
-                lo, hi = b.rows_of(s)
-                n = (hi - lo) * (b.c1 - b.c0)
+                n = b.sent(s)
                 if n:
-                    full[lo - b.r0:hi - b.r0].copy_(recv[at:at + n].view(hi - lo, b.c1 - b.c0))
+                    r0, r1, c0, c1 = b.part(s)
+                    full[r0 - b.r0:r1 - b.r0, c0 - b.c0:c1 - b.c0].copy_(
+                        recv[at:at + n].view(r1 - r0, c1 - c0))
                 statuses.append(at + n)
                 at += n + 1
         bad = [False] * len(fulls)
@@ -499,20 +572,20 @@ class FSDP2Rows:
 
     def start_return(self, k: int, updates: Sequence[Tensor | None],
                      status: Sequence[int]) -> _InFlight:
-        """Launch round ``k``'s return: to each rank, its rows of every update block computed
-        here (per block of ``Round.mine``, shaped as the block), each followed by the block's
-        status, in the wire dtype."""
+        """Launch round ``k``'s return: to each rank, its part of every update block computed
+        here (per block of ``Round.mine``, shaped as the block; every TP copy of a replicated
+        matrix its own), each followed by the block's status, in the wire dtype."""
         rnd = self.rounds[k]
         send = torch.empty(sum(rnd.return_send), dtype=self.wire, device=self._device())
         at = 0
         for s in range(self.size):
             for b, u, st in zip(rnd.mine, updates, status):
-                lo, hi = b.rows_of(s)
-                n = (hi - lo) * (b.c1 - b.c0)
+                r0, r1, c0, c1 = b.part(s)
+                n = (r1 - r0) * (c1 - c0)
                 if n:
                     if st == APPLY and u is not None:
-                        send[at:at + n].view(hi - lo, b.c1 - b.c0).copy_(
-                            u[lo - b.r0:hi - b.r0])
+                        send[at:at + n].view(r1 - r0, c1 - c0).copy_(
+                            u[r0 - b.r0:r1 - b.r0, c0 - b.c0:c1 - b.c0])
                     else:
                         send[at:at + n].zero_()
                 send[at + n] = st
@@ -521,8 +594,8 @@ class FSDP2Rows:
                                 f"the FSDP2 return (all-to-all) of round {k}")
 
     def returned(self, k: int, recv: Tensor) -> list[tuple[RowTask, Tensor, int, int]]:
-        """Every task of round ``k``: this rank's rows of its update (in the wire dtype, shaped
-        like the rows; a shared task's assembled from its members' blocks), its status and the
+        """Every task of round ``k``: this rank's block of its update (in the wire dtype, shaped
+        like the block; a shared task's assembled from its members' blocks), its status and the
         rank whose block gave it (a failure's: :data:`FAILED` or :data:`ROWS_FAILED` where a
         block has it, else :data:`LEAVE` where one has it, else :data:`APPLY`)."""
         rnd = self.rounds[k]
@@ -531,9 +604,9 @@ class FSDP2Rows:
         at = 0
         for blocks in rnd.blocks:
             for b in blocks:
-                lo, hi = b.rows_of(self.rank)
-                n = (hi - lo) * (b.c1 - b.c0)
-                got.append((b, recv[at:at + n].view(hi - lo, b.c1 - b.c0)))
+                r0, r1, c0, c1 = b.part(self.rank)
+                n = (r1 - r0) * (c1 - c0)
+                got.append((b, recv[at:at + n].view(r1 - r0, c1 - c0)))
                 statuses.append(at + n)
                 at += n + 1
         codes = recv[torch.tensor(statuses, dtype=torch.long, device=recv.device)].tolist() \
@@ -547,12 +620,12 @@ class FSDP2Rows:
             code, who = _fate([(c, b.rank) for b, _, c in mine])
             if len(mine) == 1:
                 rows = mine[0][1]
-            else:  # a shared task: its members' blocks of this rank's rows
-                first, count = t.rows[self.rank]
-                rows = torch.empty((count, t.shape[1]), dtype=recv.dtype, device=recv.device)
+            else:  # a shared task: its members' parts of this rank's block
+                h0, h1, g0, g1 = t.held[self.rank]
+                rows = torch.empty((h1 - h0, g1 - g0), dtype=recv.dtype, device=recv.device)
                 for b, piece, _ in mine:
-                    lo, hi = b.rows_of(self.rank)
-                    rows[lo - first:hi - first, b.c0:b.c1].copy_(piece)
+                    r0, r1, c0, c1 = b.part(self.rank)
+                    rows[r0 - h0:r1 - h0, c0 - g0:c1 - g0].copy_(piece)
             out.append((t, rows, code, who))
         return out
 
