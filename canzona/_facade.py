@@ -122,7 +122,7 @@ def plan_model(
     # checked before the model is read
     tp_options = TPOptions(comm_dtype=comm_dtype, hardware=hardware, share=share)
     from canzona.runtime.experts import global_inventory
-    from canzona.runtime.introspect import inventory
+    from canzona.runtime.introspect import fsdp2_modules, inventory
     from canzona.runtime.megatron import (megatron_ep, megatron_etp, megatron_spec,
                                           megatron_stages, megatron_tp)
 
@@ -139,6 +139,10 @@ def plan_model(
                                "model's q, k and v projections: pass head_dim=.")
         spec = inventory(model, name=name, matrix_globs=matrix_globs, adamw_globs=adamw_globs,
                          head_dim=head_dim)
+        sharded = bool(fsdp2_modules(model))
+        if sharded:  # FSDP2 with TP: the mesh's "tp" dimension
+            tp = _built(tp, "tp", _mesh_tp(model), "tp", "tensor-parallel",
+                        where="its device mesh's dimension")
         tp = 1 if tp is None else tp
         ep = 1 if ep is None else ep
         etp = None
@@ -147,6 +151,7 @@ def plan_model(
         if ep != 1:  # this rank's experts, numbered from 0: the whole model's, by global index
             spec = global_inventory(spec, ep)
     else:
+        sharded = False
         tp = _built(tp, "tp", megatron_tp(model), "tensor_model_parallel_size",
                     "tensor-parallel")
         ep = _built(ep, "ep", megatron_ep(model), "expert_model_parallel_size",
@@ -161,24 +166,27 @@ def plan_model(
     return pipeline.plan(spec, ParallelSizes(dp=dp, tp=tp, ep=ep, etp=etp),
                          OptimizerSettings(name=optimizer, **settings), dp_options=options,
                          tp_options=tp_options, progress=progress, stages=split,
-                         storage=storage or ("fsdp2" if _fully_sharded(model) else "zero1"))
+                         storage=storage or ("fsdp2" if sharded else "zero1"))
 
 
-def _fully_sharded(model: Any) -> bool:
-    """Whether ``model`` holds a module ``fully_shard`` (FSDP2) has sharded."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed
-        return False
-    modules = getattr(model, "modules", None)
-    return modules is not None and any(isinstance(m, FSDPModule) for m in modules())
+def _mesh_tp(model: Any) -> int:
+    """The size of the ``tp`` dimension of the mesh a ``fully_shard``-ed model's parameters
+    live on (1: none)."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        if "tp" in names:
+            return int(mesh.size(names.index("tp")))
+    return 1
 
 
-def _built(given: int | None, arg: str, built: int, field: str, what: str) -> int:
-    """A Megatron model's parallel size: ``built`` (its TransformerConfig's ``field``), which
-    ``given`` (the argument ``arg``) must equal when not None."""
+def _built(given: int | None, arg: str, built: int, field: str, what: str, *,
+           where: str = "") -> int:
+    """A model's parallel size: ``built`` (a Megatron model's TransformerConfig's ``field``, or
+    ``where`` names it), which ``given`` (the argument ``arg``) must equal when not None."""
     if given is not None and given != built:
-        raise SizeError(f"{arg}={given}, but the Megatron model is built for {what} size "
-                        f"{built} (TransformerConfig.{field}); pass {arg}={built} or leave {arg} "
-                        "out.")
+        source = f"{where} '{field}'" if where else f"TransformerConfig.{field}"
+        model = "model" if where else "Megatron model"
+        raise SizeError(f"{arg}={given}, but the {model} is built for {what} size {built} "
+                        f"({source}); pass {arg}={built} or leave {arg} out.")
     return built
