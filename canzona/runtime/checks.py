@@ -326,10 +326,7 @@ def fingerprint_problem(plan: Plan, pairs: list[tuple[str, Tensor]],
     if diff is not None:
         return _MISMATCH[diff[3]].format(*diff[:3])
     if len(planned) != len(live):
-        longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
-        first = longer[min(len(planned), len(live))][0]
-        return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
-                f"{len(live)} in the model; the {other} lacks '{first}'.")
+        return _count_problem(planned, live)
     return (f"the plan does not match the model: names, shapes and dtypes agree but the TP "
             f"attributes differ (fingerprint {plan.fingerprint[:19]}… vs "
             f"{spec.fingerprint()[:19]}…).")
@@ -351,13 +348,19 @@ def fsdp2_fingerprint_problem(plan: Any, spec: ModelSpec) -> str | None:
             return (f"the plan does not match the model: parameter '{a[0]}' has shape "
                     f"{list(a[1])} in the plan but {list(b[1])} in the model.")
     if len(planned) != len(live):
-        longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
-        first = longer[min(len(planned), len(live))][0]
-        return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
-                f"{len(live)} in the model; the {other} lacks '{first}'.")
+        return _count_problem(planned, live)
     return (f"the plan does not match the model: names and shapes agree but the dtypes or "
             f"layouts differ (fingerprint {plan.fingerprint[:19]}… vs "
             f"{spec.fingerprint()[:19]}…).")
+
+
+def _count_problem(planned: list, live: list) -> str:
+    """One line for a plan and a model of different parameter counts (lists of tuples whose
+    first item is the name), naming the first parameter the shorter one lacks."""
+    longer, other = (planned, "model") if len(planned) > len(live) else (live, "plan")
+    first = longer[min(len(planned), len(live))][0]
+    return (f"the plan does not match the model: {len(planned)} parameters in the plan, "
+            f"{len(live)} in the model; the {other} lacks '{first}'.")
 
 
 def _unpadded_vocab(spec: ModelSpec, planned: list[tuple[str, tuple[int, ...], str]],
