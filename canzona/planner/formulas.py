@@ -173,6 +173,14 @@ def fsdp2_block(shape: tuple[int, ...], split_dim: int | None, dp: int, tp: int,
     return r0 + start, r0 + start + n, c0, c1
 
 
+@lru_cache(maxsize=1 << 12)
+def fsdp2_blocks(shape: tuple[int, ...], split_dim: int | None, dp: int, tp: int
+                 ) -> tuple[tuple[int, int, int, int], ...]:
+    """:func:`fsdp2_block` of every rank d·tp + t, in rank order (computed once per size)."""
+    return tuple(fsdp2_block(shape, split_dim, dp, tp, d, t)
+                 for d in range(dp) for t in range(tp))
+
+
 def muon_flops(m: int, n: int, *, ns_steps: int = 5) -> int:
     """Matmul FLOPs of Muon's Newton–Schulz orthogonalisation of an m×n matrix.
 

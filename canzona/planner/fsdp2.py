@@ -27,7 +27,7 @@ from functools import lru_cache
 from .comm import ELEMENT_BYTES
 from .cost import Task, TaskCost, build_tasks, task_cost
 from .errors import SizeError
-from .formulas import fsdp2_block
+from .formulas import fsdp2_blocks
 from .hardware import HardwareProfile, LinkProfile
 from .inventory import ModelSpec
 from .layout import ParallelSizes
@@ -97,10 +97,8 @@ class FSDP2Problem:
 
     def most_held(self, i: int) -> int:
         """The most bytes of task ``i`` one rank holds (its block, ``formulas.fsdp2_block``)."""
-        shape, dim = self.tasks[i].shape, self.split_dims[i]
-        return self.elem_bytes * max(
-            (r1 - r0) * (c1 - c0) for d in range(self.dp) for t in range(self.tp)
-            for r0, r1, c0, c1 in (fsdp2_block(shape, dim, self.dp, self.tp, d, t),))
+        blocks = fsdp2_blocks(self.tasks[i].shape, self.split_dims[i], self.dp, self.tp)
+        return self.elem_bytes * max((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks)
 
     def weight(self, i: int) -> float:
         """Task ``i``'s time on its owner: its compute, and receiving its rows and sending its
@@ -166,19 +164,17 @@ def gather_bytes(shape: tuple[int, ...], split_dim: int | None, dp: int, tp: int
     tall = rows >= cols
     ranks = dp * tp
     sent, received = [0] * ranks, [0] * ranks
-    for d in range(dp):
-        for t in range(tp):
-            r = d * tp + t
-            r0, r1, c0, c1 = fsdp2_block(shape, split_dim, dp, tp, d, t)
-            if r0 == r1 or c0 == c1:
+    for r, (r0, r1, c0, c1) in enumerate(fsdp2_blocks(shape, split_dim, dp, tp)):
+        if r0 == r1 or c0 == c1:
+            continue
+        for o, b0, b1 in dests:
+            if r == o or (split_dim is None and r % tp != o % tp):
                 continue
-            for o, b0, b1 in dests:
-                if r == o or (split_dim is None and t != o % tp):
-                    continue
-                if tall:
-                    part = max(0, min(r1, b1) - max(r0, b0)) * (c1 - c0)
-                else:
-                    part = (r1 - r0) * max(0, min(c1, b1) - max(c0, b0))
+            if tall:
+                part = (min(r1, b1) - max(r0, b0)) * (c1 - c0)
+            else:
+                part = (r1 - r0) * (min(c1, b1) - max(c0, b0))
+            if part > 0:
                 sent[r] += part * elem_bytes
                 received[o] += part * elem_bytes
     return tuple(sent), tuple(received)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ..comm import ELEMENT_BYTES
 from ..cost import Task, make_cost_model, task_cost
-from ..formulas import fsdp2_block
+from ..formulas import fsdp2_blocks
 from ..fsdp2 import (SHARE_K, FSDP2Problem, FSDP2Solution, block_bounds, gather_bytes,
                      round_traffic)
 from ..layout import ParallelSizes
@@ -128,9 +128,10 @@ def _by_blocks(shape: tuple[int, ...], split_dim: int | None, dp: int, tp: int,
         numel *= x
     if split_dim is not None and tp == 1:
         split_dim = None  # one TP rank: its shard is the whole
+    all_blocks = fsdp2_blocks(shape, split_dim, dp, tp)
     for t in range(tp):
         # the TP shard's (or copy's) share of the amount, then its rows over the DP ranks
-        blocks = [fsdp2_block(shape, split_dim, dp, tp, d, t) for d in range(dp)]
+        blocks = all_blocks[t::tp]
         sizes = [(r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks]
         whole = sum(sizes)
         done = [0] * len(parts)
