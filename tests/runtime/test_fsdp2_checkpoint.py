@@ -5,7 +5,9 @@ other rows) and the reverse, Muon and Shampoo, equal to the uninterrupted run wi
 saved at dp 4 resumes at dp 2; a ZeRO-1 checkpoint loads into an FSDP2 optimizer and the reverse
 (the same logical keys); a checkpoint of another model or kernel is refused on every rank in one
 line and changes nothing; torch's ``get_state_dict`` changes neither the parameters nor the
-state.
+state. With TP (``test_fsdp2``'s TP model on the world as a 2 × 2 ("dp", "tp") mesh: uneven TP
+chunks, matrices and a bias TP replicates) a Muon run saved at dp 2 × tp 2 resumes at dp 4
+without TP and at dp 2 × tp 2 under other owners, and a dp-4 checkpoint of it at dp 2 × tp 2.
 
 ONE 4-rank spawn for the module: a 2-D mesh ("rep", "dp") of shape (2, 2) runs two dp-2 runs
 side by side (Muon on one half, Shampoo on the other, each saving or loading its own
@@ -187,6 +189,56 @@ def load_pairs(rank: int, world: int, *, ck: str) -> dict:
     return {"params": params, "shared": bool(half)}
 
 
+def _tp_run(rank: int, seed: int, *, tp: bool, other: bool = False):
+    """Muon on ``test_fsdp2``'s TP model (init ``seed``): with TP over the world's 2 × 2
+    ("dp", "tp") mesh (``other``: random owners over 3 rounds), or ``fully_shard``-ed over the
+    world at dp 4 without TP; the model, optimizer, scheduler, and this rank's DP rank and
+    size."""
+    import canzona
+
+    if tp:
+        model = F.tp_sharded(F.TPModel(seed), F.tp_mesh())
+        plan = canzona.plan_model(model, dp=WORLD // F.TP, tp=F.TP, storage="fsdp2",
+                                  comm_dtype="fp32", optimizer="muon",
+                                  **H.plan_settings("muon"))
+        plan = F.scrambled(plan, seed=5) if other else plan
+        where = (rank // F.TP, WORLD // F.TP)
+    else:
+        model = F.TPModel(seed)
+        plan = F.planned(model, WORLD, "muon")
+        F.shard(model, F.dp_mesh(WORLD))
+        where = (rank, WORLD)
+    opt = F.build(model, plan, "muon")
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor), *where
+
+
+def save_tp(rank: int, world: int, *, ck: str) -> None:
+    """dp 2 × tp 2: Muon trains SAVE_AT steps and the world saves."""
+    import canzona
+
+    model, opt, sched, d, dp = _tp_run(rank, 0, tp=True)
+    _steps(model, opt, sched, range(SAVE_AT), d, dp)
+    canzona.save_checkpoint(os.path.join(ck, "muon-tp"), model, opt, extra={"sched": sched})
+    opt.close()
+
+
+def load_tp(rank: int, world: int, *, ck: str, source: str, tp: bool,
+            resave: str | None = None) -> dict:
+    """A fresh TP model (another init) at dp 2 × tp 2 under other owners (``tp``) or at dp 4
+    loads checkpoint ``source``, saves it again as ``resave`` (if given) and trains to the
+    end."""
+    import canzona
+
+    model, opt, sched, d, dp = _tp_run(rank, 7, tp=tp, other=True)
+    meta = canzona.load_checkpoint(os.path.join(ck, source), model, opt, extra={"sched": sched})
+    if resave:
+        canzona.save_checkpoint(os.path.join(ck, resave), model, opt, extra={"sched": sched})
+    _steps(model, opt, sched, range(SAVE_AT, F.STEPS), d, dp)
+    out = {"params": F.full(model), "saved at": (meta["dp"], meta["tp"])}
+    opt.close()
+    return out
+
+
 def refusals(rank: int, world: int, *, ck: str) -> dict:
     """Checkpoints this optimizer cannot take, refused on every rank before anything
     changes: another model's, another kernel's."""
@@ -219,6 +271,11 @@ def cases(ck: str) -> list:
         ("save dp4 pairs", functools.partial(save_pairs, ck=fs)),
         ("dp4 pairs -> dp2", functools.partial(load_pairs, ck=fs)),
         ("refusals", functools.partial(refusals, ck=fs)),
+        ("save tp", functools.partial(save_tp, ck=fs)),
+        ("tp -> dp4", functools.partial(load_tp, ck=fs, source="muon-tp", tp=False,
+                                        resave="muon-tp-dp4")),
+        ("tp -> tp", functools.partial(load_tp, ck=fs, source="muon-tp", tp=True)),
+        ("dp4 -> tp", functools.partial(load_tp, ck=fs, source="muon-tp-dp4", tp=True)),
     ]
 
 
@@ -281,3 +338,16 @@ def test_another_models_or_kernels_checkpoint_is_refused_everywhere(world):
         assert "blocks.1.fc1.weight" in got["model"] and "[10, 8]" in got["model"] \
             and "[12, 8]" in got["model"], got["model"]
         assert "Muon" in got["kernel"] and "Shampoo" in got["kernel"], got["kernel"]
+
+
+@pytest.mark.parametrize("case", ["tp -> dp4", "tp -> tp", "dp4 -> tp"])
+def test_a_tp_run_resumes_at_another_dp_and_tp_as_uninterrupted(world, case):
+    """Muon saved at dp 2 × tp 2 (each rank its block of every parameter and momentum; TP
+    rank 0 alone the blocks TP replicates) resumes at dp 4 without TP, and at dp 2 × tp 2
+    under other owners; the dp-4 run's checkpoint at the load resumes at dp 2 × tp 2: every
+    parameter within 1e-5 of 10 uninterrupted steps, on every rank."""
+    ref = F.reference("muon", 2, tp=True)["params"]
+    for r, got in enumerate(H.results(world, case)):
+        assert got["saved at"] == ((4, 1) if case == "dp4 -> tp" else (2, 2))
+        err = H.max_rel_err(got["params"], ref)
+        assert H.is_close_rel(err), f"{case}, rank {r}: {err:.2e}"

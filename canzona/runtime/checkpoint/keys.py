@@ -10,13 +10,13 @@ plan::
 
     model.<name>                   the weights (DP rank 0 of each TP rank saves its shard; an
                                    expert's first expert-DP rank; under FSDP2 every rank its
-                                   rows)
+                                   block)
     optim.<name>.main              fp32 main copies (main_params="fp32"): each rank's own pieces
     optim.<name>.exp_avg|exp_avg_sq|step        AdamW: each rank's element ranges (+ its step)
     optim.<name>.momentum_buffer   Muon: each matrix task's rows, saved by its owner (a fused
                                    matrix and its split parts are rows of the same tensor, so
                                    Muon's momentum follows a change between them); under FSDP2
-                                   every rank its rows
+                                   every rank its block
     optim.<name>[#<part>].<key>    Shampoo/SOAP: per matrix task, its owner's whole state, rows
                                    (and left statistics' columns) in canonical order; Shampoo's
                                    blocks preconditioned shard by shard (tp > 1): each TP rank's
@@ -29,11 +29,13 @@ plan::
 
 :func:`entries` builds one rank's DCP state dict under these keys (saving: the data; loading:
 views to fill, and what must run once DCP has filled them). Under an FSDP2 plan the weights and
-every state kept in the parameters' layout (AdamW's; Muon's momentum, ``local_state``) are the
-DTensors themselves, ``Shard(0)`` rows that DCP reshards to any other layout, and an owner's
-whole-matrix state (Shampoo, SOAP, NorMuon) is written by its owner as ZeRO-1's owners write a
-whole matrix's (a matrix an adjacent pair shares: each member its block's box of it): the keys
-are the same, so a checkpoint of either storage loads into the other.
+every state kept in the parameters' layout (AdamW's; Muon's momentum, ``local_state``) are each
+rank's block of them (``formulas.fsdp2_block``: its ``Shard(0)`` rows, with TP the one rectangle
+of TP's chunk it holds) as a box of the logical tensor, which DCP reshards to any other layout
+(a block TP replicates is written by TP rank 0 and read by every copy); an owner's whole-matrix
+state (Shampoo, SOAP, NorMuon) is written by its owner as ZeRO-1's owners write a whole
+matrix's (a matrix an adjacent pair shares: each member its block's box of it): the keys are
+the same, so a checkpoint of either storage loads into the other, at any dp and tp.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from canzona.planner.formulas import fsdp2_rows
+from canzona.planner.formulas import fsdp2_block
 from canzona.planner.plan import FSDP2Plan
 from canzona.runtime.checkpoint.mapping import RankLayout, logical_key_shape
 from canzona.runtime.checkpoint.names import FORMAT, Placement, global_name
@@ -208,19 +210,15 @@ def entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = Non
 def fsdp2_entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any = None,
                   group_rank: int = 0) -> Entries:
     """This rank's entries under an FSDP2 plan (see the module docstring): the weights and the
-    states in the parameters' layout as this rank's rows of DTensors (every rank writes and
-    reads its own), each owned matrix's whole state by its owner, each block's of a matrix a pair
-    shares by its member (:func:`_add_block_state`). A plan with TP (tp > 1) is refused."""
-    if getattr(opt, "_tp", 1) > 1:
-        raise CheckpointError(f"canzona checkpoints of an FSDP2 plan with TP (tp={opt._tp}) are "
-                              "not supported; opt.state_dict() saves this rank's state under "
-                              "the same plan.")
+    states in the parameters' layout as this rank's block of them (:func:`_add_block`), each
+    owned matrix's whole state by its owner, each block's of a matrix a pair shares by its
+    member (:func:`_add_block_state`)."""
     E = Entries()
     storage = opt._storage
     storage.reshard()  # the model holds its sharded parameters, the DTensors below
     if model is not None:
         for name, p in zip(opt._names, opt._live):
-            _add_rows(E, f"model.{_key(name)}", p.detach(), opt)
+            _add_block(E, f"model.{_key(name)}", p, name, opt, saving=saving)
         _add_buffers(E, model, opt._live, saving=saving, group_rank=group_rank)
     kernel = opt._matrix
     in_rows = list(opt._adamw_ids) + (list(opt._matrix_ids) if kernel.local_state else [])
@@ -228,7 +226,7 @@ def fsdp2_entries(opt: Any, model: nn.Module | None, *, saving: bool, saved: Any
         base = f"optim.{_key(opt._names[i])}"
         for key, x in opt.state[opt._params[i]].items():
             if _is_dtensor(x):
-                _add_rows(E, f"{base}.{key}", x, opt)
+                _add_block(E, f"{base}.{key}", x, opt._names[i], opt, saving=saving)
             else:  # the step counter, the same on every rank
                 E.add_tensor(f"{base}.{key}", x)
     if not kernel.local_state:
@@ -260,22 +258,35 @@ def _add_block_state(E: Entries, b: Any, st: dict[str, Tensor], kernel: Any) -> 
         E.add_pieces(f"{base}.{key}", shape, [((b.r0, cols), x)])
 
 
-def _add_rows(E: Entries, key: str, x: Any, opt: Any) -> None:
-    """A DTensor placed ``Shard(0)`` over the DP mesh, under its logical key: itself where the
-    key has its shape (DCP saves and reads this rank's rows), else (more than two dims, viewed
-    as 2-D) this rank's rows as a box of the 2-D view."""
-    logical = logical_key_shape(x.shape)
-    if tuple(x.shape) == logical:
-        E.sd[key] = x
-        E.needs[key] = logical
+def _add_block(E: Entries, key: str, x: Any, name: str, opt: Any, *, saving: bool) -> None:
+    """A DTensor in parameter ``name``'s FSDP2 layout (the parameter, or a state of its shape)
+    under its logical key: this rank's block of it (``formulas.fsdp2_block`` of the parameter's
+    TP split dim; rows of the 2-D view beyond two dims) as a box of the logical tensor, none
+    where the block is empty. A block TP replicates is written by TP rank 0 alone and read by
+    every copy. The box is computed here rather than read off the DTensor, whose offsets under
+    ``_StridedShard`` (TP, then ``fully_shard``) do not always say where its rows lie."""
+    shape = tuple(x.shape)
+    logical = logical_key_shape(shape)
+    E.needs[key] = logical
+    split = opt._splits.get(name)
+    if split == 1 and len(shape) != 2:
+        raise CheckpointError(f"'{name}' ({list(shape)}) is split by TP along dim 1 of more "
+                              "or fewer than two dims, which is no box of its logical tensor.")
+    d, t = divmod(opt._rank, opt._tp)
+    r0, r1, c0, c1 = fsdp2_block(shape, split, opt._dp, opt._tp, d, t)
+    local = local_tensor(x).detach()
+    if local.numel() != (r1 - r0) * (c1 - c0):
+        raise CheckpointError(f"'{name}' holds {list(local.shape)} on mesh rank {opt._rank}, "
+                              f"not its block [{r0}:{r1}, {c0}:{c1}] of {list(shape)}; the "
+                              "model is not laid out as the plan says.")
+    if r0 == r1 or c0 == c1 or (saving and split is None and t):
         return
-    local = local_tensor(x)
-    first = fsdp2_rows(x.shape[0], opt._dp)[opt._rank][0]
-    per = math.prod(x.shape[1:-1])
-    if local.numel():
-        E.add_pieces(key, logical, [((first * per, 0), local.reshape(-1, x.shape[-1]))])
-    else:
-        E.needs[key] = logical
+    if len(logical) == 1:
+        E.add_pieces(key, logical, [((r0,), local.view(-1))])
+        return
+    per = math.prod(shape[1:-1])  # rows of the 2-D view per row of dim 0
+    cols = c1 - c0 if split == 1 else logical[1]
+    E.add_pieces(key, logical, [((r0 * per, c0), local.view(-1, cols))])
 
 
 def _add_buffers(E: Entries, model: nn.Module, params: list[Tensor], *, saving: bool,
