@@ -157,10 +157,21 @@ def _placement_problem(p: Tensor, mesh: Any, placements: tuple) -> str | None:
 
 def check_mixed_precision(model: nn.Module) -> None:
     """Each ``fully_shard``'s ``MixedPrecisionPolicy`` keeps fp32 parameters and an fp32
-    gradient reduction (``param_dtype`` and ``reduce_dtype`` None or ``torch.float32``)."""
+    gradient reduction (``param_dtype`` and ``reduce_dtype`` None or ``torch.float32``), and no
+    ``CPUOffloadPolicy`` moves the sharded parameters to the host (the rounds run where the
+    parameters are)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     for name, m in fsdp2_modules(model):
         state = m._get_fsdp_state()  # type: ignore[operator]
         groups = getattr(state, "_fsdp_param_groups", None) or ()
+        for g in groups:
+            if isinstance(getattr(g, "offload_policy", None), CPUOffloadPolicy):
+                where = f"module '{name}'" if name else "the root module"
+                raise PlanMismatchError(
+                    f"fully_shard on {where} has a CPUOffloadPolicy; canzona's FSDP2 storage "
+                    "does not run with the parameters offloaded to the host yet: leave "
+                    "offload_policy out.")
         policies = [g.mp_policy for g in groups] or [getattr(state, "_mp_policy", None)]
         for mp in policies:
             for field in ("param_dtype", "reduce_dtype"):
