@@ -275,7 +275,8 @@ def _run(mesh, plan) -> dict[str, tuple[list[float], dict]]:  # noqa: ANN001
             times.append(time.perf_counter() - t)
     out = {}
     for strategy, (model, opt, times) in runs.items():
-        out[strategy] = (times, {n: p.full_tensor().clone() for n, p in model.named_parameters()})
+        out[strategy] = (times, {n: p.full_tensor().detach().clone()
+                                 for n, p in model.named_parameters()})
         if strategy == "canzona":
             opt.close()
     return out
@@ -295,7 +296,8 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         plan = canzona.plan_model(shard(build_model(), mesh), dp=world, hardware="cpu")
         out = _run(mesh, plan)
-        start = {n: p.full_tensor() for n, p in shard(build_model(), mesh).named_parameters()}
+        start = {n: p.full_tensor().detach()
+                 for n, p in shard(build_model(), mesh).named_parameters()}
         if rank == 0:
             ref = out["dist-muon"][1]
             rows = {}
