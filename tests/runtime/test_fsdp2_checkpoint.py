@@ -9,8 +9,8 @@ state. With TP (``test_fsdp2``'s TP model on the world as a 2 × 2 ("dp", "tp") 
 chunks, matrices and a bias TP replicates) a Muon run saved at dp 2 × tp 2 resumes at dp 4
 without TP and at dp 2 × tp 2 under other owners, and a dp-4 checkpoint of it at dp 2 × tp 2.
 
-ONE 4-rank spawn for the module: a 2-D mesh ("rep", "dp") of shape (2, 2) runs two dp-2 runs
-side by side (Muon on one half, Shampoo on the other, each saving or loading its own
+ONE 4-rank spawn with the training module (``conftest.fsdp2_world4``): a 2-D mesh ("rep",
+"dp") of shape (2, 2) runs two dp-2 runs side by side (Muon on one half, Shampoo on the other, each saving or loading its own
 checkpoint), the whole world the dp-4 ones. The model is ``test_fsdp2``'s (rows that do not
 divide by 4: some ranks hold fewer rows, one none)."""
 
@@ -270,7 +270,7 @@ def cases(ck: str) -> list:
         ("fsdp2 dp4 -> zero1 dp2", functools.partial(load_halves, ck=fs, zero1=True)),
         ("save dp4 pairs", functools.partial(save_pairs, ck=fs)),
         ("dp4 pairs -> dp2", functools.partial(load_pairs, ck=fs)),
-        ("refusals", functools.partial(refusals, ck=fs)),
+        ("checkpoint refusals", functools.partial(refusals, ck=fs)),
         ("save tp", functools.partial(save_tp, ck=fs)),
         ("tp -> dp4", functools.partial(load_tp, ck=fs, source="muon-tp", tp=False,
                                         resave="muon-tp-dp4")),
@@ -280,9 +280,10 @@ def cases(ck: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    ck = str(tmp_path_factory.mktemp("fsdp2-ck"))
-    return H.run_world(WORLD, cases(ck), str(tmp_path_factory.mktemp("fsdp2-ck-world")))
+def world(fsdp2_world4):
+    """The cases' results, run in one spawn with the training module's
+    (``conftest.fsdp2_world4``)."""
+    return fsdp2_world4
 
 
 def _assert_uninterrupted(params: dict, optimizer: str, what: str) -> None:
@@ -331,7 +332,7 @@ def test_get_state_dict_changes_nothing(world):
 
 
 def test_another_models_or_kernels_checkpoint_is_refused_everywhere(world):
-    for got in H.results(world, "refusals"):
+    for got in H.results(world, "checkpoint refusals"):
         for what in ("model", "kernel"):
             assert got[what].startswith("CheckpointError") and "\n" not in got[what], got[what]
             assert got[f"{what} unchanged"]
