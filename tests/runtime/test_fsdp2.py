@@ -7,12 +7,12 @@ bfloat16 with the same result as fp32 rows; round k + 1's gather is launched bef
 computed; bad input is refused in one line; the optimizer's surface (state dict, close, groups,
 non-finite gradients, a kernel raising on an owner or on a rank making its rows) works.
 
-ONE 4-rank spawn with the checkpoint module (``conftest.fsdp2_world4``): a 2-D mesh ("rep",
-"dp") of shape (2, 2) runs two dp-2 cases side by side (one per "rep" half), the whole world the dp-4 ones. The model's row counts do not
-divide by 4 (10, 5 and 18 rows), so some ranks hold fewer rows and one holds none. With TP
-(torchtitan's order: ``parallelize_module`` over ``mesh["tp"]``, then ``fully_shard`` over
-``mesh["dp"]``) the world is one 2 × 2 ("dp", "tp") mesh and trains as one process too (Muon,
-Shampoo, matrices shared by pairs; sizes TP splits unevenly)."""
+ONE 4-rank spawn with the checkpoint module (``conftest.fsdp2_world4``): a 2-D mesh ("rep", "dp") of
+shape (2, 2) runs two dp-2 cases side by side (one per "rep" half), the whole world the dp-4 ones.
+The model's row counts do not divide by 4 (10, 5 and 18 rows), so some ranks hold fewer rows and one
+holds none. With TP (torchtitan's order: ``parallelize_module`` over ``mesh["tp"]``, then
+``fully_shard`` over ``mesh["dp"]``) the world is one 2 × 2 ("dp", "tp") mesh and trains as one
+process too (Muon, Shampoo, matrices shared by pairs; sizes TP splits unevenly)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ state. With TP (``test_fsdp2``'s TP model on the world as a 2 × 2 ("dp", "tp") 
 chunks, matrices and a bias TP replicates) a Muon run saved at dp 2 × tp 2 resumes at dp 4
 without TP and at dp 2 × tp 2 under other owners, and a dp-4 checkpoint of it at dp 2 × tp 2.
 
-ONE 4-rank spawn with the training module (``conftest.fsdp2_world4``): a 2-D mesh ("rep",
-"dp") of shape (2, 2) runs two dp-2 runs side by side (Muon on one half, Shampoo on the other, each saving or loading its own
-checkpoint), the whole world the dp-4 ones. The model is ``test_fsdp2``'s (rows that do not
-divide by 4: some ranks hold fewer rows, one none)."""
+ONE 4-rank spawn with the training module (``conftest.fsdp2_world4``): a 2-D mesh ("rep", "dp") of
+shape (2, 2) runs two dp-2 runs side by side (Muon on one half, Shampoo on the other, each saving or
+loading its own checkpoint), the whole world the dp-4 ones. The model is ``test_fsdp2``'s (rows that
+do not divide by 4: some ranks hold fewer rows, one none)."""
 
 from __future__ import annotations
 
