@@ -179,13 +179,15 @@ SHARES2 = {"blocks.0.fc1.weight": (0, 1), "blocks.0.fc2.weight": (0, 1),
            "blocks.1.gate.weight": (0, 1)}
 
 
-def accounted(plan, dp: int, d: int) -> list[int]:
-    """Per round, the elements DP rank ``d`` sends to other ranks in its gather by the
-    planner's accounting (``fsdp2.gather_bytes``: a shared task's rows to the member whose
-    block they fall in, a wide one's columns), status elements left out."""
+def accounted(plan, rank: int) -> list[int]:
+    """Per round, the elements rank ``rank`` (d·tp + t of the mesh) sends to other ranks in its
+    gather by the planner's accounting (``fsdp2.gather_bytes``: a shared task's rows to the
+    member whose block they fall in, a wide one's columns; with TP each rank's rectangle, a
+    replicated matrix only from the owner's TP rank), status elements left out."""
     from canzona.planner.fsdp2 import gather_bytes
 
     tasks = {t.id: t for t in plan.tasks}
+    dims = dict(zip((t.id for t in plan.tasks), plan.fsdp2.split_dims))
     shared = {x.id: x for x in plan.fsdp2.shared}
 
     def dests(i: int) -> tuple:
@@ -194,9 +196,9 @@ def accounted(plan, dp: int, d: int) -> list[int]:
             return ((tasks[i].owner, 0, max(tasks[i].shape)),)
         return tuple((o, x.blocks[j], x.blocks[j + 1]) for j, o in enumerate(x.owners))
 
-    return [sum(gather_bytes(tuple(tasks[i].shape), split_dim=None, dp=dp, tp=1, elem_bytes=1,
-                             dests=dests(i))[0][d] for i in r.tasks)
-            for r in plan.fsdp2.rounds]
+    return [sum(gather_bytes(tuple(tasks[i].shape), split_dim=dims.get(i), dp=plan.inputs.dp,
+                             tp=plan.inputs.tp, elem_bytes=1, dests=dests(i))[0][rank]
+                for i in r.tasks) for r in plan.fsdp2.rounds]
 
 
 def build(model: nn.Module, plan, optimizer: str, **kw):
@@ -259,7 +261,7 @@ def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
            "local_rows": {n: p.to_local().shape[0] for n, p in named.items()},
            "wire": opt._storage.wire, "comm_bytes": opt.comm_bytes(),
            "sent": [sum(n for o, n in enumerate(r.send) if o != d) for r in opt._storage.rounds],
-           "pair": type(opt._pair_group).__name__, "accounted": accounted(plan, dp, d),
+           "pair": type(opt._pair_group).__name__, "accounted": accounted(plan, d),
            "state": {n: {k: (type(v).__name__, tuple(v.shape), tuple(v.to_local().shape)
                              if hasattr(v, "to_local") else None)
                          for k, v in opt.state[p].items()} for n, p in named.items()}}
@@ -327,26 +329,6 @@ def tp_sharded(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def tp_accounted(plan, rank: int) -> list[int]:
-    """Per round, the elements mesh rank ``rank`` sends to other ranks in its gather by the
-    planner's ``fsdp2.gather_bytes`` (with TP), status elements left out."""
-    from canzona.planner.fsdp2 import gather_bytes
-
-    tasks = {t.id: t for t in plan.tasks}
-    dims = dict(zip((t.id for t in plan.tasks), plan.fsdp2.split_dims))
-    shared = {x.id: x for x in plan.fsdp2.shared}
-
-    def dests(i: int) -> tuple:
-        x = shared.get(i)
-        if x is None:
-            return ((tasks[i].owner, 0, max(tasks[i].shape)),)
-        return tuple((o, x.blocks[j], x.blocks[j + 1]) for j, o in enumerate(x.owners))
-
-    return [sum(gather_bytes(tuple(tasks[i].shape), split_dim=dims[i], dp=plan.inputs.dp,
-                             tp=plan.inputs.tp, elem_bytes=1, dests=dests(i))[0][rank]
-                for i in r.tasks) for r in plan.fsdp2.rounds]
-
-
 def train_tp(rank: int, world: int, *, optimizer: str, shares: dict | None = None) -> dict:
     """Train :class:`TPModel` with TP over the "tp" dim and FSDP2 over the "dp" dim of the 2 × 2
     world mesh, planned by ``canzona.plan_model(model, dp=2, tp=2)`` (the planner's owners, or
@@ -378,7 +360,7 @@ def train_tp(rank: int, world: int, *, optimizer: str, shares: dict | None = Non
            "placements": {n: repr(tuple(p.placements)) for n, p in named.items()},
            "state_bytes": opt.state_bytes(), "predicted": opt.predicted_state_bytes(),
            "sent": [sum(n for o, n in enumerate(r.send) if o != rank)
-                    for r in opt._storage.rounds], "accounted": tp_accounted(plan, rank),
+                    for r in opt._storage.rounds], "accounted": accounted(plan, rank),
            "shared": len(plan.fsdp2.shared)}
     opt.close()
     return out
