@@ -57,6 +57,8 @@ __all__ = [
     "normuon_state_numel",
     "normuon_traffic_bytes",
     "row_stats_numel",
+    "sub_round_bytes",
+    "sub_round_rows",
     "poly_blocks",
     "poly_flops",
     "poly_packed_numel",
@@ -522,6 +524,21 @@ def lockstep_bytes(rows: int, n: int, k: int, split: bool, e: int) -> int:
     instead, :func:`poly_packed_numel`) and the momentum direction handed in (rows × n, fp32)."""
     poly = (k + 1) * poly_packed_numel(n, k) if split else n * n
     return (2 * rows * n + n * n + gram_packed_numel(n) + poly) * e + 4 * rows * n
+
+
+def sub_round_rows(m: int, tp: int, k: int) -> int:
+    """Rows of the oriented m-row matrix one member of a TP sub-group of ``k`` holds in a round
+    (``runtime.optim.sub_groups``): tp/k TP shards of ⌈m/tp⌉ rows."""
+    return tp // k * -(-m // tp)
+
+
+def sub_round_bytes(m: int, n: int, tp: int, k: int, split: bool, e: int) -> int:
+    """Scratch bytes one round of TP sub-groups holds on a rank in a lockstep batch (tp/k alike
+    m × n matrices, m ≥ n, each TP rank one piece): its rows' :func:`lockstep_bytes` over the
+    ``k`` sharing ranks, plus the all-to-all buffers that gather them and return the update
+    rows (each :func:`sub_round_rows` × n in ``e`` bytes)."""
+    rows = sub_round_rows(m, tp, k)
+    return lockstep_bytes(rows, n, k, split, e) + 2 * rows * n * e
 
 
 #: A lockstep batch of shared matrices holds at most this many C_max of scratch: what the

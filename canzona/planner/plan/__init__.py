@@ -15,18 +15,20 @@ which itself imports the schema.
 
 from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, FSDP2_VERSION,
                      HEADS_VERSION, PIPELINE_VERSION, RECIPE_VERSION, SCHEMA_VERSION,
-                     TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan, BufferPlan,
-                     CollectiveMethod, CommPlan, FSDP2Plan, FSDP2Section, FSDP2SharedPlan,
-                     GroupTaskPlan, Metrics, MicroGroupPlan, PairTaskPlan, PipelinePlan, Plan,
-                     PlanInputs, RankLayout, RoundPlan, ShardLayoutPlan, SharedTaskPlan,
-                     SlotPlan, SolverOptions, StageInputs, TaskPlan, TPIndexPlan, TPMetrics,
-                     TPPlan, gc_paused, save_plan, write_atomically)
+                     SUB_GROUP_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION, BucketPlan,
+                     BufferPlan, CollectiveMethod, CommPlan, FSDP2Plan, FSDP2Section,
+                     FSDP2SharedPlan, GroupTaskPlan, Metrics, MicroGroupPlan, PairTaskPlan,
+                     PipelinePlan, Plan, PlanInputs, RankLayout, RoundPlan, ShardLayoutPlan,
+                     SharedTaskPlan, SlotPlan, SolverOptions, StageInputs, SubGroupPlan,
+                     TaskPlan, TPIndexPlan, TPMetrics, TPPlan, gc_paused, save_plan,
+                     write_atomically)
 
 __all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "FSDP2_VERSION",
            "HEADS_VERSION", "PIPELINE_VERSION", "RECIPE_VERSION", "SCHEMA_VERSION",
-           "TP_PAIR_VERSION", "TP_SHARE_VERSION", "BucketPlan", "BufferPlan", "CollectiveMethod",
-           "CommPlan", "FSDP2Plan", "FSDP2Section", "FSDP2SharedPlan", "GroupTaskPlan",
-           "Metrics", "MicroGroupPlan", "PairTaskPlan", "PipelinePlan", "Plan", "PlanInputs",
-           "RankLayout", "RoundPlan", "ShardLayoutPlan", "SharedTaskPlan", "SlotPlan",
-           "SolverOptions", "StageInputs", "TaskPlan", "TPIndexPlan", "TPMetrics", "TPPlan",
-           "gc_paused", "save_plan", "write_atomically"]
+           "SUB_GROUP_VERSION", "TP_PAIR_VERSION", "TP_SHARE_VERSION", "BucketPlan",
+           "BufferPlan", "CollectiveMethod", "CommPlan", "FSDP2Plan", "FSDP2Section",
+           "FSDP2SharedPlan", "GroupTaskPlan", "Metrics", "MicroGroupPlan", "PairTaskPlan",
+           "PipelinePlan", "Plan", "PlanInputs", "RankLayout", "RoundPlan", "ShardLayoutPlan",
+           "SharedTaskPlan", "SlotPlan", "SolverOptions", "StageInputs", "SubGroupPlan",
+           "TaskPlan", "TPIndexPlan", "TPMetrics", "TPPlan", "gc_paused", "save_plan",
+           "write_atomically"]

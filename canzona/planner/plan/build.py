@@ -17,9 +17,10 @@ from ..stages import tied_name
 from .comm_section import comm_section
 from .compact import COMPACT_TASKS
 from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
-                     PIPELINE_VERSION, RECIPE_VERSION, TP_PAIR_VERSION, TP_SHARE_VERSION,
-                     BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan, PlanInputs, RankLayout,
-                     SlotPlan, SolverOptions, StageInputs, TaskPlan, TPPlan, record)
+                     PIPELINE_VERSION, RECIPE_VERSION, SUB_GROUP_VERSION, TP_PAIR_VERSION,
+                     TP_SHARE_VERSION, BucketPlan, BufferPlan, Metrics, PairTaskPlan, Plan,
+                     PlanInputs, RankLayout, SlotPlan, SolverOptions, StageInputs, TaskPlan,
+                     TPPlan, record)
 
 __all__ = ["baseline_plan", "build_plan"]
 
@@ -122,6 +123,8 @@ def build_plan(
         version = COMPACT_VERSION
     if inputs.stage is not None:
         version = PIPELINE_VERSION
+    if tp is not None and any(x.sub is not None for ix in tp.indices for x in ix.shared):
+        version = SUB_GROUP_VERSION
     return record(Plan, v, schema_version=version,
                   inputs=inputs, rank_layout=RankLayout(dp=sizes.dp, tp=sizes.tp),
                   fingerprint=problem.spec.fingerprint(), total_params=problem.spec.total_params,

@@ -37,9 +37,9 @@ from ..errors import PlanFileError
 from ..hardware import DEFAULT_HARDWARE, load_hardware
 from .comm_section import comm_section
 from .messages import REGENERATE, version_error
-from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, HEADS_VERSION,
-                     PIPELINE_VERSION, RECIPE_VERSION, SCHEMA_VERSION, TP_PAIR_VERSION,
-                     TP_SHARE_VERSION, BufferPlan)
+from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, FSDP2_VERSION,
+                     HEADS_VERSION, PIPELINE_VERSION, RECIPE_VERSION, SCHEMA_VERSION,
+                     TP_PAIR_VERSION, TP_SHARE_VERSION, BufferPlan)
 
 #: A converter: a version-n file's data (and its name, for errors) → version n + 1's data.
 Converter = Callable[[dict, str], dict]
@@ -105,6 +105,7 @@ UPGRADES: dict[int, Converter] = {
     HEADS_VERSION: _adds_optional_fields,  # → COMPACT_VERSION
     COMPACT_VERSION: _adds_optional_fields,  # → PIPELINE_VERSION
     PIPELINE_VERSION: _adds_optional_fields,  # → FSDP2_VERSION
+    FSDP2_VERSION: _adds_optional_fields,  # → SUB_GROUP_VERSION
 }
 #: The oldest schema version this canzona reads.
 OLDEST_VERSION = min(UPGRADES)

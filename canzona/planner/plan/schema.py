@@ -14,7 +14,8 @@ for a plan that shares no matrix, 3 (:data:`TP_SHARE_VERSION`) when its TP group
 (:data:`RECIPE_VERSION`) when its optimizer settings record a Newton–Schulz schedule other than
 ``simple`` (``inputs.optimizer.ns_coefficients``), 7 (:data:`HEADS_VERSION`) when they split the
 fused QKV per attention head (``inputs.optimizer.qkv_split``), 8 (:data:`COMPACT_VERSION`) when it
-has more than ``compact.COMPACT_TASKS`` tasks and is written compact (:mod:`.compact`); an
+has more than ``compact.COMPACT_TASKS`` tasks and is written compact (:mod:`.compact`), 11
+(:data:`SUB_GROUP_VERSION`) when TP sub-groups share matrices (``SharedTaskPlan.sub``); an
 older canzona then asks for an upgrade instead of running a plan without its shared tasks, and a
 plan without them keeps the text version 2 wrote. Reading a file — the version checks, the
 converters of older versions (:mod:`canzona.planner.plan.convert`), this schema and every
@@ -43,7 +44,7 @@ from ..settings import OptimizerSettings
 from . import compact
 
 #: The newest plan version this canzona reads and writes.
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 #: The version of a plan that shares no matrix (what every plan was before version 3).
 BASE_VERSION = 2
 #: The version of a plan whose TP groups share matrices (and no DP pair does).
@@ -65,6 +66,9 @@ PIPELINE_VERSION = 9
 #: The version of a plan for FSDP2's storage (:class:`FSDP2Plan`: every parameter in ``Shard(0)``
 #: rows over the DP ranks, each matrix gathered to its owner by all-to-all rounds).
 FSDP2_VERSION = 10
+#: The version of a plan whose TP sub-groups share matrices (``SharedTaskPlan.sub``: k < tp
+#: strided TP ranks share one matrix, tp/k of them side by side).
+SUB_GROUP_VERSION = 11
 #: The version of a plan whose TP groups share matrices with a partner DP index's (tp > 1,
 #: k = 2·tp: ``dp_shared`` at tp > 1, ``SharedTaskPlan.partner``).
 TP_PAIR_VERSION = 5
@@ -291,6 +295,22 @@ class MicroGroupPlan(_Frozen):
                                 "start/end (seconds, hardware profile; not measured).")
 
 
+class SubGroupPlan(_Frozen):
+    """Where a shared task runs when a TP sub-group shares it: ``k`` of its TP group's ``tp``
+    ranks, strided (TP ranks ``slot``, ``slot`` + tp/k, …), each gathering tp/k shards of the
+    matrix from its block of tp/k consecutive TP ranks, orthogonalising its rows with shared
+    Newton–Schulz over the sub-group and returning the update rows
+    (``runtime.optim.sub_groups``). A round is tp/k alike matrices of one DP index, one per
+    slot, consecutive in the index's ``shared`` list in slot order: every TP rank computes one
+    piece of it."""
+
+    k: int = Field(ge=2, description="ranks sharing the matrix: a divisor of tp below tp.")
+    round: int = Field(ge=0, description="the round among this DP index's sub-group rounds, in "
+                                         "plan order (0, 1, …).")
+    slot: int = Field(ge=0, description="the sub-group computing it: TP ranks slot, slot + "
+                                        "tp/k, … (below tp/k).")
+
+
 class SharedTaskPlan(_Frozen):
     """A TP-split Muon matrix task its TP group shares (``TPOptions.share``), alone or with the
     same TP ranks at a ``partner`` DP index (each index then holds half of every shard's rows,
@@ -315,6 +335,11 @@ class SharedTaskPlan(_Frozen):
                     "its rows cut between them as dp_shared says): this index's half, summed "
                     "with the partner's by the same TP ranks (written only when set, so a task "
                     "its TP group shares alone keeps the text of schema version 3; version 5).")
+    sub: SubGroupPlan | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="the TP sub-group computing it, with tp/k alike matrices of this index side "
+                    "by side (written only when set, so other shared tasks keep their text; "
+                    "version 11).")
 
 
 class TPIndexPlan(_Frozen):
@@ -365,7 +390,7 @@ class TPPlan(_Frozen):
     layouts: tuple[ShardLayoutPlan, ...]
     indices: tuple[TPIndexPlan, ...]
     metrics: TPMetrics
-    share: Literal["off", "auto", "all", "all-split", "pairs"] = Field(
+    share: Literal["off", "auto", "all", "all-split", "pairs", "sub-groups"] = Field(
         default="off", exclude_if=lambda v: v == "off",
         description="TPOptions.share, or off where no task is shared (written only when not "
                     "off, as by a plan that shares, version 3: a plan that shares nothing stays "
@@ -428,9 +453,9 @@ class Plan(_Frozen):
     """A canzona plan (schema version 2; 3 when its TP groups share matrices; 4 when DP pairs
     do; 5 when TP groups share with a partner DP index's; 6 when its optimizer settings record
     a Newton–Schulz schedule; 7 when they split the fused QKV per head; 8 when it is written
-    compact)."""
+    compact; 9 for a pipeline stage; 11 when TP sub-groups share matrices)."""
 
-    schema_version: Literal[2, 3, 4, 5, 6, 7, 8, 9] = BASE_VERSION
+    schema_version: Literal[2, 3, 4, 5, 6, 7, 8, 9, 11] = BASE_VERSION
     inputs: PlanInputs
     rank_layout: RankLayout
     fingerprint: str = Field(
@@ -466,10 +491,20 @@ class Plan(_Frozen):
             if needs and self.schema_version < version:
                 raise ValueError(f"inputs.optimizer records {what}, which needs schema_version "
                                  f"{version} (found {self.schema_version})")
+        if self.sub_groups and self.schema_version < SUB_GROUP_VERSION:
+            raise ValueError(f"tp.indices hold tasks TP sub-groups share, which need "
+                             f"schema_version {SUB_GROUP_VERSION} (found "
+                             f"{self.schema_version})")
         if self.inputs.stage is not None and self.schema_version < PIPELINE_VERSION:
             raise ValueError(f"inputs.stage records a pipeline stage, which needs "
                              f"schema_version {PIPELINE_VERSION} (found {self.schema_version})")
         return self
+
+    @property
+    def sub_groups(self) -> bool:
+        """Whether any task is shared by a TP sub-group (``SharedTaskPlan.sub``)."""
+        return self.tp is not None and any(x.sub is not None for ix in self.tp.indices
+                                           for x in ix.shared)
 
     @property
     def compact(self) -> bool:

@@ -10,11 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from canzona.planner import ParallelSizes, PlanFileError, build_inventory, get_preset
-from canzona.planner.plan import BASE_VERSION, SCHEMA_VERSION, PipelinePlan, Plan, save_plan
+from canzona.planner.plan import (BASE_VERSION, SCHEMA_VERSION, FSDP2Plan, PipelinePlan, Plan,
+                                  save_plan)
 from canzona.planner.plan.load import load_plan, parse_plan
 from canzona.planner.plan.build import baseline_plan
 from canzona.planner.planning import make_problem
-from canzona.planner.report import inspect_report
+from canzona.planner.report import fsdp2_dict, inspect_report
 
 
 def _plan(model="qwen3-1.7b", dp=8, tp=2) -> Plan:
@@ -180,6 +181,10 @@ def test_old_plans_inspect_with_their_config():
     assert len(files) == SCHEMA_VERSION - 1
     for f in files:
         plan = load_plan(f)
+        if isinstance(plan, FSDP2Plan):  # FSDP2's storage: its own report, strategies beside
+            report = fsdp2_dict(plan, config=Path(old / "tiny-config.json"))
+            assert report["strategies"], f.name
+            continue
         if isinstance(plan, PipelinePlan):  # a pipeline's file: each stage reports so
             plan = plan.stage(0)
         report = inspect_report(plan, config=old / "tiny-config.json")
