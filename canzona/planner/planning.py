@@ -105,6 +105,43 @@ class PairShare:
 
 
 @dataclass(frozen=True, slots=True)
+class SubRound:
+    """tp/k alike Muon matrix tasks of one DP index shared by TP sub-groups of ``k`` strided TP
+    ranks, one matrix per sub-group (``tasks`` in slot order), run as one piece of the index's
+    lockstep: every TP rank computes one piece of one of them (``sharing.tp_sub_piece``), so
+    the round's per-rank ``load`` (cost units: its seconds alone, converted), ``compute_s``,
+    ``comm_s`` (the Gram's collectives over k ranks and the all-to-alls that gather and return
+    the rows) and ``hidden_s`` (of those, beside its own Gram products) are one piece's. Each
+    member is also in ``DPProblem.shared``, with 1/s of the round's load (what
+    ``tp.context.index_work`` sums per TP rank)."""
+
+    k: int
+    tasks: tuple[int, ...]
+    split_poly: bool
+    load: float
+    compute_s: float
+    comm_s: float
+    hidden_s: float = 0.0
+
+    @property
+    def slots(self) -> int:
+        """Matrices side by side (tp / k)."""
+        return len(self.tasks)
+
+    @property
+    def alone_s(self) -> float:
+        """Seconds of the round alone: its compute and the collectives it does not hide."""
+        return self.compute_s + self.comm_s - self.hidden_s
+
+    def run_piece(self) -> tuple[float, float, float]:
+        """The round's (compute, collectives, hidden) in load units, as a lockstep meets them
+        (``tp.context.lockstep_seconds``): its load is its seconds alone, converted."""
+        total = self.alone_s
+        per = self.load / total if total else 0.0
+        return self.compute_s * per, self.comm_s * per, self.hidden_s * per
+
+
+@dataclass(frozen=True, slots=True)
 class DPProblem:
     """The α-balanced partitioning problem of one model at one set of sizes."""
 
@@ -132,6 +169,9 @@ class DPProblem:
     #: Tasks two DP indices share: task id → its two pieces. ``sharing.with_pairs`` cuts each
     #: such task's bucket item into two atomic items at the row boundary.
     pairs: Mapping[int, PairShare] = field(default_factory=dict)
+    #: Tasks TP sub-groups share (tp > 1): task id → its round (every member of a round maps
+    #: to the same :class:`SubRound`; the members lie on one DP index and are in ``shared``).
+    rounds: Mapping[int, SubRound] = field(default_factory=dict)
     #: Seconds per unit of load when the cost model is in seconds (``roofline``: 1e-9); None
     #: when loads are FLOPs or elements (timelines then take FLOPs at the profile's rate).
     seconds_per_load: float | None = None

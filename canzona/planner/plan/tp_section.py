@@ -10,8 +10,9 @@ from typing import Any
 from ..cost import DTYPE_BYTES
 from ..planning import DPProblem
 from ..tp.context import TPContext, lb_gpu
-from ..tp.schedule import TPSchedule
-from .schema import (GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, SharedTaskPlan, TPIndexPlan,
+from ..tp.schedule import SharedRun, TPSchedule
+from .schema import (GroupTaskPlan, MicroGroupPlan, ShardLayoutPlan, SharedTaskPlan, SubGroupPlan,
+                     TPIndexPlan,
                      TPMetrics, TPPlan, record)
 
 
@@ -53,7 +54,8 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
                 timeline_s=s.timeline[gi]))
         shared = tuple(record(SharedTaskPlan, v, id=x.task, layout=remap[ctx.layout[x.task]],
                               split_poly=x.split_poly, load=int(round(x.load)),
-                              modelled_s=round(x.seconds, 9), partner=x.partner)
+                              modelled_s=round(x.seconds, 9), partner=x.partner,
+                              sub=_sub(x, s.shared, v))
                        for x in s.shared)
         # (each task's load and seconds alone; local_load holds the group's lockstep phase)
         indices.append(record(TPIndexPlan, v, dp_index=s.dp_index,
@@ -80,6 +82,17 @@ def tp_plan(problem: DPProblem, schedule: TPSchedule, ctx: TPContext | None = No
     return record(TPPlan, v, cmax_bytes=st.cmax_bytes, comm_dtype=schedule.comm_dtype,
                   solver=st.solver, status=schedule.status, hardware=st.hardware,
                   layouts=layouts, indices=tuple(indices), metrics=metrics, share=share)
+
+
+def _sub(x: SharedRun, runs: tuple[SharedRun, ...], v: bool) -> Any:
+    """Run ``x``'s record of its round of TP sub-groups (k, the round's place among the index's
+    rounds, its slot), or None outside one."""
+    r = x.round
+    if r is None:
+        return None
+    firsts = [y.task for y in runs if y.round is not None and y.task == y.round.tasks[0]]
+    return record(SubGroupPlan, v, k=r.k, round=firsts.index(r.tasks[0]),
+                  slot=r.tasks.index(x.task))
 
 
 @lru_cache(maxsize=1 << 17)

@@ -11,7 +11,8 @@ from ..alike import Kept
 from ..comm import ELEMENT_BYTES, all_to_all_busiest, bucket_comm, buffer_slices, plan_link
 from ..cost import Roofline, TaskCost, work_of
 from ..errors import CanzonaError
-from ..formulas import ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
+from ..formulas import (ADAMW_BYTES_PER_ELEMENT, LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes,
+                        sub_round_bytes)
 from ..hardware import HardwareProfile, LinkProfile, hardware_names, load_hardware
 from ..heads import head_places
 from ..inventory import ModelSpec
@@ -19,7 +20,7 @@ from ..settings import expert_place
 from ..plan import Plan
 from ..plan.inverse import rebuild_model
 from ..planning import coupled
-from ..sharing import pair_link, pair_timeline, shared_piece, tp_pair_piece
+from ..sharing import pair_link, pair_timeline, shared_piece, tp_pair_piece, tp_sub_piece
 from ..tp.context import Run, lockstep_seconds
 from .engine import (BucketWork, GroupWork, RankWork, StepSim, Workload,
                      forward_backward_seconds, simulate, split_forward_backward)
@@ -205,6 +206,19 @@ def _workload(plan: Plan, hw: HardwareProfile, matrix_dtype: str, adamw_dtype: s
                         continue
                     rows, cols = plan.tasks[x.id].shape
                     m, n = max(rows, cols), min(rows, cols)
+                    if x.sub is not None:  # a round of TP sub-groups: one piece per rank
+                        if x.sub.slot:
+                            continue  # its round's first task stands for it
+                        k = x.sub.k
+                        o = tp_sub_piece(tp, k, x.split_poly, m, n, steps,
+                                         ELEMENT_BYTES[matrix_dtype], tp_link, rate=mat_rate)
+                        fl += o.piece_flops
+                        pieces.append((seconds(x.id, 1 / k, o.piece_flops), o.comm_s,
+                                       o.hidden_s))
+                        sizes.append(sub_round_bytes(m, n, tp, k, x.split_poly,
+                                                     ELEMENT_BYTES[matrix_dtype]))
+                        half.append(False)
+                        continue
                     if x.partner is None:
                         k = tp
                         o = shared_piece("tp", tp, x.split_poly, m, n, steps,

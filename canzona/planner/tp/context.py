@@ -15,8 +15,9 @@ from ..alike import Kept
 from ..cost import DTYPE_BYTES
 from ..dp.bounds import bin_packing_bound
 from ..errors import CanzonaError
-from ..formulas import lockstep_bytes
-from ..planning import BucketProblem, Cuts, DPProblem, coupled, equal_cuts, owner_of
+from ..formulas import lockstep_bytes, sub_round_bytes
+from ..planning import (BucketProblem, Cuts, DPProblem, SubRound, coupled, equal_cuts,
+                        owner_of)
 from ..shards import ShardMap, shard_map
 
 
@@ -249,10 +250,26 @@ def lockstep_scratch(problem: DPProblem, task: int) -> int:
     return lockstep_bytes(-(-m // tp), n, tp, problem.shared[task][1], 2)
 
 
+def round_piece(problem: DPProblem, r: SubRound) -> Piece:
+    """A round of TP sub-groups (``problem.rounds``) as its DP index's lockstep sees it: one
+    piece on every TP rank, keyed by its first task, its scratch the sub-group's rows and the
+    buffers that gather and return them (``formulas.sub_round_bytes``)."""
+    t = problem.tasks[r.tasks[0]]
+    m, n = max(t.shape), min(t.shape)
+    comp, comm, hidden = r.run_piece()
+    nbytes = sub_round_bytes(m, n, problem.sizes.tp, r.k, r.split_poly, 2) \
+        if problem.settings.spec.gram_shared else 0
+    return (r.tasks[0], comp, comm, r.load, nbytes, hidden)
+
+
 def lockstep_piece(problem: DPProblem, task: int) -> Piece:
     """A task its TP group shares (``problem.shared``): its piece on every TP rank, as the
     lockstep phase sees it (compute and collectives in cost units: its recorded load is the
-    longer of the two; the scratch it holds, ``formulas.lockstep_bytes``)."""
+    longer of the two; the scratch it holds, ``formulas.lockstep_bytes``); a task of a round
+    of TP sub-groups: the round's (:func:`round_piece`)."""
+    r = problem.rounds.get(task)
+    if r is not None:
+        return round_piece(problem, r)
     load, _, comp, comm, hidden = problem.shared[task]
     longest = max(comp, comm)
     per_s = load / longest if longest > 0 else 0.0
@@ -477,10 +494,14 @@ def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list
 
 
 def index_lockstep(problem: DPProblem, cuts: Cuts) -> list[Lockstep]:
-    """Per DP index, the tasks its TP group shares, in lockstep (:class:`Lockstep`)."""
+    """Per DP index, the tasks its TP group shares, in lockstep (:class:`Lockstep`); a round of
+    TP sub-groups one piece (its first task's)."""
     out = [Lockstep(problem.lockstep_cap) for _ in range(problem.dp)]
+    rounds = problem.rounds
     for d, ids in enumerate(shared_by_index(problem, cuts)):
         for i in ids:
+            if i in rounds and rounds[i].tasks[0] != i:
+                continue
             out[d].add(lockstep_piece(problem, i))
     return out
 
@@ -536,11 +557,17 @@ def lb_gpu(problem: DPProblem, grid: list[list[int]] | None = None,
         # a TP pair's half: its load alone, its own chain (compute and the exchanges its Gram
         # products do not hide), which no piece beside it in a lockstep shortens
         largest = _LARGEST.put((problem,), None, max(
-            (int(round(problem.shared[t.id][0])) if t.id in problem.shared
+            (_round_load(problem.rounds[t.id]) if t.id in problem.rounds
+             else int(round(problem.shared[t.id][0])) if t.id in problem.shared
              else max(pairs[t.id].loads) if t.id in pairs
              else problem.loads[t.id] for t in problem.tasks if t.optimizer == "matrix"),
             default=0))  # a piece's load as the plan records it (rounded)
     return max(math.ceil(total / (problem.dp * problem.sizes.tp)), largest)  # type: ignore
+
+
+def _round_load(r: SubRound) -> int:
+    """A round's load as the plan records it: its members' 1/s shares, each rounded."""
+    return r.slots * int(round(r.load / r.slots))
 
 
 #: :func:`lb_gpu`'s largest piece, by problem.

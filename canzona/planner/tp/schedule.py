@@ -15,8 +15,9 @@ from ..errors import CanzonaError, OversizedTaskWarning
 from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
 from ..hardware import LinkProfile, load_hardware
 from ..options import TPOptions
-from ..planning import Cuts, DPProblem, coupled, pair_owners
+from ..planning import Cuts, DPProblem, SubRound, coupled, pair_owners
 from .context import (TPContext, index_work, lockstep_scratch, lockstep_seconds, pinned_at,
+                      round_piece,
                       shared_by_index)
 
 # --- schedule records -----------------------------------------------------------------------------
@@ -59,6 +60,8 @@ class SharedRun:
     hidden_s: float = 0.0
     #: the DP index whose TP group shares the task with this one (its half here, k = 2·tp)
     partner: int | None = None
+    #: the round of TP sub-groups it is in (its load and seconds then 1/s of the round's)
+    round: SubRound | None = None
 
     @property
     def seconds(self) -> float:
@@ -321,8 +324,15 @@ def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[
     finish the first together."""
     tp = pr.sizes.tp
     ordered = [x for x in runs if x.partner is not None] + [x for x in runs if x.partner is None]
-    sizes = []
+    units, sizes = [], []  # a round of TP sub-groups is one unit: one piece per rank
     for x in ordered:
+        if x.round is not None:
+            if x.task == x.round.tasks[0]:
+                r = x.round
+                units.append((False, (r.compute_s, r.comm_s, r.hidden_s)))
+                sizes.append(round_piece(pr, r)[4])
+            continue
+        units.append((x.partner is not None, (x.compute_s, x.comm_s, x.hidden_s)))
         if x.partner is None:
             sizes.append(lockstep_scratch(pr, x.task))
             continue
@@ -330,10 +340,9 @@ def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[
         m, n = max(t.shape), min(t.shape)
         sizes.append(lockstep_bytes(-(-m // (2 * tp)), n, 2 * tp, x.split_poly, 2))
     first = rest = 0.0
-    for b in lockstep_batches(ordered, sizes, LOCKSTEP_CMAX * cap):
-        s = lockstep_seconds([(x.compute_s, x.comm_s, x.hidden_s) for x in b],
-                             pr.settings.ns_steps)
-        if any(x.partner is not None for x in b):
+    for b in lockstep_batches(units, sizes, LOCKSTEP_CMAX * cap):
+        s = lockstep_seconds([piece for _, piece in b], pr.settings.ns_steps)
+        if any(half for half, _ in b):
             first += s
         else:
             rest += s
@@ -430,7 +439,11 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
     owners = {i: d for d, ids in enumerate(shared_by_index(problem, cuts)) for i in ids}
     for i, d in sorted(owners.items()):
         load, split, comp, comm, hidden = problem.shared[i]
-        runs[d].append(SharedRun(i, split, load, comp, comm, hidden))
+        runs[d].append(SharedRun(i, split, load, comp, comm, hidden,
+                                 round=problem.rounds.get(i)))
+    if problem.rounds:  # a round's members together, where its first task falls
+        for r in runs:
+            r.sort(key=lambda x: (x.round.tasks[0] if x.round else x.task, x.task))
     partners: list[set[int]] = [set() for _ in range(problem.dp)]
     if problem.pairs and problem.sizes.tp > 1:  # halves shared with a partner (k = 2·tp)
         for i, (a, b) in sorted(pair_owners(problem, cuts).items()):
@@ -443,7 +456,8 @@ def schedule_tp(problem: DPProblem, cuts: Cuts, options: TPOptions | None = None
                                          x.hidden_s, partner=e))
                 partners[d].add(e)
         for r in runs:  # plan order: the halves first (both partners alike), then the own
-            r.sort(key=lambda x: (x.partner is None, x.task))
+            r.sort(key=lambda x: (x.partner is None,
+                                  x.round.tasks[0] if x.round else x.task, x.task))
     parts = [shared_phase_s(problem, r, settings.cmax_bytes) if r else (0.0, 0.0)
              for r in runs]
     halves = coupled([h for h, _ in parts], partners)  # partners end their halves together
