@@ -31,8 +31,10 @@ TP_SOLVERS = ("greedy", "cpsat")
 #: Muon matrix TP splits along its long dimension, without / with the polynomial split); at
 #: tp = 1 the same choices share matrices over DP pairs (``sharing.pair_decision``); "pairs"
 #: (tp > 1): every tall column-parallel Muon matrix shared by two TP groups (k = 2·tp), the
-#: others by their TP group, with the polynomial split.
-TP_SHARE = ("off", "auto", "all", "all-split", "pairs")
+#: others by their TP group, with the polynomial split; "sub-groups" (tp ≥ 4): every class of
+#: alike Muon matrices the TP group shares in rounds of tp/k, each matrix shared by a TP
+#: sub-group of k strided ranks (the smallest k), the rest by their TP group.
+TP_SHARE = ("off", "auto", "all", "all-split", "pairs", "sub-groups")
 #: The default share mode: the planner shares matrices where the modelled step is shorter.
 DEFAULT_SHARE = "auto"
 #: Objectives by name (``DPOptions.objective``); an ``Objective`` object is accepted too.

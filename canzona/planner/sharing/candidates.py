@@ -26,11 +26,14 @@ from .dp_search import PairSearch
 from .layout import lay_out
 from .pairs import pair_waits, pairs_in_nodes, pieces_apart, with_pairs
 from .prices import pair_link, priced_for
+from .rounds import every_round, with_rounds
 from .tp_search import TPPairSearch
+from .tp_start import tp_pattern_start
 
 #: What a candidate is, for :meth:`Candidates.better`: the plan without pairs (and with the
 #: first set of TP-shared tasks), DP pairs, another set of TP-shared tasks, TP pairs.
-BASE, DP_PAIRS, SHARED, TP_PAIRS = "base", "dp-pairs", "shared", "tp-pairs"
+BASE, DP_PAIRS, SHARED, TP_PAIRS, SUB_GROUPS = ("base", "dp-pairs", "shared", "tp-pairs",
+                                                "sub-groups")
 
 
 @dataclass(eq=False)
@@ -100,6 +103,15 @@ class Candidates:
         #: has a TP schedule, Muon's matrices and reordered buckets to lay them out in
         self.tp_pairs = schedule and mode.tp_pairs and dp_options.reorder \
             and problem.settings.spec.gram_shared
+        #: whether rounds of TP sub-groups are tried (``auto``) or asked for (``sub-groups``):
+        #: as TP pairs, and a TP group of 4 ranks or more
+        self.sub_groups = schedule and mode.sub_groups and dp_options.reorder \
+            and problem.settings.spec.gram_shared and tp >= 4
+        if mode.name == "sub-groups" and not self.sub_groups:
+            raise CanzonaError("TPOptions.share = 'sub-groups' (--share sub-groups) shares "
+                               "matrices over TP sub-groups of k < tp ranks: it needs tp ≥ 4, "
+                               "Muon's Newton–Schulz and DPOptions.reorder (drop --no-reorder); "
+                               "use 'all-split' otherwise.")
         self._terms: StepTime | None = None
 
     # -- the candidates ----------------------------------------------------------------------
@@ -127,6 +139,15 @@ class Candidates:
                                                      force=self.mode.pairs):
                     yield self._candidate(Solution(cuts, "heuristic", used.lower_bound(), used),
                                           TP_PAIRS)
+        if self.sub_groups:  # rounds of TP sub-groups, with the TP pairs where they apply
+            self.say("tp sub-groups")
+            for shared in self.shares if self.mode.auto else self.shares[:1]:
+                start = dataclasses.replace(self.problem, shared=shared, lockstep_cap=self.cap)
+                for used, cuts in sub_group_candidates(start, self.hw, self.mode,
+                                                       scratch_cap=self.cap,
+                                                       pairs=self.tp_pairs):
+                    yield self._candidate(Solution(cuts, "heuristic", used.lower_bound(), used),
+                                          SUB_GROUPS)
 
     def _candidate(self, sol: Solution, kind: str, stage: str | None = None) -> Candidate:
         """``sol`` as a candidate, with its TP schedule where the plan has one."""
@@ -188,6 +209,11 @@ class Candidates:
           longer."""
         if self.mode.kept and new.problem.pairs and not best.problem.pairs:
             return True
+        if new.kind == SUB_GROUPS:
+            if self.mode.kept:  # asked for: rounds replace none
+                return bool(new.problem.rounds) and not best.problem.rounds
+            return self._gpu(new) < self._gpu(best) and (
+                not self.step or self._step(new) <= self._step(best))
         if new.kind == DP_PAIRS:
             return bool(new.problem.pairs) and self._pair_score(new) < self._pair_score(best)
         if new.kind == TP_PAIRS:
@@ -253,6 +279,39 @@ def tp_pair_candidates(problem: DPProblem, hw: HardwareProfile, *, scratch_cap: 
     return out
 
 
+def sub_group_candidates(problem: DPProblem, hw: HardwareProfile, mode: ShareMode, *,
+                         scratch_cap: int = 0, pairs: bool = True, max_moves: int = 2000
+                         ) -> list[tuple[DPProblem, Cuts]]:
+    """tp ≥ 4, Muon, ``problem.shared`` set: a placement with rounds of TP sub-groups, each
+    round whole on one DP index: under ``auto`` the pattern model's (``tp_start``: how many
+    of each class go to rounds of which size, and (``pairs``) to the TP pairs of the bound's
+    choice), searched from there; under ``sub-groups`` every class in rounds
+    (``rounds.every_round``), placed by the search. Laid out as :func:`tp_bundle_candidate`
+    does: (the problem with the rounds and pairs it uses, its cuts); empty where no round is
+    placed."""
+    if not problem.settings.spec.gram_shared or problem.sizes.tp < 4 or not problem.shared:
+        return []
+    if mode.auto:
+        paired = tp_pair_decision(problem, hw, "auto") if pairs else {}
+        got = tp_pattern_start(problem, paired, hw, scratch_cap=scratch_cap)
+        if got is None or not got[0].rounds:
+            return []
+        start, chosen, search = got
+        search.improve(max_moves)
+        laid = lay_out(start, chosen, search, hw)
+    else:
+        rounds = every_round(problem, hw)
+        if not rounds:
+            return []
+        _, laid = tp_bundle_candidate(with_rounds(problem, rounds), {}, hw,
+                                      scratch_cap=scratch_cap, max_moves=max_moves)
+    if laid is None:
+        return []
+    used, cuts = laid
+    shared = {i: x for i, x in used.shared.items() if i not in used.pairs}
+    return [(dataclasses.replace(used, shared=shared), cuts)]
+
+
 def bundle_pairs(problem: DPProblem, pairs: Mapping[int, PairShare], hw: HardwareProfile, *,
                  scratch_cap: int = 0, max_moves: int = 5000,
                  pattern: bool = True) -> tuple[DPProblem, Cuts] | None:
@@ -312,7 +371,7 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
     (the reordered problem with the pairs used, its cuts) or None where it shares nothing);
     :func:`tp_pair_candidates` offers it to the plan."""
     if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 or problem.dp < 2 \
-            or not pairs or any(buf.expert for buf in problem.layout.buffers):
+            or not (pairs or problem.rounds) or any(buf.expert for buf in problem.layout.buffers):
         return 0.0, None
     search = TPPairSearch(problem, pairs, scratch_cap, force)
     search.start()

@@ -26,7 +26,9 @@ class ShareMode:
     candidate sets, each kept only where the objective says so; ``all`` / ``all-split``: every
     eligible matrix, without / with the polynomial split, kept; ``pairs`` (tp > 1): every tall
     column-parallel Muon matrix shared by two TP groups, every other eligible one by its TP
-    group, with the split, kept."""
+    group, with the split, kept; ``sub-groups`` (tp ≥ 4): every class of alike eligible
+    matrices in rounds of TP sub-groups (``rounds.round_sets``), the rest by their TP group,
+    with the split, kept."""
 
     name: str = "off"
 
@@ -56,12 +58,18 @@ class ShareMode:
     @property
     def every(self) -> bool:
         """Every eligible matrix shared (not the bound's choice)."""
-        return self.name in ("all", "all-split", "pairs")
+        return self.name in ("all", "all-split", "pairs", "sub-groups")
 
     @property
     def split(self) -> bool:
         """Shared with the polynomial split (of the modes that share every eligible matrix)."""
-        return self.name in ("all-split", "pairs")
+        return self.name in ("all-split", "pairs", "sub-groups")
+
+    @property
+    def sub_groups(self) -> bool:
+        """Whether rounds of TP sub-groups are tried (``auto``) or asked for
+        (``sub-groups``)."""
+        return self.name in ("auto", "sub-groups")
 
     @property
     def tp_pairs(self) -> bool:

@@ -15,7 +15,8 @@ from ..dp.reorder import reorder_problem, state_heavy
 from ..solve import state_target
 from ..dp.units import spread_cuts
 from ..hardware import HardwareProfile
-from ..planning import BucketProblem, Cuts, DPProblem, PairShare, evaluate, pair_owners
+from ..planning import (BucketProblem, Cuts, DPProblem, PairShare, evaluate, owner_of,
+                        pair_owners)
 from .pairs import with_pairs
 from .search import Search
 
@@ -34,7 +35,7 @@ def lay_out(problem: DPProblem, pairs: Mapping[int, PairShare], search: Search,
         if kind == "s":
             last.setdefault(key, set()).add(k)
             used[search.task[i]] = pairs[search.task[i]]
-    if not used:
+    if not used and not problem.rounds:
         return None
     rp, owners = reorder_problem(problem, rank, last=last)
     paired = with_pairs(rp, used)
@@ -57,7 +58,24 @@ def lay_out(problem: DPProblem, pairs: Mapping[int, PairShare], search: Search,
         if kind == "s" and got[search.task[i]] != (2 * at, 2 * at + 1):
             raise RuntimeError(f"planner bug: task {search.task[i]}'s pieces are on DP indices "
                                f"{got[search.task[i]]}, not its partners {(2 * at, 2 * at + 1)}")
+    if problem.rounds:
+        _check_rounds(paired, cuts)
     return paired, cuts
+
+
+def _check_rounds(problem: DPProblem, cuts: Cuts) -> None:
+    """Every round of TP sub-groups on one DP index (the search moves them together)."""
+    where: dict[int, int] = {}
+    for b in problem.buckets:
+        c = cuts[(b.buffer, b.bucket)]
+        for it in b.items:
+            if it.atomic and len(it.tasks) == 1 and it.tasks[0] in problem.rounds:
+                where[it.tasks[0]] = problem.dp_index(b, owner_of(c, it.start))
+    for r in set(problem.rounds.values()):
+        ds = {where[i] for i in r.tasks}
+        if len(ds) != 1:
+            raise RuntimeError(f"planner bug: the round of tasks {list(r.tasks)} lies on DP "
+                               f"indices {sorted(ds)}, not one")
 
 
 def _compact_cuts(b: BucketProblem, owners: list[int]) -> tuple[int, ...]:

@@ -35,6 +35,15 @@ class TPPairSearch(Search):
         self.piece: list[tuple | None] = []  # its lockstep piece (whole, over the TP group)
         self.half: list[tuple | None] = []  # its half's piece (shared by a pair)
         super().__init__(problem)  # ``load``: a lock piece's recorded load, or the task's
+        #: per item, the items that move with it: a round's first task carries its members
+        #: (one lockstep piece for the round, ``planning.SubRound``), every other item itself
+        self.unit: list[tuple[int, ...]] = [(i,) for i in range(len(self.load))]
+        if problem.rounds:
+            item_of = {t: i for i, t in enumerate(self.task)}
+            for i, t in enumerate(self.task):
+                r = problem.rounds.get(t)
+                if r is not None and r.tasks[0] == t:
+                    self.unit[i] = tuple(item_of[x] for x in r.tasks)
         self.whole: list[list[int]] = [[] for _ in range(self.dp)]
         self.costs = [0.0] * self.dp
         #: an item's class: items alike in all but their task id cost an index alike
@@ -47,11 +56,15 @@ class TPPairSearch(Search):
         self._memo: dict[tuple, tuple[float, float, float]] = {}
         #: every index as placed (:meth:`_placed`; dropped when what it holds changes)
         self._keys: dict[int, tuple] = {}
+        self._seeded = False  # :meth:`seed` placed some items
 
     def _item(self, problem: DPProblem, it: Item) -> float:
         i = it.tasks[0]
         piece = half = None
-        if len(it.tasks) == 1 and i in problem.shared:
+        r = problem.rounds.get(i) if len(it.tasks) == 1 else None
+        if r is not None and r.tasks[0] != i:  # placed with its round's first task
+            kind, load = "member", 0.0
+        elif len(it.tasks) == 1 and i in problem.shared:
             kind, piece = "lock", lockstep_piece(problem, i)
             load = piece[3]
         elif len(it.tasks) == 1 and self._ctx.split[i]:
@@ -155,7 +168,14 @@ class TPPairSearch(Search):
     def whole_on(self, d: int) -> list[int]:
         return list(self.whole[d])
 
+    def _expand(self, ops: Ops) -> Ops:
+        """``ops`` with each round's members moved with its first task."""
+        if all(len(self.unit[i]) == 1 for i, _ in ops):
+            return ops
+        return [(j, new) for i, new in ops for j in self.unit[i]]
+
     def trial(self, ops: Ops) -> dict[int, float] | None:
+        ops = self._expand(ops)
         whole: dict[int, list[int]] = {}
         shared: dict[int, list[int]] = {}
         touched: set[int] = set()
@@ -178,7 +198,7 @@ class TPPairSearch(Search):
     def apply(self, ops: Ops) -> None:
         got = self.trial(ops)
         assert got is not None
-        for i, new in ops:
+        for i, new in self._expand(ops):
             old = self.where[i]
             (self.whole[old[1]] if old[0] == "w" else self.shared[old[1]]).remove(i)
             (self.whole[new[1]] if new[0] == "w" else self.shared[new[1]]).append(i)
@@ -189,12 +209,30 @@ class TPPairSearch(Search):
             self.costs[d] = c
 
     # -- construction and search -------------------------------------------------------------
+    def seed(self, placed: dict[int, Place]) -> None:
+        """Items placed as given (a round's first task with its members), before
+        :meth:`start` places the rest."""
+        self.where = [("w", -1)] * len(self.load)
+        for i, place in placed.items():
+            for j in self.unit[i]:
+                (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(j)
+                self.where[j] = place
+        self._keys.clear()
+        self._seeded = True
+        got = self._costs({}, {}, set(range(self.dp)))
+        for d, c in got.items():
+            self.costs[d] = c
+
     def start(self) -> None:
         """Heaviest first, each where the busiest index it touches ends lightest (whole on an
-        index, or shared by a pair; ties: whole, the lower index)."""
+        index, or shared by a pair; ties: whole, the lower index); the items :meth:`seed`
+        placed stay."""
         order = sorted(range(len(self.load)), key=lambda i: (-self.load[i], i))
-        self.where = [("w", -1)] * len(self.load)
+        if not self._seeded:
+            self.where = [("w", -1)] * len(self.load)
         for i in order:
+            if self.kind[i] == "member" or self.where[i] != ("w", -1):
+                continue  # placed with its round, or seeded
             best = None
             options: list[Place] = [] if self.force and self.half[i] is not None else \
                 [("w", d) for d in range(self.dp)]
@@ -212,7 +250,8 @@ class TPPairSearch(Search):
                         continue
                     tried.add(sig)
                 if place[0] == "w":
-                    got = self._costs({place[1]: self.whole[place[1]] + [i]}, {}, {place[1]})
+                    got = self._costs({place[1]: self.whole[place[1]] + list(self.unit[i])}, {},
+                                      {place[1]})
                 else:
                     got = self._costs({}, {place[1]: self.shared[place[1]] + [i]},
                                       {2 * place[1], 2 * place[1] + 1})
@@ -220,8 +259,9 @@ class TPPairSearch(Search):
                 if best is None or score < best[0]:
                     best = (score, place, got)
             _, place, got = best  # type: ignore[misc]
-            (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(i)
-            self.where[i] = place
+            for j in self.unit[i]:
+                (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(j)
+                self.where[j] = place
             self._changed(place)
             for d, c in got.items():
                 self.costs[d] = c
@@ -238,6 +278,8 @@ class TPPairSearch(Search):
         out: list[Ops] = []
         tried = set()
         for i in here:
+            if self.kind[i] == "member":
+                continue
             sig = (self.kind[i], self.load[i], self.half[i] is not None, self.where[i][0])
             if sig in tried:
                 continue
@@ -278,6 +320,8 @@ class TPPairSearch(Search):
         are tried once (a place on one of the ``near`` indices is never alike one elsewhere);
         a forced task stays shared, a task without a half whole."""
         def allowed(i: int, place: Place) -> bool:
+            if self.kind[i] == "member":  # moves with its round's first task
+                return False
             if place[0] == "s":
                 return self.half[i] is not None
             return not (self.force and self.half[i] is not None)

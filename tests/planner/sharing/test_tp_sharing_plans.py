@@ -91,13 +91,16 @@ def test_at_scale_the_floor_goes(model, dp, most):
     (``tp.joint.lockstep_assign``); llama3-70b's fc1 piece over 8 ranks is alone 1.6× the mean
     (k > tp is not done). The default objective keeps that placement only where the modelled
     step with the bucket collectives is shorter: at dp128 fc1 + proj owns 1.25× the mean bytes,
-    and the default keeps the partition whose collectives are 10 % faster."""
+    and the default keeps a partition whose collectives are faster (10 % faster than the
+    max-load plan without TP sub-groups; 1 % than the one with them, whose rounds put
+    fewer bytes on the busiest index)."""
     off = _plan(model, dp, 8, "off")
     auto = plan(model, ParallelSizes(dp=dp, tp=8), dp_options=DPOptions(objective="max-load"),
                 tp_options=TPOptions(share="auto", hardware="h800"))
     default = _plan(model, dp, 8, "auto")
     if model == "qwen3-32b":
-        assert default.comm.predicted_s < 0.95 * auto.comm.predicted_s
+        assert default.comm.predicted_s < (0.99 if auto.sub_groups else 0.95) \
+            * auto.comm.predicted_s
     assert default.tp.metrics.max_gpu_load / useful_mean(default) <= 2.2
     assert parse_plan(auto.to_json()).to_json() == auto.to_json()  # a plan file's every check
     assert off.tp.metrics.max_gpu_load / useful_mean(off) > 8
