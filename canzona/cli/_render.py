@@ -717,6 +717,19 @@ def sharing_view(sh: dict | None) -> None:
         "pairs at tp = 1)", highlight=False)
     if sh["note"]:
         console.print(sh["note"], highlight=False, style="dim")
+    pat = sh.get("pattern")
+    if pat is not None:
+        cm = pat["cost_model"]
+        how = ("the model's optimum, every lower ceiling proven unreachable" if pat["tight"]
+               else "every lower ceiling proven unreachable; the optimum may lie higher, "
+                    "CP-SAT stopped at its budget")
+        console.print(
+            f"certified per-GPU floor with any sharing option (over the TP group, TP pairs, TP "
+            f"sub-groups, or hosted; the layout-free pattern model, {pat['patterns']} patterns "
+            f"of {pat['kinds']} kinds of piece, CP-SAT: {how}): [bold]{load(pat['bound'], cm)}"
+            f"[/]; this plan's busiest GPU {load(pat['plan'], cm)} is "
+            f"[bold]{pat['plan'] / pat['bound'] - 1:.2%}[/] above it" if pat["bound"] else
+            "certified per-GPU floor with any sharing option: 0", highlight=False)
     groups: dict[tuple, list[dict]] = {}
     for x in sh["shared"]:
         groups.setdefault((x["group"], x["k"], x["split_poly"]), []).append(x)
@@ -726,7 +739,9 @@ def sharing_view(sh: dict | None) -> None:
                  else "its TP group, each rank the blocks of its own shard",
                  "tp_pair": "its TP group and the same TP ranks at a second DP index; "
                             "--share auto where it lowers the objective, or pairs",
-                 "tp_sub": f"a sub-group of {k} of its TP group's ranks; not planned yet"
+                 "tp_sub": f"a sub-group of {k} of its TP group's ranks, tp/k alike "
+                           f"matrices side by side; --share auto where it lowers the "
+                           f"objective, or sub-groups"
                  }.get(g, f"{k} adjacent DP indices")
         console.print(f"  {len(xs)} tasks in the bound shared by {k} ranks ({where}"
                       f"{', polynomial split' if split else ''}): {', '.join(kinds)}",
@@ -787,13 +802,16 @@ def tp_summary(plan: Plan) -> None:
 
         kinds: dict[str, int] = {}
         pairs: dict[str, int] = {}
+        subs: dict[tuple[str, int], int] = {}
         for x in shared:
             k = kind_of(plan.tasks[x.id].param)
-            if x.partner is None:
+            if x.sub is not None:
+                subs[(k, x.sub.k)] = subs.get((k, x.sub.k), 0) + 1
+            elif x.partner is None:
                 kinds[k] = kinds.get(k, 0) + 1
             elif x.partner > ix_of[id(x)]:  # a matrix two TP groups share: once
                 pairs[k] = pairs.get(k, 0) + 1
-        split = sum(x.split_poly for x in shared if x.partner is None)
+        split = sum(x.split_poly for x in shared if x.partner is None and x.sub is None)
         listed = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
         paired = ""
         if pairs:
@@ -801,6 +819,13 @@ def tp_summary(plan: Plan) -> None:
                       f"half of every shard's rows): {sum(pairs.values())} matrices ("
                       + ", ".join(f"{n} {k}" for k, n in sorted(pairs.items(),
                                                                 key=lambda kv: -kv[1])) + ")")
+        if subs:
+            tp = plan.inputs.tp
+            paired += ("; and shared by TP sub-groups (k of the tp ranks, strided, each "
+                       "gathering its rows of the matrix; tp/k alike matrices side by side in "
+                       "a round): " + ", ".join(
+                           f"{n} {kind} over k = {k} ({n * k // tp} rounds)"
+                           for (kind, k), n in sorted(subs.items(), key=lambda kv: -kv[1])))
         if plan.inputs.optimizer.spec.block_hosted:
             console.print(
                 f"preconditioned shard by shard (--share {plan.tp.share}: each TP rank Shampoo's "

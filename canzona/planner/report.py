@@ -27,8 +27,8 @@ from .simulate import (plan_forward_backward, plan_hardware, simulate_pipeline,
                        simulate_plan_behind)
 from .strategies import baseline_rows, tp_baseline_rows
 from .tp.context import gpu_packing_bound
-from .sharing import (kind_of, pair_link, pair_timeline, profile_rate, shared_piece,
-                      sharing_bound)
+from .sharing import (kind_of, pair_link, pair_timeline, pattern_bound, profile_rate,
+                      shared_piece, sharing_bound)
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
@@ -222,8 +222,10 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
         :func:`inspect_dict`'s report (with the collectives, :func:`comm_dict`, under ``comm``),
         with the TP part (:func:`tp_dict`, None for tp = 1) under ``tp_schedule`` and the
         per-GPU atomic bound beside the bound with Muon tasks shared
-        (:func:`canzona.planner.sharing.sharing_bound`) under ``sharing``. Baselines and the
-        sharing bound are None where the problem cannot be rebuilt.
+        (:func:`canzona.planner.sharing.sharing_bound`) under ``sharing``, and there, at
+        tp > 1, the floor of the layout-free pattern model with any sharing option
+        (:func:`canzona.planner.sharing.pattern_bound`) under ``pattern``. Baselines and
+        the sharing bound are None where the problem cannot be rebuilt.
 
     Raises:
         CanzonaError: see :func:`canzona.planner.plan.inverse.rebuild_model`.
@@ -248,6 +250,15 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
     if problem is not None and recorded:
         say("sharing bound")
         report["sharing"] = sharing_bound(problem, hardware=plan.comm.hardware).to_dict()
+        report["sharing"]["pattern"] = None
+        if plan.tp is not None:
+            say("pattern bound (CP-SAT)")
+            got = pattern_bound(problem, load_hardware(plan.comm.hardware),
+                                plan.tp.metrics.max_gpu_load)
+            if got is not None:
+                report["sharing"]["pattern"] = {**got.to_dict(),
+                                                "plan": plan.tp.metrics.max_gpu_load,
+                                                "cost_model": plan.inputs.cost_model}
     say("the predicted step")
     report["predicted"] = predicted_step(plan)
     return report

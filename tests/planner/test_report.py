@@ -24,7 +24,7 @@ def test_inspect_report_restates_the_plan_and_adds_the_baselines(tp2_plan):
     phases = []
     rep = inspect_report(p, top=3, progress=phases.append)
     assert phases == ["rebuilding the model's problem", "baselines", "TP baselines",
-                      "sharing bound", "the predicted step"]
+                      "sharing bound", "pattern bound (CP-SAT)", "the predicted step"]
     assert rep["predicted"]["step_s"] >= rep["predicted"]["reduced_step_s"] > 0
     assert json.loads(json.dumps(rep)) == rep  # plain data
     assert (rep["model"], rep["dp"], rep["tp"]) == ("qwen3-0.6b", 4, 2)
