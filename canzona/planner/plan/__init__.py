@@ -21,7 +21,7 @@ from .schema import (BASE_VERSION, COMPACT_VERSION, DP_PAIR_VERSION, FSDP2_VERSI
                      PipelinePlan, Plan, PlanInputs, RankLayout, RoundPlan, ShardLayoutPlan,
                      SharedTaskPlan, SlotPlan, SolverOptions, StageInputs, SubGroupPlan,
                      TaskPlan, TPIndexPlan, TPMetrics, TPPlan, gc_paused, save_plan,
-                     write_atomically)
+                     sub_round_problem, write_atomically)
 
 __all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "FSDP2_VERSION",
            "HEADS_VERSION", "PIPELINE_VERSION", "RECIPE_VERSION", "SCHEMA_VERSION",
@@ -31,4 +31,4 @@ __all__ = ["BASE_VERSION", "COMPACT_VERSION", "DP_PAIR_VERSION", "FSDP2_VERSION"
            "PipelinePlan", "Plan", "PlanInputs", "RankLayout", "RoundPlan", "ShardLayoutPlan",
            "SharedTaskPlan", "SlotPlan", "SolverOptions", "StageInputs", "SubGroupPlan",
            "TaskPlan", "TPIndexPlan", "TPMetrics", "TPPlan", "gc_paused", "save_plan",
-           "write_atomically"]
+           "sub_round_problem", "write_atomically"]

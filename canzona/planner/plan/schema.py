@@ -660,6 +660,69 @@ class FSDP2Plan(_Frozen):
         return self.model_dump_json(indent=2) + "\n"
 
 
+def sub_round_problem(plan: Plan) -> tuple[str, str] | None:
+    """What is wrong with ``plan``'s rounds of TP sub-groups (``SharedTaskPlan.sub``), as (the
+    field, what is wrong), or None: a round is tp/k alike matrices (one layout's full and
+    local shape and dim, one polynomial split) of Muon (an optimizer sharing its
+    Newton–Schulz), with no partner DP index, consecutive in its index's ``shared`` list in
+    slot order 0, …, tp/k − 1, the index's rounds numbered 0, 1, … in plan order; k divides tp
+    and lies in [2, tp). The one check of a round's structure: the plan's loader and the
+    runtime (a plan made in code) both read it."""
+    T = plan.tp
+    if T is None:
+        return None
+    tp, opt = plan.inputs.tp, plan.inputs.optimizer
+    for i, ix in enumerate(T.indices):
+        shared, at, number = ix.shared, 0, 0
+        while at < len(shared):
+            x = shared[at]
+            if x.sub is None:
+                at += 1
+                continue
+            where, k = f"tp.indices[{i}].shared[{at}].sub", x.sub.k
+            name = plan.tasks[x.id].param if x.id < len(plan.tasks) else f"task {x.id}"
+            if not opt.spec.gram_shared or opt.spec.block_hosted:
+                return where, (f"shares '{name}' over a TP sub-group, but {opt.name} shares no "
+                               f"Newton–Schulz (it preconditions each shard apart)")
+            if not 2 <= k < tp or tp % k:
+                return f"{where}.k", (f"is {k}, but a TP sub-group's size divides tp = {tp} "
+                                      f"and lies in [2, {tp})")
+            if x.sub.round != number:
+                return f"{where}.round", (f"is {x.sub.round}, but DP index {ix.dp_index}'s "
+                                          f"rounds are numbered 0, 1, … in plan order (this "
+                                          f"one is {number})")
+            n = tp // k
+            for j in range(n):
+                y = shared[at + j] if at + j < len(shared) else None
+                sub = y.sub if y is not None else None
+                if y is None or sub is None or sub.round != number:
+                    return where, (f"round {number} of DP index {ix.dp_index} has tp/k = {n} "
+                                   f"members, consecutive in the shared list in slot order, "
+                                   f"but only {j} follow one another")
+                w = f"tp.indices[{i}].shared[{at + j}]"
+                if sub.k != k:
+                    return f"{w}.sub.k", (f"is {sub.k}, but round {number} of DP index "
+                                          f"{ix.dp_index} has k = {k}")
+                if sub.slot != j:
+                    return f"{w}.sub.slot", (f"is {sub.slot}, but round {number}'s members are "
+                                             f"listed in slot order 0, …, {n - 1} (this one is "
+                                             f"slot {j})")
+                if y.partner is not None:
+                    return f"{w}.partner", (f"is {y.partner}, but task {y.id} is in a round of "
+                                            f"TP sub-groups, not shared with a partner DP index")
+                a, b = T.layouts[x.layout], T.layouts[y.layout]
+                if (a.dim, tuple(a.full_shape), tuple(a.local_shape), x.split_poly) != \
+                        (b.dim, tuple(b.full_shape), tuple(b.local_shape), y.split_poly):
+                    return f"{w}.sub", (f"task {x.id} {list(a.full_shape)} (dim {a.dim}, "
+                                        f"split_poly {x.split_poly}) and task {y.id} "
+                                        f"{list(b.full_shape)} (dim {b.dim}, split_poly "
+                                        f"{y.split_poly}) are in round {number} of DP index "
+                                        f"{ix.dp_index}, but a round's matrices are alike")
+            at += n
+            number += 1
+    return None
+
+
 def _open_temp(folder: Path, name: str) -> tuple[int, Path]:
     """Create a new, empty temporary file next to the target, mode 0666 & ~umask.
 

@@ -14,7 +14,7 @@ from ..sharing import (profile_rate, shard_blocks_aligned, shared_piece, tp_pair
                        tp_sub_piece)
 from .inverse import recorded_hardware
 from .messages import label, matches
-from .schema import Plan
+from .schema import Plan, sub_round_problem
 
 __all__ = ["check_tp"]
 
@@ -173,44 +173,15 @@ def piece_floor(plan: Plan):  # noqa: ANN201
     return lambda cost, flops, piece_flops: piece_flops * cost / flops if flops else 0.0
 
 
-def _check_sub(x, shared, k: int, xf: str, t, L, tp: int, steps: int, link,  # noqa: ANN001
-               bad):  # noqa: ANN001, ANN202
-    """A task of a round of TP sub-groups (``shared[k]`` is ``x``): k dividing tp below it, no
-    partner, the round's tp/k alike matrices consecutive in slot order, the rounds numbered in
-    plan order. Returns the sub-group's piece (its FLOPs per rank)."""
-    sub = x.sub
-    if sub.k < 2 or sub.k >= tp or tp % sub.k:
-        raise bad(f"{xf}.sub.k", f"is {sub.k}, but a TP sub-group's size divides tp = {tp} "
-                                 f"and lies in [2, {tp})")
-    s = tp // sub.k
-    if sub.slot >= s:
-        raise bad(f"{xf}.sub.slot", f"is {sub.slot}, but sub-groups of {sub.k} of {tp} TP "
-                                    f"ranks have slots 0..{s - 1}")
-    if x.partner is not None:
-        raise bad(f"{xf}.partner", f"is {x.partner}, but task {x.id} is shared by a TP "
-                                   f"sub-group, not with a partner DP index")
-    first = k - sub.slot
-    if first < 0 or k + s - sub.slot > len(shared):
-        raise bad(f"{xf}.sub.slot", f"is {sub.slot}, but its round's {s} matrices are not "
-                                    f"all in the list around it")
-    head = shared[first]
-    before = sum(1 for y in shared[:first] if y.sub is not None and y.sub.slot == 0)
-    for j in range(s):
-        y = shared[first + j]
-        if y.sub is None or y.sub.slot != j or y.sub.k != sub.k or y.sub.round != before:
-            raise bad(f"{xf}.sub", f"task {x.id}'s round ({s} matrices over sub-groups of "
-                                   f"{sub.k}) must be listed together in slot order, numbered "
-                                   f"{before} (its place among the index's rounds): found "
-                                   f"task {y.id} with sub={None if y.sub is None else y.sub}")
-        if y.layout != head.layout or y.split_poly != head.split_poly:
-            raise bad(f"{xf}.layout", f"task {y.id} and task {head.id} are in one round of TP "
-                                      f"sub-groups, but their layouts or split_poly differ: a "
-                                      f"round's matrices are alike")
+def _check_sub(x, xf: str, t, L, tp: int, steps: int, link, bad):  # noqa: ANN001, ANN202
+    """A task of a round of TP sub-groups (its round's structure checked before,
+    ``schema.sub_round_problem``): its shards row blocks of the matrix. Returns the
+    sub-group's piece (its FLOPs per rank)."""
     rows, cols = t.shape
     if rows != cols and L.dim != (0 if rows > cols else 1):
         raise bad(f"{xf}.layout", f"task {x.id} ('{label(t)}', {rows}×{cols}) is split along its "
                                   f"short dimension: its shards are not row blocks")
-    return tp_sub_piece(tp, sub.k, x.split_poly, max(rows, cols), min(rows, cols), steps, 2,
+    return tp_sub_piece(tp, x.sub.k, x.split_poly, max(rows, cols), min(rows, cols), steps, 2,
                         link, rate=1.0)
 
 
@@ -225,6 +196,9 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
     out: dict[int, float] = {}
     pairs = {x.id: x for x in plan.dp_shared}
     halves: dict[int, int] = {}
+    wrong = sub_round_problem(plan)
+    if wrong is not None:
+        raise bad(*wrong)
     link = load_hardware("h100").intra_node  # the FLOPs depend on neither the link nor a rate
     floor = piece_floor(plan)
     for d, ix in enumerate(T.indices):
@@ -253,11 +227,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
             if local_numel[x.layout] != slots[t.param][2] or t.part is not None:
                 raise bad(f"{xf}.layout", f"task {x.id} ('{label(t)}') must be a whole TP-split "
                                           f"parameter whose shard is tp.layouts[{x.layout}]")
-            if inp.optimizer.spec.block_hosted:
-                if x.sub is not None:
-                    raise bad(f"{xf}.sub", f"shares task {x.id} over a TP sub-group, but "
-                                           f"{inp.optimizer.name} preconditions shard by shard; "
-                                           f"only Muon's Newton–Schulz is shared so")
+            if inp.optimizer.spec.block_hosted:  # (no rounds: sub_round_problem)
                 out[x.id] = _check_shard_blocks(plan, x, L, xf, bad)
                 continue
             rows, cols = t.shape
@@ -266,8 +236,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                                           f"along its short dimension: its shards are not row "
                                           f"blocks of the matrix, which sharing needs")
             if x.sub is not None:  # a round of TP sub-groups
-                o = _check_sub(x, ix.shared, k, xf, t, L, inp.tp, inp.optimizer.ns_steps,
-                               link, bad)
+                o = _check_sub(x, xf, t, L, inp.tp, inp.optimizer.ns_steps, link, bad)
                 s = inp.tp // x.sub.k
                 want = floor(t.cost, t.flops, o.piece_flops) / s
                 if x.load < want - 1:

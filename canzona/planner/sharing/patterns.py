@@ -204,7 +204,7 @@ def least_ceiling(kinds: Sequence[Kind], counts: Sequence[int], dp: int,
     best = False if certify else _within(kinds, counts, dp, pats, loads[up], exact, partners)
     if best is None or (best is False and not certify):
         return None
-    proven = best is not False
+    proven = certify or best is not False  # (a floor never needs the top decided)
     solves = 0
     while lo < up:
         if solves == max_solves:  # the floor stands (every load below lo is unreachable)
