@@ -26,11 +26,13 @@ from canzona.runtime.qk_clip import attention_heads
 from canzona.runtime.megatron import check_megatron_model, megatron_sum_grads
 from canzona.runtime.optim import AdamW, AdamWConfig
 from canzona.runtime.optim._base import SettingError
+from canzona.runtime.optim.sub_groups import SubGroups, tp_sub_groups
 from canzona.runtime.pairs import PairRunner
 from canzona.runtime.schedule import build_schedule
 from canzona.runtime.storage import Zero1Buckets
 from canzona.runtime.tp import MicroGroupRunner
-from canzona.runtime.tp_tasks import build_shared_tasks, build_tp_groups
+from canzona.runtime.tp_tasks import (build_shared_tasks, build_tp_groups, check_sub_rounds,
+                                      sub_group_sizes)
 
 __all__ = ["Construction"]
 
@@ -39,6 +41,23 @@ def _named(where: str, exc: SettingError) -> ValueError:
     """``exc`` naming the constructor argument ``where`` (``lr=``, ``adamw_betas[0]``, …)."""
     sep = "" if where.endswith("=") else " = "
     return ValueError(f"{where}{sep}{exc.detail} ({exc.owner}.{exc.field})")
+
+
+def _check_sub_groups(plan: Plan) -> None:
+    """The plan's rounds of TP sub-groups, every DP index's (``tp_tasks.check_sub_rounds``),
+    and the world they are created over: its ranks are the plan's dp × tp (the sub-groups of
+    every TP group are created by every rank of the world, ``optim.sub_groups.tp_sub_groups``),
+    checked on every rank alike before any collective."""
+    check_sub_rounds(plan)
+    if not sub_group_sizes(plan):
+        return
+    world = dist.get_world_size()
+    if world != plan.inputs.dp * plan.inputs.tp:
+        raise PlanMismatchError(
+            f"the plan shares matrices over TP sub-groups, which every rank of the world creates "
+            f"for every TP group, but the world has {world} ranks, not the plan's dp × tp = "
+            f"{plan.inputs.dp} × {plan.inputs.tp} (a pipeline's stages, or ranks outside the "
+            f"plan); plan without sub-groups.")
 
 
 class Construction:
@@ -50,14 +69,16 @@ class Construction:
                          device_mesh: Any, dp_group: Any, tp_group: Any,
                          expert_dp_group: Any, main_params: str | None,
                          grad_sync: str) -> tuple[Any, Any, Any]:
-        """The arguments and the plan's sizes, checked without a collective. Returns
-        ``(dp_group, tp_group, expert_dp_group)``, the ``device_mesh``'s when one is given."""
+        """The arguments, the plan's sizes and its rounds of TP sub-groups, checked without a
+        collective. Returns ``(dp_group, tp_group, expert_dp_group)``, the ``device_mesh``'s
+        when one is given."""
         self._timeout = checks.checked_timeout(collective_timeout)
         if device_mesh is not None:
             dp_group, tp_group, expert_dp_group = checks.mesh_groups(
                 device_mesh, dp_group, tp_group, expert_dp_group)
         checks.check_main_params(main_params)
         checks.check_plan_sizes(plan, grad_sync=grad_sync, tp_group=tp_group)
+        _check_sub_groups(plan)
         return dp_group, tp_group, expert_dp_group
 
     def _take_parameters(self, model: nn.Module | Any, plan: Plan,
@@ -258,7 +279,8 @@ class Construction:
 
     def _set_up_shared_and_tp(self, plan: Plan) -> None:
         """The runners of the matrices this rank shares with a DP partner (``plan.dp_shared``)
-        and of its TP micro-groups and TP-shared matrices (tp > 1), with their state."""
+        and of its TP micro-groups and TP-shared matrices (tp > 1; with the TP sub-groups the
+        plan's rounds use), with their state."""
         self._pairs = PairRunner(self._schedule.mine, dp_group=self._group, dp_rank=self._rank,
                                  timeout_s=self._timeout, flight=self._flight)
         own_start = [self._schedule.own_range(b.index)[0] for b in self._schedule.buckets]
@@ -272,8 +294,25 @@ class Construction:
             shared_cap=LOCKSTEP_CMAX * plan.tp.cmax_bytes if plan.tp is not None else 0)
         self._micro.timeout_s, self._micro.rank = self._timeout, self._rank
         self._micro.dp_group = self._group
+        self._micro.subs = self._join_sub_groups(plan)
         self._micro.flight = self._flight
         self._micro.init_state(self.state, self._matrix, self._device())
+
+    def _join_sub_groups(self, plan: Plan) -> dict[int, SubGroups]:
+        """This rank's TP sub-groups of every size k the plan uses at any DP index, created
+        once, by every rank alike (k ascending; ``optim.sub_groups.tp_sub_groups``, collective
+        over the world, which ``_check_sub_groups`` found to be the plan's dp × tp ranks): each
+        TP group's global ranks gathered from every rank first. Empty without them."""
+        sizes = sub_group_sizes(plan)
+        if not sizes:
+            return {}
+        held: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, dist.get_process_group_ranks(self._tp_group))
+        tp_ranks = [list(g) for g in sorted({tuple(g) for g in held})]
+        try:
+            return {k: tp_sub_groups(tp_ranks, k, tp_group=self._tp_group) for k in sizes}
+        except ValueError as exc:
+            raise PlanMismatchError(f"the plan's TP sub-groups: {exc}") from None
 
     def _find_replicated_ranges(self, model: Any, tp_sum_grads: Sequence[str]) -> None:
         """tp > 1: the ranges of this rank's own slices that hold parameters replicated over TP

@@ -73,7 +73,7 @@ class Lifecycle:
         self._storage.release()
         self._group = None  # an explicit dp_group is no longer kept alive by this optimizer
         self._pairs.groups = {}  # nor by the DP pairs' peers
-        self._micro.dp_group = None  # nor by the TP pairs' (tp > 1)
+        self._micro.release()  # nor the TP pairs' DP group and the sub-groups (tp > 1)
         # nor the expert-DP group: one derived here stays in torch's registry, as every
         # subgroup does, until torch.distributed.destroy_process_group()
         self._expert_group = None

@@ -29,7 +29,8 @@ every rank leaves its shard untouched. Under ``nonfinite="raise"`` the host rais
 scatter, and one small all-reduce over the TP group makes every TP rank raise with it.
 
 The runner's records come from the plan (``runtime.tp_tasks``); the matrices the TP group
-shares run before the micro-groups, in lockstep (``runtime.tp_shared``).
+shares (whole, with a partner DP index, or a round of them by TP sub-groups) run before the
+micro-groups, in lockstep (``runtime.tp_shared``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.optim import NonFiniteGradientError
+from canzona.runtime.optim.sub_groups import SubGroups
 from canzona.runtime.storage.buffers import BucketBuffers
 from canzona.runtime.tp_shared import SharedLockstep
 from canzona.runtime.tp_tasks import SharedTask, TPGroup, TPTask
@@ -91,6 +93,9 @@ class MicroGroupRunner(SharedLockstep):
         self.timeout_s: float | None = None  # CanzonaOptimizer(collective_timeout=)
         #: the DP group of this TP rank (a pair's partner is reached through it)
         self.dp_group: Any = None
+        #: this rank's TP sub-groups by k, for the plan's rounds (created once at construction,
+        #: ``optim.sub_groups.tp_sub_groups``)
+        self.subs: dict[int, SubGroups] = {}
         self.flight: Any = None  # CanzonaOptimizer(flight_record=)
         self.rank = 0  # this process's DP rank, for messages
         self.tp_rank, self.tp = tp_rank, tp
@@ -100,6 +105,12 @@ class MicroGroupRunner(SharedLockstep):
         #: The largest gathered (received) buffer of a group, in elements: with two groups in
         #: flight the runtime's scratch peaks at about twice this (``peak_scratch_bytes``).
         self.max_recv = max((sum(g.recv) for g in self.groups), default=0)
+
+    def release(self) -> None:
+        """Let go of the process groups this runner holds (the DP group a TP pair's partner is
+        reached through, the TP sub-groups): the optimizer no longer keeps them alive."""
+        self.dp_group = None
+        self.subs = {}
 
     @property
     def tasks(self) -> tuple[TPTask, ...]:
@@ -111,7 +122,8 @@ class MicroGroupRunner(SharedLockstep):
 
     def peak_scratch_bytes(self, ns_dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of gathered full matrices held at once by this rank's pipeline, at most, or of
-        the largest lockstep batch of shared matrices (the two phases do not overlap)."""
+        the largest lockstep batch of shared matrices, rounds of TP sub-groups with their
+        all-to-all buffers (the two phases do not overlap)."""
         size = torch.empty((), dtype=self.comm_dtype).element_size()
         recv = sorted((sum(g.recv) for g in self.groups), reverse=True)
         batches = self._batches(self._halves_first(self.shared), ns_dtype)
@@ -121,7 +133,8 @@ class MicroGroupRunner(SharedLockstep):
     def init_state(self, state: MutableMapping[Tensor, Any], matrix: Any,
                    device: torch.device) -> None:
         """fp32 state of every task hosted here (full shape), under its parameter (and part),
-        and of this rank's shard of every shared task (its rows of the momentum)."""
+        and of this rank's shard of every shared task (its rows of the momentum; a TP
+        sub-group's matrix too: its rows travel, its state stays on the shard)."""
         for x in self.shared:
             state[self._params[x.param]] = matrix.init_state(x.local_shape, torch.float32, device)
         for t in self.hosted:

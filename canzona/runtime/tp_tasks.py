@@ -5,7 +5,8 @@
   the all-to-all split sizes, checked against the plan's ``gather_send``/``gather_recv``.
 * :class:`SharedTask` (:func:`build_shared_tasks`): the TP-split matrices this DP index's TP group
   shares, in plan order, with this rank's shard (or its rows of the shard, where a partner DP
-  index holds the others) located in its own slice of the bucket.
+  index holds the others) located in its own slice of the bucket, and the round of TP
+  sub-groups a matrix is in (:func:`check_sub_rounds` checks every index's rounds).
 
 Anything the plan says that the runtime cannot follow raises ``PlanMismatchError``.
 """
@@ -15,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from canzona.planner.plan import Plan
+from canzona.planner.plan import Plan, sub_round_problem
 from canzona.runtime.errors import PlanMismatchError
 
-__all__ = ["SharedTask", "TPGroup", "TPTask", "build_shared_tasks", "build_tp_groups"]
+__all__ = ["SharedTask", "TPGroup", "TPTask", "build_shared_tasks", "build_tp_groups",
+           "check_sub_rounds", "sub_group_sizes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +129,22 @@ class SharedTask:
     #: ascending; this rank holds rows [row0, row0 + local_shape[0]) of its shard
     pair: tuple[int, int] | None = None
     row0: int = 0
+    #: shared by a TP sub-group (``SharedTaskPlan.sub``): (k, round, slot) — the round's tp/k
+    #: matrices are consecutive in slot order, and the k TP ranks slot, slot + tp/k, … compute
+    #: this one (``runtime.optim.sub_groups``); this rank still holds its whole shard
+    sub: tuple[int, int, int] | None = None
 
 
 def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int],
                        param_range: Sequence[tuple[int, int]], own_start: Sequence[int],
                        dp_rank: int) -> tuple[SharedTask, ...]:
     """The tasks DP index ``dp_rank``'s TP group shares, in plan order (every TP rank runs them
-    in that order: their collectives must match)."""
+    in that order: their collectives must match), the rounds of TP sub-groups of every index
+    checked first (:func:`check_sub_rounds`)."""
     T = plan.tp
     if T is None:
         return ()
+    check_sub_rounds(plan)
     mine = next((ix for ix in T.indices if ix.dp_index == dp_rank), None)
     if mine is None or not (mine.shared or plan.dp_shared):
         return ()
@@ -176,10 +184,11 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
             lo += row0 * shape[1]
             hi = lo + rows * shape[1]
             shape = (rows, shape[1])
+        sub = None if x.sub is None else (x.sub.k, x.sub.round, x.sub.slot)
         out.append(SharedTask(
             t.id, i, t.param, bi, lo - own_start[bi], hi - own_start[bi],
             lay.dim, shape, tuple(lay.full_shape),  # type: ignore[arg-type]
-            x.split_poly, spec.block_hosted, pair, row0))  # type: ignore[arg-type]
+            x.split_poly, spec.block_hosted, pair, row0, sub))  # type: ignore[arg-type]
     listed = {x.id for x in out if x.pair is not None}
     for p in pairs.values():
         if plan.inputs.tp > 1 and dp_rank in p.owners and p.id not in listed:
@@ -187,3 +196,30 @@ def build_shared_tasks(plan: Plan, names: list[str], param_bucket: Sequence[int]
                                     f"{list(p.owners)} but DP index {dp_rank}'s TP group does "
                                     f"not list its half; the plan is inconsistent.")
     return tuple(out)
+
+
+def sub_group_sizes(plan: Plan) -> list[int]:
+    """Every k of the TP sub-groups the plan uses at any DP index, ascending: the sub-groups
+    every rank creates, alike, once (``runtime.optim.sub_groups.tp_sub_groups``)."""
+    if plan.tp is None:
+        return []
+    return sorted({x.sub.k for ix in plan.tp.indices for x in ix.shared if x.sub is not None})
+
+
+def check_sub_rounds(plan: Plan) -> None:
+    """The rounds of TP sub-groups of every DP index as the runtime runs them
+    (``planner.plan.schema.sub_round_problem``, the plan loader's check too), on every rank
+    alike and without a collective (each index's ranks run only their own rounds, so a rank
+    checks the others' too: all refuse a plan together).
+
+    Raises:
+        PlanMismatchError: naming the field (``tp.indices[i].shared[j].sub…``) that breaks it.
+    """
+    wrong = sub_round_problem(plan)
+    if wrong is not None:
+        field, what = wrong
+        raise _inconsistent(f"{field} {what}")
+
+
+def _inconsistent(what: str) -> PlanMismatchError:
+    return PlanMismatchError(f"{what}; the plan is inconsistent.")

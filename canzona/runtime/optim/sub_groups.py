@@ -1,6 +1,6 @@
 """TP sub-groups: k of a TP group's tp ranks share one matrix's Newton–Schulz, tp/k matrices side
-by side (the kernel, standalone — the planner and the optimizer do not place such pieces yet,
-``planner.sharing.tp_sub_piece`` models them).
+by side (the kernel: a plan's rounds, ``SharedTaskPlan.sub``, run it inside the TP index's shared
+lockstep, ``runtime.tp_shared``; ``planner.sharing.tp_sub_piece`` models it).
 
 Over the whole TP group (k = tp) a shared piece carries its Gram's collectives (≈ n²/2 elements
 per step) for an eighth of the matrix's work per GPU at tp = 8. Per rank the compute grows as
