@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2     # dp 2 × tp 2, gloo
     torchrun --standalone --nproc-per-node 2 examples/train_tp.py --tp 2     # dp 1 × tp 2
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --share all-split
+    torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 4 --share sub-groups
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --qkv-split heads
     torchrun --standalone --nproc-per-node 4 examples/train_tp.py --tp 2 --qk-clip 1
 
@@ -14,7 +15,8 @@ its shards to one host TP rank, updates the whole matrix there (Muon/Shampoo/SOA
 the update back, micro-group by micro-group. The embedding, norms and the output layer are not
 parallelised: replicated, updated identically on every TP rank. ``--share`` (Muon): the TP group
 shares matrices instead (shared Newton–Schulz over the shards, nothing gathered; ``all-split``
-every one, with the polynomial split). ``--qkv-split heads``: q, k and v orthogonalised head by
+every one, with the polynomial split; ``sub-groups`` at tp ≥ 4: alike matrices in rounds, each
+shared by two strided TP ranks that gather its rows first). ``--qkv-split heads``: q, k and v orthogonalised head by
 head, each TP rank the heads of its own shard in one batch. ``--qk-clip TAU`` (MuonClip): each
 block records its heads' largest logit (``canzona.runtime.qk_clip.max_logits``) and after every
 step ``opt.qk_clip_`` scales the query and key rows of the heads above TAU. Data: arithmetic
@@ -107,10 +109,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
     ap.add_argument("--share", default="auto",
-                    choices=["off", "auto", "all", "all-split", "pairs"],
+                    choices=["off", "auto", "all", "all-split", "pairs", "sub-groups"],
                     help="Muon matrices shared by their TP group instead of gathered to a host; "
                          "pairs: the column-parallel ones by the TP groups of both DP indices "
-                         "(k = 2·tp) (Shampoo: blocks preconditioned shard by shard where the TP "
+                         "(k = 2·tp); sub-groups (tp ≥ 4): alike matrices in rounds, each "
+                         "shared by k < tp strided TP ranks (Shampoo: blocks preconditioned shard by shard where the TP "
                          "shards are whole blocks, see --block)")
     ap.add_argument("--block", type=int, default=None,
                     help="Shampoo's max_preconditioner_dim (default 1024; 16 makes every TP "
@@ -157,6 +160,9 @@ def main() -> None:
         shared = [len(ix.shared) for ix in plan.tp.indices]
         paired = (f" ({len(plan.dp_shared)} of them with the partner DP index's TP group, "
                   f"k = 2·tp)" if plan.dp_shared else "")
+        subs = sum(x.sub is not None for ix in plan.tp.indices for x in ix.shared)
+        if subs:
+            paired += f" ({subs} of them in rounds of TP sub-groups)"
         heads = sum(is_head(t.part) for t in plan.tasks)
         per_head = f", {heads} attention heads where they lie" if heads else ""
         print(f"dp={dp} tp={args.tp}, {plan.total_params:,} params, {plan.inputs.optimizer.name}; "

@@ -245,7 +245,14 @@ class Candidates:
         return c.memo["step"]
 
     def check_kept(self, best: Candidate, *, stacklevel: int = 2) -> None:
-        """Warns where ``pairs`` was asked for and the kept plan has no TP pair."""
+        """Warns where ``pairs`` was asked for and the kept plan has no TP pair, or
+        ``sub-groups`` and it has no round."""
+        if self.mode.name == "sub-groups" and not best.problem.rounds:
+            warnings.warn("TPOptions.share = 'sub-groups': no round of TP sub-groups here (tp/k "
+                          "alike Muon matrices the TP group shares, split along their long "
+                          "dimension, are needed for one); every eligible matrix is shared by "
+                          "its TP group (as 'all-split').", CanzonaWarning,
+                          stacklevel=stacklevel + 1)
         if self.mode.pairs and self.tp_pairs and not best.problem.pairs:
             warnings.warn("TPOptions.share = 'pairs': no matrix is shared by two TP groups here "
                           "(a tall Muon matrix split along its rows, dp ≥ 2, two rows of every "
@@ -370,8 +377,9 @@ def tp_bundle_candidate(problem: DPProblem, pairs: Mapping[int, PairShare],
     shared matrix's TP shards cut between its partners). Returns (the search's busiest index,
     (the reordered problem with the pairs used, its cuts) or None where it shares nothing);
     :func:`tp_pair_candidates` offers it to the plan."""
-    if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 or problem.dp < 2 \
-            or not (pairs or problem.rounds) or any(buf.expert for buf in problem.layout.buffers):
+    if not problem.settings.spec.gram_shared or problem.sizes.tp == 1 \
+            or (pairs and problem.dp < 2) or not (pairs or problem.rounds) \
+            or any(buf.expert for buf in problem.layout.buffers):
         return 0.0, None
     search = TPPairSearch(problem, pairs, scratch_cap, force)
     search.start()
