@@ -86,9 +86,30 @@ def _fsdp2() -> dict[str, float]:
     return bench_fsdp2.figures()
 
 
+def _sub_groups() -> dict[str, float]:
+    """llama3-70b dp256 tp8 on the H800 profile (``--cost flops``, as the sharing tables):
+    the busiest GPU and the certified floor with any sharing option, over the mean useful
+    work."""
+    from canzona.planner import DPOptions, ParallelSizes, TPOptions
+    from canzona.planner.hardware import load_hardware
+    from canzona.planner.pipeline import plan
+    from canzona.planner.plan.inverse import read_problem
+    from canzona.planner.report import useful_mean
+    from canzona.planner.sharing import pattern_bound
+
+    p = plan("llama3-70b", ParallelSizes(dp=256, tp=8), dp_options=DPOptions(cost="flops"),
+             tp_options=TPOptions(hardware="h800"))
+    assert p.tp is not None
+    mean = useful_mean(p)
+    busiest = p.tp.metrics.max_gpu_load
+    floor = pattern_bound(read_problem(p, model=True).problem, load_hardware("h800"), busiest)
+    assert floor is not None
+    return {"busiest": busiest / mean, "floor": floor.bound / mean}
+
+
 SOURCES: dict[str, Callable[[], dict[str, Any]]] = {
     "paper": _paper, "paper_constants": _paper_constants, "plan": _plan, "gpu": _gpu,
-    "fsdp2": _fsdp2}
+    "fsdp2": _fsdp2, "sub_groups": _sub_groups}
 
 
 def expected(spec: dict[str, Any], value: Any) -> str:
