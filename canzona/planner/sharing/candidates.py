@@ -85,6 +85,20 @@ class Candidates:
                                "out between its two DP indices by reordering each bucket's "
                                "parameters; it needs DPOptions.reorder (drop --no-reorder), or "
                                "use 'all-split'.")
+        #: whether rounds of TP sub-groups are tried (``auto``) or asked for (``sub-groups``):
+        #: as TP pairs, and a TP group of 4 ranks or more
+        self.sub_groups = schedule and mode.sub_groups and dp_options.reorder \
+            and problem.settings.spec.gram_shared and tp >= 4
+        if mode.name == "sub-groups" and not self.sub_groups:
+            why = (f"a TP group of 4 ranks or more (tp is {tp})" if tp < 4 else
+                   f"an optimizer sharing its Newton–Schulz (Muon, NorMuon; "
+                   f"{problem.settings.name} does not)"
+                   if not problem.settings.spec.gram_shared else
+                   "DPOptions.reorder (drop --no-reorder): a round's matrices lie on one DP "
+                   "index" if not dp_options.reorder else "a TP schedule (not dp_only)")
+            raise CanzonaError(f"TPOptions.share = 'sub-groups' (--share sub-groups) shares "
+                               f"matrices over TP sub-groups of k < tp ranks: it needs {why}; "
+                               f"use 'all-split' otherwise.")
         #: the candidate sets of TP-shared tasks (tp > 1), the first the plan's start
         self.shares: list[dict] = []
         if not mode.off and tp > 1 and not problem.shared:
@@ -103,15 +117,6 @@ class Candidates:
         #: has a TP schedule, Muon's matrices and reordered buckets to lay them out in
         self.tp_pairs = schedule and mode.tp_pairs and dp_options.reorder \
             and problem.settings.spec.gram_shared
-        #: whether rounds of TP sub-groups are tried (``auto``) or asked for (``sub-groups``):
-        #: as TP pairs, and a TP group of 4 ranks or more
-        self.sub_groups = schedule and mode.sub_groups and dp_options.reorder \
-            and problem.settings.spec.gram_shared and tp >= 4
-        if mode.name == "sub-groups" and not self.sub_groups:
-            raise CanzonaError("TPOptions.share = 'sub-groups' (--share sub-groups) shares "
-                               "matrices over TP sub-groups of k < tp ranks: it needs tp ≥ 4, "
-                               "Muon's Newton–Schulz and DPOptions.reorder (drop --no-reorder); "
-                               "use 'all-split' otherwise.")
         self._terms: StepTime | None = None
 
     # -- the candidates ----------------------------------------------------------------------

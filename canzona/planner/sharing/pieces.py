@@ -32,8 +32,8 @@ iteration). The sharing groups:
   compute grows as 1/k while the Gram's collectives stay about the same, so fewer ranks per
   matrix spend fewer collective seconds per FLOP. The gather and the return count as
   collectives, which the other pieces of a lockstep may hide (the kernel's ``sub_group_rows``
-  can start them asynchronously; its one-matrix entry waits for them). In the bound's model
-  only (``groups`` must name it): the planner and the optimizer do not place such pieces.
+  can start them asynchronously; its one-matrix entry waits for them). Named in ``groups``
+  only where asked for: the rounds (``rounds``) and the pattern floor (``patterns``) ask.
 
 The collectives sit on the critical path of every iteration (the next step needs the reduced
 Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a

@@ -132,11 +132,18 @@ def test_edited_sub_group_plans_are_refused(sub_plan, refused_edit):
         assert field in msg, (field, msg)
 
 
-def test_share_sub_groups_needs_four_tp_ranks_and_muon():
+def test_share_sub_groups_says_what_it_needs():
     from canzona.planner.errors import CanzonaError
+    from canzona.planner.pipeline import plan
 
-    with pytest.raises(CanzonaError, match="tp ≥ 4"):
+    with pytest.raises(CanzonaError, match=r"4 ranks or more \(tp is 2\)"):
         _plan("qwen3-0.6b", 4, 2, "sub-groups")
+    with pytest.raises(CanzonaError, match="shampoo does not"):
+        plan("qwen3-0.6b", ParallelSizes(dp=4, tp=4), "shampoo",
+             tp_options=TPOptions(share="sub-groups"))
+    with pytest.raises(CanzonaError, match="drop --no-reorder"):
+        plan("qwen3-0.6b", ParallelSizes(dp=4, tp=4), dp_options=DPOptions(reorder=False),
+             tp_options=TPOptions(share="sub-groups"))
 
 
 def test_llama3_70b_dp256_tp8_reaches_under_one_and_a_half_on_h800():
