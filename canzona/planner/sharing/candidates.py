@@ -86,16 +86,20 @@ class Candidates:
                                "parameters; it needs DPOptions.reorder (drop --no-reorder), or "
                                "use 'all-split'.")
         #: whether rounds of TP sub-groups are tried (``auto``) or asked for (``sub-groups``):
-        #: as TP pairs, and a TP group of 4 ranks or more
+        #: as TP pairs, a TP group of 4 ranks or more, and no pipeline stage
+        staged = problem.spec.stage is not None and problem.spec.stage.pp > 1
         self.sub_groups = schedule and mode.sub_groups and dp_options.reorder \
-            and problem.settings.spec.gram_shared and tp >= 4
+            and problem.settings.spec.gram_shared and tp >= 4 and not staged
         if mode.name == "sub-groups" and not self.sub_groups:
             why = (f"a TP group of 4 ranks or more (tp is {tp})" if tp < 4 else
                    f"an optimizer sharing its Newton–Schulz (Muon, NorMuon; "
                    f"{problem.settings.name} does not)"
                    if not problem.settings.spec.gram_shared else
                    "DPOptions.reorder (drop --no-reorder): a round's matrices lie on one DP "
-                   "index" if not dp_options.reorder else "a TP schedule (not dp_only)")
+                   "index" if not dp_options.reorder else
+                   "a model without pipeline stages (the runtime creates the sub-groups over "
+                   "the whole world, which a pipeline's stages share)" if staged else
+                   "a TP schedule (not dp_only)")
             raise CanzonaError(f"TPOptions.share = 'sub-groups' (--share sub-groups) shares "
                                f"matrices over TP sub-groups of k < tp ranks: it needs {why}; "
                                f"use 'all-split' otherwise.")

@@ -10,6 +10,7 @@ import pytest
 from canzona.planner.hardware import load_hardware
 from canzona.planner.layout import ParallelSizes
 from canzona.planner.options import DPOptions, TPOptions
+from canzona.planner.stages import StageSplit
 
 
 def _plan(model: str, dp: int, tp: int, share: str, hardware: str = "h100", cost=None):
@@ -144,6 +145,18 @@ def test_share_sub_groups_says_what_it_needs():
     with pytest.raises(CanzonaError, match="drop --no-reorder"):
         plan("qwen3-0.6b", ParallelSizes(dp=4, tp=4), dp_options=DPOptions(reorder=False),
              tp_options=TPOptions(share="sub-groups"))
+    with pytest.raises(CanzonaError, match="without pipeline stages"):
+        plan("qwen3-0.6b", ParallelSizes(dp=4, tp=4), stages=StageSplit(pp=2),
+             tp_options=TPOptions(share="sub-groups"))
+
+
+def test_pipeline_stages_place_no_round():
+    """The runtime creates sub-groups over the whole world, which a pipeline's stages share:
+    ``auto`` places none in a stage's plan."""
+    from canzona.planner.pipeline import plan
+
+    p = plan("qwen3-1.7b", ParallelSizes(dp=16, tp=8), stages=StageSplit(pp=2))
+    assert not any(s.sub_groups for s in p.stages)
 
 
 def test_llama3_70b_dp256_tp8_reaches_under_one_and_a_half_on_h800():
