@@ -58,7 +58,7 @@ def _pieces(problem, hw, pair: bool) -> list[tuple[str, float, float, int, float
                   and o.split_poly), None)
         if o is None:
             raise SystemExit(f"{t.name}: no {group} option")
-        piece = (kind, o.piece_flops / rate, o.comm_s,
+        piece = (kind, o.compute_s(rate), o.comm_s,
                  lockstep_bytes(-(-m // o.k), n, o.k, True, 2), o.hidden_s)
         out += [piece] * (o.k // problem.sizes.tp)
     return out
@@ -74,9 +74,7 @@ def _place(pieces, dp: int, cap: int) -> list[Lockstep]:
         item = (i, comp, comm, max(comp, comm), nbytes, hidden)
         best = None
         for d, b in enumerate(bins):
-            trial = b.copy()
-            trial.add(item)
-            key = (trial.load(), d)
+            key = (b.loads_with([[item]])[1], d)
             if best is None or key < best[0]:
                 best = (key, d)
         bins[best[1]].add(item)
@@ -163,7 +161,7 @@ def _free_optimum(problem, hw, cap: int, hi: float,
             opts[kind] = [(f"{o.group}{o.k if o.group == 'tp_sub' else ''}"
                            f"{'-split' if o.split_poly else ''}",
                            max(1, o.k // tp), max(1, tp // o.k),
-                           (o.piece_flops / rate, o.comm_s,
+                           (o.compute_s(rate), o.comm_s,
                             lockstep_bytes(-(-m // o.k), n, o.k, o.split_poly, 2), o.hidden_s))
                           for o in share_options(problem, t.id, hw, groups=groups)]
     types = [(kind, name, per, piece, mats) for kind in sorted(opts)

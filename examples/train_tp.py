@@ -16,8 +16,8 @@ the update back, micro-group by micro-group. The embedding, norms and the output
 parallelised: replicated, updated identically on every TP rank. ``--share`` (Muon): the TP group
 shares matrices instead (shared Newton–Schulz over the shards, nothing gathered; ``all-split``
 every one, with the polynomial split; ``sub-groups`` at tp ≥ 4: alike matrices in rounds, each
-shared by two strided TP ranks that gather its rows first). ``--qkv-split heads``: q, k and v orthogonalised head by
-head, each TP rank the heads of its own shard in one batch. ``--qk-clip TAU`` (MuonClip): each
+shared by k < tp strided TP ranks that gather its rows first). ``--qkv-split heads``: q, k
+and v orthogonalised head by head, each TP rank the heads of its own shard in one batch. ``--qk-clip TAU`` (MuonClip): each
 block records its heads' largest logit (``canzona.runtime.qk_clip.max_logits``) and after every
 step ``opt.qk_clip_`` scales the query and key rows of the heads above TAU. Data: arithmetic
 progressions (each DP rank its own), so the loss falls within 100 steps.
@@ -113,8 +113,8 @@ def main() -> None:
                     help="Muon matrices shared by their TP group instead of gathered to a host; "
                          "pairs: the column-parallel ones by the TP groups of both DP indices "
                          "(k = 2·tp); sub-groups (tp ≥ 4): alike matrices in rounds, each "
-                         "shared by k < tp strided TP ranks (Shampoo: blocks preconditioned shard by shard where the TP "
-                         "shards are whole blocks, see --block)")
+                         "shared by k < tp strided TP ranks (Shampoo: blocks preconditioned "
+                         "shard by shard where the TP shards are whole blocks, see --block)")
     ap.add_argument("--block", type=int, default=None,
                     help="Shampoo's max_preconditioner_dim (default 1024; 16 makes every TP "
                          "shard of the default model whole blocks)")

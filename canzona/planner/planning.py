@@ -109,9 +109,10 @@ class SubRound:
     """tp/k alike Muon matrix tasks of one DP index shared by TP sub-groups of ``k`` strided TP
     ranks, one matrix per sub-group (``tasks`` in slot order), run as one piece of the index's
     lockstep: every TP rank computes one piece of one of them (``sharing.tp_sub_piece``), so
-    the round's per-rank ``load`` (cost units: its seconds alone, converted), ``compute_s``,
-    ``comm_s`` (the Gram's collectives over k ranks and the all-to-alls that gather and return
-    the rows) and ``hidden_s`` (of those, beside its own Gram products) are one piece's. Each
+    the round's per-rank ``load`` (cost units: its seconds alone, converted), ``compute_s``
+    (with the all-to-alls that gather and return its rows, which nothing hides), ``comm_s``
+    (the Gram's collectives over k ranks) and ``hidden_s`` (of those, beside its own Gram
+    products) are one piece's. Each
     member is also in ``DPProblem.shared``, with 1/s of the round's load (what
     ``tp.context.index_work`` sums per TP rank)."""
 

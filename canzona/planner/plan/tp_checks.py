@@ -173,14 +173,10 @@ def piece_floor(plan: Plan):  # noqa: ANN201
     return lambda cost, flops, piece_flops: piece_flops * cost / flops if flops else 0.0
 
 
-def _check_sub(x, xf: str, t, L, tp: int, steps: int, link, bad):  # noqa: ANN001, ANN202
-    """A task of a round of TP sub-groups (its round's structure checked before,
-    ``schema.sub_round_problem``): its shards row blocks of the matrix. Returns the
-    sub-group's piece (its FLOPs per rank)."""
+def _sub_piece(x, t, tp: int, steps: int, link):  # noqa: ANN001, ANN202
+    """The piece of a task of a round of TP sub-groups (its round's structure and its shards'
+    orientation checked before): a sub-group member's FLOPs per rank."""
     rows, cols = t.shape
-    if rows != cols and L.dim != (0 if rows > cols else 1):
-        raise bad(f"{xf}.layout", f"task {x.id} ('{label(t)}', {rows}×{cols}) is split along its "
-                                  f"short dimension: its shards are not row blocks")
     return tp_sub_piece(tp, x.sub.k, x.split_poly, max(rows, cols), min(rows, cols), steps, 2,
                         link, rate=1.0)
 
@@ -236,7 +232,7 @@ def _check_shared(plan: Plan, slots: dict, local_numel: list[int], full_numel: l
                                           f"along its short dimension: its shards are not row "
                                           f"blocks of the matrix, which sharing needs")
             if x.sub is not None:  # a round of TP sub-groups
-                o = _check_sub(x, xf, t, L, inp.tp, inp.optimizer.ns_steps, link, bad)
+                o = _sub_piece(x, t, inp.tp, inp.optimizer.ns_steps, link)
                 s = inp.tp // x.sub.k
                 want = floor(t.cost, t.flops, o.piece_flops) / s
                 if x.load < want - 1:

@@ -215,7 +215,9 @@ class Candidates:
           ``step-time``, a shorter modelled step (the busiest GPU and the bucket collectives,
           as the partition itself is judged);
         * TP pairs: a lighter busiest GPU and, under ``step-time``, a modelled step no
-          longer."""
+          longer;
+        * rounds of TP sub-groups: the same; under ``sub-groups`` (kept) a candidate with
+          rounds replaces one without."""
         if self.mode.kept and new.problem.pairs and not best.problem.pairs:
             return True
         if new.kind == SUB_GROUPS:
@@ -257,11 +259,13 @@ class Candidates:
         """Warns where ``pairs`` was asked for and the kept plan has no TP pair, or
         ``sub-groups`` and it has no round."""
         if self.mode.name == "sub-groups" and not best.problem.rounds:
-            warnings.warn("TPOptions.share = 'sub-groups': no round of TP sub-groups here (tp/k "
-                          "alike Muon matrices the TP group shares, split along their long "
-                          "dimension, are needed for one); every eligible matrix is shared by "
-                          "its TP group (as 'all-split').", CanzonaWarning,
-                          stacklevel=stacklevel + 1)
+            why = ("the model has expert buffers, which the TP search does not lay out"
+                   if any(buf.expert for buf in self.problem.layout.buffers) else
+                   "a round needs tp/k alike Muon matrices the TP group shares, split along "
+                   "their long dimension, for a k dividing tp below it")
+            warnings.warn(f"TPOptions.share = 'sub-groups': no round of TP sub-groups here "
+                          f"({why}); every eligible matrix is shared by its TP group (as "
+                          f"'all-split').", CanzonaWarning, stacklevel=stacklevel + 1)
         if self.mode.pairs and self.tp_pairs and not best.problem.pairs:
             warnings.warn("TPOptions.share = 'pairs': no matrix is shared by two TP groups here "
                           "(a tall Muon matrix split along its rows, dp ≥ 2, two rows of every "
@@ -305,7 +309,8 @@ def sub_group_candidates(problem: DPProblem, hw: HardwareProfile, mode: ShareMod
     (``rounds.every_round``), placed by the search. Laid out as :func:`tp_bundle_candidate`
     does: (the problem with the rounds and pairs it uses, its cuts); empty where no round is
     placed."""
-    if not problem.settings.spec.gram_shared or problem.sizes.tp < 4 or not problem.shared:
+    if not problem.settings.spec.gram_shared or problem.sizes.tp < 4 or not problem.shared \
+            or any(buf.expert for buf in problem.layout.buffers):
         return []
     if mode.auto:
         paired = tp_pair_decision(problem, hw, "auto") if pairs else {}

@@ -27,7 +27,7 @@ class ShareMode:
     eligible matrix, without / with the polynomial split, kept; ``pairs`` (tp > 1): every tall
     column-parallel Muon matrix shared by two TP groups, every other eligible one by its TP
     group, with the split, kept; ``sub-groups`` (tp ≥ 4): every class of alike eligible
-    matrices in rounds of TP sub-groups (``rounds.round_sets``), the rest by their TP group,
+    matrices in rounds of TP sub-groups (``rounds.every_round``), the rest by their TP group,
     with the split, kept."""
 
     name: str = "off"
@@ -79,7 +79,7 @@ class ShareMode:
     @property
     def kept(self) -> bool:
         """What the mode shares is kept whatever the objective says (``all``, ``all-split``,
-        ``pairs``): a candidate that shares replaces one that does not."""
+        ``pairs``, ``sub-groups``): a candidate that shares replaces one that does not."""
         return self.name not in ("off", "auto")
 
     def admits(self, option: ShareOption) -> bool:

@@ -8,8 +8,8 @@ plans, and its patterns are a start for the TP search (``tp_start``).
 CP-SAT decides, for a ceiling, whether the patterns under it can hold every class's matrices
 on ``dp`` indices; the least ceiling is found by bisection over the patterns' loads (the
 optimum is one pattern's load), each ceiling below it proven unreachable. One worker, a fixed
-seed and a deterministic time budget: the same answer on every machine with the same
-OR-Tools.
+seed and a deterministic time budget: the same answer on every machine with the same OR-Tools
+(a wall-clock limit only guards against a pathological case).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def enumerate_patterns(kinds: Sequence[Kind], counts: Sequence[int], ceiling: fl
                 t = tuple(cur)
                 out.append((t, load(t)))
             return True
-        rec(j + 1, size)
+        if not rec(j + 1, size):
+            return False
         while cur[j] < top[j] and (most is None or size < most):
             cur[j] += 1
             size += 1
@@ -215,6 +216,7 @@ def least_ceiling(kinds: Sequence[Kind], counts: Sequence[int], dp: int,
         got = _within(kinds, counts, dp, pats, loads[mid], exact, partners)
         if got is None or (got is False and not certify):
             lo = mid + 1
+            proven = proven and got is None
         else:
             up = mid
             best = got

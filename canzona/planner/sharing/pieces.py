@@ -30,10 +30,10 @@ iteration). The sharing groups:
   tp/k shards of its matrix (a row block) from the TP group, the k orthogonalise together, the
   updates go back to the shards' ranks (``runtime.optim.sub_groups``: the kernel). Per rank the
   compute grows as 1/k while the Gram's collectives stay about the same, so fewer ranks per
-  matrix spend fewer collective seconds per FLOP. The gather and the return count as
-  collectives, which the other pieces of a lockstep may hide (the kernel's ``sub_group_rows``
-  can start them asynchronously; its one-matrix entry waits for them). Named in ``groups``
-  only where asked for: the rounds (``rounds``) and the pattern floor (``patterns``) ask.
+  matrix spend fewer collective seconds per FLOP. The gather and the return count as the
+  piece's own busy time (``ShareOption.moved_s``): the runtime waits for them before and after
+  the lockstep batch. Named in ``groups`` only where asked for: the rounds (``rounds``) and the
+  pattern floor (``patterns``) ask.
 
 The collectives sit on the critical path of every iteration (the next step needs the reduced
 Gram): their modelled time (α–β on the group's link, ``HardwareProfile.link``) is part of a
@@ -73,7 +73,9 @@ class ShareOption:
     takes ``compute + comm_s − hidden_s`` (:meth:`alone_s`); ``memory_s``: with loads in
     seconds, the rank's share (1/k) of its task's memory-bound passes (``Roofline.memory_s``:
     momentum, Nesterov blend, cast, norm, update), part of its compute as the simulator times
-    it; 0 under the FLOPs and element costs."""
+    it; 0 under the FLOPs and element costs; ``moved_s``: a TP sub-group member's gather of its
+    rows and return of the update rows (:func:`tp_sub_piece`), part of its compute: nothing
+    hides them."""
 
     group: Group
     k: int
@@ -82,10 +84,13 @@ class ShareOption:
     comm_s: float
     hidden_s: float = 0.0
     memory_s: float = 0.0
+    moved_s: float = 0.0
 
     def compute_s(self, rate: float) -> float:
-        """Seconds of the piece's compute: its FLOPs at ``rate`` FLOP/s and its memory passes."""
-        return self.piece_flops / rate + self.memory_s
+        """Seconds the piece keeps its rank busy outside its Gram's collectives: its FLOPs at
+        ``rate`` FLOP/s, its memory passes and (``moved_s``) the all-to-alls that move a TP
+        sub-group's rows, which the runtime waits for before its lockstep and after it."""
+        return self.piece_flops / rate + self.memory_s + self.moved_s
 
     def alone_s(self, rate: float) -> float:
         """Seconds of the piece alone at ``rate`` FLOP/s: its compute and what its own compute
@@ -182,14 +187,14 @@ def tp_sub_piece(tp: int, k: int, split: bool, m: int, n: int, steps: int, e: in
     them), so each rank receives tp/k − 1 shards of the matrix it shares and sends as many of
     the others' (an all-to-all over the TP group, ``link``), the same again to return the
     update rows; between them :func:`shared_piece` over the sub-group (on the same link: the
-    strided ranks span the TP group). ``k = tp`` is the TP group's own piece (nothing
-    gathered)."""
+    strided ranks span the TP group). The two all-to-alls are ``moved_s``: the runtime waits
+    for a round's gather before its lockstep batch and for its return after, so nothing hides
+    them. ``k = tp`` is the TP group's own piece (nothing gathered)."""
     if k < 1 or tp % k:
         raise ValueError(f"a TP sub-group's size divides tp ({tp}); got {k}")
     piece = shared_piece("tp_sub", k, split, m, n, steps, e, link, rate=rate)
     moved = (tp // k - 1) * -(-m // tp) * n * e  # shards one rank receives (and sends)
-    a2a = 2 * link.seconds(moved) if moved else 0.0
-    return dataclasses.replace(piece, comm_s=piece.comm_s + a2a)
+    return dataclasses.replace(piece, moved_s=2 * link.seconds(moved) if moved else 0.0)
 
 
 def _row_stats_s(o: ShareOption, tp_dim: int | None, rows: int, cols: int, tp: int,

@@ -91,7 +91,7 @@ def every_round(problem: DPProblem, hw: HardwareProfile) -> list[SubRound]:
     what does not fill a round left to its TP group. Empty where nothing applies (not Muon,
     tp < 4, no class with tp/k alike matrices)."""
     tp = problem.sizes.tp
-    if not problem.settings.spec.gram_shared or tp < 4:
+    k = next((k for k in range(2, tp) if tp % k == 0), None)
+    if not problem.settings.spec.gram_shared or k is None:  # tp < 4, or a prime tp
         return []
-    k = next(k for k in range(2, tp) if tp % k == 0)
     return [r for ids in classes(problem).values() for r in rounds_of(problem, ids, k, hw)]

@@ -8,9 +8,8 @@ from bisect import bisect_left
 from collections.abc import Mapping
 
 from .. import alike
-from ..formulas import lockstep_bytes
 from ..planning import DPProblem, Item, PairShare
-from ..tp.context import HALF, Lockstep, TPContext, lockstep_piece, lpt_makespan
+from ..tp.context import HALF, Lockstep, TPContext, half_piece, lockstep_piece, lpt_makespan
 from .search import Ops, Place, Search
 
 
@@ -23,7 +22,9 @@ class TPPairSearch(Search):
     pair's halves, halves first, in batches of ``cap`` scratch bytes as the runtime runs them:
     ``tp.context.Lockstep``; partners end the batches holding halves together), plus its
     hosted tasks packed on its TP ranks and its replicated ones; AdamW is left out (the layout
-    spreads it)."""
+    spreads it). A round of TP sub-groups (``problem.rounds``) is one piece of its index's
+    lockstep: its first task's item carries its members, which move with it and nowhere
+    alone."""
 
     def __init__(self, problem: DPProblem, pairs: Mapping[int, PairShare], cap: int = 0,
                  force: bool = False) -> None:
@@ -74,11 +75,7 @@ class TPPairSearch(Search):
                                            for t in it.tasks))
         x = self.pairs.get(i) if len(it.tasks) == 1 else None
         if x is not None and x.alone_s > 0:
-            comp, comm, hidden = x.run_piece()
-            m, n = max(problem.tasks[i].shape), min(problem.tasks[i].shape)
-            k = 2 * self.tp
-            half = (i, comp, comm, float(x.loads[0]),
-                    lockstep_bytes(-(-m // k), n, k, x.split_poly, 2), hidden)
+            half = half_piece(problem, i, x)
         self.kind.append(kind)
         self.piece.append(piece)
         self.half.append(half)
@@ -214,9 +211,7 @@ class TPPairSearch(Search):
         :meth:`start` places the rest."""
         self.where = [("w", -1)] * len(self.load)
         for i, place in placed.items():
-            for j in self.unit[i]:
-                (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(j)
-                self.where[j] = place
+            self._put(i, place)
         self._keys.clear()
         self._seeded = True
         got = self._costs({}, {}, set(range(self.dp)))
@@ -259,12 +254,16 @@ class TPPairSearch(Search):
                 if best is None or score < best[0]:
                     best = (score, place, got)
             _, place, got = best  # type: ignore[misc]
-            for j in self.unit[i]:
-                (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(j)
-                self.where[j] = place
+            self._put(i, place)
             self._changed(place)
             for d, c in got.items():
                 self.costs[d] = c
+
+    def _put(self, i: int, place: Place) -> None:
+        """Item ``i`` (with its round's members) at ``place``; its costs are the caller's."""
+        for j in self.unit[i]:
+            (self.whole[place[1]] if place[0] == "w" else self.shared[place[1]]).append(j)
+            self.where[j] = place
 
     def _changed(self, place: Place) -> None:
         """What ``place`` holds changed: its indices' keys go."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..formulas import lockstep_bytes
 from ..planning import DPProblem, PairShare
-from ..tp.context import lockstep_piece, round_piece
+from ..tp.context import half_piece, lockstep_piece, round_piece
 from .patterns import Kind, enumerate_patterns, least_ceiling, lockstep_load
 from .rounds import classes as alike_classes, rounds_of, sub_round, with_rounds
 from .tp_search import TPPairSearch
@@ -31,14 +30,8 @@ def _kinds(problem: DPProblem, classes: list[list[int]], pairs: Mapping[int, Pai
         i = ids[0]
         out.append(Kind(c, "tp", 1, 1, lockstep_piece(problem, i)))
         x = pairs.get(i)
-        if x is not None and x.alone_s > 0:
-            t = problem.tasks[i]
-            m, n = max(t.shape), min(t.shape)
-            comp, comm, hidden = x.run_piece()
-            out.append(Kind(c, "pair", 2, 1, (i, comp, comm, float(x.loads[0]),
-                                              lockstep_bytes(-(-m // (2 * tp)), n, 2 * tp,
-                                                             x.split_poly, 2), hidden),
-                            half=True))
+        if x is not None and x.alone_s > 0 and all(j in pairs for j in ids):
+            out.append(Kind(c, "pair", 2, 1, half_piece(problem, i, x), half=True))
         for k in range(2, tp):
             if tp % k == 0 and len(ids) >= tp // k:
                 r = sub_round(problem, ids[:tp // k], k, hw)
@@ -53,11 +46,14 @@ def tp_pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare], hw, *, 
     """A placement from the pattern model (see the module): (the problem with the rounds it
     uses, the pairs it uses, the search placed and not yet improved), or None where the model
     finds nothing under ``ceiling`` (another start's busiest index; None: any) or has too
-    many patterns. ``problem.shared``: the tasks the TP group shares; ``pairs``: the TP pairs
+    many patterns, and for a model with expert buffers (the search does not lay them out). At
+    an odd dp no index has a partner: rounds and the TP group only. ``problem.shared``: the tasks the TP group shares; ``pairs``: the TP pairs
     the tall ones may take (``decision.tp_pair_decision``)."""
     classes = list(alike_classes(problem).values())
-    if not classes or problem.dp % 2:
+    if not classes or any(buf.expert for buf in problem.layout.buffers):
         return None
+    if problem.dp % 2:  # no partner indices: rounds and the TP group only
+        pairs = {}
     kinds = _kinds(problem, classes, pairs, hw)
     if all(k.option == "tp" for k in kinds):
         return None
@@ -67,7 +63,7 @@ def tp_pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare], hw, *, 
     pats = enumerate_patterns(kinds, counts, top, load, START_MOST)
     if not pats:
         return None
-    got = least_ceiling(kinds, counts, problem.dp, pats, exact=True, partners=True)
+    got = least_ceiling(kinds, counts, problem.dp, pats, exact=True, partners=bool(pairs))
     if got is None:
         return None
     _, use, _ = got

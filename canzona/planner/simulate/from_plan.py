@@ -213,8 +213,8 @@ def _workload(plan: Plan, hw: HardwareProfile, matrix_dtype: str, adamw_dtype: s
                         o = tp_sub_piece(tp, k, x.split_poly, m, n, steps,
                                          ELEMENT_BYTES[matrix_dtype], tp_link, rate=mat_rate)
                         fl += o.piece_flops
-                        pieces.append((seconds(x.id, 1 / k, o.piece_flops), o.comm_s,
-                                       o.hidden_s))
+                        pieces.append((seconds(x.id, 1 / k, o.piece_flops) + o.moved_s,
+                                       o.comm_s, o.hidden_s))
                         sizes.append(sub_round_bytes(m, n, tp, k, x.split_poly,
                                                      ELEMENT_BYTES[matrix_dtype]))
                         half.append(False)

@@ -16,8 +16,8 @@ from ..cost import DTYPE_BYTES
 from ..dp.bounds import bin_packing_bound
 from ..errors import CanzonaError
 from ..formulas import lockstep_bytes, sub_round_bytes
-from ..planning import (BucketProblem, Cuts, DPProblem, SubRound, coupled, equal_cuts,
-                        owner_of)
+from ..planning import (BucketProblem, Cuts, DPProblem, PairShare, SubRound, coupled,
+                        equal_cuts, owner_of)
 from ..shards import ShardMap, shard_map
 
 
@@ -461,6 +461,23 @@ def _shared_by_index(problem: DPProblem, cuts: Cuts) -> list[list[int]]:
     return out
 
 
+def half_bytes(problem: DPProblem, task: int, split: bool) -> int:
+    """Scratch bytes a half of ``task`` shared with a partner index holds in a lockstep batch
+    (its rows over k = 2·tp, ``formulas.lockstep_bytes``, bf16)."""
+    t = problem.tasks[task]
+    m, n = max(t.shape), min(t.shape)
+    k = 2 * problem.sizes.tp
+    return lockstep_bytes(-(-m // k), n, k, split, 2)
+
+
+def half_piece(problem: DPProblem, task: int, x: PairShare) -> Piece:
+    """A half of ``task`` that two TP groups share (``x``) as a lockstep sees it, keyed by the
+    task (the caller keys it below 0 where halves come first)."""
+    comp, comm, hidden = x.run_piece()
+    return (task, comp, comm, float(x.loads[0]), half_bytes(problem, task, x.split_poly),
+            hidden)
+
+
 def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list[set[int]]]:
     """At tp > 1, the halves of the tasks two TP groups share (``problem.pairs``, k = 2·tp):
     per DP index its halves as its lockstep sees them (keyed task − :data:`HALF`: first; the
@@ -481,11 +498,8 @@ def pair_pieces(problem: DPProblem, cuts: Cuts) -> tuple[list[list[Piece]], list
             x = problem.pairs[i]
             d = problem.dp_index(b, owner_of(c, it.start))
             comp, comm, hidden = x.run_piece()
-            t = problem.tasks[i]
-            m, n = max(t.shape), min(t.shape)
-            k = 2 * problem.sizes.tp
-            out[d].append((i - HALF, comp, comm, it.load,
-                           lockstep_bytes(-(-m // k), n, k, x.split_poly, 2), hidden))
+            out[d].append((i - HALF, comp, comm, it.load, half_bytes(problem, i, x.split_poly),
+                           hidden))
             where.setdefault(i, []).append(d)
     for ds in where.values():
         for d in ds:

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from ..comm import all_to_all_busiest
 from ..cost import DTYPE_BYTES
 from ..errors import CanzonaError, OversizedTaskWarning
-from ..formulas import LOCKSTEP_CMAX, lockstep_batches, lockstep_bytes
+from ..formulas import LOCKSTEP_CMAX, lockstep_batches
 from ..hardware import LinkProfile, load_hardware
 from ..options import TPOptions
 from ..planning import Cuts, DPProblem, SubRound, coupled, pair_owners
-from .context import (TPContext, index_work, lockstep_scratch, lockstep_seconds, pinned_at,
-                      round_piece,
-                      shared_by_index)
+from .context import (TPContext, half_bytes, index_work, lockstep_scratch, lockstep_seconds,
+                      pinned_at, round_piece, shared_by_index)
 
 # --- schedule records -----------------------------------------------------------------------------
 
@@ -322,7 +321,6 @@ def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[
     whose scratch fits 2 · ``cap`` (C_max), each batch in lockstep (:func:`lockstep_seconds`; a
     half holds its rows of 2·tp). Returns (the batches holding a half, the others): partners
     finish the first together."""
-    tp = pr.sizes.tp
     ordered = [x for x in runs if x.partner is not None] + [x for x in runs if x.partner is None]
     units, sizes = [], []  # a round of TP sub-groups is one unit: one piece per rank
     for x in ordered:
@@ -336,9 +334,7 @@ def shared_phase_s(pr: DPProblem, runs: Sequence[SharedRun], cap: int) -> tuple[
         if x.partner is None:
             sizes.append(lockstep_scratch(pr, x.task))
             continue
-        t = pr.tasks[x.task]
-        m, n = max(t.shape), min(t.shape)
-        sizes.append(lockstep_bytes(-(-m // (2 * tp)), n, 2 * tp, x.split_poly, 2))
+        sizes.append(half_bytes(pr, x.task, x.split_poly))
     first = rest = 0.0
     for b in lockstep_batches(units, sizes, LOCKSTEP_CMAX * cap):
         s = lockstep_seconds([piece for _, piece in b], pr.settings.ns_steps)

@@ -244,10 +244,11 @@ def test_the_gram_all_reduce_runs_beside_its_own_products():
 
 
 def test_tp_sub_group_pieces_gather_their_rows_and_keep_the_grams_collectives():
-    """A TP sub-group of k < tp ranks (``tp_sub``, the bound's model only): each rank computes
-    the rows of k ranks, its Gram's collectives are those of a k-rank group, and it gathers
-    tp/k − 1 foreign shards of its matrix before and returns as many after; k = tp is the TP
-    group's own piece with nothing moved. Only asked for, never by default."""
+    """A TP sub-group of k < tp ranks (``tp_sub``): each rank computes the rows of k ranks, its
+    Gram's collectives are those of a k-rank group, and it gathers tp/k − 1 foreign shards of
+    its matrix before and returns as many after, time nothing hides (``moved_s``, part of its
+    compute); k = tp is the TP group's own piece with nothing moved. Only asked for, never by
+    default."""
     from canzona.planner.sharing import profile_rate, shared_piece, tp_sub_piece
 
     hw = load_hardware("h800")
@@ -261,9 +262,11 @@ def test_tp_sub_group_pieces_gather_their_rows_and_keep_the_grams_collectives():
         own = shared_piece("tp_sub", k, True, m, n, s, 2, link, rate=rate)
         moved = (tp // k - 1) * (m // tp) * n * 2
         assert sub.k == k and sub.piece_flops == own.piece_flops > whole.piece_flops
-        assert sub.comm_s == pytest.approx(own.comm_s + 2 * (link.latency_s + moved / link.busbw))
+        assert sub.comm_s == own.comm_s and sub.hidden_s == own.hidden_s
+        assert sub.moved_s == pytest.approx(2 * (link.latency_s + moved / link.busbw))
+        assert sub.compute_s(rate) == pytest.approx(own.compute_s(rate) + sub.moved_s)
         # fewer ranks per matrix: fewer collective seconds per FLOP than the whole TP group
-        assert sub.comm_s / sub.piece_flops < whole.comm_s / whole.piece_flops
+        assert (sub.comm_s + sub.moved_s) / sub.piece_flops < whole.comm_s / whole.piece_flops
     with pytest.raises(ValueError, match="divides tp"):
         tp_sub_piece(tp, 3, True, m, n, s, 2, link, rate=rate)
 

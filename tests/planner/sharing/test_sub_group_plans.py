@@ -160,7 +160,7 @@ def test_pipeline_stages_place_no_round():
 
 
 def test_llama3_70b_dp256_tp8_reaches_under_one_and_a_half_on_h800():
-    """The issue's figure: with TP sub-groups placed (the pattern model's start, then the TP
+    """The at-scale figure: with TP sub-groups placed (the pattern model's start, then the TP
     search), the busiest GPU of llama3-70b dp256 tp8 on the H800 profile is under 1.5× the
     mean useful work (1.540 with TP groups and TP pairs alone), and above the certified
     floor."""
