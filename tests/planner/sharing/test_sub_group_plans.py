@@ -176,3 +176,30 @@ def test_llama3_70b_dp256_tp8_reaches_under_one_and_a_half_on_h800():
     assert busiest / mean <= 1.5
     floor = pattern_bound(problem, load_hardware("h800"), busiest)
     assert floor is not None and floor.bound <= busiest
+
+
+def test_a_moe_model_plans_without_rounds():
+    """Expert buffers are laid out by the partition, never by the TP search: ``auto`` places no
+    round in a MoE model at tp ≥ 4 (and plans it)."""
+    from canzona.planner.pipeline import plan
+
+    p = plan("qwen3-30b-a3b", ParallelSizes(dp=32, tp=4, ep=8))
+    assert p.tp is not None and not p.sub_groups
+
+
+def test_a_truncated_pattern_list_is_no_list(monkeypatch):
+    """Past the pattern limit the enumeration gives None (no start, no floor): a partial list
+    could prove reachable ceilings unreachable."""
+    from canzona.planner.sharing import patterns
+
+    # a first kind heavier than the ceiling: the limit is met below it, and nothing after
+    heavy = patterns.Kind(0, "host", 1, 1, None, hosted=1000.0)
+    kinds = [heavy] + [patterns.Kind(c, "tp", 1, 1, (0, 1.0, 1.0, 1.0, 0, 0.0))
+                       for c in range(1, 4)]
+    counts = [4, 4, 4, 4]
+    everything = patterns.enumerate_patterns(kinds, counts, 100.0,
+                                             patterns.relaxed_load(kinds), None)
+    assert everything is not None and len(everything) == 5 ** 3 - 1
+    monkeypatch.setattr(patterns, "PATTERN_LIMIT", 50)
+    assert patterns.enumerate_patterns(kinds, counts, 100.0, patterns.relaxed_load(kinds),
+                                       None) is None
