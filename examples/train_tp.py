@@ -17,10 +17,11 @@ parallelised: replicated, updated identically on every TP rank. ``--share`` (Muo
 shares matrices instead (shared Newton–Schulz over the shards, nothing gathered; ``all-split``
 every one, with the polynomial split; ``sub-groups`` at tp ≥ 4: alike matrices in rounds, each
 shared by k < tp strided TP ranks that gather its rows first). ``--qkv-split heads``: q, k
-and v orthogonalised head by head, each TP rank the heads of its own shard in one batch. ``--qk-clip TAU`` (MuonClip): each
-block records its heads' largest logit (``canzona.runtime.qk_clip.max_logits``) and after every
-step ``opt.qk_clip_`` scales the query and key rows of the heads above TAU. Data: arithmetic
-progressions (each DP rank its own), so the loss falls within 100 steps.
+and v orthogonalised head by head, each TP rank the heads of its own shard in one batch.
+``--qk-clip TAU`` (MuonClip): each block records its heads' largest logit
+(``canzona.runtime.qk_clip.max_logits``) and after every step ``opt.qk_clip_`` scales the query
+and key rows of the heads above TAU. Data: arithmetic progressions (each DP rank its own), so
+the loss falls within 100 steps.
 """
 
 from __future__ import annotations

@@ -122,6 +122,8 @@ class Candidates:
         self.tp_pairs = schedule and mode.tp_pairs and dp_options.reorder \
             and problem.settings.spec.gram_shared
         self._terms: StepTime | None = None
+        #: the lightest busiest GPU of the TP-scheduled candidates made so far
+        self._lightest: float | None = None
 
     # -- the candidates ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Candidate]:
@@ -154,19 +156,24 @@ class Candidates:
                 start = dataclasses.replace(self.problem, shared=shared, lockstep_cap=self.cap)
                 for used, cuts in sub_group_candidates(start, self.hw, self.mode,
                                                        scratch_cap=self.cap,
-                                                       pairs=self.tp_pairs):
+                                                       pairs=self.tp_pairs,
+                                                       ceiling=self._lightest):
                     yield self._candidate(Solution(cuts, "heuristic", used.lower_bound(), used),
                                           SUB_GROUPS)
 
     def _candidate(self, sol: Solution, kind: str, stage: str | None = None) -> Candidate:
-        """``sol`` as a candidate, with its TP schedule where the plan has one."""
+        """``sol`` as a candidate, with its TP schedule where the plan has one (the lightest
+        busiest GPU of those made so far kept: a start of rounds aims below it)."""
         if not self.schedule:
             return Candidate(sol, kind)
         if stage:
             self.say(stage)
         ctx = TPContext.build(sol.problem, self.t.comm_dtype)
-        return Candidate(sol, kind, ctx, schedule_tp(sol.problem, sol.cuts, self.t, ctx=ctx,
+        made = Candidate(sol, kind, ctx, schedule_tp(sol.problem, sol.cuts, self.t, ctx=ctx,
                                                      warn=False))
+        gpu = self._gpu(made)
+        self._lightest = gpu if self._lightest is None else min(self._lightest, gpu)
+        return made
 
     def _dp_pairs(self, sol: Solution) -> Iterator[Candidate]:
         """tp = 1: for each candidate set of split tasks, each cut into its two pieces and the
@@ -300,21 +307,22 @@ def tp_pair_candidates(problem: DPProblem, hw: HardwareProfile, *, scratch_cap: 
 
 
 def sub_group_candidates(problem: DPProblem, hw: HardwareProfile, mode: ShareMode, *,
-                         scratch_cap: int = 0, pairs: bool = True, max_moves: int = 2000
-                         ) -> list[tuple[DPProblem, Cuts]]:
+                         scratch_cap: int = 0, pairs: bool = True, max_moves: int = 2000,
+                         ceiling: float | None = None) -> list[tuple[DPProblem, Cuts]]:
     """tp ≥ 4, Muon, ``problem.shared`` set: a placement with rounds of TP sub-groups, each
     round whole on one DP index: under ``auto`` the pattern model's (``tp_start``: how many
     of each class go to rounds of which size, and (``pairs``) to the TP pairs of the bound's
     choice), searched from there; under ``sub-groups`` every class in rounds
     (``rounds.every_round``), placed by the search. Laid out as :func:`tp_bundle_candidate`
     does: (the problem with the rounds and pairs it uses, its cuts); empty where no round is
-    placed."""
+    placed. ``ceiling``: another candidate's busiest GPU (the start's patterns stay below
+    it)."""
     if not problem.settings.spec.gram_shared or problem.sizes.tp < 4 or not problem.shared \
             or any(buf.expert for buf in problem.layout.buffers):
         return []
     if mode.auto:
         paired = tp_pair_decision(problem, hw, "auto") if pairs else {}
-        got = tp_pattern_start(problem, paired, hw, scratch_cap=scratch_cap)
+        got = tp_pattern_start(problem, paired, hw, scratch_cap=scratch_cap, ceiling=ceiling)
         if got is None or not got[0].rounds:
             return []
         start, chosen, search = got

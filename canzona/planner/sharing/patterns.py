@@ -89,11 +89,13 @@ def relaxed_load(kinds: Sequence[Kind]) -> Callable[[tuple[int, ...]], float]:
 
 
 def enumerate_patterns(kinds: Sequence[Kind], counts: Sequence[int], ceiling: float,
-                       load: Callable[[tuple[int, ...]], float], most: int | None
-                       ) -> list[tuple[tuple[int, ...], float]] | None:
+                       load: Callable[[tuple[int, ...]], float], most: int | None,
+                       prune: bool = False) -> list[tuple[tuple[int, ...], float]] | None:
     """Every multiset of pieces (at most ``most`` pieces; None: any number, ``load`` then
     growing with the multiset) whose ``load`` is within ``ceiling`` and whose pieces the
-    classes' matrices (``counts``) can make; None past :data:`PATTERN_LIMIT`."""
+    classes' matrices (``counts``) can make; None past :data:`PATTERN_LIMIT`. ``prune`` (and
+    ``most`` None): a multiset over the ceiling is not grown further — all of them where the
+    load grows with the multiset, most of them for a start's lockstep load."""
     n = len(kinds)
     top = [counts[k.cls] * k.per // max(1, k.mats) if k.mats == 1 else
            -(-counts[k.cls] // k.mats) for k in kinds]
@@ -113,8 +115,8 @@ def enumerate_patterns(kinds: Sequence[Kind], counts: Sequence[int], ceiling: fl
         while cur[j] < top[j] and (most is None or size < most):
             cur[j] += 1
             size += 1
-            if most is None and load(tuple(cur)) > ceiling + 1e-9:
-                break  # growing: nothing with more of this kind fits either
+            if (prune or most is None) and load(tuple(cur)) > ceiling + 1e-9:
+                break  # (growing) nothing with more of this kind fits either
             if not rec(j + 1, size):
                 cur[j] = 0
                 return False

@@ -47,8 +47,9 @@ def tp_pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare], hw, *, 
     uses, the pairs it uses, the search placed and not yet improved), or None where the model
     finds nothing under ``ceiling`` (another start's busiest index; None: any) or has too
     many patterns, and for a model with expert buffers (the search does not lay them out). At
-    an odd dp no index has a partner: rounds and the TP group only. ``problem.shared``: the tasks the TP group shares; ``pairs``: the TP pairs
-    the tall ones may take (``decision.tp_pair_decision``)."""
+    an odd dp no index has a partner: rounds and the TP group only. ``problem.shared``: the
+    tasks the TP group shares; ``pairs``: the TP pairs the tall ones may take
+    (``decision.tp_pair_decision``)."""
     classes = list(alike_classes(problem).values())
     if not classes or any(buf.expert for buf in problem.layout.buffers):
         return None
@@ -60,7 +61,7 @@ def tp_pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare], hw, *, 
     counts = [len(ids) for ids in classes]
     load = lockstep_load(kinds, scratch_cap)
     top = ceiling if ceiling is not None else float("inf")
-    pats = enumerate_patterns(kinds, counts, top, load, START_MOST)
+    pats = enumerate_patterns(kinds, counts, top, load, START_MOST, prune=True)
     if not pats:
         return None
     got = least_ceiling(kinds, counts, problem.dp, pats, exact=True, partners=bool(pairs))
