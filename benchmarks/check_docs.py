@@ -140,9 +140,13 @@ def unmarked_results(text: str) -> list[str]:
     return bad[1:] if bad and "figure" in bad[0] else bad
 
 
+#: Each source's figures, computed once per process (a source plans or simulates models).
+_COMPUTED: dict[str, dict[str, Any]] = {}
+
+
 def check() -> list[str]:
     specs = json.loads(FIGURES.read_text())
-    computed: dict[str, dict[str, Any]] = {}
+    computed = _COMPUTED
     problems = []
     for page in PAGES:
         text = page.read_text()
