@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -14,6 +15,12 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Spawned gloo worlds start their ranks from one fork server (``start_method="forkserver"``)
+# that imports these once, not once per rank: on two cores that was most of a small world's
+# start. (torch only imports them; no thread pool or process group exists before the fork.)
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "canzona",
+                                        "canzona.planner", "canzona.runtime"])
 
 
 def _as_version_1(plan_json: str) -> dict:

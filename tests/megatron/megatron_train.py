@@ -249,7 +249,8 @@ def run_phases(world: int, phases: list[tuple[str, Phase]], out: str) -> list[di
         AssertionError: a rank failed (its traceback in the message).
     """
     try:
-        torch.multiprocessing.spawn(_worker, args=(phases, out), nprocs=world, join=True)
+        torch.multiprocessing.start_processes(_worker, args=(phases, out), nprocs=world,
+                                              join=True, start_method="forkserver")
     except Exception as exc:  # noqa: BLE001 - report the rank's own traceback
         errors = []
         for r in range(world):

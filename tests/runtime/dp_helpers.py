@@ -132,10 +132,12 @@ def _worker(rank: int, world: int, init_method: str, out: str,
 
 
 def run_world(world: int, cases: list[tuple[str, Callable]], out: str) -> list[dict]:
-    """Run every case on ``world`` gloo ranks (one spawn); per rank, ``{case: result}``."""
+    """Run every case on ``world`` gloo ranks (one start, from the fork server
+    ``tests/conftest.py`` preloads); per rank, ``{case: result}``."""
     try:
-        torch.multiprocessing.spawn(_worker, args=(world, rendezvous(out), out, cases),
-                                    nprocs=world, join=True)
+        torch.multiprocessing.start_processes(
+            _worker, args=(world, rendezvous(out), out, cases), nprocs=world, join=True,
+            start_method="forkserver")
     except Exception as exc:
         # A case that raised on one rank leaves the others in its collectives until they time
         # out, and the spawn reports that timeout: name the case errors the ranks saved.

@@ -66,8 +66,9 @@ def _worker(rank: int, world: int, init_method: str, out: str) -> None:
 def test_a_stopped_rank_fails_the_others_within_the_timeout(tmp_path):
     from canzona.runtime.optimizer import CanzonaOptimizer
 
-    torch.multiprocessing.spawn(_worker, args=(2, rendezvous(str(tmp_path)), str(tmp_path)),
-                                nprocs=2, join=True)
+    torch.multiprocessing.start_processes(
+        _worker, args=(2, rendezvous(str(tmp_path)), str(tmp_path)), nprocs=2, join=True,
+        start_method="forkserver")
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert "error" not in r0 and "error" not in r1, (r0, r1)

@@ -98,9 +98,15 @@ def rounds_of(plan) -> list[list[tuple[str, tuple[int, int, int]]]]:
 # --- the cases, on every rank of the 8-rank world ---------------------------------------------
 
 
-def _train(rank, world, *, optimizer, cmax_mib, steps, plan="sub", untouched=None):
-    """``train_tp`` under :func:`sub_plan` (``plan`` "sub") or :func:`mixed_plan`, recording
-    the first 16 lockstep batches (per batch, its tasks' names and ``sub``)."""
+def _given(plan):
+    """``plan`` itself (``train_tp`` takes a callable making its plan)."""
+    return plan
+
+
+def _train(rank, world, *, optimizer, steps, plan, untouched=None):
+    """``train_tp`` under ``plan`` (made once, in the parent: :func:`sub_plan` or
+    :func:`mixed_plan`), recording the first 16 lockstep batches (per batch, its tasks' names
+    and ``sub``)."""
     import warnings
 
     from canzona.runtime.errors import UnusedParameterWarning
@@ -114,19 +120,17 @@ def _train(rank, world, *, optimizer, cmax_mib, steps, plan="sub", untouched=Non
         return real(self, batch, *args, **kwargs)
 
     SharedLockstep._run_batch = spy
-    make = {"sub": sub_plan, "mixed": mixed_plan}[plan]
     try:
         with tiny4(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UnusedParameterWarning)  # untouched: on purpose
             res = T.train_tp(rank, world, dp=DP, tp=TP, optimizer=optimizer, steps=steps,
-                             untouched=untouched,
-                             plan=functools.partial(make, optimizer, cmax_mib=cmax_mib))
+                             untouched=untouched, plan=functools.partial(_given, plan))
     finally:
         SharedLockstep._run_batch = real
     return {**res, "batches": batches}
 
 
-def _checkpoint(rank, world, *, folder):
+def _checkpoint(rank, world, *, folder, plans):
     """Logical checkpoints across TP sub-groups: a momentum saved by the plan whose rounds
     TP sub-groups compute (each rank its own shard of every matrix) loads into the plan that
     hosts every matrix (the host's full matrix), and back; each side holds exactly the
@@ -144,7 +148,6 @@ def _checkpoint(rank, world, *, folder):
                   if p.optimizer == "matrix"}
         shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], TP, t), TP))
                   for p in ps]
-        plans = {"sub": sub_plan(), "off": T.plan_for(DP, TP, share="off")}
 
         def build(which):
             return canzona.CanzonaOptimizer(shards, plans[which], tp_group=tp_group,
@@ -210,7 +213,7 @@ def _broken(plan, how):
     return plan.model_copy(update={"tp": plan.tp.model_copy(update={"indices": indices})})
 
 
-def _refusals(rank, world):
+def _refusals(rank, world, *, good, shampoo):
     """Each malformed plan refused on every rank alike, before any collective (every
     collective of ``torch.distributed`` spied on); a Shampoo plan with rounds too."""
     import torch.distributed as dist
@@ -226,9 +229,8 @@ def _refusals(rank, world):
         start = T.initial_full()
         shards = [(p.name, T.megatron_param(p, T.local_of(p, start[p.name], TP, rank % TP), TP))
                   for p in T.spec().params]
-        good = mixed_plan()
         plans = {how: _broken(good, how) for how in MALFORMED}
-        plans["shampoo"] = mixed_plan("shampoo", block=8)
+        plans["shampoo"] = shampoo
     called, real = [], {n: getattr(dist, n) for n in names}
 
     def spy(name):
@@ -256,12 +258,19 @@ def _refusals(rank, world):
 
 
 def cases(folder: str) -> list:
-    out = [(name, functools.partial(_train, optimizer=o, cmax_mib=c, steps=s, plan=p))
+    """Every case, its plans made here once (not on each of the 8 ranks)."""
+    make = {"sub": sub_plan, "mixed": mixed_plan}
+    out = [(name, functools.partial(_train, optimizer=o, steps=s,
+                                    plan=make[p](o, cmax_mib=c)))
            for name, (o, c, s, p) in RUNS.items()]
-    out.append(("untouched", functools.partial(_train, optimizer="muon", cmax_mib=0.05,
-                                               steps=3, untouched=UNTOUCHED)))
-    out.append(("checkpoint", functools.partial(_checkpoint, folder=folder)))
-    out.append(("refusals", _refusals))
+    out.append(("untouched", functools.partial(_train, optimizer="muon", steps=3,
+                                               plan=sub_plan(), untouched=UNTOUCHED)))
+    with tiny4():
+        off = T.plan_for(DP, TP, share="off")
+    out.append(("checkpoint", functools.partial(_checkpoint, folder=folder,
+                                                plans={"sub": sub_plan(), "off": off})))
+    out.append(("refusals", functools.partial(_refusals, good=mixed_plan(),
+                                              shampoo=mixed_plan("shampoo", block=8))))
     return out
 
 

@@ -34,6 +34,9 @@ from .tp_start import tp_pattern_start
 #: first set of TP-shared tasks), DP pairs, another set of TP-shared tasks, TP pairs.
 BASE, DP_PAIRS, SHARED, TP_PAIRS, SUB_GROUPS = ("base", "dp-pairs", "shared", "tp-pairs",
                                                 "sub-groups")
+#: A busiest GPU within this factor of its plan's mean GPU load is balanced: ``auto`` tries
+#: no rounds of TP sub-groups beside it.
+BALANCED = 1.01
 
 
 @dataclass(eq=False)
@@ -122,8 +125,10 @@ class Candidates:
         self.tp_pairs = schedule and mode.tp_pairs and dp_options.reorder \
             and problem.settings.spec.gram_shared
         self._terms: StepTime | None = None
-        #: the lightest busiest GPU of the TP-scheduled candidates made so far
+        #: the lightest busiest GPU of the TP-scheduled candidates made so far, and that
+        #: candidate's mean GPU load
         self._lightest: float | None = None
+        self._lightest_mean = 0.0
 
     # -- the candidates ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Candidate]:
@@ -150,7 +155,7 @@ class Candidates:
                                                      force=self.mode.pairs):
                     yield self._candidate(Solution(cuts, "heuristic", used.lower_bound(), used),
                                           TP_PAIRS)
-        if self.sub_groups:  # rounds of TP sub-groups, with the TP pairs where they apply
+        if self.sub_groups and not self._balanced():  # rounds of TP sub-groups (with pairs)
             self.say("tp sub-groups")
             for shared in self.shares if self.mode.auto else self.shares[:1]:
                 start = dataclasses.replace(self.problem, shared=shared, lockstep_cap=self.cap)
@@ -160,6 +165,14 @@ class Candidates:
                                                        ceiling=self._lightest):
                     yield self._candidate(Solution(cuts, "heuristic", used.lower_bound(), used),
                                           SUB_GROUPS)
+
+    def _balanced(self) -> bool:
+        """Whether the lightest busiest GPU so far is within :data:`BALANCED` of its own mean
+        GPU load: rounds, which add all-to-alls, cannot go below the mean (``auto`` skips
+        them there; ``sub-groups`` never does)."""
+        if not self.mode.auto or self._lightest is None:
+            return False
+        return self._lightest <= BALANCED * self._lightest_mean
 
     def _candidate(self, sol: Solution, kind: str, stage: str | None = None) -> Candidate:
         """``sol`` as a candidate, with its TP schedule where the plan has one (the lightest
@@ -172,7 +185,10 @@ class Candidates:
         made = Candidate(sol, kind, ctx, schedule_tp(sol.problem, sol.cuts, self.t, ctx=ctx,
                                                      warn=False))
         gpu = self._gpu(made)
-        self._lightest = gpu if self._lightest is None else min(self._lightest, gpu)
+        if self._lightest is None or gpu < self._lightest:
+            grid = made.schedule.grid()  # type: ignore[union-attr]
+            self._lightest = gpu
+            self._lightest_mean = sum(map(sum, grid)) / (len(grid) * len(grid[0]))
         return made
 
     def _dp_pairs(self, sol: Solution) -> Iterator[Candidate]:
