@@ -108,6 +108,15 @@ def tp_pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare], hw, *, 
         taken[j] += 1
         return item[pool[j][taken[j] - 1]]
 
+    def whole(x: tuple[int, ...], e: int) -> None:  # pattern x's whole pieces on index e
+        for j, c in enumerate(x):
+            if j in halves or j not in pool:
+                continue
+            for _ in range(c):
+                i = take(j)
+                if i is not None:
+                    placed[i] = ("w", e)
+
     d = 0
     for a in range(0, len(with_halves) - 1, 2):  # partners hold the same halves
         s = d // 2
@@ -120,25 +129,13 @@ def tp_pattern_start(problem: DPProblem, pairs: Mapping[int, PairShare], hw, *, 
                     placed[i] = ("s", s)
                 elif i is not None:
                     taken[j] -= 1  # left to the search
-        for x, e in ((with_halves[a], d), (with_halves[a + 1], d + 1)):
-            for j, c in enumerate(x):
-                if j in halves or j not in pool:
-                    continue
-                for _ in range(c):
-                    i = take(j)
-                    if i is not None:
-                        placed[i] = ("w", e)
+        whole(with_halves[a], d)
+        whole(with_halves[a + 1], d + 1)
         d += 2
     for x in plain:
         if d >= problem.dp:
             break
-        for j, c in enumerate(x):
-            if j not in pool:
-                continue
-            for _ in range(c):
-                i = take(j)
-                if i is not None:
-                    placed[i] = ("w", d)
+        whole(x, d)
         d += 1
     search.seed(placed)
     search.start()
