@@ -28,15 +28,15 @@ def test_example_trains_and_exits_cleanly(optimizer, accum, examples):
 
 
 def test_example_checkpoint_resumes_under_the_same_and_another_plan(tmp_path, examples):
-    """``--checkpoint`` then ``--resume``: on 2 ranks the last loss is the uninterrupted run's;
-    on 1 rank (another plan) it resumes at the saved step."""
+    """``--checkpoint`` then ``--resume``: on 2 ranks the last loss is the uninterrupted run's
+    (one that saves along the way: saving changes nothing); on 1 rank (another plan) it resumes
+    at the saved step."""
 
     def _run(nproc, *args):
         return examples.stdout("train_gpt.py", nproc, *args, timeout=180)
 
-    whole = _run(2, "--steps", "8")
     ck = str(tmp_path / "ck")
-    first = _run(2, "--steps", "8", "--checkpoint", ck, "--save-every", "5")
+    whole = first = _run(2, "--steps", "8", "--checkpoint", ck, "--save-every", "5")
     assert f"saved {ck} at step 5" in first
     again = _run(2, "--steps", "8", "--resume", ck)  # ck holds step 8 now: nothing left to do
     assert f"resumed from {ck} at step 8" in again
