@@ -718,7 +718,10 @@ def sharing_view(sh: dict | None) -> None:
     if sh["note"]:
         console.print(sh["note"], highlight=False, style="dim")
     pat = sh.get("pattern")
-    if pat is not None:
+    if pat is not None and "unavailable" in pat:
+        console.print(f"certified per-GPU floor with any sharing option: not computed "
+                      f"({pat['unavailable']})", highlight=False, style="dim")
+    elif pat is not None:
         cm = pat["cost_model"]
         how = ("the model's optimum, every lower ceiling proven unreachable" if pat["tight"]
                else "every lower ceiling proven unreachable; the optimum may lie higher, "

@@ -29,6 +29,7 @@ from .strategies import baseline_rows, tp_baseline_rows
 from .tp.context import gpu_packing_bound
 from .sharing import (kind_of, pair_link, pair_timeline, pattern_bound, profile_rate,
                       shared_piece, sharing_bound)
+from .sharing.patterns import PATTERN_LIMIT
 
 if TYPE_CHECKING:
     from .baselines import BaselineRow
@@ -259,6 +260,11 @@ def inspect_report(plan: Plan, *, config: Path | None = None, top: int = 10,
                 report["sharing"]["pattern"] = {**got.to_dict(),
                                                 "plan": plan.tp.metrics.max_gpu_load,
                                                 "cost_model": plan.inputs.cost_model}
+            elif plan.inputs.optimizer.spec.gram_shared:
+                report["sharing"]["pattern"] = {
+                    "unavailable": f"no matrix may be shared, or more than "
+                                   f"{PATTERN_LIMIT:,} patterns of pieces fit under this plan's "
+                                   f"busiest GPU"}
     say("the predicted step")
     report["predicted"] = predicted_step(plan)
     return report

@@ -2,8 +2,8 @@
 Megatron-core GPTModel trained by canzona at dp 2 × tp 2 with ``plan_model``, again with the same
 plan made offline from the matching config (Megatron names; ``--plan``), which must print the
 same losses, at tp 2 with bf16 parameters and fp32 main copies, a MoE model at ep 2 (twice,
-the same losses), QK-clip and pipeline stages under Megatron's own schedule. Each run exits 0 with a falling loss and no abort at
-shutdown."""
+the same losses), QK-clip and pipeline stages under Megatron's own schedule. Each run exits 0
+with a falling loss and no abort at shutdown."""
 
 from __future__ import annotations
 

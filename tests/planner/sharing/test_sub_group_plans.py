@@ -203,3 +203,16 @@ def test_a_truncated_pattern_list_is_no_list(monkeypatch):
     monkeypatch.setattr(patterns, "PATTERN_LIMIT", 50)
     assert patterns.enumerate_patterns(kinds, counts, 100.0, patterns.relaxed_load(kinds),
                                        None) is None
+
+
+def test_inspect_reports_the_floor_or_why_not(monkeypatch):
+    """``inspect``'s report holds the floor beside the plan's busiest GPU, or says why it is
+    not computed (too many patterns under it), never a floor from a partial enumeration."""
+    from canzona.planner.report import inspect_report
+    from canzona.planner.sharing import patterns
+
+    p = _plan("qwen3-0.6b", 8, 4, "auto", "h800", cost="flops")
+    got = inspect_report(p)["sharing"]["pattern"]
+    assert 0 < got["bound"] <= got["plan"] == p.tp.metrics.max_gpu_load
+    monkeypatch.setattr(patterns, "PATTERN_LIMIT", 5)
+    assert "patterns" in inspect_report(p)["sharing"]["pattern"]["unavailable"]
