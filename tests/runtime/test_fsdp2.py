@@ -216,6 +216,23 @@ def full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
+
+def _train_steps(model, opt, d: int, dp: int, traces: list | None = None) -> list[float]:
+    """STEPS steps of DP index ``d``'s rows of every batch, clipped, under the schedule: the
+    gradient norms (and, with ``traces``, each step's FSDP2 launch trace appended)."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
+    norms = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss_fn(model, x[rows(d, dp)], y[rows(d, dp)]).backward()
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if traces is not None:
+            traces.append(list(opt._fsdp2_trace))
+    return norms
+
 def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
     """Train the model ``fully_shard``-ed over this rank's DP mesh; the "rep" half h of the
     world runs ``configs[h]`` (optimizer, raf, rab, scrambled)."""
@@ -244,16 +261,8 @@ def train(rank: int, world: int, *, dp: int, configs: tuple[dict, ...]) -> dict:
         R._eager_communicators = eager
     if cfg.get("fp32_wire"):  # fp32 rows whatever the kernel
         opt._storage.wire_for = lambda kernel: torch.float32
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
-    norms, traces = [], []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss_fn(model, x[rows(d, dp)], y[rows(d, dp)]).backward()
-        norms.append(float(opt.clip_grad_norm_(CLIP)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        traces.append(list(opt._fsdp2_trace))
+    traces: list = []
+    norms = _train_steps(model, opt, d, dp, traces)
     named = dict(model.named_parameters())
     out = {"config": cfg, "params": full(model), "norms": norms, "trace": traces[-1],
            "rounds": len(plan.fsdp2.rounds), "kind": type(opt).__name__,
@@ -344,15 +353,7 @@ def train_tp(rank: int, world: int, *, optimizer: str, shares: dict | None = Non
     if shares:
         plan = paired(plan, shares)
     opt = build(model, plan, optimizer)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, H.lr_factor)
-    norms = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss_fn(model, x[rows(d, dp)], y[rows(d, dp)]).backward()
-        norms.append(float(opt.clip_grad_norm_(CLIP)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+    norms = _train_steps(model, opt, d, dp)
     named = dict(model.named_parameters())
     out = {"params": full(model), "norms": norms, "inputs": (plan.inputs.dp, plan.inputs.tp),
            "owners": sorted({t.owner for t in plan.tasks if t.optimizer == "matrix"}),
