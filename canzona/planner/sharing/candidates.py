@@ -31,7 +31,8 @@ from .tp_search import TPPairSearch
 from .tp_start import tp_pattern_start
 
 #: What a candidate is, for :meth:`Candidates.better`: the plan without pairs (and with the
-#: first set of TP-shared tasks), DP pairs, another set of TP-shared tasks, TP pairs.
+#: first set of TP-shared tasks), DP pairs, another set of TP-shared tasks, TP pairs, rounds of
+#: TP sub-groups.
 BASE, DP_PAIRS, SHARED, TP_PAIRS, SUB_GROUPS = ("base", "dp-pairs", "shared", "tp-pairs",
                                                 "sub-groups")
 #: A busiest GPU within this factor of its plan's mean GPU load is balanced: ``auto`` tries
